@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Installs the Debian packages that strata's build, tests and examples need.
+#
+#   scripts/install-deps.sh              build + tests + default example
+#   scripts/install-deps.sh --with-torch also python3-torch (baseline of bench_moe_layer)
+#
+# Idempotent: packages already installed are skipped, and `apt-get update` runs at most once per
+# call (only when something is missing). Works as root or through sudo.
+set -euo pipefail
+
+packages=(
+  build-essential cmake pkg-config
+  libabsl-dev
+  libprotobuf-dev protobuf-compiler
+  libgrpc++-dev protobuf-compiler-grpc
+  liburing-dev librocksdb-dev
+  libgloo-dev
+  libopenblas-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  fortunes              # corpus of the default example (examples/moe_lm)
+  python3
+)
+
+for arg in "$@"; do
+  case "$arg" in
+    --with-torch) packages+=(python3-torch python3-numpy) ;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    *) echo "install-deps.sh: unknown option '$arg' (known: --with-torch)" >&2; exit 2 ;;
+  esac
+done
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+if [ "$(id -u)" -eq 0 ]; then
+  sudo_cmd=()
+elif command -v sudo >/dev/null 2>&1; then
+  sudo_cmd=(sudo)
+else
+  echo "install-deps: need root or sudo to install: ${missing[*]}" >&2
+  exit 1
+fi
+
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -qq
+"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
