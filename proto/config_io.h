@@ -1,0 +1,44 @@
+// Reading a JobConfig from text format, with errors that name the file, line and field.
+//
+// LoadJobConfig parses, validates and normalises in one go, so the rest of strata only ever sees
+// a config in which every value is legal and every derived default (d_ff, d_expert, top_k by gate
+// type, the data path relative to the config file) has been filled in.
+#pragma once
+
+#include <string>
+
+#include "proto/config.pb.h"
+#include "runtime/common/status.h"
+
+namespace strata::config {
+
+// Reads FILE, parses it and validates it. Relative data paths are resolved against the folder of
+// FILE. Errors (INVALID_ARGUMENT, or NOT_FOUND for an unreadable file) list every problem found,
+// one per line, as "FILE:LINE:COLUMN: field a.b.c: what is wrong; how to fix it".
+[[nodiscard]] StatusOr<JobConfig> LoadJobConfig(const std::string& path);
+
+// The same from text already in memory; `source` names it in errors and `base_dir` resolves
+// relative paths ("" leaves them as they are).
+[[nodiscard]] StatusOr<JobConfig> ParseJobConfig(const std::string& text, const std::string& source,
+                                                 const std::string& base_dir);
+
+// Validates a config built or modified in code (e.g. after command-line overrides). Errors name
+// the field but no line. The config must already be normalised (see Normalize).
+[[nodiscard]] Status ValidateJobConfig(const JobConfig& config, const std::string& source);
+
+// Validates only the model part (for code that builds a model without a job).
+[[nodiscard]] Status ValidateModelConfig(const ModelConfig& model, const std::string& source);
+
+// Fills in derived defaults: d_ff = 4 * d_model when 0, d_expert = d_ff when 0, top_k from the gate
+// type when not set. Idempotent.
+void Normalize(JobConfig* config);
+
+// Text format of a config, for logs and the metrics header.
+std::string ToText(const JobConfig& config);
+
+// True when layer `layer` (0-based) of the model has an MoE FFN.
+inline bool IsMoeLayer(const ModelConfig& model, int layer) {
+  return model.moe_every() > 0 && (layer + 1) % model.moe_every() == 0;
+}
+
+}  // namespace strata::config

@@ -1,0 +1,179 @@
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "storage/env.h"
+
+namespace strata::storage {
+namespace {
+
+Status IoError(const std::string& what, const std::string& path, int err) {
+  std::string msg = absl::StrCat(what, " '", path, "': ", std::strerror(err));
+  switch (err) {
+    case ENOENT:
+      return absl::NotFoundError(msg);
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(msg);
+    case ENOSPC:
+    case EDQUOT:
+      return absl::ResourceExhaustedError(absl::StrCat(msg, "; free space on that disk"));
+    default:
+      return absl::InternalError(msg);
+  }
+}
+
+class MappedRegion : public ReadOnlyRegion {
+ public:
+  MappedRegion(void* addr, size_t size) : addr_(addr), size_(size) {}
+  ~MappedRegion() override {
+    if (addr_ != nullptr) munmap(addr_, size_);
+  }
+  const uint8_t* data() const override { return static_cast<const uint8_t*>(addr_); }
+  size_t size() const override { return size_; }
+
+ private:
+  void* addr_;
+  size_t size_;
+};
+
+class PosixWritableFile : public WritableFile {
+ public:
+  PosixWritableFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  ~PosixWritableFile() override {
+    if (fd_ >= 0) (void)Close();
+  }
+  Status Append(std::string_view data) override {
+    buf_.append(data);
+    if (buf_.size() >= (1 << 16)) return Flush();
+    return absl::OkStatus();
+  }
+  Status Flush() override {
+    size_t off = 0;
+    while (off < buf_.size()) {
+      ssize_t n = ::write(fd_, buf_.data() + off, buf_.size() - off);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return IoError("cannot write", path_, errno);
+      }
+      off += static_cast<size_t>(n);
+    }
+    buf_.clear();
+    return absl::OkStatus();
+  }
+  Status Sync() override {
+    RETURN_IF_ERROR(Flush());
+    if (::fdatasync(fd_) != 0) return IoError("cannot sync", path_, errno);
+    return absl::OkStatus();
+  }
+  Status Close() override {
+    if (fd_ < 0) return absl::OkStatus();
+    Status s = Flush();
+    if (::close(fd_) != 0 && s.ok()) s = IoError("cannot close", path_, errno);
+    fd_ = -1;
+    return s;
+  }
+
+ private:
+  std::string path_;
+  int fd_;
+  std::string buf_;
+};
+
+class PosixEnv : public Env {
+ public:
+  StatusOr<std::unique_ptr<ReadOnlyRegion>> MapReadOnly(const std::string& path) override {
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return IoError("cannot open", path, errno);
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      int err = errno;
+      ::close(fd);
+      return IoError("cannot stat", path, err);
+    }
+    size_t size = static_cast<size_t>(st.st_size);
+    void* addr = nullptr;
+    if (size > 0) {
+      addr = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+      if (addr == MAP_FAILED) {
+        int err = errno;
+        ::close(fd);
+        return IoError("cannot map", path, err);
+      }
+    }
+    ::close(fd);
+    return std::unique_ptr<ReadOnlyRegion>(new MappedRegion(addr, size));
+  }
+
+  StatusOr<std::unique_ptr<WritableFile>> OpenWritable(const std::string& path,
+                                                       bool truncate) override {
+    int flags = O_WRONLY | O_CREAT | O_CLOEXEC | (truncate ? O_TRUNC : O_APPEND);
+    int fd = ::open(path.c_str(), flags, 0644);
+    if (fd < 0) return IoError("cannot open for writing", path, errno);
+    return std::unique_ptr<WritableFile>(new PosixWritableFile(path, fd));
+  }
+
+  Status WriteFileAtomic(const std::string& path, std::string_view data) override {
+    std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+    {
+      ASSIGN_OR_RETURN(auto file, OpenWritable(tmp, /*truncate=*/true));
+      Status s = file->Append(data);
+      if (s.ok()) s = file->Sync();
+      if (s.ok()) s = file->Close();
+      if (!s.ok()) {
+        ::unlink(tmp.c_str());
+        return s;
+      }
+    }
+    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+      int err = errno;
+      ::unlink(tmp.c_str());
+      return IoError("cannot rename into", path, err);
+    }
+    const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+    const std::string dir = parent.empty() ? std::string(".") : parent.string();
+    int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) return IoError("cannot open folder", dir, errno);
+    int rc = ::fsync(dfd);
+    int err = errno;
+    ::close(dfd);
+    if (rc != 0) return IoError("cannot sync folder", dir, err);
+    return absl::OkStatus();
+  }
+
+  StatusOr<std::string> ReadFile(const std::string& path) override {
+    ASSIGN_OR_RETURN(auto region, MapReadOnly(path));
+    return std::string(reinterpret_cast<const char*>(region->data()), region->size());
+  }
+
+  StatusOr<uint64_t> FileSize(const std::string& path) override {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) return IoError("cannot stat", path, errno);
+    return static_cast<uint64_t>(st.st_size);
+  }
+
+  bool FileExists(const std::string& path) override { return ::access(path.c_str(), F_OK) == 0; }
+
+  Status CreateDirs(const std::string& path) override {
+    std::error_code ec;
+    std::filesystem::create_directories(path, ec);
+    if (ec) return IoError("cannot create folder", path, ec.value());
+    return absl::OkStatus();
+  }
+};
+
+}  // namespace
+
+Env* Env::Default() {
+  static PosixEnv* env = new PosixEnv;
+  return env;
+}
+
+}  // namespace strata::storage
