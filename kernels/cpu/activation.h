@@ -1,0 +1,31 @@
+// Pointwise activations: GELU (tanh approximation), ReLU, SwiGLU.
+//
+// SwiGLU takes a row of 2H pre-activations — H gate values then H up values — and produces H
+// outputs silu(gate) * up. The others map H to H. Backward may run in place (dinp == inp), which
+// lets a layer reuse the pre-activation buffer for its gradient.
+#pragma once
+
+#include <cstdint>
+
+#include "runtime/common/thread_pool.h"
+
+namespace strata::cpu {
+
+enum class Activation { kGelu = 0, kRelu = 1, kSwiglu = 2 };
+
+// Width of the pre-activation row for H outputs: 2H for SwiGLU, H otherwise.
+inline int64_t ActivationInputWidth(Activation act, int64_t H) {
+  return act == Activation::kSwiglu ? 2 * H : H;
+}
+
+// out [N, H] from inp [N, ActivationInputWidth(act, H)].
+template <typename T>
+void activation_forward(ThreadPool& pool, Activation act, T* out, const T* inp, int64_t N,
+                        int64_t H);
+
+// dinp [N, in_width] (=) from dout [N, H] and the saved pre-activation inp. dinp may alias inp.
+template <typename T>
+void activation_backward(ThreadPool& pool, Activation act, T* dinp, const T* dout, const T* inp,
+                         int64_t N, int64_t H);
+
+}  // namespace strata::cpu

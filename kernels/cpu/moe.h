@@ -1,0 +1,111 @@
+// Mixture-of-Experts kernels: router, dispatch plan, permutation and combine.
+//
+// One MoE layer's data flow (T tokens, E experts, k choices per token, C channels):
+//   logits [T, E] = x W_gate^T                       (linear kernel)
+//   moe_router_forward: probs, logsumexp, top-k experts and combine weights
+//   moe_plan_dispatch:  capacity, counts per expert, slot of every (token, choice), row -> token
+//   moe_permute_forward: xp[r] = x[row_token[r]] — per-expert contiguous rows
+//   experts run on their blocks of xp              (Expert::Forward)
+//   moe_combine_forward: y[t] = sum_j w[t, j] * yp[slot[t, j]]
+// and backward in reverse. Every kernel is parallel over tokens or rows and each output element is
+// written by exactly one thread, so results are bitwise deterministic without atomics.
+//
+// Priority under capacity (GShard/Tutel): all first choices before any second choice, and within
+// a choice rank by token position. An (token, choice) beyond its expert's capacity is dropped: its
+// slot is -1 and the token's output simply lacks that expert's term (the residual carries it).
+#pragma once
+
+#include <cstdint>
+
+#include "runtime/common/thread_pool.h"
+
+namespace strata::cpu {
+
+// probs [T, E] = softmax(logits); lse [T] = logsumexp(logits) (for the z-loss);
+// topk_expert [T, k]: the k most probable experts in descending order (ties: lower id first);
+// topk_weight [T, k]: their probabilities, divided by the sum of the k when `renormalize`.
+template <typename T>
+void moe_router_forward(ThreadPool& pool, T* probs, T* lse, int32_t* topk_expert, T* topk_weight,
+                        const T* logits, int64_t Tn, int64_t E, int k, bool renormalize);
+
+// Writes top1_counts[e] = number of tokens whose first choice is e, and returns the Switch/GShard
+// load-balancing loss E * sum_e (top1_counts[e] / T) * mean_t probs[t, e].
+template <typename T>
+double moe_aux_loss(const T* probs, const int32_t* topk_expert, int64_t* top1_counts, int64_t Tn,
+                    int64_t E, int k);
+
+// Router z-loss mean_t lse_t^2.
+template <typename T>
+double moe_z_loss(const T* lse, int64_t Tn);
+
+// dlogits [T, E] (=): the gradient through moe_router_forward of a loss whose gradient w.r.t.
+// topk_weight is dweight [T, k], plus aux_coef * d(aux loss)/d(logits) (the top-1 fractions are
+// constants) and z_coef * d(z-loss)/d(logits).
+template <typename T>
+void moe_router_backward(ThreadPool& pool, T* dlogits, const T* dweight, const T* probs,
+                         const T* lse, const int32_t* topk_expert, const int64_t* top1_counts,
+                         int64_t Tn, int64_t E, int k, bool renormalize, T aux_coef, T z_coef);
+
+// Capacity per expert: ceil(capacity_factor * T * k / E), at least 1; 0 when capacity_factor is 0
+// (dropless).
+int64_t MoeCapacity(double capacity_factor, int64_t Tn, int k, int64_t E);
+
+// Plans the dispatch (serial, O(T k + E)). `eligible` [T, k] may be null; a zero entry means the
+// gate itself chose not to dispatch that choice (GShard random routing) — not counted as a drop.
+// Writes slot [T, k] (row in the permuted buffer, or -1), counts [E], offsets [E + 1],
+// row_token [R] (token of each permuted row) and returns R; *dropped gets the number of choices
+// dropped for capacity. capacity 0 means unlimited.
+int64_t moe_plan_dispatch(const int32_t* topk_expert, const uint8_t* eligible, int64_t Tn, int k,
+                          int64_t E, int64_t capacity, int32_t* slot, int64_t* counts,
+                          int64_t* offsets, int32_t* row_token, int64_t* dropped);
+
+// xp [R, C]: xp[r] = x[row_token[r]].
+template <typename T>
+void moe_permute_forward(ThreadPool& pool, T* xp, const T* x, const int32_t* row_token, int64_t R,
+                         int64_t C);
+
+// dx [T, C] (=, or += when accumulate): sum over the token's dispatched choices of dxp[slot].
+template <typename T>
+void moe_permute_backward(ThreadPool& pool, T* dx, const T* dxp, const int32_t* slot, int64_t Tn,
+                          int k, int64_t C, bool accumulate);
+
+// y [T, C] (=): y[t] = sum_j weight[t, j] * yp[slot[t, j]] over dispatched choices.
+template <typename T>
+void moe_combine_forward(ThreadPool& pool, T* y, const T* yp, const T* weight, const int32_t* slot,
+                         int64_t Tn, int k, int64_t C);
+
+// dyp [R, C] (=): dyp[slot[t, j]] = weight[t, j] * dy[t];
+// dweight [T, k] (=): <dy[t], yp[slot[t, j]]>, 0 for choices not dispatched.
+template <typename T>
+void moe_combine_backward(ThreadPool& pool, T* dyp, T* dweight, const T* dy, const T* yp,
+                          const T* weight, const int32_t* slot, int64_t Tn, int k, int64_t C);
+
+// --- Gate-specific pieces
+// ------------------------------------------------------------------------- Random numbers come
+// from rng::Uniform/Normal(key, counter) with counter = t * width + i, so a reference can reproduce
+// each draw.
+
+// Switch jitter: xj = x * (1 - eps + 2 eps u), u ~ U[0, 1).
+template <typename T>
+void moe_jitter_forward(ThreadPool& pool, T* xj, const T* x, uint64_t key, int64_t Tn, int64_t C,
+                        double eps);
+// dx += dxj * (1 - eps + 2 eps u).
+template <typename T>
+void moe_jitter_backward(ThreadPool& pool, T* dx, const T* dxj, uint64_t key, int64_t Tn, int64_t C,
+                         double eps);
+
+// Noisy top-k: h = clean + n * softplus(raw_noise), n ~ N(0, 1). h may alias clean.
+template <typename T>
+void moe_noisy_logits_forward(ThreadPool& pool, T* h, const T* clean, const T* raw_noise,
+                              uint64_t key, int64_t Tn, int64_t E);
+// draw_noise = dh * n * sigmoid(raw_noise) (the gradient w.r.t. clean is dh itself).
+template <typename T>
+void moe_noisy_logits_backward(ThreadPool& pool, T* draw_noise, const T* dh, const T* raw_noise,
+                               uint64_t key, int64_t Tn, int64_t E);
+
+// GShard random routing: eligible[t, 0] = 1 and eligible[t, 1] = (2 * w[t, 1] > u_t) with
+// u_t ~ U[0, 1), w the (normalised) combine weights. k must be 2.
+template <typename T>
+void moe_random_routing(uint8_t* eligible, const T* topk_weight, uint64_t key, int64_t Tn);
+
+}  // namespace strata::cpu

@@ -1,0 +1,32 @@
+// LayerNorm and RMSNorm over the last dimension, forward and backward.
+//
+// Forward saves per-row statistics (mean and reciprocal std; RMSNorm saves only rstd) so backward
+// does not recompute them. Backward *accumulates* into dinp: norms always sit at the start of a
+// residual branch, so the caller's residual gradient is already there.
+#pragma once
+
+#include <cstdint>
+
+#include "runtime/common/thread_pool.h"
+
+namespace strata::cpu {
+
+// out, inp [N, C]; weight, bias [C] (bias may be null); mean, rstd [N].
+template <typename T>
+void layernorm_forward(ThreadPool& pool, T* out, T* mean, T* rstd, const T* inp, const T* weight,
+                       const T* bias, int64_t N, int64_t C, T eps);
+// dinp += ...; dweight += ...; dbias += ... (dbias may be null).
+template <typename T>
+void layernorm_backward(ThreadPool& pool, T* dinp, T* dweight, T* dbias, const T* dout,
+                        const T* inp, const T* weight, const T* mean, const T* rstd, int64_t N,
+                        int64_t C);
+
+// y = x / sqrt(mean(x^2) + eps) * weight.
+template <typename T>
+void rmsnorm_forward(ThreadPool& pool, T* out, T* rstd, const T* inp, const T* weight, int64_t N,
+                     int64_t C, T eps);
+template <typename T>
+void rmsnorm_backward(ThreadPool& pool, T* dinp, T* dweight, const T* dout, const T* inp,
+                      const T* weight, const T* rstd, int64_t N, int64_t C);
+
+}  // namespace strata::cpu

@@ -1,0 +1,131 @@
+// strata's op interface: every op the model uses, on Tensors, chosen by the tensors' device.
+//
+// The layers in runtime/model call only these functions. Each checks shapes, dtypes and devices
+// (a mismatch is a bug in the caller and CHECK-fails with the shapes printed) and dispatches to a
+// backend: kernels/cpu (always built; the reference) or kernels/cuda (when built with CUDA). The
+// CPU kernels are templates over float and double; the double versions exist so tests can compare
+// gradients against finite differences without rounding noise.
+//
+// Conventions: activations are row-major [rows, channels]; parameter gradients are accumulated
+// (+=); input gradients are overwritten unless the function says "accumulates".
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/optimizer.h"
+#include "runtime/common/thread_pool.h"
+#include "runtime/device/device.h"
+
+namespace strata::ops {
+
+using cpu::Activation;
+using cpu::AdamWHyper;
+
+// Where and with what an op runs. One per trainer; later backends add their stream and handles.
+struct Context {
+  ThreadPool* pool = nullptr;
+};
+
+enum class NormKind { kLayerNorm = 0, kRmsNorm = 1 };
+
+// ---- Dense layers ----------------------------------------------------------------------------
+// out [B*T, C] from tokens [B*T] (i32), wte [V, C], wpe [>=T, C].
+void EmbeddingForward(Context& ctx, const Tensor& out, const Tensor& tokens, const Tensor& wte,
+                      const Tensor& wpe, int64_t B, int64_t T);
+void EmbeddingBackward(Context& ctx, const Tensor& dwte, const Tensor& dwpe, const Tensor& dout,
+                       const Tensor& tokens, int64_t B, int64_t T);
+
+// out, inp [N, C]; weight [C]; bias [C] (undefined for RMSNorm or no bias); mean (LayerNorm only)
+// and rstd [N] are saved for backward.
+void NormForward(Context& ctx, NormKind kind, const Tensor& out, const Tensor& mean,
+                 const Tensor& rstd, const Tensor& inp, const Tensor& weight, const Tensor& bias,
+                 float eps);
+// Accumulates into dinp.
+void NormBackward(Context& ctx, NormKind kind, const Tensor& dinp, const Tensor& dweight,
+                  const Tensor& dbias, const Tensor& dout, const Tensor& inp, const Tensor& weight,
+                  const Tensor& mean, const Tensor& rstd);
+
+// out [N, OC] = inp [N, IC] W^T + b, W [OC, IC], b [OC] or undefined.
+void LinearForward(Context& ctx, const Tensor& out, const Tensor& inp, const Tensor& weight,
+                   const Tensor& bias);
+// dinp may be undefined; accumulates into dinp when accumulate_dinp.
+void LinearBackward(Context& ctx, const Tensor& dinp, const Tensor& dweight, const Tensor& dbias,
+                    const Tensor& dout, const Tensor& inp, const Tensor& weight,
+                    bool accumulate_dinp);
+
+// qkv [B*T, 3C] -> out [B*T, C]; att [B, NH, T, T] saved.
+void AttentionForward(Context& ctx, const Tensor& out, const Tensor& att, const Tensor& qkv,
+                      int64_t B, int64_t T, int64_t NH);
+void AttentionBackward(Context& ctx, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv,
+                       const Tensor& att, int64_t B, int64_t T, int64_t NH);
+
+// out [N, H] from inp [N, ActivationInputWidth(act, H)]; backward may run in place.
+void ActivationForward(Context& ctx, Activation act, const Tensor& out, const Tensor& inp);
+void ActivationBackward(Context& ctx, Activation act, const Tensor& dinp, const Tensor& dout,
+                        const Tensor& inp);
+
+// out = a + b (out may alias either); out += a.
+void Add(Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);
+void Accumulate(Context& ctx, const Tensor& out, const Tensor& a);
+
+// Mean-reduced cross-entropy pieces: returns the sum of per-row losses; when dlogits is defined it
+// gets (softmax - onehot) * grad_scale (may alias logits).
+double CrossEntropy(Context& ctx, const Tensor& dlogits, const Tensor& logits,
+                    const Tensor& targets, float grad_scale);
+
+// ---- Optimizer
+// -----------------------------------------------------------------------------------
+void AdamW(Context& ctx, const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+           const AdamWHyper& hyper);
+double SumSquares(Context& ctx, const Tensor& x);
+
+// ---- Mixture of Experts (see kernels/cpu/moe.h for the data flow) -------------------------------
+// probs, logits [T, E]; lse [T]; topk_expert (i32), topk_weight [T, k].
+void MoeRouterForward(Context& ctx, const Tensor& probs, const Tensor& lse,
+                      const Tensor& topk_expert, const Tensor& topk_weight, const Tensor& logits,
+                      bool renormalize);
+// Fills top1_counts [E] and returns the load-balancing loss E * sum_e f_e P_e.
+double MoeAuxLoss(Context& ctx, const Tensor& probs, const Tensor& topk_expert,
+                  std::vector<int64_t>* top1_counts);
+double MoeZLoss(Context& ctx, const Tensor& lse);
+void MoeRouterBackward(Context& ctx, const Tensor& dlogits, const Tensor& dweight,
+                       const Tensor& probs, const Tensor& lse, const Tensor& topk_expert,
+                       const std::vector<int64_t>& top1_counts, bool renormalize, float aux_coef,
+                       float z_coef);
+
+// The dispatch plan of one MoE call, on the host: rows per expert and where each choice went.
+struct DispatchPlan {
+  int64_t rows = 0;              // R: dispatched (token, choice) pairs
+  int64_t dropped = 0;           // choices dropped for capacity
+  int64_t capacity = 0;          // per expert; 0 = dropless
+  std::vector<int64_t> counts;   // [E] rows per expert
+  std::vector<int64_t> offsets;  // [E + 1] first row of each expert
+};
+// slot [T, k] and row_token [>= T*k] are i32 tensors; eligible may be null.
+void MoePlanDispatch(Context& ctx, const Tensor& topk_expert, const uint8_t* eligible,
+                     int64_t num_experts, int64_t capacity, const Tensor& slot,
+                     const Tensor& row_token, DispatchPlan* plan);
+// xp [R, C] from x [T, C].
+void MoePermuteForward(Context& ctx, const Tensor& xp, const Tensor& x, const Tensor& row_token);
+// dx [T, C] from dxp [R, C]; accumulates when `accumulate`.
+void MoePermuteBackward(Context& ctx, const Tensor& dx, const Tensor& dxp, const Tensor& slot,
+                        bool accumulate);
+// y [T, C] from yp [R, C].
+void MoeCombineForward(Context& ctx, const Tensor& y, const Tensor& yp, const Tensor& weight,
+                       const Tensor& slot);
+// dyp [R, C] (may alias yp) and dweight [T, k].
+void MoeCombineBackward(Context& ctx, const Tensor& dyp, const Tensor& dweight, const Tensor& dy,
+                        const Tensor& yp, const Tensor& weight, const Tensor& slot);
+// GShard random routing: (*eligible)[t, 0] = 1, (*eligible)[t, 1] = 2 * w[t, 1] > U_t.
+void MoeRandomRouting(Context& ctx, std::vector<uint8_t>* eligible, const Tensor& topk_weight,
+                      uint64_t key);
+void MoeJitterForward(Context& ctx, const Tensor& xj, const Tensor& x, uint64_t key, double eps);
+void MoeJitterBackward(Context& ctx, const Tensor& dx, const Tensor& dxj, uint64_t key, double eps);
+void MoeNoisyLogitsForward(Context& ctx, const Tensor& h, const Tensor& clean,
+                           const Tensor& raw_noise, uint64_t key);
+void MoeNoisyLogitsBackward(Context& ctx, const Tensor& draw_noise, const Tensor& dh,
+                            const Tensor& raw_noise, uint64_t key);
+
+}  // namespace strata::ops
