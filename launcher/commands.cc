@@ -1,0 +1,169 @@
+#include "launcher/commands.h"
+
+#include <cmath>
+#include <cstdio>
+#include <optional>
+
+#include "absl/strings/str_format.h"
+#include "launcher/flags.h"
+#include "proto/config_io.h"
+#include "runtime/common/logging.h"
+#include "runtime/data/dataset.h"
+#include "runtime/device/device.h"
+#include "runtime/train/trainer.h"
+
+namespace strata::launcher {
+namespace {
+
+const std::vector<FlagSpec>& TrainFlags() {
+  static const std::vector<FlagSpec> specs = {
+      {"config", "job config in text format (.textproto); required"},
+      {"steps", "override train.steps"},
+      {"threads", "override train.threads (CPU threads; 0 = every core)"},
+      {"metrics-out", "write one JSON object per step to this file (JSONL)"},
+      {"quiet", "no progress line", false},
+  };
+  return specs;
+}
+
+const std::vector<FlagSpec>& CheckFlags() {
+  static const std::vector<FlagSpec> specs = {
+      {"config", "job config in text format (.textproto); required"},
+  };
+  return specs;
+}
+
+int UsageError(const Status& s, const std::string& command, const std::vector<FlagSpec>& specs) {
+  std::fprintf(stderr, "%s\n\nusage: strata %s [flags]\n%s", std::string(s.message()).c_str(),
+               command.c_str(), Flags::Usage(specs).c_str());
+  return 2;
+}
+
+int Fail(const Status& s) {
+  std::fprintf(stderr, "strata: error: %s\n", std::string(s.message()).c_str());
+  return 1;
+}
+
+struct Overrides {
+  std::optional<int64_t> steps, threads;
+};
+
+// The numeric flags, checked before anything is loaded so that a typo is a usage error.
+StatusOr<Overrides> ParseOverrides(const Flags& flags) {
+  Overrides o;
+  if (!flags.Has("config")) return absl::InvalidArgumentError("--config FILE is required");
+  ASSIGN_OR_RETURN(o.steps, flags.Int("steps", 1, 1'000'000'000));
+  ASSIGN_OR_RETURN(o.threads, flags.Int("threads", 0, 1024));
+  return o;
+}
+
+// Loads --config and applies --steps / --threads.
+StatusOr<config::JobConfig> LoadWithOverrides(const Flags& flags, const Overrides& o) {
+  ASSIGN_OR_RETURN(config::JobConfig cfg, config::LoadJobConfig(*flags.String("config")));
+  if (o.steps) cfg.mutable_train()->set_steps(static_cast<int>(*o.steps));
+  if (o.threads) cfg.mutable_train()->set_threads(static_cast<int>(*o.threads));
+  return cfg;
+}
+
+void PrintTopUsage(std::FILE* out) {
+  std::fprintf(out,
+               "strata — elastic Mixture-of-Experts training\n\n"
+               "usage: strata COMMAND [flags]\n\n"
+               "commands:\n"
+               "  train    train a model from a job config on this machine\n"
+               "  check    validate a job config and its data file, print the effective config\n"
+               "  version  print the version and the backends this build has\n"
+               "  help     this text\n\n"
+               "flags of train:\n%s\nRun 'strata COMMAND --help' for a command's flags.\n",
+               Flags::Usage(TrainFlags()).c_str());
+}
+
+bool WantsHelp(const std::vector<std::string>& args) {
+  for (const auto& a : args) {
+    if (a == "--help" || a == "-h") return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+int TrainCommand(const std::vector<std::string>& args) {
+  if (WantsHelp(args)) {
+    std::printf("usage: strata train [flags]\n%s", Flags::Usage(TrainFlags()).c_str());
+    return 0;
+  }
+  auto flags = Flags::Parse("train", TrainFlags(), args);
+  if (!flags.ok()) return UsageError(flags.status(), "train", TrainFlags());
+  auto overrides = ParseOverrides(*flags);
+  if (!overrides.ok()) return UsageError(overrides.status(), "train", TrainFlags());
+  auto cfg = LoadWithOverrides(*flags, *overrides);
+  if (!cfg.ok()) return Fail(cfg.status());
+  train::TrainOptions options;
+  options.config = *cfg;
+  options.metrics_path = flags->String("metrics-out").value_or("");
+  options.progress = !flags->Has("quiet");
+  auto trainer = train::Trainer::Create(options);
+  if (!trainer.ok()) return Fail(trainer.status());
+  Status s = (*trainer)->Run();
+  if (!s.ok()) return Fail(s);
+  if (!(*trainer)->evals().empty()) {
+    const auto& [step, e] = (*trainer)->evals().back();
+    std::string bpb = std::isfinite(e.bits_per_byte)
+                          ? absl::StrFormat(", %.3f bits per byte", e.bits_per_byte)
+                          : std::string();
+    std::printf("done: %d steps, held-out loss %.4f nats per token%s\n", static_cast<int>(step),
+                e.loss, bpb.c_str());
+  }
+  return 0;
+}
+
+int CheckCommand(const std::vector<std::string>& args) {
+  if (WantsHelp(args)) {
+    std::printf("usage: strata check [flags]\n%s", Flags::Usage(CheckFlags()).c_str());
+    return 0;
+  }
+  auto flags = Flags::Parse("check", CheckFlags(), args);
+  if (!flags.ok()) return UsageError(flags.status(), "check", CheckFlags());
+  auto overrides = ParseOverrides(*flags);
+  if (!overrides.ok()) return UsageError(overrides.status(), "check", CheckFlags());
+  auto cfg = LoadWithOverrides(*flags, *overrides);
+  if (!cfg.ok()) return Fail(cfg.status());
+  auto data = data::TokenDataset::Open(cfg->data(), cfg->model().vocab_size(),
+                                       cfg->model().seq_len(), storage::Env::Default());
+  if (!data.ok()) return Fail(data.status());
+  std::printf("# %s: valid; data %s: %lld tokens, %lld training and %lld held-out windows\n%s",
+              flags->String("config")->c_str(), cfg->data().path().c_str(),
+              static_cast<long long>((*data)->num_tokens()),
+              static_cast<long long>((*data)->train_windows()),
+              static_cast<long long>((*data)->eval_windows()), config::ToText(*cfg).c_str());
+  return 0;
+}
+
+int Main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
+    PrintTopUsage(args.empty() ? stderr : stdout);
+    return args.empty() ? 2 : 0;
+  }
+  const std::string cmd = args[0];
+  args.erase(args.begin());
+  if (cmd == "train") return TrainCommand(args);
+  if (cmd == "check") return CheckCommand(args);
+  if (cmd == "version" || cmd == "--version") {
+    std::printf(
+        "strata 0.1.0 (backends: cpu%s)\n",
+#ifdef STRATA_WITH_CUDA
+        CudaDeviceCount() > 0 ? absl::StrFormat(", cuda: %d GPU(s)", CudaDeviceCount()).c_str()
+                              : ", cuda: built, no GPU found"
+#else
+        ""
+#endif
+    );
+    return 0;
+  }
+  std::fprintf(stderr, "strata: unknown command '%s'\n\n", cmd.c_str());
+  PrintTopUsage(stderr);
+  return 2;
+}
+
+}  // namespace strata::launcher

@@ -1,0 +1,17 @@
+// The strata subcommands. Each returns the process exit code: 0 on success, 1 when the job
+// failed, 2 for a usage error (bad flags); errors are printed to stderr.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace strata::launcher {
+
+// strata train --config FILE [--steps N] [--threads T] [--metrics-out FILE.jsonl] [--quiet]
+int TrainCommand(const std::vector<std::string>& args);
+// strata check --config FILE: validates the config and its data file, prints the effective config.
+int CheckCommand(const std::vector<std::string>& args);
+// strata [help|--help], strata version, and dispatch to the subcommands.
+int Main(int argc, char** argv);
+
+}  // namespace strata::launcher

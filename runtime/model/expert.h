@@ -1,0 +1,82 @@
+// Experts: the pluggable computation of an MoE layer.
+//
+// An Expert is any function of a block of token rows with its own parameters (as in FastMoE,
+// where any module can be an expert). The MoE layer hands each expert the contiguous rows that
+// were routed to it, plus storage for whatever the expert wants to keep for backward — so an
+// expert allocates nothing per call, and the same expert can be called on several blocks (chunks)
+// in one step, each with its own saved storage.
+//
+// FfnExpert, the two-layer FFN, is the default; examples/custom_expert shows another.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/ops.h"
+#include "runtime/model/parameter.h"
+
+namespace strata::model {
+
+class Expert {
+ public:
+  virtual ~Expert() = default;
+
+  // Floats per input row that Forward keeps for Backward.
+  virtual int64_t SavedPerRow() const = 0;
+
+  // y [n, C] = f(x [n, C]). saved is [n, SavedPerRow()], contiguous. n may be 0.
+  virtual void Forward(ops::Context& ctx, const Tensor& x, const Tensor& y,
+                       const Tensor& saved) = 0;
+
+  // dx [n, C] (overwritten) from dy [n, C], for the x and saved of the matching Forward call;
+  // accumulates the gradients of Parameters(). May overwrite saved.
+  virtual void Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, const Tensor& dx,
+                        const Tensor& saved) = 0;
+
+  // This expert's parameters, in a fixed order.
+  virtual std::vector<Parameter*> Parameters() = 0;
+};
+
+// Makes expert `expert` of MoE layer `layer`. `name_prefix` ("blocks.3.moe.experts.5") prefixes
+// its parameter names, which key their initialisation.
+using ExpertFactory =
+    std::function<std::unique_ptr<Expert>(int layer, int expert, const std::string& name_prefix)>;
+
+struct FfnOptions {
+  int64_t d_model = 0;
+  int64_t d_hidden = 0;
+  ops::Activation activation = ops::Activation::kGelu;
+  bool bias = true;
+  float init_std = 0.02f;  // first matrix
+  float out_std = 0.02f;   // second matrix (scaled down for deep residual stacks)
+};
+
+// y = act(x W1^T + b1) W2^T + b2. W1 is [in_width, C] with in_width = 2 * d_hidden for SwiGLU
+// (gate rows, then up rows), d_hidden otherwise; W2 is [C, d_hidden]. Saved per row: the
+// pre-activation (in_width) and the activation (d_hidden); backward reuses both in place.
+// Used as the default expert and, on all rows, as the dense FFN.
+class FfnExpert : public Expert {
+ public:
+  FfnExpert(const std::string& name_prefix, const FfnOptions& options);
+
+  int64_t SavedPerRow() const override { return in_width_ + options_.d_hidden; }
+  void Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, const Tensor& saved) override;
+  void Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, const Tensor& dx,
+                const Tensor& saved) override;
+  std::vector<Parameter*> Parameters() override;
+
+  const FfnOptions& options() const { return options_; }
+  Parameter& w1() { return *w1_; }
+  Parameter& w2() { return *w2_; }
+  Parameter* b1() { return b1_.get(); }
+  Parameter* b2() { return b2_.get(); }
+
+ private:
+  FfnOptions options_;
+  int64_t in_width_;
+  std::unique_ptr<Parameter> w1_, b1_, w2_, b2_;
+};
+
+}  // namespace strata::model

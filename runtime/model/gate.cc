@@ -1,0 +1,130 @@
+#include "runtime/model/gate.h"
+
+#include "runtime/common/rng.h"
+
+namespace strata::model {
+namespace {
+enum : uint64_t { kJitterStream = 1, kNoiseStream = 2, kRoutingStream = 3 };
+}  // namespace
+
+uint64_t SoftmaxGate::JitterKey(uint64_t seed, uint64_t step, int layer) {
+  return rng::Key(seed, step, static_cast<uint64_t>(layer), kJitterStream);
+}
+uint64_t SoftmaxGate::NoiseKey(uint64_t seed, uint64_t step, int layer) {
+  return rng::Key(seed, step, static_cast<uint64_t>(layer), kNoiseStream);
+}
+uint64_t SoftmaxGate::RoutingKey(uint64_t seed, uint64_t step, int layer) {
+  return rng::Key(seed, step, static_cast<uint64_t>(layer), kRoutingStream);
+}
+
+SoftmaxGate::SoftmaxGate(const std::string& prefix, const SoftmaxGateOptions& o)
+    : cfg_(o.config), C_(o.d_model), E_(o.num_experts), k_(o.k), seed_(o.seed), layer_(o.layer) {
+  w_gate_ = MakeParameter(prefix + ".router", {E_, C_}, Init::kNormal, o.init_std, true);
+  const int64_t T = o.max_tokens;
+  if (cfg_.type() == config::GateConfig::NOISY_TOP_K) {
+    w_noise_ = MakeParameter(prefix + ".noise_router", {E_, C_}, Init::kNormal, o.init_std, true);
+    raw_noise_ = Tensor::Empty({T, E_});
+    draw_noise_ = Tensor::Empty({T, E_});
+  }
+  if (cfg_.type() == config::GateConfig::SWITCH) {
+    xj_ = Tensor::Empty({T, C_});
+    dxj_ = Tensor::Empty({T, C_});
+  }
+  logits_ = Tensor::Empty({T, E_});
+  probs_ = Tensor::Empty({T, E_});
+  lse_ = Tensor::Empty({T});
+  dlogits_ = Tensor::Empty({T, E_});
+  expert_ = Tensor::Empty({T, k_}, DType::kI32);
+  weight_ = Tensor::Empty({T, k_});
+}
+
+bool SoftmaxGate::renormalize() const {
+  return cfg_.type() == config::GateConfig::GSHARD || (cfg_.renormalize() && k_ > 1);
+}
+
+double SoftmaxGate::CapacityFactor(bool training) const {
+  return training ? cfg_.capacity_factor_train() : cfg_.capacity_factor_eval();
+}
+
+std::vector<Parameter*> SoftmaxGate::Parameters() {
+  std::vector<Parameter*> ps = {w_gate_.get()};
+  if (w_noise_) ps.push_back(w_noise_.get());
+  return ps;
+}
+
+void SoftmaxGate::Forward(ops::Context& ctx, const Tensor& x, const GateCall& call, Routing* out) {
+  const int64_t T = x.dim(0);
+  CHECK_LE(T, logits_.dim(0)) << "more tokens than the gate was sized for";
+  last_tokens_ = T;
+  last_step_ = call.step;
+  last_jitter_ =
+      call.training && cfg_.type() == config::GateConfig::SWITCH && cfg_.jitter_eps() > 0;
+  last_noise_ = call.training && cfg_.type() == config::GateConfig::NOISY_TOP_K;
+  Tensor none;
+
+  Tensor router_in = x;
+  if (last_jitter_) {
+    router_in = xj_.Rows(0, T);
+    ops::MoeJitterForward(ctx, router_in, x, JitterKey(seed_, call.step, layer_),
+                          cfg_.jitter_eps());
+  }
+  Tensor logits = logits_.Rows(0, T);
+  ops::LinearForward(ctx, logits, router_in, w_gate_->value, none);
+  if (last_noise_) {
+    Tensor raw = raw_noise_.Rows(0, T);
+    ops::LinearForward(ctx, raw, router_in, w_noise_->value, none);
+    ops::MoeNoisyLogitsForward(ctx, logits, logits, raw, NoiseKey(seed_, call.step, layer_));
+  }
+  Tensor probs = probs_.Rows(0, T), lse = lse_.Rows(0, T);
+  Tensor expert = expert_.Rows(0, T), weight = weight_.Rows(0, T);
+  ops::MoeRouterForward(ctx, probs, lse, expert, weight, logits, renormalize());
+
+  out->tokens = T;
+  out->k = k_;
+  out->expert = expert;
+  out->weight = weight;
+  out->eligible = nullptr;
+  if (call.training && cfg_.type() == config::GateConfig::GSHARD && cfg_.random_routing()) {
+    ops::MoeRandomRouting(ctx, &eligible_, weight, RoutingKey(seed_, call.step, layer_));
+    out->eligible = eligible_.data();
+  }
+  out->aux_loss = ops::MoeAuxLoss(ctx, probs, expert, &top1_counts_);
+  out->z_loss = ops::MoeZLoss(ctx, lse);
+}
+
+void SoftmaxGate::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dweight,
+                           const Tensor& dx) {
+  const int64_t T = last_tokens_;
+  CHECK_EQ(x.dim(0), T);
+  Tensor none;
+  Tensor dlogits = dlogits_.Rows(0, T);
+  ops::MoeRouterBackward(ctx, dlogits, dweight, probs_.Rows(0, T), lse_.Rows(0, T),
+                         expert_.Rows(0, T), top1_counts_, renormalize(), cfg_.aux_loss_coef(),
+                         cfg_.z_loss_coef());
+  // With jitter the router saw xj, and its input gradient is scaled back onto x.
+  Tensor router_in = last_jitter_ ? xj_.Rows(0, T) : x;
+  Tensor drouter_in = last_jitter_ ? dxj_.Rows(0, T) : dx;
+  const bool accumulate = !last_jitter_;  // dx already holds the experts' gradient
+  if (last_noise_) {
+    Tensor draw = draw_noise_.Rows(0, T);
+    ops::MoeNoisyLogitsBackward(ctx, draw, dlogits, raw_noise_.Rows(0, T),
+                                NoiseKey(seed_, last_step_, layer_));
+    ops::LinearBackward(ctx, drouter_in, w_noise_->grad, none, draw, router_in, w_noise_->value,
+                        accumulate);
+    ops::LinearBackward(ctx, drouter_in, w_gate_->grad, none, dlogits, router_in, w_gate_->value,
+                        /*accumulate_dinp=*/true);
+  } else {
+    ops::LinearBackward(ctx, drouter_in, w_gate_->grad, none, dlogits, router_in, w_gate_->value,
+                        accumulate);
+  }
+  if (last_jitter_) {
+    ops::MoeJitterBackward(ctx, dx, drouter_in, JitterKey(seed_, last_step_, layer_),
+                           cfg_.jitter_eps());
+  }
+}
+
+std::unique_ptr<Gate> MakeGate(const std::string& name_prefix, const SoftmaxGateOptions& options) {
+  return std::make_unique<SoftmaxGate>(name_prefix, options);
+}
+
+}  // namespace strata::model

@@ -1,0 +1,117 @@
+// Gates: which experts each token goes to, and with what weight.
+//
+// A Gate turns token rows x [T, C] into a Routing: for each token its k experts (in order of
+// preference) and the weights with which their outputs are combined. It also reports its
+// auxiliary losses and, in Backward, adds their gradient to its own. The MoE layer does the rest
+// (capacity, dispatch, experts, combine), so a new gate implements only this interface.
+//
+// SoftmaxGate implements the four gates of GateConfig.type; all of them are a linear router
+// followed by a softmax and top-k, and differ in three places:
+//   SWITCH      k = 1; the router input is multiplied by U(1-eps, 1+eps) while training.
+//   GSHARD      k = 2, weights renormalised; the second expert is kept while training with
+//               probability min(1, 2 * w2) (random routing).
+//   NOISY_TOP_K the logits get N(0,1) * softplus(x W_noise) while training (Shazeer et al.).
+// Random draws are keyed by (seed, step, layer), so they do not depend on threads or workers.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/ops.h"
+#include "proto/config.pb.h"
+#include "runtime/model/parameter.h"
+
+namespace strata::model {
+
+// What differs between calls of one layer.
+struct GateCall {
+  bool training = true;
+  uint64_t step = 0;  // keys the random draws of this call
+};
+
+struct Routing {
+  int64_t tokens = 0;
+  int k = 0;
+  Tensor expert;                      // i32 [T, k], preference order
+  Tensor weight;                      // f32 [T, k] combine weights
+  const uint8_t* eligible = nullptr;  // [T, k] or null: 0 = the gate does not dispatch it
+  double aux_loss = 0;                // unweighted load-balancing loss
+  double z_loss = 0;                  // unweighted router z-loss
+};
+
+class Gate {
+ public:
+  virtual ~Gate() = default;
+  virtual int k() const = 0;
+  virtual int64_t num_experts() const = 0;
+  // Capacity factor for this call (0 = dropless).
+  virtual double CapacityFactor(bool training) const = 0;
+  // Routes x [T, C]; `out` stays valid until the next Forward.
+  virtual void Forward(ops::Context& ctx, const Tensor& x, const GateCall& call, Routing* out) = 0;
+  // dweight [T, k] is dLoss/d(out->weight) of the last Forward (0 for choices not dispatched).
+  // Accumulates dLoss/dx into dx and the parameter gradients, including the auxiliary losses'
+  // (weighted by their coefficients).
+  virtual void Backward(ops::Context& ctx, const Tensor& x, const Tensor& dweight,
+                        const Tensor& dx) = 0;
+  virtual std::vector<Parameter*> Parameters() = 0;
+};
+
+struct SoftmaxGateOptions {
+  int64_t d_model = 0;
+  int64_t num_experts = 0;
+  int k = 2;
+  int64_t max_tokens = 0;
+  config::GateConfig config;
+  uint64_t seed = 0;
+  int layer = 0;
+  float init_std = 0.02f;
+};
+
+class SoftmaxGate : public Gate {
+ public:
+  SoftmaxGate(const std::string& name_prefix, const SoftmaxGateOptions& options);
+
+  int k() const override { return k_; }
+  int64_t num_experts() const override { return E_; }
+  double CapacityFactor(bool training) const override;
+  void Forward(ops::Context& ctx, const Tensor& x, const GateCall& call, Routing* out) override;
+  void Backward(ops::Context& ctx, const Tensor& x, const Tensor& dweight,
+                const Tensor& dx) override;
+  std::vector<Parameter*> Parameters() override;
+
+  Parameter& router() { return *w_gate_; }
+  Parameter* noise_router() { return w_noise_.get(); }
+  // Keys of the random draws of a call, for references that reproduce them.
+  static uint64_t JitterKey(uint64_t seed, uint64_t step, int layer);
+  static uint64_t NoiseKey(uint64_t seed, uint64_t step, int layer);
+  static uint64_t RoutingKey(uint64_t seed, uint64_t step, int layer);
+
+ private:
+  bool renormalize() const;
+
+  config::GateConfig cfg_;
+  int64_t C_, E_;
+  int k_;
+  uint64_t seed_;
+  int layer_;
+  std::unique_ptr<Parameter> w_gate_;   // [E, C]
+  std::unique_ptr<Parameter> w_noise_;  // [E, C], NOISY_TOP_K only
+
+  // Buffers for up to max_tokens rows, reused every call.
+  Tensor xj_, dxj_;  // jittered router input and its gradient (SWITCH)
+  Tensor logits_, raw_noise_, probs_, lse_, dlogits_, draw_noise_;
+  Tensor expert_, weight_;
+  std::vector<uint8_t> eligible_;
+  std::vector<int64_t> top1_counts_;
+  // State of the last Forward, for Backward.
+  int64_t last_tokens_ = 0;
+  bool last_jitter_ = false, last_noise_ = false;
+  uint64_t last_step_ = 0;
+};
+
+// The gate a GateConfig describes, for a layer of `num_experts` experts of width d_model.
+std::unique_ptr<Gate> MakeGate(const std::string& name_prefix, const SoftmaxGateOptions& options);
+
+}  // namespace strata::model

@@ -1,0 +1,92 @@
+#include "runtime/model/moe_layer.h"
+
+#include <algorithm>
+
+#include "kernels/cpu/moe.h"
+
+namespace strata::model {
+
+MoeLayer::MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> gate,
+                   std::vector<std::unique_ptr<Expert>> experts)
+    : C_(d_model), gate_(std::move(gate)), experts_(std::move(experts)) {
+  CHECK_EQ(static_cast<int64_t>(experts_.size()), gate_->num_experts());
+  saved_stride_ = 0;
+  for (auto& e : experts_) saved_stride_ = std::max(saved_stride_, e->SavedPerRow());
+  const int64_t rows = max_tokens * gate_->k();
+  slot_ = Tensor::Empty({rows}, DType::kI32);
+  row_token_ = Tensor::Empty({rows}, DType::kI32);
+  xp_ = Tensor::Empty({rows, C_});
+  yp_ = Tensor::Empty({rows, C_});
+  dxp_ = Tensor::Empty({rows, C_});
+  saved_ = Tensor::Empty({std::max<int64_t>(1, rows * saved_stride_)});
+  dweight_ = Tensor::Empty({max_tokens, gate_->k()});
+}
+
+std::vector<Parameter*> MoeLayer::Parameters() {
+  std::vector<Parameter*> ps = gate_->Parameters();
+  for (auto& e : experts_) {
+    for (Parameter* p : e->Parameters()) ps.push_back(p);
+  }
+  return ps;
+}
+
+void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, const GateCall& call) {
+  const int64_t T = x.dim(0);
+  const int64_t E = num_experts();
+  gate_->Forward(ctx, x, call, &routing_);
+  const int k = routing_.k;
+  const int64_t capacity = cpu::MoeCapacity(gate_->CapacityFactor(call.training), T, k, E);
+  Tensor slot = slot_.Rows(0, T * k).Reshape({T, k});
+  ops::MoePlanDispatch(ctx, routing_.expert, routing_.eligible, E, capacity, slot, row_token_,
+                       &plan_);
+  const int64_t R = plan_.rows;
+  Tensor xp = xp_.Rows(0, R), yp = yp_.Rows(0, R);
+  ops::MoePermuteForward(ctx, xp, x, row_token_);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = plan_.offsets[e], r1 = plan_.offsets[e + 1];
+    if (r0 == r1) continue;
+    const int64_t n = r1 - r0;
+    experts_[e]->Forward(ctx, xp.Rows(r0, r1), yp.Rows(r0, r1),
+                         saved_.View(r0 * saved_stride_, {n, experts_[e]->SavedPerRow()}));
+  }
+  ops::MoeCombineForward(ctx, y, yp, routing_.weight, slot);
+
+  stats_.tokens = T;
+  stats_.load = plan_.counts;
+  stats_.dropped = plan_.dropped;
+  stats_.capacity = capacity;
+  stats_.aux_loss = routing_.aux_loss;
+  stats_.z_loss = routing_.z_loss;
+  const int32_t* s = slot.i32();
+  int64_t lost = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    bool any = false;
+    for (int j = 0; j < k; ++j) any |= s[t * k + j] >= 0;
+    lost += !any;
+  }
+  stats_.dropped_tokens = lost;
+}
+
+void MoeLayer::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, const Tensor& dx) {
+  const int64_t T = routing_.tokens;
+  const int k = routing_.k;
+  const int64_t E = num_experts();
+  const int64_t R = plan_.rows;
+  CHECK_EQ(x.dim(0), T);
+  Tensor slot = slot_.Rows(0, T * k).Reshape({T, k});
+  Tensor xp = xp_.Rows(0, R), yp = yp_.Rows(0, R), dxp = dxp_.Rows(0, R);
+  Tensor dweight = dweight_.Rows(0, T);
+  // dyp overwrites yp in place (each row is read, then written, by one thread).
+  ops::MoeCombineBackward(ctx, yp, dweight, dy, yp, routing_.weight, slot);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = plan_.offsets[e], r1 = plan_.offsets[e + 1];
+    if (r0 == r1) continue;
+    const int64_t n = r1 - r0;
+    experts_[e]->Backward(ctx, xp.Rows(r0, r1), yp.Rows(r0, r1), dxp.Rows(r0, r1),
+                          saved_.View(r0 * saved_stride_, {n, experts_[e]->SavedPerRow()}));
+  }
+  ops::MoePermuteBackward(ctx, dx, dxp, slot, /*accumulate=*/false);
+  gate_->Backward(ctx, x, dweight, dx);
+}
+
+}  // namespace strata::model

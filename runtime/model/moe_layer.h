@@ -1,0 +1,70 @@
+// MoeLayer: gate -> dispatch -> experts -> combine, forward and backward.
+//
+// Forward, for x [T, C]:
+//   1. the gate routes every token to k experts with combine weights;
+//   2. the dispatch plan applies capacity (drops go to the residual) and gives each expert a
+//      contiguous block of rows;
+//   3. rows are permuted into those blocks (xp), each expert runs once on its block (the grouped
+//      computation), and yp holds their outputs;
+//   4. y[t] = sum of the token's weighted expert outputs (un-permute).
+// Backward runs the same steps in reverse; the gate gets the gradient of its combine weights.
+//
+// All buffers are sized for max_tokens at construction and reused: nothing is allocated per step
+// or per token. The layer keeps the routing of its last Forward for Backward and for statistics.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "kernels/ops.h"
+#include "runtime/model/expert.h"
+#include "runtime/model/gate.h"
+
+namespace strata::model {
+
+// What one Forward did, for metrics.
+struct MoeStats {
+  int64_t tokens = 0;
+  std::vector<int64_t> load;   // rows dispatched to each expert
+  int64_t dropped = 0;         // (token, choice) pairs dropped for capacity
+  int64_t dropped_tokens = 0;  // tokens with no expert at all (output is only the residual)
+  int64_t capacity = 0;        // per expert; 0 = dropless
+  double aux_loss = 0;
+  double z_loss = 0;
+};
+
+class MoeLayer {
+ public:
+  // experts.size() must equal gate->num_experts().
+  MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> gate,
+           std::vector<std::unique_ptr<Expert>> experts);
+
+  // y [T, C] from x [T, C], T <= max_tokens.
+  void Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, const GateCall& call);
+  // dx [T, C] (overwritten) from dy, for the x of the last Forward.
+  void Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, const Tensor& dx);
+
+  const MoeStats& stats() const { return stats_; }
+  // The routing of the last Forward (valid until the next one).
+  const Routing& routing() const { return routing_; }
+  std::vector<Parameter*> Parameters();
+  Gate& gate() { return *gate_; }
+  Expert& expert(int e) { return *experts_[e]; }
+  int64_t num_experts() const { return static_cast<int64_t>(experts_.size()); }
+
+ private:
+  int64_t C_;
+  std::unique_ptr<Gate> gate_;
+  std::vector<std::unique_ptr<Expert>> experts_;
+  int64_t saved_stride_;  // floats of saved storage per row: max over experts
+
+  Routing routing_;
+  ops::DispatchPlan plan_;
+  MoeStats stats_;
+  Tensor slot_, row_token_;  // i32 [T*k]
+  Tensor xp_, yp_, dxp_;     // [T*k, C]; yp also holds dyp in backward
+  Tensor saved_;             // [T*k * saved_stride_]
+  Tensor dweight_;           // [T, k]
+};
+
+}  // namespace strata::model

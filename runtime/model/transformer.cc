@@ -1,0 +1,285 @@
+#include "runtime/model/transformer.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "proto/config_io.h"
+
+namespace strata::model {
+
+// Backward scratch shared by all blocks (only one block runs at a time).
+struct BlockScratch {
+  Tensor dln;   // [N, C] gradient w.r.t. a norm's output
+  Tensor datt;  // [N, C] gradient w.r.t. the attention output
+  Tensor dqkv;  // [N, 3C]
+};
+
+class Block {
+ public:
+  Block(int index, const config::ModelConfig& cfg, int64_t max_batch, ops::NormKind norm,
+        uint64_t seed, const ExpertFactory& factory)
+      : index_(index),
+        norm_(norm),
+        C_(cfg.d_model()),
+        NH_(cfg.n_heads()),
+        T_(cfg.seq_len()),
+        eps_(cfg.norm_eps()) {
+    const std::string p = absl::StrCat("blocks.", index);
+    const int64_t N = max_batch * T_;
+    const float std = cfg.init_std();
+    const float out_std = std / std::sqrt(2.0f * static_cast<float>(cfg.n_layers()));
+    const bool ln = norm == ops::NormKind::kLayerNorm;
+    ln1_w_ = MakeParameter(p + ".ln1.weight", {C_}, Init::kOnes, 0, false);
+    if (ln) ln1_b_ = MakeParameter(p + ".ln1.bias", {C_}, Init::kZeros, 0, false);
+    qkv_w_ = MakeParameter(p + ".attn.qkv.weight", {3 * C_, C_}, Init::kNormal, std, true);
+    qkv_b_ = MakeParameter(p + ".attn.qkv.bias", {3 * C_}, Init::kZeros, 0, false);
+    proj_w_ = MakeParameter(p + ".attn.proj.weight", {C_, C_}, Init::kNormal, out_std, true);
+    proj_b_ = MakeParameter(p + ".attn.proj.bias", {C_}, Init::kZeros, 0, false);
+    ln2_w_ = MakeParameter(p + ".ln2.weight", {C_}, Init::kOnes, 0, false);
+    if (ln) ln2_b_ = MakeParameter(p + ".ln2.bias", {C_}, Init::kZeros, 0, false);
+
+    const auto act = static_cast<ops::Activation>(cfg.activation());
+    if (config::IsMoeLayer(cfg, index)) {
+      const config::MoeConfig& m = cfg.moe();
+      SoftmaxGateOptions g;
+      g.d_model = C_;
+      g.num_experts = m.num_experts();
+      g.k = m.top_k();
+      g.max_tokens = N;
+      g.config = m.gate();
+      g.seed = seed;
+      g.layer = index;
+      g.init_std = std;
+      std::vector<std::unique_ptr<Expert>> experts;
+      for (int e = 0; e < m.num_experts(); ++e) {
+        std::string ep = absl::StrCat(p, ".moe.experts.", e);
+        if (factory) {
+          experts.push_back(factory(index, e, ep));
+        } else {
+          FfnOptions f{C_, m.d_expert(), act, m.expert_bias(), std, out_std};
+          experts.push_back(std::make_unique<FfnExpert>(ep, f));
+        }
+      }
+      moe_ = std::make_unique<MoeLayer>(C_, N, MakeGate(p + ".moe.gate", g), std::move(experts));
+    } else {
+      FfnOptions f{C_, cfg.d_ff(), act, true, std, out_std};
+      ffn_ = std::make_unique<FfnExpert>(p + ".ffn", f);
+      ffn_saved_ = Tensor::Empty({N, ffn_->SavedPerRow()});
+    }
+
+    ln1_out_ = Tensor::Empty({N, C_});
+    ln1_mean_ = Tensor::Empty({N});
+    ln1_rstd_ = Tensor::Empty({N});
+    qkv_ = Tensor::Empty({N, 3 * C_});
+    att_ = Tensor::Empty({max_batch, NH_, T_, T_});
+    att_out_ = Tensor::Empty({N, C_});
+    x_mid_ = Tensor::Empty({N, C_});
+    ln2_out_ = Tensor::Empty({N, C_});
+    ln2_mean_ = Tensor::Empty({N});
+    ln2_rstd_ = Tensor::Empty({N});
+    ffn_out_ = Tensor::Empty({N, C_});
+  }
+
+  std::vector<Parameter*> Parameters() {
+    std::vector<Parameter*> ps = {ln1_w_.get()};
+    if (ln1_b_) ps.push_back(ln1_b_.get());
+    for (auto* p : {qkv_w_.get(), qkv_b_.get(), proj_w_.get(), proj_b_.get(), ln2_w_.get()}) {
+      ps.push_back(p);
+    }
+    if (ln2_b_) ps.push_back(ln2_b_.get());
+    for (Parameter* p : moe_ ? moe_->Parameters() : ffn_->Parameters()) ps.push_back(p);
+    return ps;
+  }
+
+  MoeLayer* moe() { return moe_.get(); }
+
+  void Forward(ops::Context& ctx, const Tensor& x_in, const Tensor& x_out, int64_t B,
+               const GateCall& call) {
+    const int64_t N = B * T_;
+    Tensor ln1_out = ln1_out_.Rows(0, N), qkv = qkv_.Rows(0, N), att_out = att_out_.Rows(0, N);
+    Tensor x_mid = x_mid_.Rows(0, N), ln2_out = ln2_out_.Rows(0, N);
+    Tensor ffn_out = ffn_out_.Rows(0, N);
+    ops::NormForward(ctx, norm_, ln1_out, Rows(ln1_mean_, N), ln1_rstd_.Rows(0, N), x_in,
+                     ln1_w_->value, Value(ln1_b_), eps_);
+    ops::LinearForward(ctx, qkv, ln1_out, qkv_w_->value, qkv_b_->value);
+    ops::AttentionForward(ctx, att_out, att_, qkv, B, T_, NH_);
+    ops::LinearForward(ctx, x_mid, att_out, proj_w_->value, proj_b_->value);
+    ops::Accumulate(ctx, x_mid, x_in);
+    ops::NormForward(ctx, norm_, ln2_out, Rows(ln2_mean_, N), ln2_rstd_.Rows(0, N), x_mid,
+                     ln2_w_->value, Value(ln2_b_), eps_);
+    if (moe_) {
+      moe_->Forward(ctx, ln2_out, ffn_out, call);
+    } else {
+      ffn_->Forward(ctx, ln2_out, ffn_out, ffn_saved_.Rows(0, N));
+    }
+    ops::Add(ctx, x_out, x_mid, ffn_out);
+  }
+
+  // dres holds dLoss/dx_out on entry and dLoss/dx_in on return.
+  void Backward(ops::Context& ctx, const Tensor& x_in, const Tensor& dres, int64_t B,
+                BlockScratch& s) {
+    const int64_t N = B * T_;
+    Tensor dln = s.dln.Rows(0, N), datt = s.datt.Rows(0, N), dqkv = s.dqkv.Rows(0, N);
+    Tensor ln2_out = ln2_out_.Rows(0, N);
+    // FFN branch.
+    if (moe_) {
+      moe_->Backward(ctx, ln2_out, dres, dln);
+    } else {
+      ffn_->Backward(ctx, ln2_out, dres, dln, ffn_saved_.Rows(0, N));
+    }
+    ops::NormBackward(ctx, norm_, dres, ln2_w_->grad, Grad(ln2_b_), dln, x_mid_.Rows(0, N),
+                      ln2_w_->value, Rows(ln2_mean_, N), ln2_rstd_.Rows(0, N));
+    // Attention branch.
+    ops::LinearBackward(ctx, datt, proj_w_->grad, proj_b_->grad, dres, att_out_.Rows(0, N),
+                        proj_w_->value, false);
+    ops::AttentionBackward(ctx, dqkv, datt, qkv_.Rows(0, N), att_, B, T_, NH_);
+    ops::LinearBackward(ctx, dln, qkv_w_->grad, qkv_b_->grad, dqkv, ln1_out_.Rows(0, N),
+                        qkv_w_->value, false);
+    ops::NormBackward(ctx, norm_, dres, ln1_w_->grad, Grad(ln1_b_), dln, x_in, ln1_w_->value,
+                      Rows(ln1_mean_, N), ln1_rstd_.Rows(0, N));
+  }
+
+ private:
+  // RMSNorm keeps no mean; an undefined tensor stands for it.
+  Tensor Rows(const Tensor& t, int64_t n) const {
+    return norm_ == ops::NormKind::kLayerNorm ? t.Rows(0, n) : Tensor();
+  }
+  static Tensor Value(const std::unique_ptr<Parameter>& p) { return p ? p->value : Tensor(); }
+  static Tensor Grad(const std::unique_ptr<Parameter>& p) { return p ? p->grad : Tensor(); }
+
+  int index_;
+  ops::NormKind norm_;
+  int64_t C_, NH_, T_;
+  float eps_;
+  std::unique_ptr<Parameter> ln1_w_, ln1_b_, qkv_w_, qkv_b_, proj_w_, proj_b_, ln2_w_, ln2_b_;
+  std::unique_ptr<FfnExpert> ffn_;
+  std::unique_ptr<MoeLayer> moe_;
+  Tensor ffn_saved_;
+  Tensor ln1_out_, ln1_mean_, ln1_rstd_, qkv_, att_, att_out_, x_mid_, ln2_out_, ln2_mean_,
+      ln2_rstd_, ffn_out_;
+};
+
+MoeTransformer::~MoeTransformer() = default;
+
+StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& ctx,
+                                                                 const ModelOptions& options) {
+  config::JobConfig probe;
+  *probe.mutable_model() = options.config;
+  config::Normalize(&probe);
+  RETURN_IF_ERROR(config::ValidateModelConfig(probe.model(), "model config"));
+  if (options.max_batch < 1) return absl::InvalidArgumentError("max_batch must be at least 1");
+
+  std::unique_ptr<MoeTransformer> m(new MoeTransformer);
+  m->cfg_ = probe.model();
+  const config::ModelConfig& cfg = m->cfg_;
+  m->max_batch_ = options.max_batch;
+  m->norm_kind_ = cfg.norm() == config::ModelConfig::RMS_NORM ? ops::NormKind::kRmsNorm
+                                                              : ops::NormKind::kLayerNorm;
+  const int64_t C = cfg.d_model(), V = cfg.vocab_size(), T = cfg.seq_len();
+  const int64_t N = options.max_batch * T;
+
+  m->wte_ = MakeParameter("wte", {V, C}, Init::kNormal, cfg.init_std(), true);
+  m->wpe_ = MakeParameter("wpe", {T, C}, Init::kNormal, cfg.init_std(), true);
+  m->params_ = {m->wte_.get(), m->wpe_.get()};
+  for (int l = 0; l < cfg.n_layers(); ++l) {
+    m->blocks_.push_back(std::make_unique<Block>(l, cfg, options.max_batch, m->norm_kind_,
+                                                 options.seed, options.expert_factory));
+    for (Parameter* p : m->blocks_.back()->Parameters()) m->params_.push_back(p);
+    if (m->blocks_.back()->moe()) m->moe_layers_.push_back({l, m->blocks_.back()->moe()});
+  }
+  m->lnf_w_ = MakeParameter("lnf.weight", {C}, Init::kOnes, 0, false);
+  m->params_.push_back(m->lnf_w_.get());
+  if (m->norm_kind_ == ops::NormKind::kLayerNorm) {
+    m->lnf_b_ = MakeParameter("lnf.bias", {C}, Init::kZeros, 0, false);
+    m->params_.push_back(m->lnf_b_.get());
+  }
+  if (!cfg.tie_embeddings()) {
+    m->lm_head_ = MakeParameter("lm_head", {V, C}, Init::kNormal, cfg.init_std(), true);
+    m->params_.push_back(m->lm_head_.get());
+  }
+  for (Parameter* p : m->params_) Initialize(ctx, *p, options.seed);
+
+  m->tokens_ = Tensor::Empty({N}, DType::kI32);
+  m->targets_ = Tensor::Empty({N}, DType::kI32);
+  for (int l = 0; l <= cfg.n_layers(); ++l) m->residual_.push_back(Tensor::Empty({N, C}));
+  m->lnf_out_ = Tensor::Empty({N, C});
+  m->lnf_mean_ = Tensor::Empty({N});
+  m->lnf_rstd_ = Tensor::Empty({N});
+  m->logits_ = Tensor::Empty({N, V});
+  m->dres_ = Tensor::Empty({N, C});
+  m->dln_ = Tensor::Empty({N, C});
+  m->datt_ = Tensor::Empty({N, C});
+  m->dqkv_ = Tensor::Empty({N, 3 * C});
+  return m;
+}
+
+Parameter* MoeTransformer::FindParameter(const std::string& name) const {
+  for (Parameter* p : params_) {
+    if (p->name == name) return p;
+  }
+  return nullptr;
+}
+
+int64_t MoeTransformer::ActiveParametersPerToken() const {
+  int64_t n = 0;
+  for (Parameter* p : params_) {
+    if (p->name.find(".moe.experts.") == std::string::npos) n += p->value.numel();
+  }
+  for (const MoeLayerRef& ref : moe_layers_) {
+    int64_t per_expert = 0;
+    for (Parameter* p : ref.layer->expert(0).Parameters()) per_expert += p->value.numel();
+    n += per_expert * ref.layer->gate().k();
+  }
+  return n;
+}
+
+void MoeTransformer::ZeroGrad() {
+  for (Parameter* p : params_) p->grad.SetZero();
+}
+
+double MoeTransformer::Forward(ops::Context& ctx, const int32_t* tokens, const int32_t* targets,
+                               int64_t B, const GateCall& call) {
+  CHECK(B >= 1 && B <= max_batch_) << "batch " << B << " > max_batch " << max_batch_;
+  const int64_t T = cfg_.seq_len(), N = B * T;
+  Tensor tok = tokens_.Rows(0, N), tgt = targets_.Rows(0, N);
+  std::copy_n(tokens, N, tok.i32());
+  std::copy_n(targets, N, tgt.i32());
+  last_B_ = B;
+  last_training_ = call.training;
+
+  ops::EmbeddingForward(ctx, residual_[0].Rows(0, N), tok, wte_->value, wpe_->value, B, T);
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    blocks_[l]->Forward(ctx, residual_[l].Rows(0, N), residual_[l + 1].Rows(0, N), B, call);
+  }
+  Tensor lnf_out = lnf_out_.Rows(0, N), logits = logits_.Rows(0, N);
+  Tensor lnf_mean = norm_kind_ == ops::NormKind::kLayerNorm ? lnf_mean_.Rows(0, N) : Tensor();
+  ops::NormForward(ctx, norm_kind_, lnf_out, lnf_mean, lnf_rstd_.Rows(0, N),
+                   residual_.back().Rows(0, N), lnf_w_->value, lnf_b_ ? lnf_b_->value : Tensor(),
+                   cfg_.norm_eps());
+  const Parameter& head = lm_head_ ? *lm_head_ : *wte_;
+  ops::LinearForward(ctx, logits, lnf_out, head.value, Tensor());
+  // When training, the logits are replaced by dLoss/dlogits of the mean loss in the same pass.
+  const float scale = 1.0f / static_cast<float>(N);
+  double sum = ops::CrossEntropy(ctx, call.training ? logits : Tensor(), logits, tgt, scale);
+  return sum / static_cast<double>(N);
+}
+
+void MoeTransformer::Backward(ops::Context& ctx) {
+  CHECK(last_training_) << "Backward needs a training Forward";
+  const int64_t B = last_B_, T = cfg_.seq_len(), N = B * T;
+  Parameter& head = lm_head_ ? *lm_head_ : *wte_;
+  Tensor dres = dres_.Rows(0, N), dln = dln_.Rows(0, N);
+  ops::LinearBackward(ctx, dln, head.grad, Tensor(), logits_.Rows(0, N), lnf_out_.Rows(0, N),
+                      head.value, false);
+  dres.SetZero();
+  Tensor lnf_mean = norm_kind_ == ops::NormKind::kLayerNorm ? lnf_mean_.Rows(0, N) : Tensor();
+  ops::NormBackward(ctx, norm_kind_, dres, lnf_w_->grad, lnf_b_ ? lnf_b_->grad : Tensor(), dln,
+                    residual_.back().Rows(0, N), lnf_w_->value, lnf_mean, lnf_rstd_.Rows(0, N));
+  BlockScratch scratch{dln_, datt_, dqkv_};
+  for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
+    blocks_[l]->Backward(ctx, residual_[l].Rows(0, N), dres, B, scratch);
+  }
+  ops::EmbeddingBackward(ctx, wte_->grad, wpe_->grad, dres, tokens_.Rows(0, N), B, T);
+}
+
+}  // namespace strata::model

@@ -1,0 +1,87 @@
+// MoeTransformer: a decoder-only language model whose FFNs are (in every moe_every-th block)
+// Mixture-of-Experts layers.
+//
+// Pre-norm blocks (GPT-2 layout): x = x + proj(attn(norm1(x))); x = x + ffn(norm2(x)), with ffn
+// a dense FFN or an MoeLayer. Learned position embeddings, a final norm, and an output projection
+// tied to the token embedding by default.
+//
+// Like llm.c, the forward and backward passes are written out layer by layer over explicit
+// activation buffers sized for max_batch sequences at construction; the whole step allocates
+// nothing. Forward computes the mean cross-entropy and, when training, also the gradient of the
+// logits in the same pass; Backward then walks the blocks in reverse.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/ops.h"
+#include "proto/config.pb.h"
+#include "runtime/common/status.h"
+#include "runtime/model/expert.h"
+#include "runtime/model/gate.h"
+#include "runtime/model/moe_layer.h"
+#include "runtime/model/parameter.h"
+
+namespace strata::model {
+
+class Block;
+
+struct ModelOptions {
+  config::ModelConfig config;  // normalised and validated (proto/config_io.h)
+  uint64_t seed = 0;
+  int64_t max_batch = 1;  // sequences per Forward
+  // Builds the experts of MoE layers; null means FfnExpert from the config.
+  ExpertFactory expert_factory;
+};
+
+class MoeTransformer {
+ public:
+  // Builds the model and initialises every parameter from options.seed.
+  [[nodiscard]] static StatusOr<std::unique_ptr<MoeTransformer>> Create(
+      ops::Context& ctx, const ModelOptions& options);
+  ~MoeTransformer();
+
+  // tokens and targets are [B, seq_len] with B <= max_batch. Returns the mean cross-entropy (nats
+  // per token). With call.training, keeps what Backward needs (including dLoss/dlogits).
+  double Forward(ops::Context& ctx, const int32_t* tokens, const int32_t* targets, int64_t B,
+                 const GateCall& call);
+  // Accumulates dLoss/dparam into every parameter's grad, where Loss is the mean cross-entropy
+  // plus, for each MoE layer, aux_loss_coef * aux + z_loss_coef * z.
+  void Backward(ops::Context& ctx);
+
+  void ZeroGrad();
+  const std::vector<Parameter*>& Parameters() const { return params_; }
+  Parameter* FindParameter(const std::string& name) const;
+
+  // The MoE layers, with the index of the block each sits in.
+  struct MoeLayerRef {
+    int block;
+    MoeLayer* layer;
+  };
+  const std::vector<MoeLayerRef>& moe_layers() const { return moe_layers_; }
+  const config::ModelConfig& config() const { return cfg_; }
+  // Parameters a token touches in one forward pass (dense + k experts per MoE layer).
+  int64_t ActiveParametersPerToken() const;
+
+ private:
+  MoeTransformer() = default;
+
+  config::ModelConfig cfg_;
+  int64_t max_batch_ = 0;
+  ops::NormKind norm_kind_ = ops::NormKind::kLayerNorm;
+  std::unique_ptr<Parameter> wte_, wpe_, lnf_w_, lnf_b_, lm_head_;
+  std::vector<std::unique_ptr<Block>> blocks_;
+  std::vector<Parameter*> params_;
+  std::vector<MoeLayerRef> moe_layers_;
+
+  // Activations [max_batch * seq_len, ...] and backward scratch.
+  Tensor tokens_, targets_;
+  std::vector<Tensor> residual_;  // n_layers + 1 residual streams
+  Tensor lnf_out_, lnf_mean_, lnf_rstd_, logits_;
+  Tensor dres_, dln_, datt_, dqkv_;
+  int64_t last_B_ = 0;
+  bool last_training_ = false;
+};
+
+}  // namespace strata::model

@@ -1,0 +1,95 @@
+// Trainer: one process training an MoE Transformer, step by step as in DESIGN.md.
+//
+// One step: fetch the step's samples (a pure function of seed, step and global batch), forward
+// with the loss, backward, global-norm clipping, AdamW with the scheduled learning rate. On
+// schedule it evaluates on the held-out split. Each step appends one JSON object to the metrics
+// file and refreshes the progress line.
+#pragma once
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "proto/config.pb.h"
+#include "runtime/common/status.h"
+#include "runtime/common/thread_pool.h"
+#include "runtime/data/dataset.h"
+#include "runtime/model/adamw.h"
+#include "runtime/model/transformer.h"
+#include "runtime/train/metrics.h"
+
+namespace strata::train {
+
+struct TrainOptions {
+  config::JobConfig config;  // loaded with config::LoadJobConfig (validated, paths resolved)
+  std::string metrics_path;  // JSONL, one object per step; empty for none
+  bool progress = true;      // progress line on stderr
+  model::ExpertFactory expert_factory;  // null: FFN experts from the config
+  storage::Env* env = nullptr;          // null: storage::Env::Default()
+};
+
+struct StepResult {
+  int64_t step = 0;      // 1-based: steps completed after this one
+  double loss = 0;       // mean cross-entropy, nats per token
+  double aux_loss = 0;   // mean over MoE layers of the unweighted load-balancing loss
+  double z_loss = 0;     // mean over MoE layers of the unweighted router z-loss
+  double grad_norm = 0;  // before clipping
+  double lr = 0;
+  double seconds = 0;
+  int64_t tokens = 0;
+  std::vector<model::MoeStats> moe;  // per MoE layer, in model.moe_layers() order
+};
+
+struct EvalResult {
+  double loss = 0;           // nats per token
+  double bits_per_byte = 0;  // loss / ln 2 for byte-level data, NaN otherwise
+  int64_t tokens = 0;
+};
+
+class Trainer {
+ public:
+  [[nodiscard]] static StatusOr<std::unique_ptr<Trainer>> Create(const TrainOptions& options);
+  ~Trainer();
+
+  // Trains until config.train.steps, with evaluations, metrics and progress. Fails (and stops)
+  // when the loss stops being finite or the metrics file cannot be written.
+  [[nodiscard]] Status Run();
+  // One training step.
+  [[nodiscard]] StatusOr<StepResult> Step();
+  // Loss on config.train.eval_batches held-out batches.
+  EvalResult Evaluate();
+
+  // The learning rate of (0-based) step s under the configured schedule.
+  static double LearningRate(const config::TrainConfig& train, int64_t s);
+
+  int64_t step() const { return step_; }
+  model::MoeTransformer& model() { return *model_; }
+  ops::Context& context() { return ctx_; }
+  const data::TokenDataset& dataset() const { return *dataset_; }
+  const std::vector<StepResult>& history() const { return history_; }
+  const std::vector<std::pair<int64_t, EvalResult>>& evals() const { return evals_; }
+
+ private:
+  Trainer() = default;
+  void PrintProgress(const StepResult& r, const EvalResult* eval, bool final_line);
+
+  TrainOptions options_;
+  std::unique_ptr<ThreadPool> pool_;
+  ops::Context ctx_;
+  std::unique_ptr<data::TokenDataset> dataset_;
+  std::unique_ptr<model::MoeTransformer> model_;
+  std::unique_ptr<model::AdamW> optimizer_;
+  std::unique_ptr<MetricsWriter> metrics_;
+  std::vector<int32_t> inputs_, targets_;
+  int64_t step_ = 0;
+  std::vector<StepResult> history_;
+  std::vector<std::pair<int64_t, EvalResult>> evals_;
+  double started_ = 0;
+  double smoothed_step_seconds_ = 0;
+  bool tty_ = false;
+  double last_eval_loss_ = -1;
+  double last_eval_bpb_ = -1;
+};
+
+}  // namespace strata::train
