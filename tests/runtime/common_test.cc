@@ -1,0 +1,123 @@
+// ThreadPool partitioning and reentrancy, counter-based RNG, JSON writer, Shape/Tensor views.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <set>
+#include <vector>
+
+#include "runtime/common/clock.h"
+#include "runtime/common/json.h"
+#include "runtime/common/rng.h"
+#include "runtime/common/thread_pool.h"
+#include "runtime/device/device.h"
+
+namespace strata {
+namespace {
+
+TEST(ThreadPoolTest, ParallelForCoversEveryIndexExactlyOnce) {
+  for (int threads : {1, 2, 3, 7}) {
+    ThreadPool pool(threads);
+    for (int64_t n : {0, 1, 5, 64, 1000, 12345}) {
+      std::vector<std::atomic<int>> hits(n);
+      pool.ParallelFor(n, 1, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) hits[i].fetch_add(1);
+      });
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(hits[i].load(), 1) << threads << " " << n << " " << i;
+    }
+  }
+}
+
+TEST(ThreadPoolTest, SlicesAreStaticAndContiguous) {
+  ThreadPool pool(3);
+  EXPECT_EQ(pool.PartsFor(10, 1), 3);
+  EXPECT_EQ(pool.PartsFor(10, 4), 3);
+  EXPECT_EQ(pool.PartsFor(10, 6), 2);
+  EXPECT_EQ(pool.PartsFor(10, 100), 1);
+  std::vector<std::pair<int64_t, int64_t>> slices(3, {-1, -1});
+  pool.ParallelForSlices(10, 1, [&](int part, int64_t b, int64_t e) { slices[part] = {b, e}; });
+  EXPECT_EQ(slices[0], (std::pair<int64_t, int64_t>{0, 3}));
+  EXPECT_EQ(slices[1], (std::pair<int64_t, int64_t>{3, 6}));
+  EXPECT_EQ(slices[2], (std::pair<int64_t, int64_t>{6, 10}));
+}
+
+TEST(ThreadPoolTest, NestedCallsRunInlineAndManyDispatchesComplete) {
+  ThreadPool pool(2);
+  std::atomic<int64_t> total{0};
+  for (int round = 0; round < 2000; ++round) {
+    pool.ParallelFor(4, 1, [&](int64_t b, int64_t e) {
+      pool.ParallelFor(3, 1, [&](int64_t b2, int64_t e2) { total.fetch_add((e - b) * (e2 - b2)); });
+    });
+  }
+  EXPECT_EQ(total.load(), 2000 * 4 * 3);
+}
+
+TEST(RngTest, DrawsArePureFunctionsWithSaneMoments) {
+  const uint64_t key = rng::Key(1, 2, 3, 4);
+  EXPECT_EQ(rng::Bits(key, 99), rng::Bits(rng::Key(1, 2, 3, 4), 99));
+  EXPECT_NE(rng::Key(1, 2, 3, 4), rng::Key(1, 2, 3, 5));
+  double sum = 0, sum2 = 0, usum = 0;
+  const int n = 200000;
+  for (int i = 0; i < n; ++i) {
+    double z = rng::Normal(key, i);
+    sum += z;
+    sum2 += z * z;
+    double u = rng::Uniform(key, i);
+    ASSERT_GE(u, 0.0);
+    ASSERT_LT(u, 1.0);
+    usum += u;
+  }
+  EXPECT_NEAR(sum / n, 0.0, 0.01);
+  EXPECT_NEAR(sum2 / n, 1.0, 0.01);
+  EXPECT_NEAR(usum / n, 0.5, 0.005);
+  std::set<uint64_t> seen;
+  for (int i = 0; i < 1000; ++i) seen.insert(rng::Below(key, i, 10));
+  EXPECT_EQ(seen.size(), 10u);
+}
+
+TEST(JsonWriterTest, NestedValuesAndEscapes) {
+  JsonWriter j;
+  j.BeginObject().Field("a", 1).Field("s", std::string("q\"\n")).Key("arr").IntArray({1, 2});
+  j.Field("nan", std::nan("")).Field("x", 0.5).Key("o").BeginObject().Field("b", true).EndObject();
+  j.EndObject();
+  EXPECT_EQ(j.str(), R"({"a":1,"s":"q\"\n","arr":[1,2],"nan":null,"x":0.5,"o":{"b":true}})");
+}
+
+TEST(ClockTest, FormatDuration) {
+  EXPECT_EQ(FormatDuration(42.4), "42s");
+  EXPECT_EQ(FormatDuration(187), "3m07s");
+  EXPECT_EQ(FormatDuration(3725), "1h02m");
+}
+
+TEST(TensorTest, ViewsShareStorageAndZeroRowViewsWork) {
+  Tensor t = Tensor::Zeros({4, 3});
+  EXPECT_EQ(t.numel(), 12);
+  Tensor rows = t.Rows(1, 3);
+  rows.f32()[0] = 5.0f;
+  EXPECT_EQ(t.f32()[3], 5.0f);
+  EXPECT_EQ(rows.shape(), Shape({2, 3}));
+  Tensor empty = t.Rows(2, 2);
+  EXPECT_EQ(empty.numel(), 0);
+  EXPECT_EQ(empty.Rows(0, 0).numel(), 0);
+  Tensor v = t.View(6, {2, 3});
+  EXPECT_EQ(v.f32(), t.f32() + 6);
+  EXPECT_EQ(t.Reshape({3, 4}).dim(1), 4);
+}
+
+TEST(MemoryBudgetTest, HardLimitIsAnError) {
+  MemoryBudget budget("device", 1000);
+  auto a = Tensor::TryEmpty({100}, DType::kF32, Device::Cpu(), &budget);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(budget.used(), 400u);
+  auto b = Tensor::TryEmpty({200}, DType::kF32, Device::Cpu(), &budget);
+  ASSERT_FALSE(b.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(b.status()));
+  EXPECT_NE(b.status().message().find("device"), std::string::npos);
+  *a = Tensor();
+  EXPECT_EQ(budget.used(), 0u);
+  EXPECT_EQ(budget.peak(), 400u);
+}
+
+}  // namespace
+}  // namespace strata

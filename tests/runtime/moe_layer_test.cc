@@ -1,0 +1,337 @@
+// The MoE layer against a direct per-token reference loop, for every gate, with and without
+// capacity drops, k = 1, 2, 4.
+//
+// The reference (double precision) routes, drops and combines one token at a time, straight from
+// the definitions in proto/config.proto, reproducing the gate's random draws from their keys. The
+// layer's output, routing, drops and auxiliary losses must match it, and the layer's analytic
+// gradients (input, router, noise router, every expert parameter) must match central finite
+// differences of the reference loss  L = <R, y> + aux_coef * aux + z_coef * z.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <new>
+#include <numeric>
+#include <random>
+
+#include "runtime/common/rng.h"
+#include "runtime/model/moe_layer.h"
+
+// Counts heap allocations, to show the layer's steady state allocates nothing. (GCC cannot see
+// that new and delete below are a matched pair.)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+static std::atomic<int64_t> g_allocations{0};
+void* operator new(size_t n) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
+
+namespace strata::model {
+namespace {
+
+using config::GateConfig;
+
+struct Case {
+  std::string name;
+  GateConfig::Type type;
+  int k;
+  double capacity_factor;  // training
+  bool training = true;
+  bool renormalize = true;
+};
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+constexpr int kTokens = 16, kC = 6, kE = 5, kH = 4, kLayer = 3;
+constexpr uint64_t kSeed = 77, kStep = 12;
+constexpr double kAuxCoef = 0.05, kZCoef = 0.02;
+
+// All of the layer's parameters as doubles, in a fixed order, so finite differences can walk them.
+struct Params {
+  std::vector<double> router, noise;                // [E, C]
+  std::vector<std::vector<double>> w1, b1, w2, b2;  // per expert
+};
+
+struct RefResult {
+  std::vector<double> y;
+  std::vector<int64_t> load;
+  int64_t dropped = 0, dropped_tokens = 0;
+  double aux = 0, z = 0;
+};
+
+double Gelu(double v) {
+  return 0.5 * v * (1 + std::tanh(std::sqrt(2.0 / M_PI) * (v + 0.044715 * v * v * v)));
+}
+
+RefResult Reference(const Case& c, const std::vector<double>& x, const Params& p) {
+  const int T = kTokens, C = kC, E = kE, k = c.k;
+  const bool jitter = c.training && c.type == GateConfig::SWITCH;
+  const bool noise = c.training && c.type == GateConfig::NOISY_TOP_K;
+  const bool random_routing = c.training && c.type == GateConfig::GSHARD;
+  const bool renorm = c.type == GateConfig::GSHARD || (c.renormalize && k > 1);
+  const double eps = 0.1;
+  std::vector<std::vector<int>> choice(T);
+  std::vector<std::vector<double>> weight(T);
+  std::vector<std::vector<bool>> eligible(T);
+  std::vector<double> probs(T * E), lse(T);
+  for (int t = 0; t < T; ++t) {
+    std::vector<double> xr(C);
+    for (int i = 0; i < C; ++i) {
+      const double mult =
+          jitter
+              ? 1 - eps +
+                    2 * eps * rng::Uniform(SoftmaxGate::JitterKey(kSeed, kStep, kLayer), t * C + i)
+              : 1.0;
+      xr[i] = x[t * C + i] * mult;
+    }
+    std::vector<double> logit(E);
+    for (int e = 0; e < E; ++e) {
+      double s = 0;
+      for (int i = 0; i < C; ++i) s += xr[i] * p.router[e * C + i];
+      if (noise) {
+        double raw = 0;
+        for (int i = 0; i < C; ++i) raw += xr[i] * p.noise[e * C + i];
+        s += rng::Normal(SoftmaxGate::NoiseKey(kSeed, kStep, kLayer), t * E + e) *
+             std::log1p(std::exp(raw));
+      }
+      logit[e] = s;
+    }
+    double z = 0;
+    for (double l : logit) z += std::exp(l);
+    lse[t] = std::log(z);
+    for (int e = 0; e < E; ++e) probs[t * E + e] = std::exp(logit[e]) / z;
+    std::vector<int> order(E);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return probs[t * E + a] > probs[t * E + b]; });
+    double sum = 0;
+    for (int j = 0; j < k; ++j) sum += probs[t * E + order[j]];
+    for (int j = 0; j < k; ++j) {
+      choice[t].push_back(order[j]);
+      weight[t].push_back(probs[t * E + order[j]] / (renorm ? sum : 1.0));
+      bool keep = true;
+      if (random_routing && j == 1) {
+        keep = 2 * weight[t][1] > rng::Uniform(SoftmaxGate::RoutingKey(kSeed, kStep, kLayer), t);
+      }
+      eligible[t].push_back(keep);
+    }
+  }
+  RefResult r;
+  // Capacity: first choices of all tokens, then second choices, ...
+  const double cf = c.training ? c.capacity_factor : 0.0;
+  const int64_t cap =
+      cf > 0 ? std::max<int64_t>(1, static_cast<int64_t>(std::ceil(cf * T * k / E))) : 1 << 30;
+  r.load.assign(E, 0);
+  std::vector<std::vector<bool>> kept(T, std::vector<bool>(k, false));
+  for (int j = 0; j < k; ++j)
+    for (int t = 0; t < T; ++t) {
+      if (!eligible[t][j]) continue;
+      int e = choice[t][j];
+      if (r.load[e] < cap) {
+        ++r.load[e];
+        kept[t][j] = true;
+      } else {
+        ++r.dropped;
+      }
+    }
+  r.y.assign(T * C, 0.0);
+  for (int t = 0; t < T; ++t) {
+    bool any = false;
+    for (int j = 0; j < k; ++j) {
+      if (!kept[t][j]) continue;
+      any = true;
+      const int e = choice[t][j];
+      std::vector<double> act(kH);
+      for (int h = 0; h < kH; ++h) {
+        double s = p.b1[e][h];
+        for (int i = 0; i < C; ++i) s += p.w1[e][h * C + i] * x[t * C + i];
+        act[h] = Gelu(s);
+      }
+      for (int i = 0; i < C; ++i) {
+        double s = p.b2[e][i];
+        for (int h = 0; h < kH; ++h) s += p.w2[e][i * kH + h] * act[h];
+        r.y[t * C + i] += weight[t][j] * s;
+      }
+    }
+    r.dropped_tokens += !any;
+  }
+  std::vector<double> f(E, 0.0), P(E, 0.0);
+  for (int t = 0; t < T; ++t) {
+    f[choice[t][0]] += 1.0 / T;
+    for (int e = 0; e < E; ++e) P[e] += probs[t * E + e] / T;
+    r.z += lse[t] * lse[t] / T;
+  }
+  for (int e = 0; e < E; ++e) r.aux += E * f[e] * P[e];
+  return r;
+}
+
+class MoeLayerTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    const Case& c = GetParam();
+    SoftmaxGateOptions g;
+    g.d_model = kC;
+    g.num_experts = kE;
+    g.k = c.k;
+    g.max_tokens = kTokens;
+    g.config.set_type(c.type);
+    g.config.set_capacity_factor_train(c.capacity_factor);
+    g.config.set_capacity_factor_eval(0);
+    g.config.set_aux_loss_coef(kAuxCoef);
+    g.config.set_z_loss_coef(kZCoef);
+    g.config.set_jitter_eps(0.1);
+    g.config.set_renormalize(c.renormalize);
+    g.seed = kSeed;
+    g.layer = kLayer;
+    g.init_std = 0.8f;  // a peaked router, so routing is far from ties
+    std::vector<std::unique_ptr<Expert>> experts;
+    for (int e = 0; e < kE; ++e) {
+      FfnOptions f{kC, kH, ops::Activation::kGelu, true, 0.5f, 0.5f};
+      experts.push_back(std::make_unique<FfnExpert>("experts." + std::to_string(e), f));
+    }
+    layer_ = std::make_unique<MoeLayer>(kC, kTokens, MakeGate("gate", g), std::move(experts));
+    for (Parameter* p : layer_->Parameters()) {
+      Initialize(ctx_, *p, kSeed);
+      if (p->init == Init::kZeros) {  // give biases values too
+        for (int64_t i = 0; i < p->value.numel(); ++i) {
+          p->value.f32()[i] =
+              static_cast<float>(0.1 * rng::Normal(rng::Key(5, NameHash(p->name)), i));
+        }
+      }
+    }
+    std::mt19937 gen(3);
+    std::normal_distribution<float> nd(0, 1);
+    x_ = Tensor::Empty({kTokens, kC});
+    for (int64_t i = 0; i < x_.numel(); ++i) x_.f32()[i] = nd(gen);
+    r_ = Tensor::Empty({kTokens, kC});
+    for (int64_t i = 0; i < r_.numel(); ++i) r_.f32()[i] = nd(gen);
+  }
+
+  Params Snapshot() {
+    Params p;
+    auto vec = [](const Tensor& t) { return std::vector<double>(t.f32(), t.f32() + t.numel()); };
+    auto& gate = static_cast<SoftmaxGate&>(layer_->gate());
+    p.router = vec(gate.router().value);
+    if (gate.noise_router()) p.noise = vec(gate.noise_router()->value);
+    for (int e = 0; e < kE; ++e) {
+      auto& f = static_cast<FfnExpert&>(layer_->expert(e));
+      p.w1.push_back(vec(f.w1().value));
+      p.b1.push_back(vec(f.b1()->value));
+      p.w2.push_back(vec(f.w2().value));
+      p.b2.push_back(vec(f.b2()->value));
+    }
+    return p;
+  }
+
+  double RefLoss(const std::vector<double>& x, const Params& p) {
+    RefResult r = Reference(GetParam(), x, p);
+    double l = 0;
+    for (int i = 0; i < kTokens * kC; ++i) l += r.y[i] * r_.f32()[i];
+    return l + kAuxCoef * r.aux + kZCoef * r.z;
+  }
+
+  ThreadPool pool_{2};
+  ops::Context ctx_{&pool_};
+  std::unique_ptr<MoeLayer> layer_;
+  Tensor x_, r_;
+};
+
+TEST_P(MoeLayerTest, ForwardMatchesPerTokenReference) {
+  const Case& c = GetParam();
+  Tensor y = Tensor::Empty({kTokens, kC});
+  layer_->Forward(ctx_, x_, y, GateCall{c.training, kStep});
+  std::vector<double> x(x_.f32(), x_.f32() + x_.numel());
+  RefResult ref = Reference(c, x, Snapshot());
+  for (int i = 0; i < kTokens * kC; ++i) EXPECT_NEAR(y.f32()[i], ref.y[i], 2e-5) << i;
+  const MoeStats& s = layer_->stats();
+  EXPECT_EQ(s.load, ref.load);
+  EXPECT_EQ(s.dropped, ref.dropped);
+  EXPECT_EQ(s.dropped_tokens, ref.dropped_tokens);
+  EXPECT_NEAR(s.aux_loss, ref.aux, 1e-5);
+  EXPECT_NEAR(s.z_loss, ref.z, 1e-5);
+  if (c.capacity_factor > 0 && c.capacity_factor < 1 && c.training) {
+    EXPECT_GT(ref.dropped, 0) << "this case is meant to drop tokens";
+  }
+}
+
+TEST_P(MoeLayerTest, GradientsMatchFiniteDifferencesOfReference) {
+  const Case& c = GetParam();
+  Tensor y = Tensor::Empty({kTokens, kC}), dx = Tensor::Empty({kTokens, kC});
+  for (Parameter* p : layer_->Parameters()) p->grad.SetZero();
+  layer_->Forward(ctx_, x_, y, GateCall{c.training, kStep});
+  layer_->Backward(ctx_, x_, r_, dx);
+
+  std::vector<double> x(x_.f32(), x_.f32() + x_.numel());
+  Params p = Snapshot();
+  const RefResult base = Reference(c, x, p);
+  const double h = 1e-6;
+  int checked = 0;
+  auto check = [&](const char* what, std::vector<double>& v, const float* analytic) {
+    for (size_t i = 0; i < v.size(); ++i) {
+      const double saved = v[i];
+      v[i] = saved + h;
+      const double lp = RefLoss(x, p);
+      v[i] = saved - h;
+      const double lm = RefLoss(x, p);
+      v[i] = saved;
+      const double numeric = (lp - lm) / (2 * h);
+      EXPECT_NEAR(analytic[i], numeric, 2e-4 + 2e-3 * std::abs(numeric)) << what << "[" << i << "]";
+      ++checked;
+    }
+  };
+  // A perturbation must not change the routing, or finite differences are meaningless.
+  ASSERT_EQ(Reference(c, x, p).load, base.load);
+  check("x", x, dx.f32());
+  auto& gate = static_cast<SoftmaxGate&>(layer_->gate());
+  check("router", p.router, gate.router().grad.f32());
+  if (gate.noise_router()) check("noise_router", p.noise, gate.noise_router()->grad.f32());
+  for (int e = 0; e < kE; ++e) {
+    auto& f = static_cast<FfnExpert&>(layer_->expert(e));
+    check("w1", p.w1[e], f.w1().grad.f32());
+    check("b1", p.b1[e], f.b1()->grad.f32());
+    check("w2", p.w2[e], f.w2().grad.f32());
+    check("b2", p.b2[e], f.b2()->grad.f32());
+  }
+  EXPECT_GT(checked, 300);
+}
+
+TEST_P(MoeLayerTest, SteadyStateAllocatesNothing) {
+  const Case& c = GetParam();
+  Tensor y = Tensor::Empty({kTokens, kC}), dx = Tensor::Empty({kTokens, kC});
+  layer_->Forward(ctx_, x_, y, GateCall{c.training, kStep});  // warm up grow-only scratch
+  layer_->Backward(ctx_, x_, r_, dx);
+  const int64_t before = g_allocations.load();
+  for (uint64_t step = 0; step < 3; ++step) {
+    layer_->Forward(ctx_, x_, y, GateCall{c.training, kStep + step});
+    layer_->Backward(ctx_, x_, r_, dx);
+  }
+  EXPECT_EQ(g_allocations.load() - before, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Gates, MoeLayerTest,
+    ::testing::Values(Case{"TopK1_Dropless", GateConfig::TOP_K, 1, 0.0},
+                      Case{"TopK1_Capacity", GateConfig::TOP_K, 1, 0.5},
+                      Case{"TopK2_Dropless", GateConfig::TOP_K, 2, 0.0},
+                      Case{"TopK2_Capacity", GateConfig::TOP_K, 2, 0.5},
+                      Case{"TopK2_NoRenormalize", GateConfig::TOP_K, 2, 0.0, true, false},
+                      Case{"TopK4_Dropless", GateConfig::TOP_K, 4, 0.0},
+                      Case{"TopK4_Capacity", GateConfig::TOP_K, 4, 0.6},
+                      Case{"Switch_Dropless", GateConfig::SWITCH, 1, 0.0},
+                      Case{"Switch_Capacity", GateConfig::SWITCH, 1, 0.5},
+                      Case{"GShard_Dropless", GateConfig::GSHARD, 2, 0.0},
+                      Case{"GShard_Capacity", GateConfig::GSHARD, 2, 0.5},
+                      Case{"Noisy2_Dropless", GateConfig::NOISY_TOP_K, 2, 0.0},
+                      Case{"Noisy2_Capacity", GateConfig::NOISY_TOP_K, 2, 0.5},
+                      Case{"Noisy2_Eval", GateConfig::NOISY_TOP_K, 2, 0.5, false},
+                      Case{"GShard_Eval", GateConfig::GSHARD, 2, 0.5, false}),
+    CaseName);
+
+}  // namespace
+}  // namespace strata::model

@@ -1,0 +1,90 @@
+// Helpers shared by strata's tests: temporary folders, files, and running a real command.
+#pragma once
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace strata::testing {
+
+// A fresh folder under $TMPDIR (or /tmp), removed with everything in it on destruction.
+class TempDir {
+ public:
+  TempDir() {
+    const char* base = std::getenv("TMPDIR");
+    std::string tmpl = std::string(base ? base : "/tmp") + "/strata_test_XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    path_ = mkdtemp(buf.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+  std::string File(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+inline void WriteFile(const std::string& path, const std::string& data) {
+  std::ofstream out(path, std::ios::binary);
+  out << data;
+}
+
+inline std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+// Runs a shell command, capturing its output.
+inline CommandResult RunCommand(const std::string& command) {
+  CommandResult r;
+  FILE* p = popen((command + " 2>&1").c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.output.append(buf, n);
+  int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+// Deterministic English-like text: sentences drawn from a small grammar. A model can learn it
+// quickly, so "the loss falls" is a real signal within a few dozen steps.
+inline std::string SyntheticText(size_t bytes, unsigned seed = 7) {
+  static const char* kSubjects[] = {"the cat", "a dog", "my friend", "the old man", "she", "he"};
+  static const char* kVerbs[] = {"sees", "likes", "finds", "takes", "wants", "reads"};
+  static const char* kObjects[] = {"the ball", "a book", "some bread", "the red hat", "a letter"};
+  std::mt19937 rng(seed);
+  std::string s;
+  while (s.size() < bytes) {
+    s += kSubjects[rng() % 6];
+    s += ' ';
+    s += kVerbs[rng() % 6];
+    s += ' ';
+    s += kObjects[rng() % 5];
+    s += ". ";
+    if (rng() % 4 == 0) s += '\n';
+  }
+  s.resize(bytes);
+  return s;
+}
+
+}  // namespace strata::testing
