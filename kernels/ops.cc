@@ -126,12 +126,26 @@ void ActivationForward(Context& ctx, Activation act, const Tensor& out, const Te
   cpu::activation_forward<float>(Pool(ctx), act, out.f32(), inp.f32(), N, H);
 }
 
+void BiasActivationForward(Context& ctx, Activation act, const Tensor& out, const Tensor& pre,
+                           const Tensor& bias) {
+  RequireCpu({&out, &pre, &bias}, "BiasActivationForward");
+  const int64_t H = out.dim(-1), N = out.numel() / H;
+  const int64_t W = cpu::ActivationInputWidth(act, H);
+  CHECK(pre.numel() == N * W && bias.numel() == W)
+      << "out " << out.ShapeString() << " pre " << pre.ShapeString() << " bias "
+      << bias.ShapeString();
+  cpu::bias_activation_forward<float>(Pool(ctx), act, out.f32(), pre.f32(), bias.f32(), N, H);
+}
+
 void ActivationBackward(Context& ctx, Activation act, const Tensor& dinp, const Tensor& dout,
-                        const Tensor& inp) {
-  RequireCpu({&dinp, &dout, &inp}, "ActivationBackward");
+                        const Tensor& inp, const Tensor& dbias) {
+  RequireCpu({&dinp, &dout, &inp, &dbias}, "ActivationBackward");
   const int64_t H = dout.dim(-1), N = dout.numel() / H;
-  CHECK(inp.numel() == N * cpu::ActivationInputWidth(act, H) && dinp.numel() == inp.numel());
-  cpu::activation_backward<float>(Pool(ctx), act, dinp.f32(), dout.f32(), inp.f32(), N, H);
+  const int64_t W = cpu::ActivationInputWidth(act, H);
+  CHECK(inp.numel() == N * W && dinp.numel() == inp.numel() &&
+        (!dbias.defined() || dbias.numel() == W));
+  cpu::activation_backward<float>(Pool(ctx), act, dinp.f32(), dout.f32(), inp.f32(), N, H,
+                                  F(dbias));
 }
 
 void Add(Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b) {

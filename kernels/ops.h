@@ -63,8 +63,13 @@ void AttentionBackward(Context& ctx, const Tensor& dqkv, const Tensor& dout, con
 
 // out [N, H] from inp [N, ActivationInputWidth(act, H)]; backward may run in place.
 void ActivationForward(Context& ctx, Activation act, const Tensor& out, const Tensor& inp);
+// pre += bias (broadcast over rows), then out = act(pre), in one pass.
+void BiasActivationForward(Context& ctx, Activation act, const Tensor& out, const Tensor& pre,
+                           const Tensor& bias);
+// When dbias is defined it also accumulates the column sums of dinp (a pre-activation bias's
+// gradient) in the same pass.
 void ActivationBackward(Context& ctx, Activation act, const Tensor& dinp, const Tensor& dout,
-                        const Tensor& inp);
+                        const Tensor& inp, const Tensor& dbias = Tensor());
 
 // out = a + b (out may alias either); out += a.
 void Add(Context& ctx, const Tensor& out, const Tensor& a, const Tensor& b);

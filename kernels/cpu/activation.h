@@ -23,9 +23,17 @@ template <typename T>
 void activation_forward(ThreadPool& pool, Activation act, T* out, const T* inp, int64_t N,
                         int64_t H);
 
+// Fused bias and activation: pre [N, in_width] += bias [in_width], then out [N, H] = act(pre).
+// One pass over the pre-activation instead of two; pre keeps the biased values for backward.
+template <typename T>
+void bias_activation_forward(ThreadPool& pool, Activation act, T* out, T* pre, const T* bias,
+                             int64_t N, int64_t H);
+
 // dinp [N, in_width] (=) from dout [N, H] and the saved pre-activation inp. dinp may alias inp.
+// When dbias is non-null it also accumulates the column sums of dinp into it (the gradient of a
+// bias added before the activation), in the same pass.
 template <typename T>
 void activation_backward(ThreadPool& pool, Activation act, T* dinp, const T* dout, const T* inp,
-                         int64_t N, int64_t H);
+                         int64_t N, int64_t H, T* dbias = nullptr);
 
 }  // namespace strata::cpu

@@ -1,6 +1,7 @@
 // Helpers shared by the CPU kernels (not part of the public kernel API).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -34,6 +35,28 @@ void ColumnSums(ThreadPool& pool, T* out, const T* in, int64_t rows, int64_t col
       for (int64_t c = c0; c < c1; ++c) out[c] += row[c];
     }
   });
+}
+
+// Per-column gradient sums over rows (weights and biases of norms and activations), computed
+// alongside a row-parallel kernel: fn(r0, r1, partial) handles rows [r0, r1) and adds into
+// `partial`, nvec rows of C; the slices' partials are then added into outs[v] (+=) in slice order,
+// so the sum is the same for a given thread count. outs[v] may be null (that sum is dropped).
+template <typename T, typename RowFn>
+void RowPartialSums(ThreadPool& pool, int64_t N, int64_t C, int nvec, T* const* outs, RowFn&& fn,
+                    int64_t min_rows = 32) {
+  const int parts = pool.PartsFor(N, min_rows);
+  T* partial = Scratch<T>(static_cast<size_t>(parts) * nvec * C, 1);
+  std::fill(partial, partial + static_cast<int64_t>(parts) * nvec * C, T(0));
+  pool.ParallelForSlices(N, min_rows, [&](int part, int64_t r0, int64_t r1) {
+    fn(r0, r1, partial + static_cast<int64_t>(part) * nvec * C);
+  });
+  for (int v = 0; v < nvec; ++v) {
+    if (outs[v] == nullptr) continue;
+    for (int p = 0; p < parts; ++p) {
+      const T* src = partial + (static_cast<int64_t>(p) * nvec + v) * C;
+      for (int64_t c = 0; c < C; ++c) outs[v][c] += src[c];
+    }
+  }
 }
 
 }  // namespace strata::cpu::internal

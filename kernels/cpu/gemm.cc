@@ -59,7 +59,7 @@ void Gemm(ThreadPool& pool, bool trans_a, bool trans_b, int64_t M, int64_t N, in
           const T* A, int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
   if (M <= 0 || N <= 0) return;
   int threads = pool.num_threads();
-  if (threads == 1 || K <= 0 || M * N * K < kMinSplitWork) {
+  if (threads == 1 || K <= 0 || M * N * K < kMinSplitWork || ThreadPool::InTask()) {
     GemmSerial(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     return;
   }

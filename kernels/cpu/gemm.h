@@ -14,7 +14,8 @@
 namespace strata::cpu {
 
 // C[M, N] = alpha * op(A)[M, K] * op(B)[K, N] + beta * C, all row-major with leading dimensions
-// lda, ldb, ldc. op(X) is X or X^T. T is float (sgemm) or double (dgemm).
+// lda, ldb, ldc. op(X) is X or X^T. T is float (sgemm) or double (dgemm). Called from inside a
+// pool task it runs on the calling thread alone.
 template <typename T>
 void Gemm(ThreadPool& pool, bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha,
           const T* A, int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc);

@@ -5,29 +5,6 @@
 #include "kernels/cpu/common.h"
 
 namespace strata::cpu {
-namespace {
-
-// Weight/bias gradients: each slice of rows accumulates into its own partial row, then the
-// partials are added in slice order, so the sum is the same for a given thread count.
-template <typename T, typename RowFn>
-void ParamGradRows(ThreadPool& pool, int64_t N, int64_t C, int nvec, T* const* outs, RowFn&& fn) {
-  int parts = pool.PartsFor(N, 32);
-  T* partial = internal::Scratch<T>(static_cast<size_t>(parts) * nvec * C, 1);
-  for (int64_t i = 0; i < static_cast<int64_t>(parts) * nvec * C; ++i) partial[i] = 0;
-  pool.ParallelForSlices(N, 32, [&](int part, int64_t r0, int64_t r1) {
-    fn(r0, r1, partial + static_cast<int64_t>(part) * nvec * C);
-  });
-  for (int v = 0; v < nvec; ++v) {
-    if (outs[v] == nullptr) continue;
-    for (int p = 0; p < parts; ++p) {
-      const T* src = partial + (static_cast<int64_t>(p) * nvec + v) * C;
-      for (int64_t c = 0; c < C; ++c) outs[v][c] += src[c];
-    }
-  }
-}
-
-}  // namespace
-
 template <typename T>
 void layernorm_forward(ThreadPool& pool, T* out, T* mean, T* rstd, const T* inp, const T* weight,
                        const T* bias, int64_t N, int64_t C, T eps) {
@@ -59,7 +36,7 @@ void layernorm_backward(ThreadPool& pool, T* dinp, T* dweight, T* dbias, const T
                         const T* inp, const T* weight, const T* mean, const T* rstd, int64_t N,
                         int64_t C) {
   T* outs[2] = {dweight, dbias};
-  ParamGradRows<T>(pool, N, C, 2, outs, [&](int64_t r0, int64_t r1, T* partial) {
+  internal::RowPartialSums<T>(pool, N, C, 2, outs, [&](int64_t r0, int64_t r1, T* partial) {
     T* pw = partial;
     T* pb = partial + C;
     for (int64_t r = r0; r < r1; ++r) {
@@ -108,7 +85,7 @@ template <typename T>
 void rmsnorm_backward(ThreadPool& pool, T* dinp, T* dweight, const T* dout, const T* inp,
                       const T* weight, const T* rstd, int64_t N, int64_t C) {
   T* outs[1] = {dweight};
-  ParamGradRows<T>(pool, N, C, 1, outs, [&](int64_t r0, int64_t r1, T* pw) {
+  internal::RowPartialSums<T>(pool, N, C, 1, outs, [&](int64_t r0, int64_t r1, T* pw) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = inp + r * C;
       const T* dy = dout + r * C;

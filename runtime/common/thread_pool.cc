@@ -40,6 +40,7 @@ ThreadPool::~ThreadPool() {
 }
 
 int ThreadPool::PartsFor(int64_t n, int64_t min_chunk) const {
+  if (in_task()) return 1;  // nested calls run inline: one slice
   if (min_chunk < 1) min_chunk = 1;
   int64_t by_size = (n + min_chunk - 1) / min_chunk;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads_, by_size)));

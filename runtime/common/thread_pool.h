@@ -74,8 +74,11 @@ class ThreadPool {
     RunParts(num_threads_, fn);
   }
 
-  // The number of slices ParallelFor(n, min_chunk) uses; callers that keep per-slice partial
-  // results size them with this.
+  // True on a thread that is running a task of some pool: a ParallelFor from here runs inline.
+  static bool InTask() { return in_task(); }
+
+  // The number of slices ParallelFor(n, min_chunk) uses (1 for a nested call); callers that keep
+  // per-slice partial results size them with this.
   int PartsFor(int64_t n, int64_t min_chunk) const;
   // Start of slice `part` of `parts` equal slices of [0, n).
   static int64_t SliceBegin(int64_t n, int parts, int part) { return n * part / parts; }

@@ -5,8 +5,8 @@
 namespace strata::model {
 
 AdamW::AdamW(std::vector<Parameter*> params, const AdamWOptions& options)
-    : params_(std::move(params)), options_(options) {
-  for (Parameter* p : params_) {
+    : slices_(std::move(params)), options_(options) {
+  for (Parameter* p : slices_.params()) {
     m_.push_back(Tensor::Zeros(p->value.shape()));
     v_.push_back(Tensor::Zeros(p->value.shape()));
   }
@@ -14,8 +14,8 @@ AdamW::AdamW(std::vector<Parameter*> params, const AdamWOptions& options)
 
 void AdamW::Step(ops::Context& ctx, double lr, double grad_scale) {
   ++step_;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Parameter* p = params_[i];
+  slices_.Run(ctx, [&](int, size_t i, int64_t begin, int64_t n) {
+    Parameter* p = slices_.params()[i];
     ops::AdamWHyper h;
     h.lr = lr;
     h.beta1 = options_.beta1;
@@ -24,14 +24,25 @@ void AdamW::Step(ops::Context& ctx, double lr, double grad_scale) {
     h.weight_decay = p->decay ? options_.weight_decay : 0.0;
     h.step = step_;
     h.grad_scale = grad_scale;
-    ops::AdamW(ctx, p->value, p->grad, m_[i], v_[i], h);
-  }
+    ops::AdamW(ctx, p->value.View(begin, {n}), p->grad.View(begin, {n}), m_[i].View(begin, {n}),
+               v_[i].View(begin, {n}), h);
+  });
 }
 
-double AdamW::GradNorm(ops::Context& ctx, const std::vector<Parameter*>& params) {
+double AdamW::GradNorm(ops::Context& ctx) const {
+  std::vector<double> partial(ctx.pool->num_threads(), 0.0);
+  slices_.Run(ctx, [&](int tid, size_t i, int64_t begin, int64_t n) {
+    partial[tid] += ops::SumSquares(ctx, slices_.params()[i]->grad.View(begin, {n}));
+  });
   double s = 0;
-  for (Parameter* p : params) s += ops::SumSquares(ctx, p->grad);
+  for (double v : partial) s += v;
   return std::sqrt(s);
+}
+
+void AdamW::ZeroGrad(ops::Context& ctx) const {
+  slices_.Run(ctx, [&](int, size_t i, int64_t begin, int64_t n) {
+    slices_.params()[i]->grad.View(begin, {n}).SetZero();
+  });
 }
 
 }  // namespace strata::model

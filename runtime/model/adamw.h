@@ -1,4 +1,5 @@
-// AdamW over a list of parameters, with global-norm gradient clipping.
+// AdamW over a list of parameters, with global-norm gradient clipping. Updates, norms and zeroing
+// run over all parameters as one flat range split across the pool (ParameterSlices).
 #pragma once
 
 #include <vector>
@@ -22,15 +23,17 @@ class AdamW {
   // One update of every parameter with learning rate lr, gradients multiplied by grad_scale.
   void Step(ops::Context& ctx, double lr, double grad_scale);
 
-  // L2 norm of all gradients together, summed parameter by parameter in a fixed order.
-  static double GradNorm(ops::Context& ctx, const std::vector<Parameter*>& params);
+  // L2 norm of all gradients together (per-thread partial sums combined in thread order).
+  double GradNorm(ops::Context& ctx) const;
+  // Sets every gradient to zero.
+  void ZeroGrad(ops::Context& ctx) const;
 
   int64_t steps() const { return step_; }
   const std::vector<Tensor>& first_moments() const { return m_; }
   const std::vector<Tensor>& second_moments() const { return v_; }
 
  private:
-  std::vector<Parameter*> params_;
+  ParameterSlices slices_;
   AdamWOptions options_;
   std::vector<Tensor> m_, v_;
   int64_t step_ = 0;

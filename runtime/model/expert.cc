@@ -26,8 +26,12 @@ void FfnExpert::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, con
   Tensor pre = saved.View(0, {n, in_width_});
   Tensor act = saved.View(n * in_width_, {n, options_.d_hidden});
   Tensor none;
-  ops::LinearForward(ctx, pre, x, w1_->value, b1_ ? b1_->value : none);
-  ops::ActivationForward(ctx, options_.activation, act, pre);
+  ops::LinearForward(ctx, pre, x, w1_->value, none);
+  if (b1_) {
+    ops::BiasActivationForward(ctx, options_.activation, act, pre, b1_->value);
+  } else {
+    ops::ActivationForward(ctx, options_.activation, act, pre);
+  }
   ops::LinearForward(ctx, y, act, w2_->value, b2_ ? b2_->value : none);
 }
 
@@ -40,9 +44,9 @@ void FfnExpert::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, c
   Tensor none;
   // dW2 += dy^T act, then d(act) overwrites act.
   ops::LinearBackward(ctx, act, w2_->grad, b2_ ? b2_->grad : none, dy, act, w2_->value, false);
-  // d(pre) overwrites pre.
-  ops::ActivationBackward(ctx, options_.activation, pre, act, pre);
-  ops::LinearBackward(ctx, dx, w1_->grad, b1_ ? b1_->grad : none, pre, x, w1_->value, false);
+  // d(pre) overwrites pre; b1's gradient is summed in the same pass.
+  ops::ActivationBackward(ctx, options_.activation, pre, act, pre, b1_ ? b1_->grad : none);
+  ops::LinearBackward(ctx, dx, w1_->grad, none, pre, x, w1_->value, false);
 }
 
 }  // namespace strata::model

@@ -6,6 +6,9 @@
 // expert allocates nothing per call, and the same expert can be called on several blocks (chunks)
 // in one step, each with its own saved storage.
 //
+// Different experts of a layer may run at the same time on different threads (see MoeLayer); one
+// expert is never called concurrently with itself.
+//
 // FfnExpert, the two-layer FFN, is the default; examples/custom_expert shows another.
 #pragma once
 

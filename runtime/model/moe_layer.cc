@@ -30,6 +30,46 @@ std::vector<Parameter*> MoeLayer::Parameters() {
   return ps;
 }
 
+void MoeLayer::PlanExpertGroups(int threads) {
+  group_begin_.clear();
+  const int64_t E = num_experts(), R = plan_.rows;
+  if (threads < 2 || E < threads || R == 0) return;
+  // Cut the expert order where the row prefix sum crosses i * R / threads.
+  group_begin_.assign(threads + 1, E);
+  group_begin_[0] = 0;
+  int part = 1;
+  for (int64_t e = 0; e < E && part < threads; ++e) {
+    while (part < threads && plan_.offsets[e + 1] * threads >= part * R) {
+      // Put expert e in the earlier group if that lands closer to the ideal cut.
+      const int64_t ideal = part * R / threads;
+      const bool before = plan_.offsets[e + 1] - ideal <= ideal - plan_.offsets[e];
+      group_begin_[part++] = before ? e + 1 : e;
+    }
+  }
+  int64_t worst = 0;
+  for (int i = 0; i < threads; ++i) {
+    worst = std::max(worst, plan_.offsets[group_begin_[i + 1]] - plan_.offsets[group_begin_[i]]);
+  }
+  if (worst * threads > R * 115 / 100) group_begin_.clear();  // too uneven: split GEMMs instead
+}
+
+template <typename Fn>
+void MoeLayer::ForEachExpert(ops::Context& ctx, Fn&& fn) {
+  const int64_t E = num_experts();
+  if (group_begin_.empty()) {
+    for (int64_t e = 0; e < E; ++e) {
+      if (plan_.counts[e] > 0) fn(e);
+    }
+    return;
+  }
+  // Inside a pool task every op runs on its own thread (nested parallelism is inline).
+  ctx.pool->Run([&](int tid, int) {
+    for (int64_t e = group_begin_[tid]; e < group_begin_[tid + 1]; ++e) {
+      if (plan_.counts[e] > 0) fn(e);
+    }
+  });
+}
+
 void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, const GateCall& call) {
   const int64_t T = x.dim(0);
   const int64_t E = num_experts();
@@ -42,13 +82,12 @@ void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, cons
   const int64_t R = plan_.rows;
   Tensor xp = xp_.Rows(0, R), yp = yp_.Rows(0, R);
   ops::MoePermuteForward(ctx, xp, x, row_token_);
-  for (int64_t e = 0; e < E; ++e) {
+  PlanExpertGroups(ctx.pool->num_threads());
+  ForEachExpert(ctx, [&](int64_t e) {
     const int64_t r0 = plan_.offsets[e], r1 = plan_.offsets[e + 1];
-    if (r0 == r1) continue;
-    const int64_t n = r1 - r0;
     experts_[e]->Forward(ctx, xp.Rows(r0, r1), yp.Rows(r0, r1),
-                         saved_.View(r0 * saved_stride_, {n, experts_[e]->SavedPerRow()}));
-  }
+                         saved_.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));
+  });
   ops::MoeCombineForward(ctx, y, yp, routing_.weight, slot);
 
   stats_.tokens = T;
@@ -70,7 +109,6 @@ void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, cons
 void MoeLayer::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, const Tensor& dx) {
   const int64_t T = routing_.tokens;
   const int k = routing_.k;
-  const int64_t E = num_experts();
   const int64_t R = plan_.rows;
   CHECK_EQ(x.dim(0), T);
   Tensor slot = slot_.Rows(0, T * k).Reshape({T, k});
@@ -78,13 +116,11 @@ void MoeLayer::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, co
   Tensor dweight = dweight_.Rows(0, T);
   // dyp overwrites yp in place (each row is read, then written, by one thread).
   ops::MoeCombineBackward(ctx, yp, dweight, dy, yp, routing_.weight, slot);
-  for (int64_t e = 0; e < E; ++e) {
+  ForEachExpert(ctx, [&](int64_t e) {
     const int64_t r0 = plan_.offsets[e], r1 = plan_.offsets[e + 1];
-    if (r0 == r1) continue;
-    const int64_t n = r1 - r0;
     experts_[e]->Backward(ctx, xp.Rows(r0, r1), yp.Rows(r0, r1), dxp.Rows(r0, r1),
-                          saved_.View(r0 * saved_stride_, {n, experts_[e]->SavedPerRow()}));
-  }
+                          saved_.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));
+  });
   ops::MoePermuteBackward(ctx, dx, dxp, slot, /*accumulate=*/false);
   gate_->Backward(ctx, x, dweight, dx);
 }

@@ -10,7 +10,16 @@
 // Backward runs the same steps in reverse; the gate gets the gradient of its combine weights.
 //
 // All buffers are sized for max_tokens at construction and reused: nothing is allocated per step
-// or per token. The layer keeps the routing of its last Forward for Backward and for statistics.
+// or per token.
+//
+// How the experts share the cores: when there are enough experts to give every thread a
+// contiguous group with about the same number of rows (within 15%), each thread runs its group
+// and every expert's GEMMs run single-threaded; otherwise the experts run one after another and
+// each GEMM is split over the pool. The first avoids a pool synchronisation per kernel per expert
+// (a few microseconds each, which add up with many small experts); the second keeps the cores
+// busy when a few experts hold most of the rows. Either way the choice depends only on the
+// routing and the thread count, so runs stay reproducible. The layer keeps the routing of its last
+// Forward for Backward and for statistics.
 #pragma once
 
 #include <memory>
@@ -48,6 +57,8 @@ class MoeLayer {
   // The routing of the last Forward (valid until the next one).
   const Routing& routing() const { return routing_; }
   std::vector<Parameter*> Parameters();
+  // Whether the last Forward ran the experts in per-thread groups (see the file comment).
+  bool last_run_grouped() const { return !group_begin_.empty(); }
   Gate& gate() { return *gate_; }
   Expert& expert(int e) { return *experts_[e]; }
   int64_t num_experts() const { return static_cast<int64_t>(experts_.size()); }
@@ -65,6 +76,14 @@ class MoeLayer {
   Tensor xp_, yp_, dxp_;     // [T*k, C]; yp also holds dyp in backward
   Tensor saved_;             // [T*k * saved_stride_]
   Tensor dweight_;           // [T, k]
+  // Per-thread expert groups of the last Forward: thread i runs experts
+  // [group_begin_[i], group_begin_[i + 1]); empty when the experts ran one after another.
+  std::vector<int64_t> group_begin_;
+
+  void PlanExpertGroups(int threads);
+  // Runs fn(e) for every expert with rows, grouped or in order (see the file comment).
+  template <typename Fn>
+  void ForEachExpert(ops::Context& ctx, Fn&& fn);
 };
 
 }  // namespace strata::model

@@ -48,6 +48,11 @@ void Initialize(ops::Context& ctx, Parameter& p, uint64_t seed) {
   });
 }
 
+ParameterSlices::ParameterSlices(std::vector<Parameter*> params) : params_(std::move(params)) {
+  offsets_.assign(1, 0);
+  for (Parameter* p : params_) offsets_.push_back(offsets_.back() + p->value.numel());
+}
+
 int64_t CountScalars(const std::vector<Parameter*>& params) {
   int64_t n = 0;
   for (const Parameter* p : params) n += p->value.numel();

@@ -6,6 +6,7 @@
 // expert placed on another worker starts from the same numbers.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -39,5 +40,32 @@ uint64_t NameHash(const std::string& name);
 
 // Total number of scalars.
 int64_t CountScalars(const std::vector<Parameter*>& params);
+
+// All parameters as one flat index space split evenly over the pool's threads: many parameter
+// tensors are too small to split on their own, and a loop over them would leave all but one core
+// idle. Thread t calls fn(t, i, begin, count) for each part [begin, begin + count) of parameter i
+// that falls in its slice, in parameter order. Inside fn, ops run on the calling thread.
+class ParameterSlices {
+ public:
+  explicit ParameterSlices(std::vector<Parameter*> params);
+  const std::vector<Parameter*>& params() const { return params_; }
+  int64_t total() const { return offsets_.back(); }
+
+  template <typename Fn>
+  void Run(ops::Context& ctx, Fn&& fn) const {
+    const int64_t total = offsets_.back();
+    ctx.pool->Run([&](int tid, int threads) {
+      const int64_t lo = total * tid / threads, hi = total * (tid + 1) / threads;
+      for (size_t i = 0; i < params_.size(); ++i) {
+        const int64_t b = std::max(lo, offsets_[i]), e = std::min(hi, offsets_[i + 1]);
+        if (b < e) fn(tid, i, b - offsets_[i], e - b);
+      }
+    });
+  }
+
+ private:
+  std::vector<Parameter*> params_;
+  std::vector<int64_t> offsets_;  // prefix sums of sizes, [params + 1]
+};
 
 }  // namespace strata::model

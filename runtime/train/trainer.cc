@@ -69,7 +69,7 @@ StatusOr<StepResult> Trainer::Step() {
   Stopwatch watch;
   dataset_->TrainBatch(cfg.seed(), data::TokenDataset::FirstSample(step_, B), B, inputs_.data(),
                        targets_.data());
-  model_->ZeroGrad();
+  optimizer_->ZeroGrad(ctx_);
   model::GateCall call{true, static_cast<uint64_t>(step_)};
   StepResult r;
   r.loss = model_->Forward(ctx_, inputs_.data(), targets_.data(), B, call);
@@ -80,7 +80,7 @@ StatusOr<StepResult> Trainer::Step() {
                         r.loss, step_ + 1, cfg.train().lr()));
   }
   model_->Backward(ctx_);
-  r.grad_norm = model::AdamW::GradNorm(ctx_, model_->Parameters());
+  r.grad_norm = optimizer_->GradNorm(ctx_);
   r.lr = LearningRate(cfg.train(), step_);
   optimizer_->Step(ctx_, r.lr, cpu::ClipScale(r.grad_norm, cfg.train().grad_clip()));
   for (const auto& ref : model_->moe_layers()) {

@@ -279,6 +279,20 @@ TEST_F(CpuKernelsTest, ActivationsBackward) {
         }
         EXPECT_NEAR(out[n * H + h], expect, 1e-12);
       }
+    // Fused bias + activation, and the bias gradient summed in the backward pass.
+    Vec bias = Random(W, 13);
+    auto bias_loss = [&] {
+      Vec pre = x, o(N * H);
+      bias_activation_forward<double>(pool, act, o.data(), pre.data(), bias.data(), N, H);
+      return Dot(o, r);
+    };
+    Vec pre = x, o(N * H), dpre(N * W), dbias(W, 0.0);
+    bias_activation_forward<double>(pool, act, o.data(), pre.data(), bias.data(), N, H);
+    for (int n = 0; n < N; ++n)
+      for (int w = 0; w < W; ++w) EXPECT_DOUBLE_EQ(pre[n * W + w], x[n * W + w] + bias[w]);
+    activation_backward<double>(pool, act, dpre.data(), r.data(), pre.data(), N, H, dbias.data());
+    ExpectGradient("bias", bias, dbias, bias_loss);
+
     std::vector<float> xf = ToFloat(x), of(N * H), df(N * W), rf = ToFloat(r);
     activation_forward<float>(pool, act, of.data(), xf.data(), N, H);
     ExpectClose(of, out, 2e-6, "float activation");

@@ -111,12 +111,5 @@ TEST(ConfigTest, LoadFromFileResolvesPathsAndReportsMissingFile) {
   EXPECT_NE(missing.status().message().find("nope.textproto"), std::string::npos);
 }
 
-TEST(ConfigTest, ShippedExampleConfigsAreValid) {
-  for (const char* f : {"examples/moe_lm/config.textproto"}) {
-    auto c = LoadJobConfig(std::string(STRATA_SOURCE_DIR) + "/" + f);
-    EXPECT_TRUE(c.ok()) << f << ": " << c.status();
-  }
-}
-
 }  // namespace
 }  // namespace strata::config

@@ -16,6 +16,7 @@
 #include <numeric>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "runtime/common/rng.h"
 #include "runtime/model/moe_layer.h"
 
@@ -193,7 +194,7 @@ class MoeLayerTest : public ::testing::TestWithParam<Case> {
     std::vector<std::unique_ptr<Expert>> experts;
     for (int e = 0; e < kE; ++e) {
       FfnOptions f{kC, kH, ops::Activation::kGelu, true, 0.5f, 0.5f};
-      experts.push_back(std::make_unique<FfnExpert>("experts." + std::to_string(e), f));
+      experts.push_back(std::make_unique<FfnExpert>(absl::StrCat("experts.", e), f));
     }
     layer_ = std::make_unique<MoeLayer>(kC, kTokens, MakeGate("gate", g), std::move(experts));
     for (Parameter* p : layer_->Parameters()) {
@@ -304,14 +305,81 @@ TEST_P(MoeLayerTest, GradientsMatchFiniteDifferencesOfReference) {
 TEST_P(MoeLayerTest, SteadyStateAllocatesNothing) {
   const Case& c = GetParam();
   Tensor y = Tensor::Empty({kTokens, kC}), dx = Tensor::Empty({kTokens, kC});
-  layer_->Forward(ctx_, x_, y, GateCall{c.training, kStep});  // warm up grow-only scratch
-  layer_->Backward(ctx_, x_, r_, dx);
+  auto steps = [&] {
+    for (uint64_t step = 0; step < 3; ++step) {
+      layer_->Forward(ctx_, x_, y, GateCall{c.training, kStep + step});
+      layer_->Backward(ctx_, x_, r_, dx);
+    }
+  };
+  // The first pass over these steps may size grow-only scratch (per thread, on first use); the
+  // same steps again route identically and must allocate nothing.
+  steps();
   const int64_t before = g_allocations.load();
-  for (uint64_t step = 0; step < 3; ++step) {
-    layer_->Forward(ctx_, x_, y, GateCall{c.training, kStep + step});
-    layer_->Backward(ctx_, x_, r_, dx);
-  }
+  steps();
   EXPECT_EQ(g_allocations.load() - before, 0);
+}
+
+// Experts run either in per-thread groups or one after another with split GEMMs (MoeLayer picks by
+// balance). Both must give the single-threaded result up to rounding.
+TEST_P(MoeLayerTest, GroupedAndSequentialExpertsAgreeWithOneThread) {
+  const Case& c = GetParam();
+  ThreadPool one(1), three(3);
+  ops::Context c1{&one}, c3{&three};
+  Tensor y1 = Tensor::Empty({kTokens, kC}), y2 = Tensor::Empty({kTokens, kC}),
+         y3 = Tensor::Empty({kTokens, kC});
+  layer_->Forward(c1, x_, y1, GateCall{c.training, kStep});
+  EXPECT_FALSE(layer_->last_run_grouped());
+  layer_->Forward(ctx_, x_, y2, GateCall{c.training, kStep});
+  const bool grouped2 = layer_->last_run_grouped();
+  layer_->Forward(c3, x_, y3, GateCall{c.training, kStep});
+  for (int i = 0; i < kTokens * kC; ++i) {
+    EXPECT_NEAR(y2.f32()[i], y1.f32()[i], 1e-5);
+    EXPECT_NEAR(y3.f32()[i], y1.f32()[i], 1e-5);
+  }
+  ::testing::Test::RecordProperty("grouped_with_2_threads", grouped2 ? "yes" : "no");
+}
+
+// Both execution paths, forced by the routing: balanced loads run grouped, one hot expert does not.
+TEST(MoeLayerPathsTest, BalancedRoutingRunsGroupedAndSkewedDoesNot) {
+  for (bool skewed : {false, true}) {
+    const int64_t T = 256, C = 8, E = 8;
+    SoftmaxGateOptions g;
+    g.d_model = C;
+    g.num_experts = E;
+    g.k = skewed ? 1 : 2;
+    g.max_tokens = T;
+    g.seed = 1;
+    std::vector<std::unique_ptr<Expert>> experts;
+    for (int e = 0; e < E; ++e) {
+      experts.push_back(std::make_unique<FfnExpert>(
+          absl::StrCat("e", e), FfnOptions{C, 4, ops::Activation::kGelu, true, 0.5f, 0.5f}));
+    }
+    MoeLayer layer(C, T, MakeGate("gate", g), std::move(experts));
+    ThreadPool one(1), two(2);
+    ops::Context c1{&one}, c2{&two};
+    for (Parameter* p : layer.Parameters()) Initialize(c1, *p, 3);
+    Tensor x = Tensor::Empty({T, C});
+    std::mt19937 gen(5);
+    std::normal_distribution<float> nd(0, 1);
+    for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = skewed ? std::abs(nd(gen)) : nd(gen);
+    if (skewed) {  // every token's first choice is expert 0
+      auto& router = static_cast<SoftmaxGate&>(layer.gate()).router().value;
+      router.SetZero();
+      for (int64_t c = 0; c < C; ++c) router.f32()[c] = 1.0f;
+    }
+    Tensor y1 = Tensor::Empty({T, C}), y2 = Tensor::Empty({T, C});
+    Tensor dy = Tensor::Empty({T, C}), dx1 = Tensor::Empty({T, C}), dx2 = Tensor::Empty({T, C});
+    for (int64_t i = 0; i < dy.numel(); ++i) dy.f32()[i] = nd(gen);
+    layer.Forward(c1, x, y1, GateCall{true, 0});
+    layer.Backward(c1, x, dy, dx1);
+    layer.Forward(c2, x, y2, GateCall{true, 0});
+    EXPECT_EQ(layer.last_run_grouped(), !skewed);
+    layer.Backward(c2, x, dy, dx2);
+    for (int64_t i = 0; i < T * C; ++i) {
+      ASSERT_NEAR(y2.f32()[i], y1.f32()[i], 1e-5) << i;
+      ASSERT_NEAR(dx2.f32()[i], dx1.f32()[i], 1e-5) << i;
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "proto/config_io.h"
 #include "runtime/train/trainer.h"
@@ -121,7 +122,7 @@ TEST_F(TrainerTest, MetricsFileHasOneObjectPerStepWithTheDocumentedKeys) {
     const std::string& l = lines[i];
     EXPECT_EQ(l.front(), '{');
     EXPECT_EQ(l.back(), '}');
-    EXPECT_NE(l.find("\"step\":" + std::to_string(i + 1) + ","), std::string::npos) << l;
+    EXPECT_NE(l.find(absl::StrCat("\"step\":", i + 1, ",")), std::string::npos) << l;
     for (const char* key : {"\"loss\":", "\"aux_loss\":", "\"tokens_per_s\":", "\"moe\":[",
                             "\"load\":[", "\"dropped\":", "\"layer\":0", "\"layer\":1"}) {
       EXPECT_NE(l.find(key), std::string::npos) << key << " missing in " << l;
