@@ -1,0 +1,491 @@
+// bench_moe_layer: one MoE layer, forward + backward, against its limit and a naive baseline.
+//
+// For each shape (tokens, d_model, d_hidden, experts, k), plain top-k gate, dropless, GELU FFN
+// experts with biases, the same thread count everywhere:
+//   strata   MoeLayer::Forward + Backward (gate, permutation, grouped experts, combine, gate grad)
+//   sgemm    only the six expert GEMMs per expert, on exactly the row counts the routing produced
+//            and the layer's own weights, under three thread schedules (OpenBLAS's own threads,
+//            each GEMM split over the pool, experts in per-thread groups); the fastest is the limit
+//   torch    the naive PyTorch layer (a Python loop over experts, index_select / index_add; see
+//            torch_moe_baseline.py) in Debian's python3-torch
+// GFLOP/s counts the expert GEMMs only: 12 * routed rows * d_model * d_hidden per iteration.
+// Timing on a shared machine: a shape is measured in --rounds rounds, each a fresh strata process
+// (the layer and the sgemm schedules in alternating blocks of individually timed iterations, see
+// RunShape) followed by a PyTorch process; each column is the median over rounds of its medians.
+// Peak memory (VmHWM) is per process, so per shape.
+// Every run checks the layer's output on sampled tokens against a per-token double-precision
+// recomputation (#wrong).
+#include <cblas.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "bench/bench_util.h"
+#include "kernels/cpu/gemm.h"
+#include "runtime/common/clock.h"
+#include "runtime/common/json.h"
+#include "runtime/model/moe_layer.h"
+
+namespace strata::bench {
+namespace {
+
+struct Shape {
+  int64_t tokens, d_model, d_hidden, experts;
+  int k;
+};
+
+struct Options {
+  bool json = false;
+  int threads = 0;
+  int iters = 2;   // timed iterations per block
+  int blocks = 2;  // alternating blocks per column within a round
+  int rounds = 3;  // rounds, each a strata process then a PyTorch process
+  int warmup = 1;
+  bool torch = true;
+  std::string python;
+  std::vector<Shape> shapes = {
+      {2048, 512, 1024, 16, 2}, {4096, 1024, 4096, 64, 2}, {4096, 1024, 1024, 8, 1}};
+};
+
+struct Row {
+  Shape s;
+  double ms = 0, gflops = 0, sgemm_ms = 0, torch_ms = NAN, peak_mb = 0, torch_peak_mb = NAN;
+  std::vector<double> sgemm_by_schedule;  // in Schedule order
+  std::string sgemm_schedule;             // the fastest, taken as the limit
+  int64_t routed = 0;
+  int wrong = 0, checked = 0;
+  bool grouped = false;  // how the layer ran its experts
+  std::string torch_note;
+};
+
+double Gelu(double v) {
+  return 0.5 * v * (1 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+}
+
+// How the expert GEMMs of the baseline share the threads.
+enum class Schedule {
+  kOpenBlasThreads,  // experts in order, each GEMM one cblas_sgemm on OpenBLAS's own threads
+  kSplitGemms,       // experts in order, each GEMM split over strata's pool (cpu::Gemm)
+  kExpertGroups,     // each thread runs a contiguous group of experts, GEMMs single-threaded
+};
+const char* ScheduleName(Schedule s) {
+  switch (s) {
+    case Schedule::kOpenBlasThreads:
+      return "openblas_threads";
+    case Schedule::kSplitGemms:
+      return "split_gemms";
+    case Schedule::kExpertGroups:
+      return "expert_groups";
+  }
+  return "?";
+}
+
+// The six GEMMs of each expert's forward and backward, on exactly the routed row counts, with the
+// layer's own weight and gradient tensors and one contiguous block of rows per expert (as the
+// layer has): forward h = x W1^T, y = h W2^T; backward dW2 += dy^T h, dh = dy W2, dW1 += dh^T x,
+// dx = dh W1. Nothing else: no gate, permutation, bias, activation or combine.
+class ExpertGemms {
+ public:
+  ExpertGemms(const Shape& s, model::MoeLayer& layer, const std::vector<int64_t>& rows,
+              ThreadPool& pool)
+      : s_(s), layer_(layer), rows_(rows), pool_(pool), first_(s.experts + 1, 0) {
+    for (int64_t e = 0; e < s.experts; ++e) first_[e + 1] = first_[e] + rows[e];
+    const int64_t R = first_.back();
+    x_.assign(R * s.d_model, 0.01f);
+    h_.assign(R * s.d_hidden, 0.01f);
+    y_.assign(R * s.d_model, 0.f);
+    dy_.assign(R * s.d_model, 0.01f);
+    dx_.assign(R * s.d_model, 0.f);
+    // Contiguous expert groups with about R / threads rows each.
+    const int threads = pool.num_threads();
+    cut_.assign(threads + 1, s.experts);
+    cut_[0] = 0;
+    for (int t = 1, e = 0; t < threads; ++t) {
+      while (e < s.experts && first_[e + 1] * threads <= t * R) ++e;
+      cut_[t] = e;
+    }
+  }
+
+  // One forward + backward of every expert's GEMMs under `schedule`.
+  void Run(Schedule schedule) {
+    if (schedule == Schedule::kExpertGroups) {
+      pool_.Run([&](int tid, int) {
+        for (int64_t e = cut_[tid]; e < cut_[tid + 1]; ++e) RunExpert(e, schedule, true);
+      });
+      return;
+    }
+    if (schedule == Schedule::kOpenBlasThreads) cpu::SetBlasThreads(pool_.num_threads());
+    for (int64_t e = 0; e < s_.experts; ++e) RunExpert(e, schedule, false);
+    cpu::SetBlasThreads(1);
+  }
+
+ private:
+  void RunExpert(int64_t e, Schedule schedule, bool single_thread) {
+    const int64_t n = rows_[e], C = s_.d_model, H = s_.d_hidden;
+    if (n == 0) return;
+    auto& f = static_cast<model::FfnExpert&>(layer_.expert(static_cast<int>(e)));
+    const float* w1 = f.w1().value.f32();
+    const float* w2 = f.w2().value.f32();
+    float* dw1 = f.w1().grad.f32();
+    float* dw2 = f.w2().grad.f32();
+    float* xe = x_.data() + first_[e] * C;
+    float* he = h_.data() + first_[e] * H;
+    float* ye = y_.data() + first_[e] * C;
+    float* dye = dy_.data() + first_[e] * C;
+    float* dxe = dx_.data() + first_[e] * C;
+    auto gemm = [&](bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                    const float* B, int64_t ldb, float beta, float* Cm, int64_t ldc) {
+      if (schedule == Schedule::kOpenBlasThreads) {
+        cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                    M, N, K, 1.0f, A, lda, B, ldb, beta, Cm, ldc);
+      } else if (single_thread) {
+        cpu::GemmSerial<float>(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, Cm, ldc);
+      } else {
+        cpu::Gemm<float>(pool_, ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, Cm, ldc);
+      }
+    };
+    gemm(false, true, n, H, C, xe, C, w1, C, 0.f, he, H);    // h = x W1^T
+    gemm(false, true, n, C, H, he, H, w2, H, 0.f, ye, C);    // y = h W2^T
+    gemm(true, false, C, H, n, dye, C, he, H, 1.f, dw2, H);  // dW2 += dy^T h
+    gemm(false, false, n, H, C, dye, C, w2, H, 0.f, he, H);  // dh = dy W2
+    gemm(true, false, H, C, n, he, H, xe, C, 1.f, dw1, C);   // dW1 += dh^T x
+    gemm(false, false, n, C, H, he, H, w1, C, 0.f, dxe, C);  // dx = dh W1
+  }
+
+  const Shape& s_;
+  model::MoeLayer& layer_;
+  std::vector<int64_t> rows_;
+  ThreadPool& pool_;
+  std::vector<int64_t> first_, cut_;
+  std::vector<float> x_, h_, y_, dy_, dx_;
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+Row RunShape(const Shape& s, const Options& o, ThreadPool& pool) {
+  Row row;
+  row.s = s;
+  ops::Context ctx{&pool};
+  {
+    model::SoftmaxGateOptions g;
+    g.d_model = s.d_model;
+    g.num_experts = s.experts;
+    g.k = s.k;
+    g.max_tokens = s.tokens;
+    g.config.set_type(config::GateConfig::TOP_K);
+    g.config.set_capacity_factor_train(0);
+    g.seed = 1;
+    std::vector<std::unique_ptr<model::Expert>> experts;
+    for (int64_t e = 0; e < s.experts; ++e) {
+      model::FfnOptions f{s.d_model, s.d_hidden, ops::Activation::kGelu, true, 0.02f, 0.02f};
+      experts.push_back(std::make_unique<model::FfnExpert>(absl::StrCat("e", e), f));
+    }
+    model::MoeLayer layer(s.d_model, s.tokens, model::MakeGate("gate", g), std::move(experts));
+    for (model::Parameter* p : layer.Parameters()) model::Initialize(ctx, *p, 1);
+    Tensor x = Tensor::Empty({s.tokens, s.d_model}), y = Tensor::Empty({s.tokens, s.d_model});
+    Tensor dy = Tensor::Empty({s.tokens, s.d_model}), dx = Tensor::Empty({s.tokens, s.d_model});
+    std::mt19937 gen(7);
+    std::normal_distribution<float> nd(0, 1);
+    for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = nd(gen);
+    for (int64_t i = 0; i < dy.numel(); ++i) dy.f32()[i] = nd(gen);
+    const model::GateCall call{true, 0};
+    auto layer_step = [&] {
+      layer.Forward(ctx, x, y, call);
+      layer.Backward(ctx, x, dy, dx);
+    };
+    for (int i = 0; i < std::max(1, o.warmup); ++i) layer_step();
+    // The routing (and so the GEMM shapes) is fixed by x and the router: take it from the warm-up.
+    ExpertGemms gemms(s, layer, layer.stats().load, pool);
+    const Schedule schedules[] = {Schedule::kOpenBlasThreads, Schedule::kSplitGemms,
+                                  Schedule::kExpertGroups};
+    for (Schedule sched : schedules) gemms.Run(sched);  // warm up
+    // Interleave: one layer step, then one run of each baseline schedule, `iters` times, so a
+    // slow spell of the machine hits every column alike. Medians of each.
+    // Alternate blocks (strata, then each sgemm schedule) for o.blocks rounds, so a slow spell of
+    // a shared machine hits every column alike. Each block starts with one untimed iteration,
+    // which absorbs the hand-over (cold caches, the previous block's threads still spinning), then
+    // times o.iters iterations one by one; each column reports the median of its timed ones.
+    std::vector<double> layer_ms;
+    std::vector<std::vector<double>> sched_ms(3);
+    auto block = [&](std::vector<double>* out, const auto& fn) {
+      fn();
+      for (int i = 0; i < o.iters; ++i) out->push_back(MedianMs(1, fn));
+    };
+    for (int b = 0; b < o.blocks; ++b) {
+      block(&layer_ms, layer_step);
+      for (int k = 0; k < 3; ++k) block(&sched_ms[k], [&] { gemms.Run(schedules[k]); });
+    }
+    row.ms = Median(layer_ms);
+    row.sgemm_ms = 1e300;
+    for (int k = 0; k < 3; ++k) {
+      row.sgemm_by_schedule.push_back(Median(sched_ms[k]));
+      if (row.sgemm_by_schedule[k] < row.sgemm_ms) {
+        row.sgemm_ms = row.sgemm_by_schedule[k];
+        row.sgemm_schedule = ScheduleName(schedules[k]);
+      }
+    }
+    row.peak_mb = PeakRssMb();
+    // Check the output of a forward pass on sampled tokens against a recomputation in double:
+    // router, top-k choice, and each chosen expert's FFN.
+    layer.Forward(ctx, x, y, call);
+    const model::Routing& r = layer.routing();
+    auto& gate = static_cast<model::SoftmaxGate&>(layer.gate());
+    for (int64_t t = 0; t < s.tokens; t += std::max<int64_t>(1, s.tokens / 16)) {
+      std::vector<double> ref(s.d_model, 0.0);
+      // Recompute the router for this token; the selected experts must agree.
+      std::vector<double> logit(s.experts);
+      double mx = -1e300;
+      for (int64_t e = 0; e < s.experts; ++e) {
+        double v = 0;
+        for (int64_t c = 0; c < s.d_model; ++c) {
+          v += double(gate.router().value.f32()[e * s.d_model + c]) * x.f32()[t * s.d_model + c];
+        }
+        logit[e] = v;
+        mx = std::max(mx, v);
+      }
+      double z = 0;
+      for (double v : logit) z += std::exp(v - mx);
+      double wsum = 0;
+      for (int j = 0; j < s.k; ++j) wsum += std::exp(logit[r.expert.i32()[t * s.k + j]] - mx) / z;
+      for (int j = 0; j < s.k; ++j) {
+        const int e = r.expert.i32()[t * s.k + j];
+        const double wj = std::exp(logit[e] - mx) / z / (s.k > 1 ? wsum : 1.0);
+        auto& f = static_cast<model::FfnExpert&>(layer.expert(e));
+        std::vector<double> act(s.d_hidden);
+        for (int64_t h = 0; h < s.d_hidden; ++h) {
+          double v = f.b1()->value.f32()[h];
+          for (int64_t c = 0; c < s.d_model; ++c) {
+            v += double(f.w1().value.f32()[h * s.d_model + c]) * x.f32()[t * s.d_model + c];
+          }
+          act[h] = Gelu(v);
+        }
+        for (int64_t c = 0; c < s.d_model; ++c) {
+          double v = f.b2()->value.f32()[c];
+          for (int64_t h = 0; h < s.d_hidden; ++h) {
+            v += double(f.w2().value.f32()[c * s.d_hidden + h]) * act[h];
+          }
+          ref[c] += wj * v;
+        }
+      }
+      double err = 0, norm = 0;
+      for (int64_t c = 0; c < s.d_model; ++c) {
+        err = std::max(err, std::abs(ref[c] - y.f32()[t * s.d_model + c]));
+        norm = std::max(norm, std::abs(ref[c]));
+      }
+      ++row.checked;
+      row.wrong += err > 1e-4 * (1 + norm);
+    }
+    for (int64_t n : layer.stats().load) row.routed += n;
+    row.grouped = layer.last_run_grouped();
+  }
+  row.gflops = 12.0 * row.routed * s.d_model * s.d_hidden / (row.ms * 1e6);
+  return row;
+}
+
+// One round of a shape: the strata measurements in a fresh child process (so its peak memory is
+// its own), then the PyTorch baseline in its own process. No two measurements share the machine.
+Row MeasureRound(const Shape& s, const Options& o, int threads) {
+  const std::string out = InChildProcess([&] {
+    ThreadPool pool(threads);
+    Row r = RunShape(s, o, pool);
+    JsonWriter j;
+    j.BeginObject()
+        .Field("ms", r.ms)
+        .Field("sgemm_ms", r.sgemm_ms)
+        .Field("s0", r.sgemm_by_schedule[0])
+        .Field("s1", r.sgemm_by_schedule[1])
+        .Field("s2", r.sgemm_by_schedule[2])
+        .Field("peak_mb", r.peak_mb)
+        .Field("routed", r.routed)
+        .Field("wrong", r.wrong)
+        .Field("checked", r.checked)
+        .Field("grouped", r.grouped ? 1 : 0)
+        .EndObject();
+    return j.str();
+  });
+  Row row;
+  row.s = s;
+  if (out.empty()) {
+    row.wrong = 1;
+    row.torch_note = "the measurement process failed";
+    return row;
+  }
+  row.ms = JsonNumber(out, "ms");
+  row.sgemm_by_schedule = {JsonNumber(out, "s0"), JsonNumber(out, "s1"), JsonNumber(out, "s2")};
+  row.peak_mb = JsonNumber(out, "peak_mb");
+  row.routed = static_cast<int64_t>(JsonNumber(out, "routed"));
+  row.wrong = static_cast<int>(JsonNumber(out, "wrong"));
+  row.checked = static_cast<int>(JsonNumber(out, "checked"));
+  row.grouped = JsonNumber(out, "grouped") > 0;
+  if (o.torch) {
+    int status = 0;
+    const std::string t =
+        Capture(absl::StrFormat("%s %s/bench_moe_torch.py --tokens %d --d_model %d --d_hidden %d "
+                                "--experts %d --k %d --threads %d --iters %d --warmup %d",
+                                o.python, ExecutableDir(), s.tokens, s.d_model, s.d_hidden,
+                                s.experts, s.k, threads, o.iters * o.blocks, std::max(1, o.warmup)),
+                &status);
+    row.torch_ms = JsonNumber(t, "ms");
+    row.torch_peak_mb = JsonNumber(t, "peak_rss_mb");
+    if (!std::isfinite(row.torch_ms)) {
+      row.torch_note = t.find("error") != std::string::npos ? t : "the PyTorch baseline failed";
+    }
+  }
+  return row;
+}
+
+// o.rounds rounds of MeasureRound; every time is the median over rounds.
+Row MeasureShape(const Shape& s, const Options& o, int threads) {
+  std::vector<Row> rounds;
+  for (int r = 0; r < o.rounds; ++r) rounds.push_back(MeasureRound(s, o, threads));
+  Row row = rounds[0];
+  auto median_of = [&](auto get) {
+    std::vector<double> v;
+    for (const Row& r : rounds) {
+      if (!std::isfinite(get(r))) return std::nan("");  // a round without this measurement
+      v.push_back(get(r));
+    }
+    return Median(v);
+  };
+  row.ms = median_of([](const Row& r) { return r.ms; });
+  row.torch_ms = median_of([](const Row& r) { return r.torch_ms; });
+  row.sgemm_ms = 1e300;
+  for (int k = 0; k < 3; ++k) {
+    row.sgemm_by_schedule[k] = median_of([k](const Row& r) { return r.sgemm_by_schedule[k]; });
+    if (row.sgemm_by_schedule[k] < row.sgemm_ms) {
+      row.sgemm_ms = row.sgemm_by_schedule[k];
+      row.sgemm_schedule = ScheduleName(static_cast<Schedule>(k));
+    }
+  }
+  for (const Row& r : rounds) {
+    row.peak_mb = std::max(row.peak_mb, r.peak_mb);
+    row.torch_peak_mb = std::max(row.torch_peak_mb, r.torch_peak_mb);
+    row.wrong = std::max(row.wrong, r.wrong);
+    if (row.torch_note.empty()) row.torch_note = r.torch_note;
+  }
+  row.gflops = 12.0 * row.routed * s.d_model * s.d_hidden / (row.ms * 1e6);
+  return row;
+}
+
+int Main(int argc, char** argv) {
+  Options o;
+  o.python = access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3";
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&](int* out) {
+      if (i + 1 >= argc || !absl::SimpleAtoi(argv[++i], out) || *out < 0) {
+        std::fprintf(stderr, "bench_moe_layer: %s needs a non-negative integer\n", a.c_str());
+        std::exit(2);
+      }
+    };
+    if (a == "--json")
+      o.json = true;
+    else if (a == "--threads")
+      value(&o.threads);
+    else if (a == "--iters")
+      value(&o.iters);
+    else if (a == "--warmup")
+      value(&o.warmup);
+    else if (a == "--rounds")
+      value(&o.rounds);
+    else if (a == "--blocks")
+      value(&o.blocks);
+    else if (a == "--no-torch")
+      o.torch = false;
+    else if (a == "--python" && i + 1 < argc)
+      o.python = argv[++i];
+    else if (a == "--small")
+      o.shapes = {{512, 128, 256, 8, 2}};
+    else if (a == "--shape" && i + 1 < argc) {
+      Shape s{};
+      if (std::sscanf(argv[++i], "%ld,%ld,%ld,%ld,%d", &s.tokens, &s.d_model, &s.d_hidden,
+                      &s.experts, &s.k) != 5 ||
+          s.tokens < 1 || s.d_model < 1 || s.d_hidden < 1 || s.experts < 1 || s.k < 1 || s.k > 4 ||
+          s.k > s.experts) {
+        std::fprintf(stderr, "bench_moe_layer: --shape wants TOKENS,D_MODEL,D_HIDDEN,EXPERTS,K\n");
+        return 2;
+      }
+      o.shapes = {s};
+    } else {
+      std::fprintf(stderr,
+                   "usage: bench_moe_layer [--json] [--threads T] [--iters N] [--blocks N] "
+                   "[--rounds N] [--warmup N] "
+                   "[--no-torch] [--python PATH] [--small] [--shape T,C,H,E,K]\n");
+      return 2;
+    }
+  }
+  if (o.threads == 0) o.threads = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  if (o.iters < 1) o.iters = 1;
+  if (o.rounds < 1) o.rounds = 1;
+  if (o.blocks < 1) o.blocks = 1;
+  if (!o.json) {
+    std::printf("# bench_moe_layer: MoE layer forward+backward, top-k gate, dropless, %d threads\n",
+                o.threads);
+    std::printf("# host: %s\n", HostDescription().c_str());
+    std::printf("# GFLOP/s counts expert GEMMs only (12 * routed rows * d_model * d_hidden)\n");
+    std::printf("%6s %7s %8s %7s %2s | %9s %8s | %9s %8s | %9s %8s | %7s %6s\n", "tokens",
+                "d_model", "d_hidden", "experts", "k", "strata_ms", "GFLOP/s", "sgemm_ms",
+                "x_sgemm", "torch_ms", "speedup", "peak_MB", "#wrong");
+  }
+  int failures = 0;
+  for (const Shape& s : o.shapes) {
+    Row r = MeasureShape(s, o, o.threads);
+    failures += r.wrong;
+    const double over = r.ms / r.sgemm_ms;
+    const double speedup = r.torch_ms / r.ms;
+    if (o.json) {
+      JsonWriter j;
+      j.BeginObject()
+          .Field("tokens", s.tokens)
+          .Field("d_model", s.d_model)
+          .Field("d_hidden", s.d_hidden)
+          .Field("experts", s.experts)
+          .Field("k", s.k)
+          .Field("threads", o.threads)
+          .Field("ms", r.ms)
+          .Field("gflops", r.gflops)
+          .Field("sgemm_ms", r.sgemm_ms)
+          .Field("sgemm_schedule", r.sgemm_schedule)
+          .Field("sgemm_openblas_threads_ms", r.sgemm_by_schedule[0])
+          .Field("sgemm_split_gemms_ms", r.sgemm_by_schedule[1])
+          .Field("sgemm_expert_groups_ms", r.sgemm_by_schedule[2])
+          .Field("time_over_sgemm", over)
+          .Field("torch_ms", r.torch_ms)
+          .Field("speedup_over_torch", speedup)
+          .Field("peak_rss_mb", r.peak_mb)
+          .Field("torch_peak_rss_mb", r.torch_peak_mb)
+          .Field("checked", r.checked)
+          .Field("wrong", r.wrong)
+          .EndObject();
+      std::printf("%s\n", j.str().c_str());
+    } else {
+      std::printf(
+          "%6lld %7lld %8lld %7lld %2d | %9.1f %8.1f | %9.1f %8.3f | %9.1f %8.2f | %7.0f %6d\n",
+          (long long)s.tokens, (long long)s.d_model, (long long)s.d_hidden, (long long)s.experts,
+          s.k, r.ms, r.gflops, r.sgemm_ms, over, r.torch_ms, speedup, r.peak_mb, r.wrong);
+      std::printf(
+          "#   sgemm schedules (ms): openblas_threads %.1f, split_gemms %.1f, expert_groups "
+          "%.1f; strata ran %s\n",
+          r.sgemm_by_schedule[0], r.sgemm_by_schedule[1], r.sgemm_by_schedule[2],
+          r.grouped ? "expert groups" : "split GEMMs");
+      if (!r.torch_note.empty()) std::printf("# torch: %s\n", r.torch_note.c_str());
+    }
+    std::fflush(stdout);
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace strata::bench
+
+int main(int argc, char** argv) { return strata::bench::Main(argc, argv); }

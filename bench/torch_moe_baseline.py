@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Naive PyTorch MoE layer, forward + backward: the baseline of bench_moe_layer.
+
+This is the brute-force layer FastMoE compares against: a linear gate with softmax and top-k,
+then a Python loop over experts, each with its own weight tensors, gathering its tokens with
+index_select and scattering its weighted output back with index_add. Autograd does backward.
+Prints one JSON object: {"ms": median milliseconds per iteration, "peak_rss_mb": ..., "threads": ...}.
+
+"""
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for name in ("tokens", "d_model", "d_hidden", "experts", "k"):
+        ap.add_argument("--" + name, type=int, required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    args = ap.parse_args()
+    try:
+        import torch
+    except ImportError:
+        print(json.dumps({"error": "python3-torch is not installed "
+                                   "(scripts/install-deps.sh --with-torch installs it)"}), flush=True)
+        return 0
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    T, C, H, E, k = args.tokens, args.d_model, args.d_hidden, args.experts, args.k
+    gate = torch.nn.Linear(C, E, bias=False)
+    w1 = [torch.nn.Linear(C, H) for _ in range(E)]
+    w2 = [torch.nn.Linear(H, C) for _ in range(E)]
+    x = torch.randn(T, C, requires_grad=True)
+    dy = torch.randn(T, C)
+
+    def step():
+        probs = torch.softmax(gate(x), dim=-1)
+        weights, experts = torch.topk(probs, k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        flat_x = x.repeat_interleave(k, dim=0)
+        flat_e = experts.reshape(-1)
+        flat_w = weights.reshape(-1, 1)
+        token_of = torch.arange(T).repeat_interleave(k)
+        for e in range(E):
+            rows = (flat_e == e).nonzero(as_tuple=True)[0]
+            if rows.numel() == 0:
+                continue
+            xe = flat_x.index_select(0, rows)
+            ye = w2[e](torch.nn.functional.gelu(w1[e](xe), approximate="tanh"))
+            out = out.index_add(0, token_of.index_select(0, rows), ye * flat_w.index_select(0, rows))
+        out.backward(dy)
+
+    for _ in range(args.warmup):
+        step()
+
+    times = []
+    for _ in range(args.iters):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    ms = statistics.median(times)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    print(json.dumps({"ms": ms, "peak_rss_mb": peak_mb, "threads": torch.get_num_threads(),
+                      "torch": torch.__version__}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
