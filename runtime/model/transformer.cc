@@ -7,6 +7,17 @@
 
 namespace strata::model {
 
+namespace {
+ops::Activation ToActivation(config::ModelConfig::Activation a) {
+  switch (a) {
+    case config::ModelConfig::RELU: return ops::Activation::kRelu;
+    case config::ModelConfig::SWIGLU: return ops::Activation::kSwiglu;
+    case config::ModelConfig::GELU: break;
+  }
+  return ops::Activation::kGelu;
+}
+}  // namespace
+
 // Backward scratch shared by all blocks (only one block runs at a time).
 struct BlockScratch {
   Tensor dln;   // [N, C] gradient w.r.t. a norm's output
@@ -38,7 +49,7 @@ class Block {
     ln2_w_ = MakeParameter(p + ".ln2.weight", {C_}, Init::kOnes, 0, false);
     if (ln) ln2_b_ = MakeParameter(p + ".ln2.bias", {C_}, Init::kZeros, 0, false);
 
-    const auto act = static_cast<ops::Activation>(cfg.activation());
+    const ops::Activation act = ToActivation(cfg.activation());
     if (config::IsMoeLayer(cfg, index)) {
       const config::MoeConfig& m = cfg.moe();
       SoftmaxGateOptions g;
