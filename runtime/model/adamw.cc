@@ -30,7 +30,8 @@ void AdamW::Step(ops::Context& ctx, double lr, double grad_scale) {
 }
 
 double AdamW::GradNorm(ops::Context& ctx) const {
-  std::vector<double> partial(ctx.pool->num_threads(), 0.0);
+  std::vector<double>& partial = norm_partials_;
+  partial.assign(ctx.pool->num_threads(), 0.0);  // sized once: no allocation per step
   slices_.Run(ctx, [&](int tid, size_t i, int64_t begin, int64_t n) {
     partial[tid] += ops::SumSquares(ctx, slices_.params()[i]->grad.View(begin, {n}));
   });

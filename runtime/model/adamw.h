@@ -37,6 +37,7 @@ class AdamW {
   AdamWOptions options_;
   std::vector<Tensor> m_, v_;
   int64_t step_ = 0;
+  mutable std::vector<double> norm_partials_;  // per-thread partial sums of GradNorm
 };
 
 }  // namespace strata::model

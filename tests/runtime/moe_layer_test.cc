@@ -18,7 +18,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "runtime/common/rng.h"
+#include "runtime/model/adamw.h"
 #include "runtime/model/moe_layer.h"
+#include "runtime/model/transformer.h"
 
 // Counts heap allocations, to show the layer's steady state allocates nothing. (GCC cannot see
 // that new and delete below are a matched pair.)
@@ -313,6 +315,46 @@ TEST_P(MoeLayerTest, SteadyStateAllocatesNothing) {
   };
   // The first pass over these steps may size grow-only scratch (per thread, on first use); the
   // same steps again route identically and must allocate nothing.
+  steps();
+  const int64_t before = g_allocations.load();
+  steps();
+  EXPECT_EQ(g_allocations.load() - before, 0);
+}
+
+// A whole training step of the model — forward with loss, backward, gradient norm, AdamW, zeroing
+// — allocates nothing once warmed up on the same steps.
+TEST(ModelAllocationTest, TrainingStepAllocatesNothing) {
+  config::ModelConfig m;
+  m.set_vocab_size(40);
+  m.set_seq_len(8);
+  m.set_d_model(16);
+  m.set_n_layers(2);
+  m.set_n_heads(2);
+  m.set_d_ff(32);
+  m.mutable_moe()->set_num_experts(4);
+  m.mutable_moe()->set_top_k(2);
+  m.mutable_moe()->set_d_expert(16);
+  m.mutable_moe()->mutable_gate()->set_type(GateConfig::NOISY_TOP_K);
+  m.mutable_moe()->mutable_gate()->set_capacity_factor_train(1.0f);
+  ThreadPool pool(2);
+  ops::Context ctx{&pool};
+  ModelOptions o;
+  o.config = m;
+  o.max_batch = 4;
+  auto model = MoeTransformer::Create(ctx, o);
+  ASSERT_TRUE(model.ok()) << model.status();
+  AdamW opt((*model)->Parameters(), AdamWOptions{});
+  std::vector<int32_t> tokens(32), targets(32);
+  for (int i = 0; i < 32; ++i) tokens[i] = (i * 7) % 40, targets[i] = (i * 11) % 40;
+  auto steps = [&] {
+    for (uint64_t s = 0; s < 3; ++s) {
+      opt.ZeroGrad(ctx);
+      (*model)->Forward(ctx, tokens.data(), targets.data(), 4, GateCall{true, s});
+      (*model)->Backward(ctx);
+      opt.Step(ctx, 1e-3, cpu::ClipScale(opt.GradNorm(ctx), 1.0));
+      (*model)->Forward(ctx, tokens.data(), targets.data(), 4, GateCall{false, s});  // eval
+    }
+  };
   steps();
   const int64_t before = g_allocations.load();
   steps();
