@@ -10,9 +10,12 @@ namespace strata::model {
 namespace {
 ops::Activation ToActivation(config::ModelConfig::Activation a) {
   switch (a) {
-    case config::ModelConfig::RELU: return ops::Activation::kRelu;
-    case config::ModelConfig::SWIGLU: return ops::Activation::kSwiglu;
-    case config::ModelConfig::GELU: break;
+    case config::ModelConfig::RELU:
+      return ops::Activation::kRelu;
+    case config::ModelConfig::SWIGLU:
+      return ops::Activation::kSwiglu;
+    case config::ModelConfig::GELU:
+      break;
   }
   return ops::Activation::kGelu;
 }
