@@ -1,0 +1,20 @@
+// CRC-32C (Castagnoli), the checksum of every SSD-tier extent.
+//
+// Uses the SSE4.2 crc32 instruction when the CPU has it (checked once at run time) and a table
+// otherwise; both give the same values (RFC 3720 test vectors in tests/storage).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace strata::storage {
+
+// Continues a CRC-32C over `n` bytes: Crc32c(Crc32c(0, a), b) == Crc32c(0, a ++ b).
+uint32_t Crc32c(uint32_t crc, const void* data, size_t n);
+
+inline uint32_t Crc32c(const void* data, size_t n) { return Crc32c(0, data, n); }
+
+// Whether the hardware instruction is used (for logs and benchmarks).
+bool Crc32cIsHardwareAccelerated();
+
+}  // namespace strata::storage

@@ -1,0 +1,287 @@
+// The SSD tier's parts with the real kernel interfaces: CRC-32C, the extent allocator, io_uring
+// transfers into O_DIRECT files (registered and unregistered buffers), corruption and truncation
+// detection, injected disk-full errors, and the RocksDB index.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "storage/crc32c.h"
+#include "storage/extent_allocator.h"
+#include "storage/ssd_tier.h"
+#include "storage/tensor_index.h"
+#include "tests/test_util.h"
+
+namespace strata::storage {
+namespace {
+
+using strata::testing::TempDir;
+
+TEST(Crc32cTest, KnownVectors) {
+  // RFC 3720 B.4 and the classic check value.
+  EXPECT_EQ(Crc32c("123456789", 9), 0xE3069283u);
+  std::vector<uint8_t> zeros(32, 0), ones(32, 0xff), inc(32);
+  for (int i = 0; i < 32; ++i) inc[i] = static_cast<uint8_t>(i);
+  EXPECT_EQ(Crc32c(zeros.data(), 32), 0x8A9136AAu);
+  EXPECT_EQ(Crc32c(ones.data(), 32), 0x62A8AB43u);
+  EXPECT_EQ(Crc32c(inc.data(), 32), 0x46DD794Eu);
+  // Continuation equals one pass, at every split point.
+  std::string s = "the quick brown fox jumps over the lazy dog, twice: the quick brown fox";
+  for (size_t cut = 0; cut <= s.size(); ++cut) {
+    EXPECT_EQ(Crc32c(Crc32c(s.data(), cut), s.data() + cut, s.size() - cut),
+              Crc32c(s.data(), s.size()));
+  }
+}
+
+TEST(ExtentAllocatorTest, FirstFitCoalescingGrowthAndCapacity) {
+  ExtentAllocator a(4096, /*file_bytes=*/64 * 1024, /*capacity=*/96 * 1024, /*grow=*/16 * 1024);
+  ExtentAllocator::Growth g;
+  auto e1 = a.Allocate(5000, &g);  // rounds up to 8 KiB; grows file 0 to 16 KiB
+  ASSERT_TRUE(e1.ok());
+  EXPECT_EQ(*e1, (Extent{0, 0, 8192}));
+  ASSERT_TRUE(g.needed);
+  EXPECT_EQ(g.new_size, 16384u);
+  a.CommitGrowth(g);
+  auto e2 = a.Allocate(8192, &g);  // fits in the grown tail: no growth
+  ASSERT_TRUE(e2.ok());
+  EXPECT_FALSE(g.needed);
+  EXPECT_EQ(*e2, (Extent{0, 8192, 8192}));
+  auto e3 = a.Allocate(4096, &g);
+  ASSERT_TRUE(e3.ok() && g.needed);
+  a.CommitGrowth(g);
+  EXPECT_EQ(a.used_bytes(), 20480u);
+  a.Release(*e1);
+  a.Release(*e2);  // coalesces with e1 into one 16 KiB run
+  auto e4 = a.Allocate(16384, &g);
+  ASSERT_TRUE(e4.ok());
+  EXPECT_FALSE(g.needed);
+  EXPECT_EQ(*e4, (Extent{0, 0, 16384}));
+  // Too big for a file; then the capacity runs out.
+  EXPECT_TRUE(absl::IsInvalidArgument(a.Allocate(65 * 1024, &g).status()));
+  std::vector<Extent> more;
+  while (true) {
+    auto e = a.Allocate(16384, &g);
+    if (!e.ok()) {
+      EXPECT_TRUE(absl::IsResourceExhausted(e.status())) << e.status();
+      EXPECT_NE(e.status().message().find("ssd_capacity_bytes"), std::string::npos);
+      break;
+    }
+    a.CommitGrowth(g);
+    more.push_back(*e);
+    ASSERT_LT(more.size(), 10u);
+  }
+  EXPECT_LE(a.used_bytes(), 96u * 1024);
+  // Rebuilding from the index: used extents must not overlap.
+  ExtentAllocator b(4096, 64 * 1024, 0);
+  b.AdoptFile(0, 32768);
+  EXPECT_TRUE(b.MarkUsed(Extent{0, 4096, 8192}).ok());
+  EXPECT_FALSE(b.MarkUsed(Extent{0, 8192, 4096}).ok());
+  EXPECT_FALSE(b.MarkUsed(Extent{1, 0, 4096}).ok());
+}
+
+// Page-aligned buffer.
+struct Aligned {
+  explicit Aligned(size_t n) : size(n), p(static_cast<char*>(std::aligned_alloc(4096, n))) {}
+  ~Aligned() { std::free(p); }
+  size_t size;
+  char* p;
+};
+
+std::unique_ptr<SsdTier> OpenTier(const std::string& dir, FaultInjectingIo** fault = nullptr,
+                                  uint64_t capacity = 0) {
+  UringOptions uo;
+  uo.queue_depth = 4;
+  uo.block_bytes = 8192;  // small, so one extent is many pieces in flight
+  auto io = MakeUringIo(uo);
+  EXPECT_TRUE(io.ok()) << io.status();
+  std::unique_ptr<BlockIo> base = *std::move(io);
+  if (fault != nullptr) {
+    auto f = std::make_unique<FaultInjectingIo>(std::move(base));
+    *fault = f.get();
+    base = std::move(f);
+  }
+  SsdOptions so;
+  so.dir = dir;
+  so.file_bytes = 1 << 20;
+  so.capacity_bytes = capacity;
+  so.grow_bytes = 64 * 1024;
+  auto t = SsdTier::Open(so, std::move(base));
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? *std::move(t) : nullptr;
+}
+
+TEST(SsdTierTest, RoundTripRegisteredAndUnregistered) {
+  TempDir dir;
+  auto tier = OpenTier(dir.path());
+  ASSERT_TRUE(tier);
+  Aligned reg(1 << 18), plain(1 << 18);
+  tier->RegisterRegions({iovec{reg.p, reg.size}});
+  std::mt19937 gen(1);
+  for (Aligned* buf : {&reg, &plain}) {
+    for (uint64_t bytes : {1ull, 4095ull, 4096ull, 70001ull, 200000ull}) {
+      for (uint64_t i = 0; i < bytes; ++i) buf->p[i] = static_cast<char>(gen());
+      std::vector<char> expect(buf->p, buf->p + bytes);
+      auto e = tier->Write(buf->p, bytes);
+      ASSERT_TRUE(e.ok()) << e.status();
+      EXPECT_EQ(e->extent.length % 4096, 0u);
+      EXPECT_EQ(e->crc, Crc32c(expect.data(), bytes));
+      std::memset(buf->p, 0, buf->size);
+      ASSERT_TRUE(tier->Read(*e, buf->p, "test tensor").ok());
+      EXPECT_EQ(0, std::memcmp(buf->p, expect.data(), bytes)) << bytes;
+    }
+  }
+  EXPECT_TRUE(tier->io().registered());
+  EXPECT_GT(tier->stats().bytes_written, 0u);
+  ASSERT_TRUE(tier->Sync().ok());
+}
+
+TEST(SsdTierTest, FlippedByteIsDetectedAndNamed) {
+  TempDir dir;
+  auto tier = OpenTier(dir.path());
+  Aligned buf(65536);
+  std::memset(buf.p, 0x5a, buf.size);
+  auto e = tier->Write(buf.p, 50000);
+  ASSERT_TRUE(e.ok());
+  ASSERT_TRUE(tier->Sync().ok());
+  {  // Flip one byte in the middle of the extent, through the normal file system.
+    std::fstream f(tier->FilePath(e->extent.file), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(e->extent.offset + 12345));
+    f.put(0x5b);
+  }
+  Status s = tier->Read(*e, buf.p, "layer 1 expert 2 weights v3");
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(absl::IsDataLoss(s));
+  EXPECT_NE(s.message().find("layer 1 expert 2 weights v3"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("data-00000.bin"), std::string::npos) << s;
+}
+
+TEST(SsdTierTest, TruncatedFileIsAClearError) {
+  TempDir dir;
+  auto tier = OpenTier(dir.path());
+  Aligned buf(65536);
+  std::memset(buf.p, 1, buf.size);
+  auto e = tier->Write(buf.p, 65536);
+  ASSERT_TRUE(e.ok());
+  // Cut the file in the middle of the extent: the read comes back short, is requeued for the
+  // rest, and then finds nothing.
+  ASSERT_EQ(0, ::truncate(tier->FilePath(e->extent.file).c_str(),
+                          static_cast<off_t>(e->extent.offset + 20480)));
+  Status s = tier->Read(*e, buf.p, "a tensor");
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_NE(s.message().find("shorter than the index"), std::string::npos) << s;
+}
+
+TEST(SsdTierTest, DiskFullIsResourceExhaustedAndReleasesSpace) {
+  TempDir dir;
+  FaultInjectingIo* fault = nullptr;
+  auto tier = OpenTier(dir.path(), &fault);
+  Aligned buf(1 << 16);
+  std::memset(buf.p, 3, buf.size);
+  auto ok = tier->Write(buf.p, 1 << 16);
+  ASSERT_TRUE(ok.ok());
+  const uint64_t used = tier->used_bytes();
+  fault->set_write_budget(fault->bytes_written());  // the disk is now full
+  auto full = tier->Write(buf.p, 1 << 16);
+  ASSERT_FALSE(full.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(full.status())) << full.status();
+  EXPECT_NE(full.status().message().find("full"), std::string::npos);
+  EXPECT_EQ(tier->used_bytes(), used) << "a failed write must give its extent back";
+  ASSERT_TRUE(tier->Read(*ok, buf.p, "earlier tensor").ok()) << "earlier data still readable";
+  // A full disk when a file has to grow.
+  fault->set_write_budget(-1);
+  fault->set_allocate_budget(0);
+  std::vector<StoredExtent> all;
+  Status grow_error;
+  for (int i = 0; i < 64 && grow_error.ok(); ++i) {
+    auto e = tier->Write(buf.p, 1 << 16);
+    if (e.ok())
+      all.push_back(*e);
+    else
+      grow_error = e.status();
+  }
+  EXPECT_TRUE(absl::IsResourceExhausted(grow_error)) << grow_error;
+  EXPECT_NE(grow_error.message().find("fallocate"), std::string::npos) << grow_error;
+}
+
+TEST(SsdTierTest, ReopenAdoptsFiles) {
+  TempDir dir;
+  StoredExtent kept;
+  {
+    auto tier = OpenTier(dir.path());
+    Aligned buf(8192);
+    std::memset(buf.p, 9, buf.size);
+    auto e = tier->Write(buf.p, 8192);
+    ASSERT_TRUE(e.ok());
+    kept = *e;
+    ASSERT_TRUE(tier->Sync().ok());
+  }
+  auto tier = OpenTier(dir.path());
+  ASSERT_TRUE(tier->MarkUsed(kept.extent).ok());
+  Aligned buf(8192);
+  ASSERT_TRUE(tier->Read(kept, buf.p, "kept").ok());
+  EXPECT_EQ(buf.p[100], 9);
+  // New writes do not land on the kept extent.
+  auto e = tier->Write(buf.p, 8192);
+  ASSERT_TRUE(e.ok());
+  EXPECT_FALSE(e->extent == kept.extent);
+}
+
+TEST(TensorIndexTest, CommitListRemoveReopenAndErrors) {
+  TempDir dir;
+  const std::string path = dir.File("index");
+  auto missing = TensorIndex::Open(path, false);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_TRUE(absl::IsNotFound(missing.status()));
+  EXPECT_NE(missing.status().message().find("no checkpoint index"), std::string::npos);
+  {
+    auto index = TensorIndex::Open(path, true);
+    ASSERT_TRUE(index.ok()) << index.status();
+    for (int64_t step : {20, 10}) {
+      CheckpointManifest m;
+      m.set_step(step);
+      TensorRef r;
+      r.set_layer(1);
+      r.set_expert(-1);
+      r.set_kind(2);
+      r.set_version(static_cast<uint64_t>(step));
+      r.mutable_extent()->set_file(0);
+      r.mutable_extent()->set_offset(4096 * static_cast<uint64_t>(step));
+      *m.add_tensors() = r;
+      ASSERT_TRUE((*index)->CommitCheckpoint(m, {r}).ok());
+    }
+  }
+  auto index = TensorIndex::Open(path, false);
+  ASSERT_TRUE(index.ok()) << index.status();
+  auto cps = (*index)->Checkpoints();
+  ASSERT_TRUE(cps.ok());
+  ASSERT_EQ(cps->size(), 2u);
+  EXPECT_EQ((*cps)[0].step(), 10);  // sorted by step
+  auto versions = (*index)->TensorVersions();
+  ASSERT_TRUE(versions.ok());
+  ASSERT_EQ(versions->size(), 2u);
+  EXPECT_EQ((*versions)[0].layer(), 1);
+  EXPECT_EQ((*versions)[0].expert(), -1);
+  EXPECT_EQ((*versions)[0].kind(), 2);
+  ASSERT_TRUE((*index)->RemoveCheckpoint(10, {(*cps)[0].tensors(0)}).ok());
+  EXPECT_EQ((*index)->Checkpoints()->size(), 1u);
+  EXPECT_EQ((*index)->TensorVersions()->size(), 1u);
+  index->reset();
+  // Damage: overwrite RocksDB's MANIFEST files with garbage.
+  for (const auto& f : std::filesystem::directory_iterator(path)) {
+    if (f.path().filename().string().rfind("MANIFEST", 0) == 0) {
+      std::ofstream(f.path(), std::ios::binary | std::ios::trunc) << "garbage garbage garbage";
+    }
+  }
+  auto damaged = TensorIndex::Open(path, false);
+  ASSERT_FALSE(damaged.ok());
+  EXPECT_NE(damaged.status().message().find(path), std::string::npos) << damaged.status();
+}
+
+}  // namespace
+}  // namespace strata::storage
