@@ -1,0 +1,61 @@
+// SlotArena: a tier's memory, cut into equal slots of one tensor each.
+//
+// Every tensor the tiered store holds for one model has the same size (an expert's parameters,
+// gradient or Adam moment), so a tier is a set of equal slots: no fragmentation, O(1) allocation.
+// With a byte budget the arena is one block allocated up front — charged to the tier's
+// MemoryBudget and registered with io_uring for fixed-buffer transfers. Without one it grows a
+// slot at a time.
+//
+// Not thread-safe: the store calls it under its lock.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/common/status.h"
+#include "runtime/device/device.h"
+
+namespace strata::storage {
+
+class SlotArena {
+ public:
+  // slot_bytes is rounded up to 4 KiB. budget_bytes == 0: unlimited (grow on demand). The arena
+  // charges its memory to `budget` (may be null).
+  [[nodiscard]] static StatusOr<std::unique_ptr<SlotArena>> Create(std::string name,
+                                                                   uint64_t slot_bytes,
+                                                                   uint64_t budget_bytes,
+                                                                   MemoryBudget* budget);
+  ~SlotArena();
+
+  // A free slot index, or -1 when all are taken (limited arenas only).
+  int Allocate();
+  void Free(int slot);
+  float* data(int slot) const { return reinterpret_cast<float*>(ptrs_[slot]); }
+
+  bool limited() const { return limited_; }
+  int capacity() const { return limited_ ? static_cast<int>(ptrs_.size()) : -1; }
+  int in_use() const { return in_use_; }
+  uint64_t slot_bytes() const { return slot_bytes_; }
+  uint64_t bytes_in_use() const { return static_cast<uint64_t>(in_use_) * slot_bytes_; }
+  const std::string& name() const { return name_; }
+  // The one block of a limited arena, for io_uring registration (empty when unlimited).
+  std::vector<iovec> Regions() const;
+
+ private:
+  SlotArena() = default;
+  std::string name_;
+  uint64_t slot_bytes_ = 0;
+  bool limited_ = false;
+  char* block_ = nullptr;
+  uint64_t block_bytes_ = 0;
+  MemoryBudget* budget_ = nullptr;
+  std::vector<char*> ptrs_;
+  std::vector<int> free_;
+  int in_use_ = 0;
+};
+
+}  // namespace strata::storage

@@ -1,0 +1,740 @@
+#include "storage/tiered_store.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_format.h"
+#include "runtime/common/clock.h"
+#include "runtime/common/logging.h"
+
+namespace strata::storage {
+
+const char* KindName(TensorKind kind) {
+  switch (kind) {
+    case TensorKind::kWeights:
+      return "weights";
+    case TensorKind::kGrad:
+      return "grad";
+    case TensorKind::kAdamM:
+      return "adam_m";
+    case TensorKind::kAdamV:
+      return "adam_v";
+  }
+  return "?";
+}
+
+std::string TensorKey::ToString() const {
+  return absl::StrFormat("layer %d expert %d %s", layer, expert, KindName(kind));
+}
+
+namespace {
+enum Stage { kSsdStage = 0, kCopyStage = 1 };
+}  // namespace
+
+TieredExpertStore::TieredExpertStore(const StoreOptions& options) : options_(options) {}
+
+StatusOr<std::unique_ptr<TieredExpertStore>> TieredExpertStore::Create(
+    const StoreOptions& options) {
+  if (options.tensor_bytes == 0 || options.tensor_bytes % 4 != 0) {
+    return absl::InvalidArgumentError("expert tensors must be a positive number of floats");
+  }
+  std::unique_ptr<TieredExpertStore> s(new TieredExpertStore(options));
+  ASSIGN_OR_RETURN(std::unique_ptr<BlockIo> io, MakeUringIo(options.io));
+  if (options.wrap_io) io = options.wrap_io(std::move(io));
+  ASSIGN_OR_RETURN(s->ssd_, SsdTier::Open(options.ssd, std::move(io)));
+  ASSIGN_OR_RETURN(s->host_, SlotArena::Create("host", options.tensor_bytes,
+                                               options.host_budget_bytes, options.host_budget));
+  ASSIGN_OR_RETURN(s->device_,
+                   SlotArena::Create("device", options.tensor_bytes, options.device_budget_bytes,
+                                     options.device_budget));
+  const uint64_t slot = s->host_->slot_bytes();
+  if (s->device_->limited() && s->device_->capacity() < options.MinDeviceSlots()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "storage.device_budget_bytes leaves room for %d expert tensors of %d bytes, but %d "
+        "compute threads need at least %d; raise the device budget by %d bytes or use fewer "
+        "threads",
+        s->device_->capacity(), slot, options.compute_threads, options.MinDeviceSlots(),
+        (options.MinDeviceSlots() - s->device_->capacity()) * slot));
+  }
+  if (s->host_->limited() && s->host_->capacity() < options.MinHostSlots()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "storage.host_budget_bytes holds %d expert tensors of %d bytes, but %d compute threads "
+        "need at least %d; raise it to at least %d bytes",
+        s->host_->capacity(), slot, options.compute_threads, options.MinHostSlots(),
+        options.MinHostSlots() * slot));
+  }
+  s->ssd_->RegisterRegions(s->host_->Regions());
+  for (int stage = 0; stage < 2; ++stage) {
+    s->stages_[stage] = std::thread([ptr = s.get(), stage] { ptr->StageLoop(stage); });
+  }
+  return s;
+}
+
+TieredExpertStore::~TieredExpertStore() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  cv_.notify_all();
+  for (auto& t : stages_) {
+    if (t.joinable()) t.join();
+  }
+}
+
+int TieredExpertStore::device_slots() const { return device_->capacity(); }
+int TieredExpertStore::host_slots() const { return host_->capacity(); }
+
+TieredExpertStore::Entry& TieredExpertStore::EntryLocked(const TensorKey& key) {
+  auto it = entries_.find(key);
+  if (it == entries_.end()) {
+    it = entries_.emplace(key, Entry{}).first;
+    it->second.key = key;
+  }
+  return it->second;
+}
+
+void TieredExpertStore::EnqueueLocked(int stage, Job job, bool demand) {
+  auto& q = queue_[stage];
+  for (auto it = q.begin(); it != q.end(); ++it) {
+    if (it->key == job.key && it->type == job.type) {
+      if (!demand) return;
+      q.erase(it);  // promote: demand goes ahead of hints
+      break;
+    }
+  }
+  if (demand) {
+    // Behind earlier demand jobs, ahead of all hints: find the first hint.
+    auto pos = q.begin();
+    while (pos != q.end() && pos->demand) ++pos;
+    job.demand = true;
+    q.insert(pos, job);
+  } else {
+    job.demand = false;
+    q.push_back(job);
+  }
+  work_cv_.notify_all();
+}
+
+void TieredExpertStore::Span(const char* name, int thread, double start, const TensorKey& key) {
+  if (!record_spans_) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  spans_.push_back(StageSpan{name, thread, start, NowSeconds(), key});
+}
+
+// --- Compute-side access ----------------------------------------------------------------------
+
+StatusOr<float*> TieredExpertStore::AcquireDevice(const TensorKey& key, bool zero) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Entry& e = EntryLocked(key);
+  e.hits += 1;
+  e.dev_pins++;
+  e.dev_last_use = ++clock_;
+  if (zero) {
+    // A fresh gradient: its previous value is dropped wherever it was.
+    while (e.dev != DevState::kReady) {
+      if (e.dev == DevState::kAbsent) {
+        const int slot = DeviceSlotLocked();
+        if (slot >= 0) {
+          e.dev_slot = slot;
+          e.dev = DevState::kReady;
+          break;
+        }
+      }
+      const double t0 = NowSeconds();
+      cv_.wait(lock);
+      stats_.stall_seconds += NowSeconds() - t0;
+    }
+    if (e.host_slot >= 0 && e.host == HostState::kReady && e.host_pins == 0) {
+      host_->Free(e.host_slot);
+      e.host_slot = -1;
+      e.host = HostState::kAbsent;
+    }
+    if (e.has_ssd) {
+      UnrefLocked(key, e.ssd_version);
+      e.has_ssd = false;
+    }
+    e.ssd_current = false;
+    e.host_dirty = false;
+    e.materialized = true;
+    e.generation++;
+    float* p = device_->data(e.dev_slot);
+    lock.unlock();
+    std::memset(p, 0, options_.tensor_bytes);
+    return p;
+  }
+  if (e.dev == DevState::kReady) {
+    stats_.device.hits++;
+    return device_->data(e.dev_slot);
+  }
+  stats_.device.misses++;
+  if (e.dev == DevState::kAbsent) {
+    e.dev = DevState::kLoading;
+    e.error = absl::OkStatus();
+  }
+  EnqueueLocked(kCopyStage, Job{key, Job::kLoadDevice}, /*demand=*/true);
+  const double t0 = NowSeconds();
+  cv_.wait(lock, [&] { return e.dev == DevState::kReady || !e.error.ok(); });
+  stats_.stall_seconds += NowSeconds() - t0;
+  if (!e.error.ok()) {
+    e.dev_pins--;
+    return e.error;
+  }
+  return device_->data(e.dev_slot);
+}
+
+void TieredExpertStore::ReleaseDevice(const TensorKey& key, bool modified) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = EntryLocked(key);
+  CHECK_GT(e.dev_pins, 0) << key.ToString();
+  e.dev_pins--;
+  if (modified) {
+    e.dev_dirty = true;
+    e.ssd_current = false;
+    e.materialized = true;
+    e.generation++;
+    if (e.host_slot >= 0 && e.host == HostState::kReady && e.host_pins == 0) {
+      host_->Free(e.host_slot);  // stale now
+      e.host_slot = -1;
+      e.host = HostState::kAbsent;
+      e.host_dirty = false;
+    }
+  }
+  cv_.notify_all();
+}
+
+StatusOr<float*> TieredExpertStore::AcquireHost(const TensorKey& key) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Entry& e = EntryLocked(key);
+  e.hits += 1;
+  e.host_pins++;
+  bool counted = false;
+  const double t0 = NowSeconds();
+  while (true) {
+    if (!e.error.ok()) {
+      e.host_pins--;
+      Status s = e.error;
+      e.error = absl::OkStatus();
+      return s;
+    }
+    if (e.dev_dirty) {
+      // The value is on the device: bring it down first.
+      if (!e.write_back_queued) {
+        e.write_back_queued = true;
+        EnqueueLocked(kCopyStage, Job{key, Job::kWriteBack}, true);
+      }
+    } else if (e.host == HostState::kReady && e.host_readers == 0) {
+      if (!counted) stats_.host.hits++;
+      stats_.stall_seconds += NowSeconds() - t0;
+      e.host_writers++;
+      return host_->data(e.host_slot);
+    } else if (e.host == HostState::kAbsent) {
+      e.host = HostState::kLoading;
+      EnqueueLocked(kSsdStage, Job{key, Job::kLoadHost}, true);
+    } else if (e.host == HostState::kLoading) {
+      EnqueueLocked(kSsdStage, Job{key, Job::kLoadHost}, true);  // promote a hint
+    }
+    if (!counted) {
+      stats_.host.misses++;
+      counted = true;
+    }
+    cv_.wait(lock);
+  }
+}
+
+void TieredExpertStore::ReleaseHost(const TensorKey& key, bool modified) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = EntryLocked(key);
+  CHECK_GT(e.host_pins, 0) << key.ToString();
+  CHECK_GT(e.host_writers, 0) << key.ToString();
+  e.host_pins--;
+  e.host_writers--;
+  if (modified) {
+    e.host_dirty = true;
+    e.ssd_current = false;
+    e.materialized = true;
+    e.generation++;
+    if (e.dev != DevState::kAbsent) {
+      CHECK_EQ(e.dev_pins, 0) << key.ToString() << " changed on the host while pinned on device";
+      if (e.dev == DevState::kReady) DropDeviceLocked(e);
+    }
+  }
+  cv_.notify_all();
+}
+
+void TieredExpertStore::WriteBack(const TensorKey& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = EntryLocked(key);
+  if (!e.dev_dirty || e.write_back_queued) return;
+  e.write_back_queued = true;
+  EnqueueLocked(kCopyStage, Job{key, Job::kWriteBack}, true);
+}
+
+Status TieredExpertStore::DrainWriteBacks() {
+  std::unique_lock<std::mutex> lock(mu_);
+  const double t0 = NowSeconds();
+  Status error;
+  cv_.wait(lock, [&] {
+    for (auto& [k, e] : entries_) {
+      if (e.write_back_queued && e.error.ok()) return false;
+      if (!e.error.ok() && error.ok()) error = e.error;
+    }
+    return true;
+  });
+  stats_.stall_seconds += NowSeconds() - t0;
+  return error;
+}
+
+void TieredExpertStore::Discard(const TensorKey& key) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = entries_.find(key);
+  if (it == entries_.end()) return;
+  Entry& e = it->second;
+  cv_.wait(lock, [&] {
+    return e.host != HostState::kLoading && e.host != HostState::kEvicting &&
+           e.dev != DevState::kLoading && !e.write_back_queued && e.host_pins == 0 &&
+           e.dev_pins == 0;
+  });
+  if (e.host_slot >= 0) host_->Free(e.host_slot);
+  if (e.dev_slot >= 0) device_->Free(e.dev_slot);
+  if (e.has_ssd) UnrefLocked(key, e.ssd_version);
+  entries_.erase(it);
+  cv_.notify_all();
+}
+
+bool TieredExpertStore::Materialized(const TensorKey& key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(key);
+  return it != entries_.end() && it->second.materialized;
+}
+
+// --- Hints --------------------------------------------------------------------------------------
+
+void TieredExpertStore::PrefetchDevice(std::span<const TensorKey> keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const TensorKey& k : keys) {
+    Entry& e = EntryLocked(k);
+    if (e.dev != DevState::kAbsent || e.dev_dirty) continue;
+    e.dev = DevState::kLoading;
+    e.error = absl::OkStatus();
+    EnqueueLocked(kCopyStage, Job{k, Job::kLoadDevice}, false);
+    // Start the SSD read now, so both links work at once.
+    if (e.host == HostState::kAbsent) {
+      e.host = HostState::kLoading;
+      EnqueueLocked(kSsdStage, Job{k, Job::kLoadHost}, false);
+    }
+  }
+}
+
+void TieredExpertStore::PrefetchHost(std::span<const TensorKey> keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const TensorKey& k : keys) {
+    Entry& e = EntryLocked(k);
+    if (e.host != HostState::kAbsent || e.dev_dirty) continue;
+    e.host = HostState::kLoading;
+    e.error = absl::OkStatus();
+    EnqueueLocked(kSsdStage, Job{k, Job::kLoadHost}, false);
+  }
+}
+
+// --- Stage threads -----------------------------------------------------------------------------
+
+void TieredExpertStore::StageLoop(int stage) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    work_cv_.wait(lock, [&] { return stop_ || !queue_[stage].empty(); });
+    if (stop_) return;
+    Job job = queue_[stage].front();
+    queue_[stage].pop_front();
+    busy_[stage]++;
+    lock.unlock();
+    Status s;
+    switch (job.type) {
+      case Job::kLoadHost:
+        s = LoadHost(job.key);
+        break;
+      case Job::kLoadDevice:
+        s = LoadDevice(job.key);
+        break;
+      case Job::kWriteBack:
+        s = DoWriteBack(job.key);
+        break;
+    }
+    lock.lock();
+    busy_[stage]--;
+    if (!s.ok()) {
+      STRATA_LOG(ERROR) << "tiered store: " << s;
+      Entry& e = EntryLocked(job.key);
+      e.error = s;
+    }
+    cv_.notify_all();
+  }
+}
+
+StatusOr<int> TieredExpertStore::HostSlotLocked(std::unique_lock<std::mutex>& lock) {
+  while (true) {
+    if (stop_) return absl::CancelledError("the store is shutting down");
+    const int free_slot = host_->Allocate();
+    if (free_slot >= 0) return free_slot;
+    // LFU: the unpinned resident entry with the fewest hits (ties: the lowest key).
+    Entry* victim = nullptr;
+    for (auto& [k, e] : entries_) {
+      if (e.host != HostState::kReady || e.host_pins > 0) continue;
+      if (victim == nullptr || e.hits < victim->hits ||
+          (e.hits == victim->hits && e.key < victim->key)) {
+        victim = &e;
+      }
+    }
+    if (victim == nullptr) {
+      cv_.wait(lock);  // everything is pinned or in flight: wait for a release
+      continue;
+    }
+    Entry& v = *victim;
+    v.host = HostState::kEvicting;
+    if (v.host_dirty) {
+      const uint64_t version = NextVersionLocked(v.key);
+      const float* data = host_->data(v.host_slot);
+      const TensorKey key = v.key;
+      lock.unlock();
+      const double t0 = NowSeconds();
+      auto stored = ssd_->Write(data, options_.tensor_bytes);
+      Span("ssd_write", kSsdStage, t0, key);
+      lock.lock();
+      if (!stored.ok()) {
+        v.host = HostState::kReady;  // keep it; the write failed
+        cv_.notify_all();
+        return absl::Status(stored.status().code(), absl::StrCat("writing back ", key.ToString(),
+                                                                 ": ", stored.status().message()));
+      }
+      stats_.ssd.bytes_in += stored->extent.length;
+      stats_.host.bytes_out += options_.tensor_bytes;
+      RefLocked(v.key, version, *stored);
+      if (v.has_ssd) UnrefLocked(v.key, v.ssd_version);
+      v.has_ssd = true;
+      v.ssd_version = version;
+      v.ssd = *stored;
+      v.ssd_current = true;
+      v.host_dirty = false;
+    }
+    const int slot = v.host_slot;
+    v.host_slot = -1;
+    v.host = HostState::kAbsent;
+    stats_.host.evictions++;
+    cv_.notify_all();
+    return slot;
+  }
+}
+
+int TieredExpertStore::DeviceSlotLocked() {
+  const int free_slot = device_->Allocate();
+  if (free_slot >= 0) return free_slot;
+  // LRU among unpinned clean copies.
+  Entry* victim = nullptr;
+  for (auto& [k, e] : entries_) {
+    if (e.dev != DevState::kReady || e.dev_pins > 0 || e.dev_dirty) continue;
+    if (victim == nullptr || e.dev_last_use < victim->dev_last_use) victim = &e;
+  }
+  if (victim == nullptr) return -1;
+  const int slot = victim->dev_slot;
+  victim->dev_slot = -1;
+  victim->dev = DevState::kAbsent;
+  stats_.device.evictions++;
+  return slot;
+}
+
+void TieredExpertStore::DropDeviceLocked(Entry& e) {
+  device_->Free(e.dev_slot);
+  e.dev_slot = -1;
+  e.dev = DevState::kAbsent;
+  e.dev_dirty = false;
+}
+
+Status TieredExpertStore::LoadHost(const TensorKey& key) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Entry& e = EntryLocked(key);
+  if (e.host != HostState::kLoading || e.host_slot >= 0) return absl::OkStatus();
+  if (e.dev_dirty) {  // the value lives on the device; AcquireHost will write it back
+    e.host = HostState::kAbsent;
+    return absl::OkStatus();
+  }
+  auto slot = HostSlotLocked(lock);
+  if (!slot.ok()) {
+    e.host = HostState::kAbsent;
+    return slot.status();
+  }
+  e.host_slot = *slot;
+  float* dst = host_->data(e.host_slot);
+  const bool from_ssd = e.has_ssd && e.ssd_current;
+  const bool generated = !e.materialized;
+  const StoredExtent stored = e.ssd;
+  const uint64_t version = e.ssd_version;
+  lock.unlock();
+  Status s;
+  const double t0 = NowSeconds();
+  if (from_ssd) {
+    s = ssd_->Read(stored, dst, absl::StrFormat("%s v%d", key.ToString(), version));
+    Span("ssd_read", kSsdStage, t0, key);
+  } else if (generated && key.kind == TensorKind::kWeights && options_.initializer) {
+    options_.initializer(key, dst);
+  } else if (generated) {
+    std::memset(dst, 0, options_.tensor_bytes);
+  } else {
+    s = absl::InternalError(absl::StrCat(key.ToString(), " has no readable copy"));
+  }
+  lock.lock();
+  if (!s.ok()) {
+    host_->Free(e.host_slot);
+    e.host_slot = -1;
+    e.host = HostState::kAbsent;
+    e.error = s;
+    if (e.dev == DevState::kLoading) e.dev = DevState::kAbsent;
+    return s;
+  }
+  if (from_ssd) {
+    stats_.ssd.bytes_out += stored.extent.length;
+    stats_.host.bytes_in += options_.tensor_bytes;
+  }
+  e.host = HostState::kReady;
+  e.host_dirty = false;  // a generated value can be generated again; an SSD copy is current
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+Status TieredExpertStore::LoadDevice(const TensorKey& key) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Entry& e = EntryLocked(key);
+  if (e.dev != DevState::kLoading) return absl::OkStatus();
+  // The host copy first (the SSD stage brings it), and nobody writing it.
+  while (e.host != HostState::kReady || e.host_writers > 0) {
+    if (!e.error.ok()) {
+      e.dev = DevState::kAbsent;
+      return absl::OkStatus();  // already reported by the SSD stage
+    }
+    if (e.host == HostState::kAbsent) {
+      e.host = HostState::kLoading;
+      EnqueueLocked(kSsdStage, Job{key, Job::kLoadHost}, true);
+    } else if (e.host == HostState::kLoading) {
+      EnqueueLocked(kSsdStage, Job{key, Job::kLoadHost}, true);
+    }
+    cv_.wait(lock);
+    if (stop_) return absl::CancelledError("shutting down");
+  }
+  e.host_pins++;
+  e.host_readers++;
+  int slot;
+  while ((slot = DeviceSlotLocked()) < 0) {
+    // Full of pinned or dirty tensors: finish queued write-backs (they free slots), or wait.
+    auto& q = queue_[kCopyStage];
+    auto wb =
+        std::find_if(q.begin(), q.end(), [](const Job& j) { return j.type == Job::kWriteBack; });
+    if (wb != q.end()) {
+      const TensorKey wkey = wb->key;
+      q.erase(wb);
+      lock.unlock();
+      Status s = DoWriteBack(wkey);
+      lock.lock();
+      if (!s.ok()) EntryLocked(wkey).error = s;
+      continue;
+    }
+    cv_.wait(lock);
+    if (stop_) return absl::CancelledError("shutting down");
+  }
+  e.dev_slot = slot;
+  float* dst = device_->data(slot);
+  const float* src = host_->data(e.host_slot);
+  lock.unlock();
+  const double t0 = NowSeconds();
+  std::memcpy(dst, src, options_.tensor_bytes);  // cudaMemcpyAsync on a copy stream with CUDA
+  Span("h2d_copy", kCopyStage, t0, key);
+  lock.lock();
+  e.host_pins--;
+  e.host_readers--;
+  e.dev = DevState::kReady;
+  stats_.device.bytes_in += options_.tensor_bytes;
+  stats_.host.bytes_out += options_.tensor_bytes;
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+Status TieredExpertStore::DoWriteBack(const TensorKey& key) {
+  std::unique_lock<std::mutex> lock(mu_);
+  Entry& e = EntryLocked(key);
+  if (!e.dev_dirty) {
+    e.write_back_queued = false;
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+  cv_.wait(lock, [&] { return e.dev_pins == 0 || stop_; });
+  if (stop_) return absl::CancelledError("shutting down");
+  auto slot = HostSlotLocked(lock);
+  if (!slot.ok()) {
+    e.write_back_queued = false;
+    return slot.status();
+  }
+  if (e.host_slot >= 0) {  // a stale copy
+    host_->Free(e.host_slot);
+  }
+  e.host_slot = *slot;
+  e.host = HostState::kLoading;
+  e.dev_pins++;
+  float* dst = host_->data(e.host_slot);
+  const float* src = device_->data(e.dev_slot);
+  lock.unlock();
+  const double t0 = NowSeconds();
+  std::memcpy(dst, src, options_.tensor_bytes);
+  Span("d2h_copy", kCopyStage, t0, key);
+  lock.lock();
+  e.dev_pins--;
+  DropDeviceLocked(e);
+  e.host = HostState::kReady;
+  e.host_dirty = true;
+  e.write_back_queued = false;
+  stats_.device.bytes_out += options_.tensor_bytes;
+  stats_.host.bytes_in += options_.tensor_bytes;
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+// --- Versions and checkpoints -----------------------------------------------------------------
+
+uint64_t TieredExpertStore::NextVersionLocked(const TensorKey& key) { return ++next_version_[key]; }
+
+uint64_t TieredExpertStore::NextVersion(const TensorKey& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return NextVersionLocked(key);
+}
+
+void TieredExpertStore::RefLocked(const TensorKey& key, uint64_t version,
+                                  const StoredExtent& stored) {
+  auto& r = versions_[{key, version}];
+  if (r.refs == 0) r.stored = stored;
+  r.refs++;
+}
+
+void TieredExpertStore::UnrefLocked(const TensorKey& key, uint64_t version) {
+  auto it = versions_.find({key, version});
+  CHECK(it != versions_.end()) << "unref of an unknown version " << key.ToString() << " v"
+                               << version;
+  if (--it->second.refs == 0) {
+    ssd_->Free(it->second.stored.extent);
+    versions_.erase(it);
+  }
+}
+
+void TieredExpertStore::RefVersion(const TensorKey& key, uint64_t version,
+                                   const StoredExtent& stored) {
+  std::lock_guard<std::mutex> lock(mu_);
+  RefLocked(key, version, stored);
+}
+
+void TieredExpertStore::UnrefVersion(const TensorKey& key, uint64_t version) {
+  std::lock_guard<std::mutex> lock(mu_);
+  UnrefLocked(key, version);
+}
+
+Status TieredExpertStore::SnapshotTensor(const TensorKey& key, float* copy, Snapshot* out) {
+  std::unique_lock<std::mutex> lock(mu_);
+  *out = Snapshot{};
+  Entry& e = EntryLocked(key);
+  cv_.wait(lock, [&] {
+    return e.host != HostState::kLoading && e.host != HostState::kEvicting &&
+           !e.write_back_queued && e.host_writers == 0;
+  });
+  if (e.dev_dirty) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(key.ToString(), " is being computed; checkpoint between steps"));
+  }
+  if (!e.materialized) {
+    out->generated = true;
+    return absl::OkStatus();
+  }
+  if (e.has_ssd && e.ssd_current) {
+    RefLocked(key, e.ssd_version, e.ssd);
+    out->has_stored = true;
+    out->stored = e.ssd;
+    out->version = e.ssd_version;
+    return absl::OkStatus();
+  }
+  CHECK(e.host == HostState::kReady) << key.ToString() << ": value neither on SSD nor host";
+  e.host_pins++;
+  e.host_readers++;
+  out->generation = e.generation;
+  const float* src = host_->data(e.host_slot);
+  lock.unlock();
+  std::memcpy(copy, src, options_.tensor_bytes);
+  lock.lock();
+  e.host_pins--;
+  e.host_readers--;
+  cv_.notify_all();
+  return absl::OkStatus();
+}
+
+void TieredExpertStore::AdoptVersion(const TensorKey& key, uint64_t generation, uint64_t version,
+                                     const StoredExtent& stored) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(key);
+  if (it == entries_.end()) return;
+  Entry& e = it->second;
+  if (e.generation != generation || e.dev_dirty || e.host == HostState::kEvicting) return;
+  RefLocked(key, version, stored);
+  if (e.has_ssd) UnrefLocked(key, e.ssd_version);
+  e.has_ssd = true;
+  e.ssd_version = version;
+  e.ssd = stored;
+  e.ssd_current = true;
+  e.host_dirty = false;
+}
+
+void TieredExpertStore::SetStored(const TensorKey& key, uint64_t version,
+                                  const StoredExtent& stored) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = EntryLocked(key);
+  CHECK(e.host == HostState::kAbsent && e.dev == DevState::kAbsent)
+      << key.ToString() << ": resume into a store that already holds it";
+  RefLocked(key, version, stored);
+  if (e.has_ssd) UnrefLocked(key, e.ssd_version);
+  e.has_ssd = true;
+  e.ssd_version = version;
+  e.ssd = stored;
+  e.ssd_current = true;
+  e.materialized = true;
+  auto& next = next_version_[key];
+  next = std::max(next, version);
+}
+
+// --- Steps and statistics ---------------------------------------------------------------------
+
+void TieredExpertStore::EndStep() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++steps_;
+  if (options_.lfu_decay_interval > 0 && steps_ % options_.lfu_decay_interval == 0) {
+    for (auto& [k, e] : entries_) e.hits *= options_.lfu_decay;
+  }
+}
+
+StoreStats TieredExpertStore::TakeStats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  StoreStats s = stats_;
+  stats_ = StoreStats{};
+  const SsdStats io = ssd_->stats();
+  s.ssd_read_seconds = io.read_seconds - last_ssd_.read_seconds;
+  s.ssd_write_seconds = io.write_seconds - last_ssd_.write_seconds;
+  last_ssd_ = io;
+  s.device.used_bytes = device_->bytes_in_use();
+  s.device.budget_bytes = options_.device_budget_bytes;
+  s.host.used_bytes = host_->bytes_in_use();
+  s.host.budget_bytes = options_.host_budget_bytes;
+  s.ssd.used_bytes = ssd_->used_bytes();
+  s.ssd.budget_bytes = options_.ssd.capacity_bytes;
+  return s;
+}
+
+std::vector<StageSpan> TieredExpertStore::TakeSpans() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<StageSpan> out;
+  out.swap(spans_);
+  return out;
+}
+
+}  // namespace strata::storage

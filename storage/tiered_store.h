@@ -1,0 +1,272 @@
+// TieredExpertStore: expert weights, gradients and Adam moments in device / host / SSD tiers.
+//
+// Every tensor has a key (layer, expert, kind) and the same size. Its current value is in exactly
+// one place that counts, checked in this order:
+//   device  — a device copy marked dirty (a gradient just written by backward);
+//   host    — a resident host copy (dirty when newer than the SSD copy);
+//   SSD     — the latest stored version, when it is current;
+//   nowhere — never written: weights come from the initialiser, everything else is zero.
+// A device copy of weights is a clean copy: dropping it loses nothing. A dirty host copy is
+// written to the SSD tier before its slot is reused.
+//
+// Residency is moved by two stage threads, so both links are busy at once (SE-MoE's vertical
+// prefetch):
+//   ssd stage   — SSD -> host: reads (or initialises) tensors into host slots, evicting the
+//                 coldest unpinned host entry by LFU-with-decay, writing it back first if dirty;
+//   copy stage  — host -> device: copies resident host tensors into device slots (evicting the
+//                 least recently used unpinned clean device copy), and device -> host write-backs
+//                 of dirty device tensors (gradients).
+// Compute threads Acquire a tensor where they need it, which pins it and waits (the wait is
+// counted as stall time) until a stage has brought it; hints (Prefetch*) queue the same work
+// without pinning. Demand work goes ahead of hints.
+//
+// Budgets are hard: a limited tier never allocates past its budget. Progress needs a few free
+// slots (see StoreOptions::MinDeviceSlots / MinHostSlots); Create checks them.
+//
+// LFU with decay (SE-MoE): every Acquire adds a hit; every `lfu_decay_interval` steps (EndStep)
+// all hits are multiplied by `lfu_decay`; eviction takes the entry with the fewest hits.
+//
+// Thread-safe. One mutex guards the entry table; transfers run outside it.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/common/status.h"
+#include "runtime/device/device.h"
+#include "storage/block_io.h"
+#include "storage/slot_arena.h"
+#include "storage/ssd_tier.h"
+
+namespace strata::storage {
+
+enum class TensorKind : uint8_t { kWeights = 0, kGrad = 1, kAdamM = 2, kAdamV = 3 };
+const char* KindName(TensorKind kind);
+
+struct TensorKey {
+  int32_t layer = 0;
+  int32_t expert = 0;
+  TensorKind kind = TensorKind::kWeights;
+
+  bool operator==(const TensorKey& o) const {
+    return layer == o.layer && expert == o.expert && kind == o.kind;
+  }
+  bool operator<(const TensorKey& o) const {
+    if (layer != o.layer) return layer < o.layer;
+    if (expert != o.expert) return expert < o.expert;
+    return kind < o.kind;
+  }
+  std::string ToString() const;
+};
+
+struct TensorKeyHash {
+  size_t operator()(const TensorKey& k) const {
+    return (static_cast<size_t>(static_cast<uint32_t>(k.layer)) * 1000003u) ^
+           (static_cast<size_t>(static_cast<uint32_t>(k.expert)) * 8191u) ^
+           static_cast<size_t>(k.kind);
+  }
+};
+
+struct StoreOptions {
+  uint64_t tensor_bytes = 0;              // bytes of every tensor (multiple of 4)
+  uint64_t device_budget_bytes = 0;       // device slots; 0 = unlimited
+  uint64_t host_budget_bytes = 0;         // host slots; 0 = unlimited
+  MemoryBudget* device_budget = nullptr;  // charged for device slots (shared with dense state)
+  MemoryBudget* host_budget = nullptr;
+  uint32_t lfu_decay_interval = 10;
+  double lfu_decay = 0.5;
+  SsdOptions ssd;
+  UringOptions io;
+  // Fills a never-written weights tensor with its initial value (a pure function of the key).
+  std::function<void(const TensorKey&, float*)> initializer;
+  // Tests inject faults by wrapping the block I/O.
+  std::function<std::unique_ptr<BlockIo>(std::unique_ptr<BlockIo>)> wrap_io;
+  // Compute threads that hold tensors at once; sets the minimum slot counts.
+  int compute_threads = 1;
+
+  // Device slots compute can need at once: weights + gradient per thread, plus one to load into.
+  int MinDeviceSlots() const { return 2 * compute_threads + 1; }
+  // Host slots: the optimizer holds weights, gradient, m and v per thread; plus the stages' own.
+  int MinHostSlots() const { return 4 * compute_threads + 3; }
+};
+
+// Per-tier counters since the last TakeStats().
+struct TierStats {
+  uint64_t hits = 0, misses = 0;         // Acquire found it resident / had to wait
+  uint64_t bytes_in = 0, bytes_out = 0;  // into / out of this tier
+  uint64_t evictions = 0;
+  uint64_t used_bytes = 0, budget_bytes = 0;  // at the time of TakeStats
+};
+struct StoreStats {
+  TierStats device, host, ssd;
+  double ssd_read_seconds = 0, ssd_write_seconds = 0;
+  double stall_seconds = 0;  // compute threads waiting in Acquire*, summed
+};
+
+// One span of stage work, for the trace (copy or SSD I/O).
+struct StageSpan {
+  const char* name;   // "ssd_read", "ssd_write", "h2d_copy", "d2h_copy"
+  int thread;         // 0 ssd stage, 1 copy stage
+  double start, end;  // NowSeconds()
+  TensorKey key;
+};
+
+class TieredExpertStore {
+ public:
+  [[nodiscard]] static StatusOr<std::unique_ptr<TieredExpertStore>> Create(
+      const StoreOptions& options);
+  ~TieredExpertStore();
+
+  uint64_t tensor_bytes() const { return options_.tensor_bytes; }
+
+  // --- Compute-side access -----------------------------------------------------------------
+  // Pins `key` in the device tier and returns its data, waiting for the stages as needed. With
+  // `zero` the tensor is not loaded: its device copy starts at zero and its old value is dropped
+  // (gradients). Each Acquire needs one Release.
+  [[nodiscard]] StatusOr<float*> AcquireDevice(const TensorKey& key, bool zero = false);
+  // Unpins; `modified` marks the device copy dirty (its value is now newer than any other copy).
+  void ReleaseDevice(const TensorKey& key, bool modified);
+  // Pins `key` in the host tier (optimizer, ZeRO-Offload style) and returns its data, with
+  // exclusive access: stage copies of the tensor wait until it is released, and it waits for
+  // copies in progress.
+  [[nodiscard]] StatusOr<float*> AcquireHost(const TensorKey& key);
+  // Unpins; `modified` makes the host copy the current value and drops any device copy.
+  void ReleaseHost(const TensorKey& key, bool modified);
+  // Queues a dirty device tensor's move to the host tier (frees its device slot when done).
+  void WriteBack(const TensorKey& key);
+  // Forgets a tensor's value (it reads as zero again): gradients after the optimizer.
+  void Discard(const TensorKey& key);
+  // Whether the tensor's current value has ever been written (else initialiser or zero).
+  bool Materialized(const TensorKey& key) const;
+
+  // --- Hints ---------------------------------------------------------------------------------
+  void PrefetchDevice(std::span<const TensorKey> keys);
+  void PrefetchHost(std::span<const TensorKey> keys);
+  // Waits until the queued write-backs are done (before the optimizer reads gradients).
+  [[nodiscard]] Status DrainWriteBacks();
+
+  // --- Steps and statistics ------------------------------------------------------------------
+  void EndStep();
+  StoreStats TakeStats();
+  std::vector<StageSpan> TakeSpans();
+  void set_record_spans(bool on) { record_spans_ = on; }
+  int device_slots() const;  // -1 when unlimited
+  int host_slots() const;
+  SsdTier& ssd() { return *ssd_; }
+
+  // --- Checkpoints ---------------------------------------------------------------------------
+  // The current value of a tensor for a checkpoint: either a current SSD version (returned in
+  // *stored, with a reference the caller must give back with UnrefVersion), or a copy of the bytes
+  // into `copy` (host or device resident), or neither when it was never written (*generated).
+  struct Snapshot {
+    bool generated = false;
+    bool has_stored = false;
+    StoredExtent stored;
+    uint64_t version = 0;
+    uint64_t generation = 0;  // the value's generation when copied
+  };
+  [[nodiscard]] Status SnapshotTensor(const TensorKey& key, float* copy, Snapshot* out);
+  // After a copied value was written to the SSD tier as `version`: if the tensor has not changed
+  // since, that version becomes its current SSD copy (the host copy is then clean). Takes a
+  // reference on the version either way; the caller keeps its own.
+  void AdoptVersion(const TensorKey& key, uint64_t generation, uint64_t version,
+                    const StoredExtent& stored);
+  // Version references (a checkpoint holds one per tensor version it lists).
+  void RefVersion(const TensorKey& key, uint64_t version, const StoredExtent& stored);
+  void UnrefVersion(const TensorKey& key, uint64_t version);
+  uint64_t NextVersion(const TensorKey& key);
+  // Resume: the tensor's current value is `stored` (a checkpoint's version), nothing resident.
+  void SetStored(const TensorKey& key, uint64_t version, const StoredExtent& stored);
+
+ private:
+  enum class HostState { kAbsent, kLoading, kReady, kEvicting };
+  enum class DevState { kAbsent, kLoading, kReady };
+  struct Entry {
+    TensorKey key;
+    // SSD
+    bool has_ssd = false;
+    uint64_t ssd_version = 0;
+    StoredExtent ssd;
+    bool ssd_current = false;
+    bool materialized = false;
+    uint64_t generation = 0;  // bumped on every change of the value
+    // host
+    int host_slot = -1;
+    HostState host = HostState::kAbsent;
+    bool host_dirty = false;
+    int host_pins = 0;     // any holder: protects the slot from eviction
+    int host_writers = 0;  // AcquireHost holders (they may write)
+    int host_readers = 0;  // stage copies / snapshots reading the host copy
+    double hits = 0;
+    // device
+    int dev_slot = -1;
+    DevState dev = DevState::kAbsent;
+    bool dev_dirty = false;
+    int dev_pins = 0;
+    uint64_t dev_last_use = 0;
+    bool write_back_queued = false;
+    Status error;  // a failed load; waiters return it
+  };
+  struct Job {
+    TensorKey key;
+    enum Type { kLoadHost, kLoadDevice, kWriteBack } type;
+    bool demand = false;  // a compute thread waits for it (else a prefetch hint)
+  };
+  struct VersionRef {
+    StoredExtent stored;
+    int refs = 0;
+  };
+
+  explicit TieredExpertStore(const StoreOptions& options);
+  Entry& EntryLocked(const TensorKey& key);
+  void EnqueueLocked(int stage, Job job, bool demand);
+  void StageLoop(int stage);
+  // Stage work; called without the lock held, take it as needed.
+  Status LoadHost(const TensorKey& key);
+  Status LoadDevice(const TensorKey& key);
+  Status DoWriteBack(const TensorKey& key);
+  // A free host slot, evicting the coldest unpinned entry if needed (may write it to SSD, which
+  // releases and re-takes the lock); waits while everything is pinned. Fails when the write-back
+  // of a dirty victim fails.
+  StatusOr<int> HostSlotLocked(std::unique_lock<std::mutex>& lock);
+  uint64_t NextVersionLocked(const TensorKey& key);
+  int DeviceSlotLocked();
+  void DropDeviceLocked(Entry& e);
+  void UnrefLocked(const TensorKey& key, uint64_t version);
+  void RefLocked(const TensorKey& key, uint64_t version, const StoredExtent& stored);
+  void Span(const char* name, int thread, double start, const TensorKey& key);
+
+  StoreOptions options_;
+  std::unique_ptr<SsdTier> ssd_;
+  std::unique_ptr<SlotArena> host_, device_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;       // entries changed state
+  std::condition_variable work_cv_;  // a stage has work
+  std::unordered_map<TensorKey, Entry, TensorKeyHash> entries_;
+  std::map<std::pair<TensorKey, uint64_t>, VersionRef> versions_;
+  std::unordered_map<TensorKey, uint64_t, TensorKeyHash> next_version_;
+  std::deque<Job> queue_[2];
+  int busy_[2] = {0, 0};
+  bool stop_ = false;
+  uint64_t clock_ = 0;  // device LRU clock
+  uint64_t steps_ = 0;
+  StoreStats stats_;
+  SsdStats last_ssd_;
+  bool record_spans_ = false;
+  std::vector<StageSpan> spans_;
+  std::thread stages_[2];
+};
+
+}  // namespace strata::storage

@@ -1,0 +1,267 @@
+// The tiered store with tiny budgets, so every path runs: SSD write-back of dirty evictions,
+// reads with CRC checks, generated initial values, device copies, gradient write-backs, LFU with
+// decay, concurrent use against a shadow copy, and corruption reported with the tensor's name.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <fstream>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "storage/tiered_store.h"
+#include "tests/test_util.h"
+
+namespace strata::storage {
+namespace {
+
+using strata::testing::TempDir;
+
+constexpr uint64_t kFloats = 4096;  // 16 KiB tensors
+constexpr uint64_t kBytes = kFloats * 4;
+
+float InitValue(const TensorKey& k, uint64_t i) {
+  return static_cast<float>(k.layer * 1000 + k.expert) + static_cast<float>(i) * 1e-3f;
+}
+
+class TieredStoreTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<TieredExpertStore> Make(int device_slots, int host_slots, int threads = 1) {
+    StoreOptions o;
+    o.tensor_bytes = kBytes;
+    o.device_budget_bytes = device_slots * kBytes;
+    o.host_budget_bytes = host_slots * kBytes;
+    o.device_budget = &device_budget_;
+    o.host_budget = &host_budget_;
+    o.ssd.dir = dir_.path();
+    o.ssd.file_bytes = 8 << 20;
+    o.ssd.grow_bytes = 1 << 20;
+    o.io.queue_depth = 8;
+    o.io.block_bytes = 8192;
+    o.compute_threads = threads;
+    o.initializer = [](const TensorKey& k, float* p) {
+      for (uint64_t i = 0; i < kFloats; ++i) p[i] = InitValue(k, i);
+    };
+    auto s = TieredExpertStore::Create(o);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *std::move(s) : nullptr;
+  }
+  TempDir dir_;
+  MemoryBudget device_budget_{"device", 64 * kBytes};
+  MemoryBudget host_budget_{"host", 64 * kBytes};
+};
+
+TEST_F(TieredStoreTest, GeneratedValuesUpdatesAndEvictionsRoundTrip) {
+  auto store = Make(/*device=*/3, /*host=*/7);
+  ASSERT_TRUE(store);
+  // 12 experts' weights: far more than either tier holds. First read: generated values.
+  for (int e = 0; e < 12; ++e) {
+    TensorKey k{1, e, TensorKind::kWeights};
+    auto p = store->AcquireDevice(k);
+    ASSERT_TRUE(p.ok()) << p.status();
+    for (uint64_t i = 0; i < kFloats; i += 511) ASSERT_EQ((*p)[i], InitValue(k, i));
+    store->ReleaseDevice(k, false);
+    auto m = store->AcquireHost(TensorKey{1, e, TensorKind::kAdamM});
+    ASSERT_TRUE(m.ok());
+    EXPECT_EQ((*m)[7], 0.0f);  // moments start at zero
+    store->ReleaseHost(TensorKey{1, e, TensorKind::kAdamM}, false);
+  }
+  // Update every expert on the host (the optimizer's path); evictions must write them back.
+  for (int e = 0; e < 12; ++e) {
+    TensorKey k{1, e, TensorKind::kWeights};
+    auto p = store->AcquireHost(k);
+    ASSERT_TRUE(p.ok()) << p.status();
+    for (uint64_t i = 0; i < kFloats; ++i) (*p)[i] = static_cast<float>(e * 7 + i % 13);
+    store->ReleaseHost(k, true);
+  }
+  StoreStats s = store->TakeStats();
+  EXPECT_GT(s.host.evictions, 0u);
+  EXPECT_GT(s.ssd.bytes_in, 0u) << "dirty evictions must reach the SSD tier";
+  // Read them all back through the device tier, in reverse order.
+  for (int e = 11; e >= 0; --e) {
+    TensorKey k{1, e, TensorKind::kWeights};
+    auto p = store->AcquireDevice(k);
+    ASSERT_TRUE(p.ok()) << p.status();
+    for (uint64_t i = 0; i < kFloats; ++i) ASSERT_EQ((*p)[i], static_cast<float>(e * 7 + i % 13));
+    store->ReleaseDevice(k, false);
+  }
+  s = store->TakeStats();
+  EXPECT_GT(s.ssd.bytes_out, 0u);
+  EXPECT_LE(s.device.used_bytes, 3 * kBytes);
+  EXPECT_LE(s.host.used_bytes, 7 * kBytes);
+  EXPECT_LE(device_budget_.peak(), 3 * kBytes) << "the device tier went over its budget";
+  EXPECT_LE(host_budget_.peak(), 7 * kBytes) << "the host tier went over its budget";
+}
+
+TEST_F(TieredStoreTest, GradientsWriteBackAndDiscard) {
+  auto store = Make(3, 7);
+  for (int e = 0; e < 6; ++e) {
+    TensorKey g{0, e, TensorKind::kGrad};
+    auto p = store->AcquireDevice(g, /*zero=*/true);
+    ASSERT_TRUE(p.ok());
+    for (uint64_t i = 0; i < kFloats; ++i) ASSERT_EQ((*p)[i], 0.0f);
+    for (uint64_t i = 0; i < kFloats; ++i) (*p)[i] = static_cast<float>(e + 1);
+    store->ReleaseDevice(g, true);
+    store->WriteBack(g);
+  }
+  ASSERT_TRUE(store->DrainWriteBacks().ok());
+  for (int e = 0; e < 6; ++e) {
+    TensorKey g{0, e, TensorKind::kGrad};
+    auto p = store->AcquireHost(g);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_EQ((*p)[100], static_cast<float>(e + 1));
+    store->ReleaseHost(g, false);
+    store->Discard(g);
+    auto z = store->AcquireHost(g);
+    ASSERT_TRUE(z.ok());
+    EXPECT_EQ((*z)[100], 0.0f) << "a discarded gradient reads as zero";
+    store->ReleaseHost(g, false);
+    store->Discard(g);
+  }
+}
+
+TEST_F(TieredStoreTest, LfuKeepsTheHotEntryAndDecayLetsItGo) {
+  auto store = Make(3, 7);
+  const TensorKey hot{2, 0, TensorKind::kAdamV};
+  for (int i = 0; i < 20; ++i) {
+    ASSERT_TRUE(store->AcquireHost(hot).ok());
+    store->ReleaseHost(hot, false);
+  }
+  // Stream 20 other tensors through the 7 host slots, twice each: the hot one stays.
+  for (int round = 0; round < 2; ++round) {
+    for (int e = 1; e <= 20; ++e) {
+      TensorKey k{2, e, TensorKind::kAdamV};
+      ASSERT_TRUE(store->AcquireHost(k).ok());
+      store->ReleaseHost(k, false);
+    }
+  }
+  store->TakeStats();
+  ASSERT_TRUE(store->AcquireHost(hot).ok());
+  store->ReleaseHost(hot, false);
+  EXPECT_EQ(store->TakeStats().host.hits, 1u) << "LFU evicted the hottest entry";
+  // Decay (every 10 steps x 0.5): after 60 steps its 21 hits are worth 21/64 < 1, below a fresh
+  // entry used once, so it is the next victim.
+  for (int s = 0; s < 60; ++s) store->EndStep();
+  for (int e = 21; e <= 28; ++e) {
+    TensorKey k{2, e, TensorKind::kAdamV};
+    ASSERT_TRUE(store->AcquireHost(k).ok());
+    store->ReleaseHost(k, false);
+    ASSERT_TRUE(store->AcquireHost(k).ok());  // two hits each
+    store->ReleaseHost(k, false);
+  }
+  store->TakeStats();
+  ASSERT_TRUE(store->AcquireHost(hot).ok());
+  store->ReleaseHost(hot, false);
+  EXPECT_EQ(store->TakeStats().host.misses, 1u) << "decayed hits should have let it be evicted";
+}
+
+TEST_F(TieredStoreTest, ConcurrentUseMatchesAShadowCopy) {
+  constexpr int kThreads = 3;
+  auto store = Make(2 * kThreads + 1, 4 * kThreads + 3, kThreads);
+  ASSERT_TRUE(store);
+  constexpr int kExperts = 24;
+  // Each thread owns experts e % kThreads == t and keeps a shadow of their weights' first value.
+  std::atomic<int> failures{0};
+  auto work = [&](int t) {
+    std::mt19937 gen(t);
+    std::map<int, float> shadow;
+    for (int e = t; e < kExperts; e += kThreads)
+      shadow[e] = InitValue(TensorKey{0, e, TensorKind::kWeights}, 0);
+    for (int it = 0; it < 300; ++it) {
+      const int e = t + kThreads * static_cast<int>(gen() % (kExperts / kThreads));
+      const TensorKey w{0, e, TensorKind::kWeights};
+      switch (gen() % 3) {
+        case 0: {  // read on the device, with a prefetch of the next one
+          TensorKey next{0, (e + kThreads) % kExperts, TensorKind::kWeights};
+          store->PrefetchDevice(std::span<const TensorKey>(&next, 1));
+          auto p = store->AcquireDevice(w);
+          if (!p.ok() || (*p)[0] != shadow[e]) failures++;
+          store->ReleaseDevice(w, false);
+          break;
+        }
+        case 1: {  // update on the host
+          auto p = store->AcquireHost(w);
+          if (!p.ok()) {
+            failures++;
+            break;
+          }
+          (*p)[0] += 1.0f;
+          shadow[e] = (*p)[0];
+          store->ReleaseHost(w, true);
+          break;
+        }
+        case 2: {  // a gradient round trip
+          const TensorKey g{0, e, TensorKind::kGrad};
+          auto p = store->AcquireDevice(g, true);
+          if (!p.ok()) {
+            failures++;
+            break;
+          }
+          (*p)[5] = static_cast<float>(it);
+          store->ReleaseDevice(g, true);
+          store->WriteBack(g);
+          auto h = store->AcquireHost(g);
+          if (!h.ok() || (*h)[5] != static_cast<float>(it)) failures++;
+          if (h.ok()) store->ReleaseHost(g, false);
+          store->Discard(g);
+          break;
+        }
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) threads.emplace_back(work, t);
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_LE(device_budget_.peak(), (2 * kThreads + 1) * kBytes);
+}
+
+TEST_F(TieredStoreTest, TooSmallBudgetsAreClearErrors) {
+  StoreOptions o;
+  o.tensor_bytes = kBytes;
+  o.device_budget_bytes = 2 * kBytes;
+  o.host_budget_bytes = 64 * kBytes;
+  o.ssd.dir = dir_.path();
+  o.compute_threads = 2;
+  auto s = TieredExpertStore::Create(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("storage.device_budget_bytes"), std::string::npos)
+      << s.status();
+  EXPECT_NE(s.status().message().find("at least 5"), std::string::npos) << s.status();
+}
+
+TEST_F(TieredStoreTest, CorruptExtentIsReportedWithTheTensorAndFile) {
+  auto store = Make(3, 7);
+  const TensorKey victim{3, 1, TensorKind::kWeights};
+  {
+    auto p = store->AcquireHost(victim);
+    ASSERT_TRUE(p.ok());
+    (*p)[0] = 42.0f;
+    store->ReleaseHost(victim, true);
+  }
+  // Push it out to the SSD tier.
+  for (int e = 10; e < 20; ++e) {
+    TensorKey k{3, e, TensorKind::kAdamM};
+    ASSERT_TRUE(store->AcquireHost(k).ok());
+    store->ReleaseHost(k, false);
+  }
+  std::vector<float> copy(kFloats);
+  TieredExpertStore::Snapshot snap;
+  ASSERT_TRUE(store->SnapshotTensor(victim, copy.data(), &snap).ok());
+  ASSERT_TRUE(snap.has_stored) << "the tensor should have been written to the SSD tier";
+  {
+    std::fstream f(store->ssd().FilePath(snap.stored.extent.file),
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(snap.stored.extent.offset + 8));
+    f.put('\x7f');
+  }
+  store->UnrefVersion(victim, snap.version);
+  auto p = store->AcquireDevice(victim);
+  ASSERT_FALSE(p.ok());
+  EXPECT_TRUE(absl::IsDataLoss(p.status())) << p.status();
+  EXPECT_NE(p.status().message().find("layer 3 expert 1 weights"), std::string::npos) << p.status();
+  EXPECT_NE(p.status().message().find("data-00000.bin"), std::string::npos) << p.status();
+}
+
+}  // namespace
+}  // namespace strata::storage
