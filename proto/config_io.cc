@@ -138,6 +138,13 @@ class Validator {
 
 bool Finite(double v) { return std::isfinite(v); }
 
+bool any_moe_layer(const ModelConfig& m) {
+  for (int l = 0; l < m.n_layers(); ++l) {
+    if (IsMoeLayer(m, l)) return true;
+  }
+  return false;
+}
+
 void ValidateModel(const JobConfig& c, Validator& v) {
   const ModelConfig& m = c.model();
   v.Require(m.vocab_size() >= 2 && m.vocab_size() <= 65536, {"model", "vocab_size"},
@@ -160,9 +167,7 @@ void ValidateModel(const JobConfig& c, Validator& v) {
   v.Require(Finite(m.init_std()) && m.init_std() > 0, {"model", "init_std"},
             "init_std must be a positive number");
 
-  bool any_moe = false;
-  for (int l = 0; l < m.n_layers(); ++l) any_moe |= IsMoeLayer(m, l);
-  if (any_moe) {
+  if (any_moe_layer(m)) {
     const MoeConfig& e = m.moe();
     const GateConfig& g = e.gate();
     v.Require(e.num_experts() >= 1 && e.num_experts() <= 4096, {"model", "moe", "num_experts"},
@@ -233,6 +238,30 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
   v.Require(t.log_every() >= 1, {"train", "log_every"}, "log_every must be at least 1");
   v.Require(t.threads() >= 0 && t.threads() <= 1024, {"train", "threads"},
             "threads must be in [0, 1024] (0 uses every core)");
+
+  const StorageConfig& s = c.storage();
+  const bool tiered = s.mode() == StorageConfig::TIERED;
+  v.Require(!tiered || any_moe_layer(m), {"storage", "mode"},
+            "TIERED keeps expert state in the tiered store, but the model has no MoE layer; "
+            "set model.moe_every or use IN_MEMORY");
+  v.Require(s.io_queue_depth() >= 1 && s.io_queue_depth() <= 4096, {"storage", "io_queue_depth"},
+            "io_queue_depth must be in [1, 4096]");
+  v.Require(s.io_block_bytes() >= 4096 && s.io_block_bytes() % 4096 == 0,
+            {"storage", "io_block_bytes"},
+            "io_block_bytes must be a positive multiple of 4096 (the O_DIRECT alignment)");
+  v.Require(s.ssd_file_bytes() >= (1 << 20), {"storage", "ssd_file_bytes"},
+            "ssd_file_bytes must be at least 1048576");
+  v.Require(Finite(s.lfu_decay()) && s.lfu_decay() > 0 && s.lfu_decay() <= 1,
+            {"storage", "lfu_decay"}, "lfu_decay must be in (0, 1]");
+  v.Require(!(s.expert_update() == StorageConfig::LAZY && !tiered), {"storage", "expert_update"},
+            "expert_update LAZY applies to the tiered store; set storage.mode: TIERED or use "
+            "DENSE");
+  v.Require(s.device_budget_bytes() == 0 || tiered, {"storage", "device_budget_bytes"},
+            "budgets apply to storage.mode: TIERED");
+  v.Require(s.host_budget_bytes() == 0 || tiered, {"storage", "host_budget_bytes"},
+            "budgets apply to storage.mode: TIERED");
+  v.Require(c.checkpoint().every() == 0 || !c.checkpoint().dir().empty(), {"checkpoint", "dir"},
+            "checkpoint.every needs a folder: set checkpoint.dir or pass --checkpoint-dir");
 }
 
 }  // namespace
@@ -275,11 +304,15 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& text, const std::string& s
   ValidateModel(config, v);
   ValidateDataAndTraining(config, v);
   RETURN_IF_ERROR(v.Result());
-  if (!base_dir.empty() && !config.data().path().empty() &&
-      std::filesystem::path(config.data().path()).is_relative()) {
-    config.mutable_data()->set_path(
-        (std::filesystem::path(base_dir) / config.data().path()).lexically_normal().string());
-  }
+  // Paths in the file are relative to the file's folder.
+  auto resolve = [&](std::string* path) {
+    if (!base_dir.empty() && !path->empty() && std::filesystem::path(*path).is_relative()) {
+      *path = (std::filesystem::path(base_dir) / *path).lexically_normal().string();
+    }
+  };
+  resolve(config.mutable_data()->mutable_path());
+  if (config.storage().has_ssd_dir()) resolve(config.mutable_storage()->mutable_ssd_dir());
+  if (config.checkpoint().has_dir()) resolve(config.mutable_checkpoint()->mutable_dir());
   return config;
 }
 

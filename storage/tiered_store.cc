@@ -309,6 +309,12 @@ bool TieredExpertStore::Materialized(const TensorKey& key) const {
   return it != entries_.end() && it->second.materialized;
 }
 
+bool TieredExpertStore::DeviceReady(const TensorKey& key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(key);
+  return it != entries_.end() && it->second.dev == DevState::kReady;
+}
+
 // --- Hints --------------------------------------------------------------------------------------
 
 void TieredExpertStore::PrefetchDevice(std::span<const TensorKey> keys) {
@@ -551,6 +557,7 @@ Status TieredExpertStore::LoadDevice(const TensorKey& key) {
   e.host_pins--;
   e.host_readers--;
   e.dev = DevState::kReady;
+  e.dev_last_use = ++clock_;  // a fresh prefetch is not the next victim
   stats_.device.bytes_in += options_.tensor_bytes;
   stats_.host.bytes_out += options_.tensor_bytes;
   cv_.notify_all();

@@ -149,6 +149,8 @@ class TieredExpertStore {
   void Discard(const TensorKey& key);
   // Whether the tensor's current value has ever been written (else initialiser or zero).
   bool Materialized(const TensorKey& key) const;
+  // Whether a device copy is resident right now (a hint for ordering work; may change at once).
+  bool DeviceReady(const TensorKey& key) const;
 
   // --- Hints ---------------------------------------------------------------------------------
   void PrefetchDevice(std::span<const TensorKey> keys);

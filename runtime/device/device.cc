@@ -53,7 +53,12 @@ StatusOr<std::shared_ptr<Buffer>> Buffer::Allocate(Device device, size_t bytes,
   return std::shared_ptr<Buffer>(new Buffer(device, data, bytes, budget));
 }
 
+std::shared_ptr<Buffer> Buffer::Wrap(Device device, void* data, size_t bytes) {
+  return std::shared_ptr<Buffer>(new Buffer(device, data, bytes, nullptr, /*owned=*/false));
+}
+
 Buffer::~Buffer() {
+  if (!owned_) return;
   std::free(data_);
   if (budget_ != nullptr) budget_->Release(bytes_);
 }
@@ -111,6 +116,16 @@ StatusOr<Tensor> Tensor::TryEmpty(Shape shape, DType dtype, Device device, Memor
     if (d < 0) return absl::InvalidArgumentError("negative tensor dimension");
   }
   ASSIGN_OR_RETURN(t.buffer_, Buffer::Allocate(device, t.bytes(), budget));
+  return t;
+}
+
+Tensor Tensor::FromBuffer(std::shared_ptr<Buffer> buffer, Shape shape, DType dtype) {
+  Tensor t;
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  CHECK(buffer != nullptr && t.bytes() <= buffer->bytes())
+      << "a tensor of " << t.bytes() << " bytes over a smaller buffer";
+  t.buffer_ = std::move(buffer);
   return t;
 }
 

@@ -72,6 +72,8 @@ class Buffer {
  public:
   [[nodiscard]] static StatusOr<std::shared_ptr<Buffer>> Allocate(Device device, size_t bytes,
                                                                   MemoryBudget* budget = nullptr);
+  // A buffer over memory someone else owns (a tier's slot); destroying it frees nothing.
+  static std::shared_ptr<Buffer> Wrap(Device device, void* data, size_t bytes);
   ~Buffer();
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -81,12 +83,13 @@ class Buffer {
   Device device() const { return device_; }
 
  private:
-  Buffer(Device device, void* data, size_t bytes, MemoryBudget* budget)
-      : device_(device), data_(data), bytes_(bytes), budget_(budget) {}
+  Buffer(Device device, void* data, size_t bytes, MemoryBudget* budget, bool owned = true)
+      : device_(device), data_(data), bytes_(bytes), budget_(budget), owned_(owned) {}
   Device device_;
   void* data_;
   size_t bytes_;
   MemoryBudget* budget_;
+  bool owned_;
 };
 
 enum class DType { kF32 = 0, kF64 = 1, kI32 = 2 };
@@ -141,6 +144,8 @@ class Tensor {
   static Tensor Zeros(Shape shape, DType dtype = DType::kF32, Device device = Device::Cpu());
   [[nodiscard]] static StatusOr<Tensor> TryEmpty(Shape shape, DType dtype, Device device,
                                                  MemoryBudget* budget);
+  // A tensor over an existing buffer (from Buffer::Wrap or Allocate).
+  static Tensor FromBuffer(std::shared_ptr<Buffer> buffer, Shape shape, DType dtype = DType::kF32);
 
   bool defined() const { return buffer_ != nullptr; }
   const Shape& shape() const { return shape_; }

@@ -29,7 +29,9 @@ void AdamW::Step(ops::Context& ctx, double lr, double grad_scale) {
   });
 }
 
-double AdamW::GradNorm(ops::Context& ctx) const {
+double AdamW::GradNorm(ops::Context& ctx) const { return std::sqrt(GradSumSquares(ctx)); }
+
+double AdamW::GradSumSquares(ops::Context& ctx) const {
   std::vector<double>& partial = norm_partials_;
   partial.assign(ctx.pool->num_threads(), 0.0);  // sized once: no allocation per step
   slices_.Run(ctx, [&](int tid, size_t i, int64_t begin, int64_t n) {
@@ -37,7 +39,7 @@ double AdamW::GradNorm(ops::Context& ctx) const {
   });
   double s = 0;
   for (double v : partial) s += v;
-  return std::sqrt(s);
+  return s;
 }
 
 void AdamW::ZeroGrad(ops::Context& ctx) const {

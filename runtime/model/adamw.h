@@ -25,6 +25,8 @@ class AdamW {
 
   // L2 norm of all gradients together (per-thread partial sums combined in thread order).
   double GradNorm(ops::Context& ctx) const;
+  // Its square, for adding other gradients (experts in the tiered store) before the root.
+  double GradSumSquares(ops::Context& ctx) const;
   // Sets every gradient to zero.
   void ZeroGrad(ops::Context& ctx) const;
 

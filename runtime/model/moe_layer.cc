@@ -70,6 +70,27 @@ void MoeLayer::ForEachExpert(ops::Context& ctx, Fn&& fn) {
   });
 }
 
+template <typename Fn>
+void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass, Fn&& fn) {
+  if (residency_ == nullptr) {
+    if (pass == ExpertResidency::Pass::kForward) PlanExpertGroups(ctx.pool->num_threads());
+    ForEachExpert(ctx, fn);
+    return;
+  }
+  group_begin_.clear();
+  needed_.clear();
+  for (int64_t e = 0; e < num_experts(); ++e) {
+    if (plan_.counts[e] > 0) needed_.push_back(static_cast<int>(e));
+  }
+  residency_->BeginPass(layer_, pass, needed_);
+  ctx.pool->Run([&](int, int) {
+    for (int e; (e = residency_->NextReady(layer_, pass)) >= 0;) {
+      fn(e);
+      residency_->Done(layer_, pass, e);
+    }
+  });
+}
+
 void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, const GateCall& call) {
   const int64_t T = x.dim(0);
   const int64_t E = num_experts();
@@ -82,8 +103,7 @@ void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, cons
   const int64_t R = plan_.rows;
   Tensor xp = xp_.Rows(0, R), yp = yp_.Rows(0, R);
   ops::MoePermuteForward(ctx, xp, x, row_token_);
-  PlanExpertGroups(ctx.pool->num_threads());
-  ForEachExpert(ctx, [&](int64_t e) {
+  RunExperts(ctx, ExpertResidency::Pass::kForward, [&](int64_t e) {
     const int64_t r0 = plan_.offsets[e], r1 = plan_.offsets[e + 1];
     experts_[e]->Forward(ctx, xp.Rows(r0, r1), yp.Rows(r0, r1),
                          saved_.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));
@@ -116,7 +136,7 @@ void MoeLayer::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, co
   Tensor dweight = dweight_.Rows(0, T);
   // dyp overwrites yp in place (each row is read, then written, by one thread).
   ops::MoeCombineBackward(ctx, yp, dweight, dy, yp, routing_.weight, slot);
-  ForEachExpert(ctx, [&](int64_t e) {
+  RunExperts(ctx, ExpertResidency::Pass::kBackward, [&](int64_t e) {
     const int64_t r0 = plan_.offsets[e], r1 = plan_.offsets[e + 1];
     experts_[e]->Backward(ctx, xp.Rows(r0, r1), yp.Rows(r0, r1), dxp.Rows(r0, r1),
                           saved_.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));

@@ -18,7 +18,9 @@
 // each GEMM is split over the pool. The first avoids a pool synchronisation per kernel per expert
 // (a few microseconds each, which add up with many small experts); the second keeps the cores
 // busy when a few experts hold most of the rows. Either way the choice depends only on the
-// routing and the thread count, so runs stay reproducible. The layer keeps the routing of its last
+// routing and the thread count, so runs stay reproducible. With an ExpertResidency (the tiered
+// store) experts are handed to threads as their parameters become resident, each run on one
+// thread. The layer keeps the routing of its last
 // Forward for Backward and for statistics.
 #pragma once
 
@@ -27,6 +29,7 @@
 
 #include "kernels/ops.h"
 #include "runtime/model/expert.h"
+#include "runtime/model/expert_residency.h"
 #include "runtime/model/gate.h"
 
 namespace strata::model {
@@ -57,6 +60,16 @@ class MoeLayer {
   // The routing of the last Forward (valid until the next one).
   const Routing& routing() const { return routing_; }
   std::vector<Parameter*> Parameters();
+  // The gate's parameters only (the dense part of the layer).
+  std::vector<Parameter*> GateParameters() { return gate_->Parameters(); }
+  // Expert parameters become resident through `residency` (the tiered store) for block `layer`;
+  // see expert_residency.h. Null: experts own their parameters.
+  void AttachResidency(ExpertResidency* residency, int layer) {
+    residency_ = residency;
+    layer_ = layer;
+  }
+  ExpertResidency* residency() const { return residency_; }
+
   // Whether the last Forward ran the experts in per-thread groups (see the file comment).
   bool last_run_grouped() const { return !group_begin_.empty(); }
   Gate& gate() { return *gate_; }
@@ -80,7 +93,15 @@ class MoeLayer {
   // [group_begin_[i], group_begin_[i + 1]); empty when the experts ran one after another.
   std::vector<int64_t> group_begin_;
 
+  ExpertResidency* residency_ = nullptr;
+  int layer_ = -1;
+  std::vector<int> needed_;  // experts with rows, for the residency
+
   void PlanExpertGroups(int threads);
+  // Runs fn(e) for every expert with rows: through the residency when there is one, else grouped
+  // or in order.
+  template <typename Fn>
+  void RunExperts(ops::Context& ctx, ExpertResidency::Pass pass, Fn&& fn);
   // Runs fn(e) for every expert with rows, grouped or in order (see the file comment).
   template <typename Fn>
   void ForEachExpert(ops::Context& ctx, Fn&& fn);

@@ -17,6 +17,7 @@ std::unique_ptr<Parameter> MakeParameter(std::string name, Shape shape, Init ini
                                          bool decay) {
   auto p = std::make_unique<Parameter>();
   p->name = std::move(name);
+  p->shape = shape;
   p->value = Tensor::Empty(shape);
   p->grad = Tensor::Zeros(shape);
   p->init = init;
@@ -25,27 +26,40 @@ std::unique_ptr<Parameter> MakeParameter(std::string name, Shape shape, Init ini
   return p;
 }
 
-void Initialize(ops::Context& ctx, Parameter& p, uint64_t seed) {
-  float* v = p.value.f32();
-  const int64_t n = p.value.numel();
-  const uint64_t key = rng::Key(seed, NameHash(p.name));
+namespace {
+void InitRange(const Parameter& p, uint64_t key, float* v, int64_t i0, int64_t i1) {
   const double std = p.init_std;
-  const Init init = p.init;
-  ctx.pool->ParallelFor(n, 4096, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      switch (init) {
-        case Init::kNormal:
-          v[i] = static_cast<float>(std * rng::Normal(key, i));
-          break;
-        case Init::kZeros:
-          v[i] = 0.0f;
-          break;
-        case Init::kOnes:
-          v[i] = 1.0f;
-          break;
-      }
+  for (int64_t i = i0; i < i1; ++i) {
+    switch (p.init) {
+      case Init::kNormal:
+        v[i] = static_cast<float>(std * rng::Normal(key, i));
+        break;
+      case Init::kZeros:
+        v[i] = 0.0f;
+        break;
+      case Init::kOnes:
+        v[i] = 1.0f;
+        break;
     }
-  });
+  }
+}
+}  // namespace
+
+void Initialize(ops::Context& ctx, Parameter& p, uint64_t seed) {
+  if (!p.value.defined()) return;  // unbound: its store generates the values when first used
+  float* v = p.value.f32();
+  const uint64_t key = rng::Key(seed, NameHash(p.name));
+  ctx.pool->ParallelFor(p.value.numel(), 4096,
+                        [&](int64_t i0, int64_t i1) { InitRange(p, key, v, i0, i1); });
+}
+
+void InitialValues(const Parameter& p, uint64_t seed, float* dst) {
+  InitRange(p, rng::Key(seed, NameHash(p.name)), dst, 0, p.shape.numel());
+}
+
+void Unbind(Parameter& p) {
+  p.value = Tensor();
+  p.grad = Tensor();
 }
 
 ParameterSlices::ParameterSlices(std::vector<Parameter*> params) : params_(std::move(params)) {
@@ -55,7 +69,7 @@ ParameterSlices::ParameterSlices(std::vector<Parameter*> params) : params_(std::
 
 int64_t CountScalars(const std::vector<Parameter*>& params) {
   int64_t n = 0;
-  for (const Parameter* p : params) n += p->value.numel();
+  for (const Parameter* p : params) n += p->shape.numel();
   return n;
 }
 

@@ -21,6 +21,9 @@ enum class Init { kNormal, kZeros, kOnes };
 
 struct Parameter {
   std::string name;
+  Shape shape;
+  // value and grad are undefined while the parameter is unbound (an expert in the tiered store
+  // between uses); the store binds them to views of resident memory.
   Tensor value;
   Tensor grad;
   bool decay = false;  // AdamW weight decay applies (weight matrices)
@@ -34,6 +37,10 @@ std::unique_ptr<Parameter> MakeParameter(std::string name, Shape shape, Init ini
 
 // Writes the parameter's initial value for `seed`.
 void Initialize(ops::Context& ctx, Parameter& p, uint64_t seed);
+// The same values into dst[0, shape.numel()), on the calling thread.
+void InitialValues(const Parameter& p, uint64_t seed, float* dst);
+// Drops value and grad (their memory is freed unless shared), keeping name and shape.
+void Unbind(Parameter& p);
 
 // 64-bit FNV-1a of a name, the per-parameter stream of the initialiser.
 uint64_t NameHash(const std::string& name);

@@ -31,7 +31,7 @@ struct BlockScratch {
 class Block {
  public:
   Block(int index, const config::ModelConfig& cfg, int64_t max_batch, ops::NormKind norm,
-        uint64_t seed, const ExpertFactory& factory)
+        uint64_t seed, const ExpertFactory& factory, bool unbound_experts)
       : index_(index),
         norm_(norm),
         C_(cfg.d_model()),
@@ -73,6 +73,9 @@ class Block {
           FfnOptions f{C_, m.d_expert(), act, m.expert_bias(), std, out_std};
           experts.push_back(std::make_unique<FfnExpert>(ep, f));
         }
+        if (unbound_experts) {
+          for (Parameter* p : experts.back()->Parameters()) Unbind(*p);
+        }
       }
       moe_ = std::make_unique<MoeLayer>(C_, N, MakeGate(p + ".moe.gate", g), std::move(experts));
     } else {
@@ -95,13 +98,23 @@ class Block {
   }
 
   std::vector<Parameter*> Parameters() {
+    std::vector<Parameter*> ps = DenseParameters();
+    if (moe_) {
+      for (int64_t e = 0; e < moe_->num_experts(); ++e) {
+        for (Parameter* p : moe_->expert(static_cast<int>(e)).Parameters()) ps.push_back(p);
+      }
+    }
+    return ps;
+  }
+
+  std::vector<Parameter*> DenseParameters() {
     std::vector<Parameter*> ps = {ln1_w_.get()};
     if (ln1_b_) ps.push_back(ln1_b_.get());
     for (auto* p : {qkv_w_.get(), qkv_b_.get(), proj_w_.get(), proj_b_.get(), ln2_w_.get()}) {
       ps.push_back(p);
     }
     if (ln2_b_) ps.push_back(ln2_b_.get());
-    for (Parameter* p : moe_ ? moe_->Parameters() : ffn_->Parameters()) ps.push_back(p);
+    for (Parameter* p : moe_ ? moe_->GateParameters() : ffn_->Parameters()) ps.push_back(p);
     return ps;
   }
 
@@ -197,7 +210,8 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
   m->params_ = {m->wte_.get(), m->wpe_.get()};
   for (int l = 0; l < cfg.n_layers(); ++l) {
     m->blocks_.push_back(std::make_unique<Block>(l, cfg, options.max_batch, m->norm_kind_,
-                                                 options.seed, options.expert_factory));
+                                                 options.seed, options.expert_factory,
+                                                 options.unbound_experts));
     for (Parameter* p : m->blocks_.back()->Parameters()) m->params_.push_back(p);
     if (m->blocks_.back()->moe()) m->moe_layers_.push_back({l, m->blocks_.back()->moe()});
   }
@@ -212,6 +226,14 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
     m->params_.push_back(m->lm_head_.get());
   }
   for (Parameter* p : m->params_) Initialize(ctx, *p, options.seed);
+  std::vector<Parameter*> dense = {m->wte_.get(), m->wpe_.get()};
+  for (auto& b : m->blocks_) {
+    for (Parameter* p : b->DenseParameters()) dense.push_back(p);
+  }
+  for (Parameter* p : {m->lnf_w_.get(), m->lnf_b_.get(), m->lm_head_.get()}) {
+    if (p != nullptr) dense.push_back(p);
+  }
+  m->dense_params_ = dense;
 
   m->tokens_ = Tensor::Empty({N}, DType::kI32);
   m->targets_ = Tensor::Empty({N}, DType::kI32);
@@ -235,16 +257,15 @@ Parameter* MoeTransformer::FindParameter(const std::string& name) const {
 }
 
 int64_t MoeTransformer::ActiveParametersPerToken() const {
-  int64_t n = 0;
-  for (Parameter* p : params_) {
-    if (p->name.find(".moe.experts.") == std::string::npos) n += p->value.numel();
-  }
+  int64_t n = CountScalars(dense_params_);
   for (const MoeLayerRef& ref : moe_layers_) {
-    int64_t per_expert = 0;
-    for (Parameter* p : ref.layer->expert(0).Parameters()) per_expert += p->value.numel();
-    n += per_expert * ref.layer->gate().k();
+    n += CountScalars(ref.layer->expert(0).Parameters()) * ref.layer->gate().k();
   }
   return n;
+}
+
+void MoeTransformer::AttachResidency(ExpertResidency* residency) {
+  for (const MoeLayerRef& ref : moe_layers_) ref.layer->AttachResidency(residency, ref.block);
 }
 
 void MoeTransformer::ZeroGrad() {

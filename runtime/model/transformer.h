@@ -33,6 +33,10 @@ struct ModelOptions {
   int64_t max_batch = 1;  // sequences per Forward
   // Builds the experts of MoE layers; null means FfnExpert from the config.
   ExpertFactory expert_factory;
+  // Expert parameters are left unbound (their memory freed as each expert is built): a residency
+  // (the tiered store) binds them when they are used. Their initial values come from
+  // InitialValues with the same seed.
+  bool unbound_experts = false;
 };
 
 class MoeTransformer {
@@ -52,6 +56,11 @@ class MoeTransformer {
 
   void ZeroGrad();
   const std::vector<Parameter*>& Parameters() const { return params_; }
+  // Every parameter that is not part of an expert (embeddings, attention, norms, gates, dense
+  // FFNs).
+  const std::vector<Parameter*>& DenseParameters() const { return dense_params_; }
+  // Lets every MoE layer's experts become resident through `residency` (see MoeLayer).
+  void AttachResidency(ExpertResidency* residency);
   Parameter* FindParameter(const std::string& name) const;
 
   // The MoE layers, with the index of the block each sits in.
@@ -73,6 +82,7 @@ class MoeTransformer {
   std::unique_ptr<Parameter> wte_, wpe_, lnf_w_, lnf_b_, lm_head_;
   std::vector<std::unique_ptr<Block>> blocks_;
   std::vector<Parameter*> params_;
+  std::vector<Parameter*> dense_params_;
   std::vector<MoeLayerRef> moe_layers_;
 
   // Activations [max_batch * seq_len, ...] and backward scratch.

@@ -2,7 +2,11 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include "absl/strings/str_format.h"
@@ -13,7 +17,58 @@
 
 namespace strata::train {
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+  if (model_) model_->AttachResidency(nullptr);
+  scheduler_.reset();  // closes the SSD tier's files before its temporary folder goes
+  if (!temp_ssd_dir_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(temp_ssd_dir_, ec);
+  }
+}
+
+Status Trainer::SetUpTiered() {
+  const config::JobConfig& cfg = options_.config;
+  const config::StorageConfig& st = cfg.storage();
+  // Dense parameters with their gradients and Adam state live in the device tier for good.
+  const uint64_t dense_bytes =
+      static_cast<uint64_t>(model::CountScalars(model_->DenseParameters())) * sizeof(float) * 4;
+  device_budget_ = std::make_unique<MemoryBudget>("device", st.device_budget_bytes());
+  host_budget_ = std::make_unique<MemoryBudget>("host", st.host_budget_bytes());
+  if (!device_budget_->Reserve(dense_bytes).ok()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "storage.device_budget_bytes = %d cannot hold the dense parameters with their "
+        "gradients and Adam state (%d bytes) and any expert; raise it",
+        st.device_budget_bytes(), dense_bytes));
+  }
+  scheduler::TieredOptions to;
+  to.storage = st;
+  to.seed = cfg.seed();
+  to.threads = pool_->num_threads();
+  to.device_budget = device_budget_.get();
+  to.device_slot_bytes = st.device_budget_bytes() == 0 ? 0 : st.device_budget_bytes() - dense_bytes;
+  to.host_budget = host_budget_.get();
+  to.wrap_io = options_.wrap_io;
+  if (!cfg.checkpoint().dir().empty()) {
+    to.ssd_dir = cfg.checkpoint().dir();
+  } else if (!st.ssd_dir().empty()) {
+    to.ssd_dir = st.ssd_dir();
+  } else {
+    const char* base = std::getenv("TMPDIR");
+    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/strata-ssd-XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    if (mkdtemp(buf.data()) == nullptr) {
+      return absl::PermissionDeniedError(absl::StrFormat(
+          "cannot create a temporary SSD-tier folder from '%s': %s; set storage.ssd_dir", tmpl,
+          std::strerror(errno)));
+    }
+    temp_ssd_dir_ = buf.data();
+    to.ssd_dir = temp_ssd_dir_;
+  }
+  ASSIGN_OR_RETURN(scheduler_, scheduler::TieredExpertScheduler::Create(*model_, to));
+  model_->AttachResidency(scheduler_.get());
+  return absl::OkStatus();
+}
 
 double Trainer::LearningRate(const config::TrainConfig& t, int64_t s) {
   const double peak = t.lr();
@@ -44,14 +99,18 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   mo.seed = cfg.seed();
   mo.max_batch = cfg.train().global_batch();
   mo.expert_factory = options.expert_factory;
+  const bool tiered = cfg.storage().mode() == config::StorageConfig::TIERED;
+  mo.unbound_experts = tiered;
   ASSIGN_OR_RETURN(tr->model_, model::MoeTransformer::Create(tr->ctx_, mo));
+  if (tiered) RETURN_IF_ERROR(tr->SetUpTiered());
 
   model::AdamWOptions ao;
   ao.beta1 = cfg.train().beta1();
   ao.beta2 = cfg.train().beta2();
   ao.eps = cfg.train().adam_eps();
   ao.weight_decay = cfg.train().weight_decay();
-  tr->optimizer_ = std::make_unique<model::AdamW>(tr->model_->Parameters(), ao);
+  tr->optimizer_ = std::make_unique<model::AdamW>(
+      tiered ? tr->model_->DenseParameters() : tr->model_->Parameters(), ao);
 
   if (!options.metrics_path.empty()) {
     ASSIGN_OR_RETURN(tr->metrics_, MetricsWriter::Open(options.metrics_path, env));
@@ -73,6 +132,7 @@ StatusOr<StepResult> Trainer::Step() {
   model::GateCall call{true, static_cast<uint64_t>(step_)};
   StepResult r;
   r.loss = model_->Forward(ctx_, inputs_.data(), targets_.data(), B, call);
+  if (scheduler_) RETURN_IF_ERROR(scheduler_->status());
   if (!std::isfinite(r.loss)) {
     return absl::InternalError(
         absl::StrFormat("the training loss became %f at step %d; lower train.lr (now %g) or raise "
@@ -80,9 +140,24 @@ StatusOr<StepResult> Trainer::Step() {
                         r.loss, step_ + 1, cfg.train().lr()));
   }
   model_->Backward(ctx_);
-  r.grad_norm = optimizer_->GradNorm(ctx_);
+  if (scheduler_) RETURN_IF_ERROR(scheduler_->status());
+  double sq = optimizer_->GradSumSquares(ctx_);
+  if (scheduler_) sq += scheduler_->ExpertGradSumSquares();
+  r.grad_norm = std::sqrt(sq);
   r.lr = LearningRate(cfg.train(), step_);
-  optimizer_->Step(ctx_, r.lr, cpu::ClipScale(r.grad_norm, cfg.train().grad_clip()));
+  const double scale = cpu::ClipScale(r.grad_norm, cfg.train().grad_clip());
+  optimizer_->Step(ctx_, r.lr, scale);
+  if (scheduler_) {
+    model::AdamWOptions ao;
+    ao.beta1 = cfg.train().beta1();
+    ao.beta2 = cfg.train().beta2();
+    ao.eps = cfg.train().adam_eps();
+    ao.weight_decay = cfg.train().weight_decay();
+    RETURN_IF_ERROR(scheduler_->StepExperts(ctx_, ao, r.lr, scale, optimizer_->steps()));
+    scheduler_->EndStep();
+    r.tiered = true;
+    r.store = scheduler_->store().TakeStats();
+  }
   for (const auto& ref : model_->moe_layers()) {
     r.moe.push_back(ref.layer->stats());
     r.aux_loss += ref.layer->stats().aux_loss;
@@ -108,6 +183,13 @@ EvalResult Trainer::Evaluate() {
   for (int b = 0; b < cfg.train().eval_batches(); ++b) {
     dataset_->EvalBatch(b, B, inputs_.data(), targets_.data());
     sum += model_->Forward(ctx_, inputs_.data(), targets_.data(), B, call) * N;
+  }
+  if (scheduler_) {
+    Status s = scheduler_->status();
+    if (!s.ok()) {
+      STRATA_LOG(ERROR) << "evaluation: " << s;
+      sum = std::nan("");
+    }
   }
   EvalResult e;
   e.tokens = N * cfg.train().eval_batches();
@@ -163,6 +245,7 @@ Status Trainer::Run() {
             .EndObject();
       }
       j.EndArray();
+      if (r.tiered) WriteStepMetrics(j, r);
       if (eval_due) {
         j.Field("eval_loss", eval.loss);
         if (std::isfinite(eval.bits_per_byte)) j.Field("eval_bits_per_byte", eval.bits_per_byte);
@@ -173,6 +256,32 @@ Status Trainer::Run() {
     if (options_.progress) PrintProgress(r, eval_due ? &eval : nullptr, r.step == steps);
   }
   return absl::OkStatus();
+}
+
+void Trainer::WriteStepMetrics(JsonWriter& j, const StepResult& r) const {
+  const storage::StoreStats& s = r.store;
+  auto tier = [&](const char* name, const storage::TierStats& t) {
+    j.Key(name).BeginObject();
+    j.Field("hits", t.hits)
+        .Field("misses", t.misses)
+        .Field("bytes_in", t.bytes_in)
+        .Field("bytes_out", t.bytes_out)
+        .Field("evictions", t.evictions)
+        .Field("used_bytes", t.used_bytes)
+        .Field("budget_bytes", t.budget_bytes);
+  };
+  j.Key("tiers").BeginObject();
+  tier("device", s.device);
+  j.EndObject();
+  tier("host", s.host);
+  j.EndObject();
+  tier("ssd", s.ssd);
+  j.Field("read_gbps", s.ssd_read_seconds > 0 ? s.ssd.bytes_out / s.ssd_read_seconds / 1e9 : 0.0)
+      .Field("write_gbps",
+             s.ssd_write_seconds > 0 ? s.ssd.bytes_in / s.ssd_write_seconds / 1e9 : 0.0);
+  j.EndObject();
+  j.EndObject();
+  j.Field("stall_ms", 1e3 * s.stall_seconds);
 }
 
 void Trainer::PrintProgress(const StepResult& r, const EvalResult* eval, bool final_line) {

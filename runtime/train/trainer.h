@@ -7,17 +7,20 @@
 #pragma once
 
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "proto/config.pb.h"
+#include "runtime/common/json.h"
 #include "runtime/common/status.h"
 #include "runtime/common/thread_pool.h"
 #include "runtime/data/dataset.h"
 #include "runtime/model/adamw.h"
 #include "runtime/model/transformer.h"
 #include "runtime/train/metrics.h"
+#include "scheduler/tiered_scheduler.h"
 
 namespace strata::train {
 
@@ -27,6 +30,8 @@ struct TrainOptions {
   bool progress = true;      // progress line on stderr
   model::ExpertFactory expert_factory;  // null: FFN experts from the config
   storage::Env* env = nullptr;          // null: storage::Env::Default()
+  // Tests wrap the SSD tier's block I/O to inject faults.
+  std::function<std::unique_ptr<storage::BlockIo>(std::unique_ptr<storage::BlockIo>)> wrap_io;
 };
 
 struct StepResult {
@@ -39,6 +44,8 @@ struct StepResult {
   double seconds = 0;
   int64_t tokens = 0;
   std::vector<model::MoeStats> moe;  // per MoE layer, in model.moe_layers() order
+  bool tiered = false;
+  storage::StoreStats store;  // TIERED: this step's tier figures
 };
 
 struct EvalResult {
@@ -69,10 +76,15 @@ class Trainer {
   const data::TokenDataset& dataset() const { return *dataset_; }
   const std::vector<StepResult>& history() const { return history_; }
   const std::vector<std::pair<int64_t, EvalResult>>& evals() const { return evals_; }
+  // TIERED: the scheduler and its store (null in memory).
+  scheduler::TieredExpertScheduler* tiered() { return scheduler_.get(); }
 
  private:
   Trainer() = default;
   void PrintProgress(const StepResult& r, const EvalResult* eval, bool final_line);
+
+  [[nodiscard]] Status SetUpTiered();
+  void WriteStepMetrics(JsonWriter& j, const StepResult& r) const;
 
   TrainOptions options_;
   std::unique_ptr<ThreadPool> pool_;
@@ -80,6 +92,11 @@ class Trainer {
   std::unique_ptr<data::TokenDataset> dataset_;
   std::unique_ptr<model::MoeTransformer> model_;
   std::unique_ptr<model::AdamW> optimizer_;
+  // TIERED (declared in destruction order: the scheduler and its store go first, then the budgets
+  // they charge, then the temporary SSD folder).
+  std::string temp_ssd_dir_;
+  std::unique_ptr<MemoryBudget> device_budget_, host_budget_;
+  std::unique_ptr<scheduler::TieredExpertScheduler> scheduler_;
   std::unique_ptr<MetricsWriter> metrics_;
   std::vector<int32_t> inputs_, targets_;
   int64_t step_ = 0;

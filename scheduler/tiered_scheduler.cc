@@ -1,0 +1,349 @@
+#include "scheduler/tiered_scheduler.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "absl/strings/str_format.h"
+#include "kernels/cpu/optimizer.h"
+#include "runtime/common/logging.h"
+
+namespace strata::scheduler {
+
+using storage::TensorKey;
+using storage::TensorKind;
+
+namespace {
+constexpr double kHistoryDecay = 0.9;  // per step
+}  // namespace
+
+StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
+    model::MoeTransformer& model, const TieredOptions& options) {
+  std::unique_ptr<TieredExpertScheduler> s(new TieredExpertScheduler);
+  s->options_ = options;
+  if (model.moe_layers().empty()) {
+    return absl::InvalidArgumentError("the tiered store needs a model with MoE layers");
+  }
+  // The layout of an expert's blob, from the first expert; every other must match it.
+  std::vector<model::Parameter*> first = model.moe_layers()[0].layer->expert(0).Parameters();
+  for (model::Parameter* p : first) {
+    s->segments_.push_back(Segment{s->floats_, p->shape, p->decay});
+    s->floats_ += static_cast<uint64_t>(p->shape.numel());
+  }
+  for (const auto& ref : model.moe_layers()) {
+    Layer layer;
+    layer.block = ref.block;
+    for (int64_t e = 0; e < ref.layer->num_experts(); ++e) {
+      std::vector<model::Parameter*> ps = ref.layer->expert(static_cast<int>(e)).Parameters();
+      bool same = ps.size() == first.size();
+      for (size_t i = 0; same && i < ps.size(); ++i) same = ps[i]->shape == first[i]->shape;
+      if (!same) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "the tiered store needs every expert to have the same parameter shapes; expert %d "
+            "of block %d differs from expert 0 of block %d",
+            e, ref.block, model.moe_layers()[0].block));
+      }
+      for (model::Parameter* p : ps) {
+        if (p->value.defined()) {
+          return absl::FailedPreconditionError(
+              "the model's experts own their parameters; build it with unbound_experts");
+        }
+      }
+      layer.experts.push_back(std::move(ps));
+    }
+    layer.history.assign(layer.experts.size(), 0.0);
+    layer.grad_sq.assign(layer.experts.size(), 0.0);
+    s->layers_.push_back(std::move(layer));
+  }
+  s->zeros_.assign(s->floats_, 0.0f);
+
+  storage::StoreOptions so;
+  so.tensor_bytes = s->floats_ * sizeof(float);
+  so.device_budget_bytes = options.device_slot_bytes;
+  so.host_budget_bytes = options.storage.host_budget_bytes();
+  so.device_budget = options.device_budget;
+  so.host_budget = options.host_budget;
+  so.lfu_decay_interval = options.storage.lfu_decay_interval();
+  so.lfu_decay = options.storage.lfu_decay();
+  so.ssd.dir = options.ssd_dir;
+  so.ssd.file_bytes = options.storage.ssd_file_bytes();
+  so.ssd.capacity_bytes = options.storage.ssd_capacity_bytes();
+  so.io.queue_depth = options.storage.io_queue_depth();
+  so.io.block_bytes = options.storage.io_block_bytes();
+  so.compute_threads = options.threads;
+  so.wrap_io = options.wrap_io;
+  // Never-written weights are generated from the seed, exactly as in memory.
+  so.initializer = [ptr = s.get()](const TensorKey& key, float* dst) {
+    const int li = ptr->MoeIndex(key.layer);
+    for (size_t i = 0; i < ptr->segments_.size(); ++i) {
+      model::InitialValues(*ptr->layers_[li].experts[key.expert][i], ptr->options_.seed,
+                           dst + ptr->segments_[i].offset);
+    }
+  };
+  ASSIGN_OR_RETURN(s->store_, storage::TieredExpertStore::Create(so));
+  return s;
+}
+
+TieredExpertScheduler::~TieredExpertScheduler() = default;
+
+int TieredExpertScheduler::MoeIndex(int block) const {
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (layers_[i].block == block) return static_cast<int>(i);
+  }
+  CHECK(false) << "block " << block << " has no MoE layer";
+  return -1;
+}
+
+Tensor TieredExpertScheduler::Blob(float* data) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& b = blobs_[data];
+  if (!b) b = Buffer::Wrap(Device::Cpu(), data, floats_ * sizeof(float));
+  return Tensor::FromBuffer(b, {static_cast<int64_t>(floats_)});
+}
+
+void TieredExpertScheduler::Bind(int li, int e, float* weights, float* grad) {
+  Tensor w = Blob(weights);
+  Tensor g = grad ? Blob(grad) : Tensor();
+  auto& params = layers_[li].experts[e];
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i]->value = w.View(static_cast<int64_t>(segments_[i].offset), segments_[i].shape);
+    if (grad) {
+      params[i]->grad = g.View(static_cast<int64_t>(segments_[i].offset), segments_[i].shape);
+    }
+  }
+}
+
+void TieredExpertScheduler::Unbind(int li, int e) {
+  for (model::Parameter* p : layers_[li].experts[e]) model::Unbind(*p);
+}
+
+void TieredExpertScheduler::Fail(const Status& s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (error_.ok()) error_ = s;
+}
+
+Status TieredExpertScheduler::status() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+int TieredExpertScheduler::Window() const {
+  const int slots = store_->device_slots();
+  if (slots < 0) return 1 << 30;
+  // Room left after every thread holds weights and a gradient.
+  return std::max(1, slots - 2 * options_.threads - 1);
+}
+
+void TieredExpertScheduler::PrefetchWeights(int li, std::span<const int> experts) {
+  std::vector<TensorKey> keys;
+  for (int e : experts) keys.push_back(Key(li, e, TensorKind::kWeights));
+  store_->PrefetchDevice(keys);
+}
+
+void TieredExpertScheduler::SlideWindowLocked() {
+  // Keep up to Window() routed experts of the pass loaded ahead of the threads.
+  const int in_flight = static_cast<int>(pending_.size()) - static_cast<int>(to_prefetch_.size());
+  const int room = Window() - std::max(0, in_flight);
+  if (room <= 0 || to_prefetch_.empty()) return;
+  const int n = std::min<int>(room, static_cast<int>(to_prefetch_.size()));
+  std::vector<int> next(to_prefetch_.begin(), to_prefetch_.begin() + n);
+  to_prefetch_.erase(to_prefetch_.begin(), to_prefetch_.begin() + n);
+  PrefetchWeights(pass_li_, next);
+}
+
+void TieredExpertScheduler::BeginPass(int layer, Pass pass, std::span<const int> experts) {
+  const int li = MoeIndex(layer);
+  std::lock_guard<std::mutex> lock(mu_);
+  pass_li_ = li;
+  pass_ = pass;
+  pending_.assign(experts.begin(), experts.end());
+  to_prefetch_ = pending_;
+  Layer& L = layers_[li];
+  if (pass == Pass::kForward) {
+    L.routed = pending_;
+    for (int e : experts) L.history[e] += 1.0;
+  }
+  SlideWindowLocked();
+  // Horizontal prefetch behind this layer's experts, if the device tier has room for more.
+  const int spare = Window() - static_cast<int>(pending_.size());
+  if (pass == Pass::kForward && li + 1 < moe_layers() && options_.storage.history_prefetch() > 0 &&
+      spare > 0) {
+    const Layer& next = layers_[li + 1];
+    std::vector<int> order(next.experts.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return next.history[a] > next.history[b]; });
+    const int n = std::min<int>({spare, static_cast<int>(options_.storage.history_prefetch()),
+                                 static_cast<int>(order.size())});
+    order.resize(n);
+    std::vector<TensorKey> keys;
+    for (int e : order) {
+      if (next.history[e] > 0) keys.push_back(Key(li + 1, e, TensorKind::kWeights));
+    }
+    store_->PrefetchDevice(keys);
+  }
+  if (pass == Pass::kBackward && li > 0 && spare > 0) {
+    // Exact: the previous layer's routing is known from its forward.
+    const auto& prev = layers_[li - 1].routed;
+    const int n = std::min<int>(spare, static_cast<int>(prev.size()));
+    std::vector<TensorKey> keys;
+    for (int i = 0; i < n; ++i) keys.push_back(Key(li - 1, prev[i], TensorKind::kWeights));
+    store_->PrefetchDevice(keys);
+  }
+}
+
+int TieredExpertScheduler::NextReady(int layer, Pass pass) {
+  const int li = MoeIndex(layer);
+  int e;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error_.ok() || pending_.empty()) return -1;
+    // A resident expert first, so threads compute while the rest load.
+    auto it = std::find_if(pending_.begin(), pending_.end(), [&](int x) {
+      return store_->DeviceReady(Key(li, x, TensorKind::kWeights));
+    });
+    if (it == pending_.end()) it = pending_.begin();
+    e = *it;
+    pending_.erase(it);
+    to_prefetch_.erase(std::remove(to_prefetch_.begin(), to_prefetch_.end(), e),
+                       to_prefetch_.end());
+  }
+  auto w = store_->AcquireDevice(Key(li, e, TensorKind::kWeights));
+  if (!w.ok()) {
+    Fail(w.status());
+    return -1;
+  }
+  float* grad = nullptr;
+  if (pass == Pass::kBackward) {
+    auto g = store_->AcquireDevice(Key(li, e, TensorKind::kGrad), /*zero=*/true);
+    if (!g.ok()) {
+      store_->ReleaseDevice(Key(li, e, TensorKind::kWeights), false);
+      Fail(g.status());
+      return -1;
+    }
+    grad = *g;
+  }
+  Bind(li, e, *w, grad);
+  return e;
+}
+
+void TieredExpertScheduler::Done(int layer, Pass pass, int e) {
+  const int li = MoeIndex(layer);
+  if (pass == Pass::kBackward) {
+    const float* g = layers_[li].experts[e][0]->grad.f32();
+    double sq = 0;
+    for (uint64_t i = 0; i < floats_; ++i) sq += static_cast<double>(g[i]) * g[i];
+    layers_[li].grad_sq[e] = sq;
+  }
+  Unbind(li, e);
+  store_->ReleaseDevice(Key(li, e, TensorKind::kWeights), false);
+  if (pass == Pass::kBackward) {
+    const TensorKey gk = Key(li, e, TensorKind::kGrad);
+    store_->ReleaseDevice(gk, /*modified=*/true);
+    store_->WriteBack(gk);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  SlideWindowLocked();
+}
+
+double TieredExpertScheduler::ExpertGradSumSquares() const {
+  double s = 0;
+  for (const Layer& L : layers_) {
+    for (double v : L.grad_sq) s += v;
+  }
+  return s;
+}
+
+Status TieredExpertScheduler::StepExperts(ops::Context& ctx, const model::AdamWOptions& o,
+                                          double lr, double grad_scale, int64_t step) {
+  RETURN_IF_ERROR(status());
+  RETURN_IF_ERROR(store_->DrainWriteBacks());
+  struct Item {
+    int li, e;
+    bool grad;
+  };
+  std::vector<Item> items;
+  const bool lazy = options_.storage.expert_update() == config::StorageConfig::LAZY;
+  for (int li = 0; li < moe_layers(); ++li) {
+    for (int e = 0; e < num_experts(li); ++e) {
+      const bool grad = store_->Materialized(Key(li, e, TensorKind::kGrad));
+      if (grad || !lazy) items.push_back(Item{li, e, grad});
+    }
+  }
+  auto keys_of = [&](const Item& it) {
+    std::vector<TensorKey> k = {Key(it.li, it.e, TensorKind::kWeights),
+                                Key(it.li, it.e, TensorKind::kAdamM),
+                                Key(it.li, it.e, TensorKind::kAdamV)};
+    if (it.grad) k.push_back(Key(it.li, it.e, TensorKind::kGrad));
+    return k;
+  };
+  const int ahead = static_cast<int>(options_.storage.optimizer_prefetch());
+  ctx.pool->Run([&](int tid, int threads) {
+    const size_t begin = items.size() * tid / threads, end = items.size() * (tid + 1) / threads;
+    for (size_t i = begin; i < end; ++i) {
+      for (size_t j = i + 1; j < std::min(end, i + 1 + ahead); ++j) {
+        store_->PrefetchHost(keys_of(items[j]));
+      }
+      const Item& it = items[i];
+      const std::vector<TensorKey> keys = keys_of(it);
+      std::vector<float*> ptr;
+      Status s;
+      for (const TensorKey& k : keys) {
+        auto p = store_->AcquireHost(k);
+        if (!p.ok()) {
+          s = p.status();
+          break;
+        }
+        ptr.push_back(*p);
+      }
+      if (s.ok()) {
+        float* w = ptr[0];
+        float* m = ptr[1];
+        float* v = ptr[2];
+        const float* g = it.grad ? ptr[3] : zeros_.data();
+        for (const Segment& seg : segments_) {
+          cpu::AdamWHyper h;
+          h.lr = lr;
+          h.beta1 = o.beta1;
+          h.beta2 = o.beta2;
+          h.eps = o.eps;
+          h.weight_decay = seg.decay ? o.weight_decay : 0.0;
+          h.step = step;
+          h.grad_scale = grad_scale;
+          cpu::adamw_update<float>(*ctx.pool, w + seg.offset, g + seg.offset, m + seg.offset,
+                                   v + seg.offset, seg.shape.numel(), h);
+        }
+      }
+      for (size_t k = 0; k < ptr.size(); ++k) {
+        store_->ReleaseHost(keys[k], /*modified=*/s.ok() && k < 3);
+      }
+      if (!s.ok()) {
+        Fail(s);
+        return;
+      }
+      if (it.grad) store_->Discard(keys[3]);
+    }
+  });
+  return status();
+}
+
+void TieredExpertScheduler::EndStep() {
+  for (Layer& L : layers_) {
+    for (double& h : L.history) h *= kHistoryDecay;
+    std::fill(L.grad_sq.begin(), L.grad_sq.end(), 0.0);
+  }
+  store_->EndStep();
+  // The next step starts with the first MoE layer: fetch its usual experts now.
+  const Layer& first = layers_[0];
+  std::vector<int> order(first.experts.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return first.history[a] > first.history[b]; });
+  const int n = std::min<int>({Window(), static_cast<int>(options_.storage.history_prefetch()),
+                               static_cast<int>(order.size())});
+  order.resize(std::max(0, n));
+  PrefetchWeights(0, order);
+  std::lock_guard<std::mutex> lock(mu_);
+  error_ = absl::OkStatus();
+}
+
+}  // namespace strata::scheduler

@@ -1,0 +1,123 @@
+// TieredExpertScheduler: the per-step plan of training with experts in the tiered store.
+//
+// It owns the TieredExpertStore and is the model's ExpertResidency:
+//   forward of an MoE layer — as soon as the gate has routed, the routed experts' weights are
+//     fetched to the device (a window of them, as many as the device tier has room for, sliding
+//     as experts finish), and the next MoE layer's experts with the most routing history are
+//     fetched while this layer computes (horizontal prefetch from history);
+//   backward of an MoE layer — the routed experts' weights come back (exact: routing is known),
+//     the previous layer's routed experts are prefetched behind them, gradients go to zeroed
+//     device buffers and are written back to the host tier as each expert finishes;
+//   optimizer — every expert (DENSE) or every expert with a gradient (LAZY) takes its AdamW step
+//     on the host tier, each thread fetching the next experts' state from SSD while it updates
+//     the current one (ZeRO-Offload style).
+// The SSD->host and host->device stages run beside all of this (vertical prefetch), so both
+// links and the compute stay busy (SE-MoE's 2D prefetch).
+//
+// Every expert's tensors are one flat blob: its parameters in Expert::Parameters() order. All
+// experts of a model must have the same parameter shapes.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "proto/config.pb.h"
+#include "runtime/model/adamw.h"
+#include "runtime/model/expert_residency.h"
+#include "runtime/model/transformer.h"
+#include "storage/tiered_store.h"
+
+namespace strata::scheduler {
+
+struct TieredOptions {
+  config::StorageConfig storage;
+  std::string ssd_dir;  // resolved folder of the SSD tier
+  uint64_t seed = 0;
+  int threads = 1;
+  // Charged for the store's device slots (the trainer has already charged the dense state).
+  MemoryBudget* device_budget = nullptr;
+  uint64_t device_slot_bytes = 0;  // what the store may use of it; 0 = unlimited
+  MemoryBudget* host_budget = nullptr;
+  // Tests wrap the block I/O to inject faults.
+  std::function<std::unique_ptr<storage::BlockIo>(std::unique_ptr<storage::BlockIo>)> wrap_io;
+};
+
+class TieredExpertScheduler : public model::ExpertResidency {
+ public:
+  // The model must have been built with unbound experts and this scheduler attached afterwards
+  // (model.AttachResidency(scheduler)).
+  [[nodiscard]] static StatusOr<std::unique_ptr<TieredExpertScheduler>> Create(
+      model::MoeTransformer& model, const TieredOptions& options);
+  ~TieredExpertScheduler() override;
+
+  void BeginPass(int layer, Pass pass, std::span<const int> experts) override;
+  int NextReady(int layer, Pass pass) override;
+  void Done(int layer, Pass pass, int expert) override;
+
+  // The first error since the last EndStep (a failed read, a corrupt extent, a full disk).
+  Status status() const;
+  // Sum of squares of this step's expert gradients, added in (layer, expert) order.
+  double ExpertGradSumSquares() const;
+  // AdamW step `step` (1-based, as the dense optimizer's) of the experts on the host tier.
+  [[nodiscard]] Status StepExperts(ops::Context& ctx, const model::AdamWOptions& options, double lr,
+                                   double grad_scale, int64_t step);
+  // Ends the step: decays routing history and LFU hits, prefetches the next step's first layer.
+  void EndStep();
+
+  storage::TieredExpertStore& store() { return *store_; }
+  uint64_t expert_floats() const { return floats_; }
+  int moe_layers() const { return static_cast<int>(layers_.size()); }
+  int num_experts(int moe_layer) const {
+    return static_cast<int>(layers_[moe_layer].experts.size());
+  }
+  int block_of(int moe_layer) const { return layers_[moe_layer].block; }
+  // The key of an expert tensor (layer = block index).
+  storage::TensorKey Key(int moe_layer, int expert, storage::TensorKind kind) const {
+    return storage::TensorKey{layers_[moe_layer].block, expert, kind};
+  }
+
+ private:
+  struct Segment {
+    uint64_t offset;
+    Shape shape;
+    bool decay;
+  };
+  struct Layer {
+    int block;
+    std::vector<std::vector<model::Parameter*>> experts;  // [expert][param]
+    std::vector<double> history;                          // routing frequency, decayed per step
+    std::vector<int> routed;                              // experts with rows in the last forward
+    std::vector<double> grad_sq;                          // this step's gradient sums of squares
+  };
+
+  TieredExpertScheduler() = default;
+  int MoeIndex(int block) const;
+  Tensor Blob(float* data);
+  void Bind(int li, int e, float* weights, float* grad);
+  void Unbind(int li, int e);
+  void Fail(const Status& s);
+  void PrefetchWeights(int li, std::span<const int> experts);
+  void SlideWindowLocked();
+  int Window() const;
+
+  TieredOptions options_;
+  std::unique_ptr<storage::TieredExpertStore> store_;
+  std::vector<Layer> layers_;
+  std::vector<Segment> segments_;
+  uint64_t floats_ = 0;
+  std::vector<float> zeros_;  // the gradient of an expert without tokens (DENSE)
+
+  mutable std::mutex mu_;
+  Status error_;
+  // The pass in progress.
+  int pass_li_ = -1;
+  Pass pass_ = Pass::kForward;
+  std::vector<int> pending_;      // not handed out yet
+  std::vector<int> to_prefetch_;  // routed experts not yet prefetched
+  std::unordered_map<float*, std::shared_ptr<Buffer>> blobs_;
+};
+
+}  // namespace strata::scheduler
