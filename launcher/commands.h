@@ -7,10 +7,13 @@
 
 namespace strata::launcher {
 
-// strata train --config FILE [--steps N] [--threads T] [--metrics-out FILE.jsonl] [--quiet]
+// strata train --config FILE [--steps N] [--threads T] [--metrics-out FILE.jsonl]
+//              [--checkpoint-dir DIR] [--checkpoint-every N] [--resume] [--quiet]
 int TrainCommand(const std::vector<std::string>& args);
 // strata check --config FILE: validates the config and its data file, prints the effective config.
 int CheckCommand(const std::vector<std::string>& args);
+// strata ckpt ls|verify|rm DIR ...: the checkpoints in a folder.
+int CkptCommand(const std::vector<std::string>& args);
 // strata [help|--help], strata version, and dispatch to the subcommands.
 int Main(int argc, char** argv);
 

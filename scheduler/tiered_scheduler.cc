@@ -71,6 +71,7 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
   so.io.block_bytes = options.storage.io_block_bytes();
   so.compute_threads = options.threads;
   so.wrap_io = options.wrap_io;
+  so.shared_ssd = options.shared_ssd;
   // Never-written weights are generated from the seed, exactly as in memory.
   so.initializer = [ptr = s.get()](const TensorKey& key, float* dst) {
     const int li = ptr->MoeIndex(key.layer);

@@ -43,6 +43,8 @@ struct TieredOptions {
   MemoryBudget* host_budget = nullptr;
   // Tests wrap the block I/O to inject faults.
   std::function<std::unique_ptr<storage::BlockIo>(std::unique_ptr<storage::BlockIo>)> wrap_io;
+  // The SSD tier of the checkpoint folder, when there is one (else the store opens ssd_dir).
+  std::shared_ptr<storage::SsdTier> shared_ssd;
 };
 
 class TieredExpertScheduler : public model::ExpertResidency {
@@ -69,6 +71,11 @@ class TieredExpertScheduler : public model::ExpertResidency {
 
   storage::TieredExpertStore& store() { return *store_; }
   uint64_t expert_floats() const { return floats_; }
+  // The parameters of expert `e` of MoE layer `li`, in blob order (unbound between uses).
+  const std::vector<model::Parameter*>& expert_params(int li, int e) const {
+    return layers_[li].experts[e];
+  }
+  uint64_t segment_offset(size_t i) const { return segments_[i].offset; }
   int moe_layers() const { return static_cast<int>(layers_.size()); }
   int num_experts(int moe_layer) const {
     return static_cast<int>(layers_[moe_layer].experts.size());

@@ -51,21 +51,46 @@ std::string TensorIndex::TensorKey(const TensorRef& ref) {
   return k;
 }
 
-StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Open(const std::string& dir, bool create) {
-  if (!create && !std::filesystem::exists(dir + "/CURRENT")) {
-    return absl::NotFoundError(absl::StrFormat(
-        "no checkpoint index in '%s' (its RocksDB files are missing): this folder holds no "
-        "checkpoints to resume from",
-        dir));
-  }
+namespace {
+
+Status MissingIndex(const std::string& dir, const char* consequence) {
+  return absl::NotFoundError(
+      absl::StrFormat("no checkpoint index in '%s' (its RocksDB files are missing): %s", dir,
+                      consequence));
+}
+
+rocksdb::Options IndexOptions() {
   rocksdb::Options options;
-  options.create_if_missing = create;
   options.paranoid_checks = true;
   options.max_open_files = 64;
   options.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
   options.keep_log_file_num = 2;
+  return options;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Open(const std::string& dir, bool create) {
+  if (!create && !std::filesystem::exists(dir + "/CURRENT")) {
+    return MissingIndex(dir, "this folder holds no checkpoints to resume from");
+  }
+  rocksdb::Options options = IndexOptions();
+  options.create_if_missing = create;
   rocksdb::DB* db = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(options, dir, &db);
+  if (!s.ok()) return FromRocks(s, "opening", dir);
+  std::unique_ptr<TensorIndex> index(new TensorIndex);
+  index->dir_ = dir;
+  index->db_.reset(db);
+  return index;
+}
+
+StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::OpenReadOnly(const std::string& dir) {
+  if (!std::filesystem::exists(dir + "/CURRENT")) {
+    return MissingIndex(dir, "this folder holds no checkpoints");
+  }
+  rocksdb::DB* db = nullptr;
+  rocksdb::Status s = rocksdb::DB::OpenForReadOnly(IndexOptions(), dir, &db);
   if (!s.ok()) return FromRocks(s, "opening", dir);
   std::unique_ptr<TensorIndex> index(new TensorIndex);
   index->dir_ = dir;

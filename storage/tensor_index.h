@@ -31,6 +31,9 @@ class TensorIndex {
   // NOT_FOUND saying so. A damaged index is DATA_LOSS with RocksDB's reason.
   [[nodiscard]] static StatusOr<std::unique_ptr<TensorIndex>> Open(const std::string& dir,
                                                                    bool create);
+  // Read-only, without RocksDB's lock: for listing and verifying while a training process holds
+  // the index.
+  [[nodiscard]] static StatusOr<std::unique_ptr<TensorIndex>> OpenReadOnly(const std::string& dir);
   ~TensorIndex();
 
   // Commits a checkpoint: the index entries of `new_versions` and the manifest, atomically, synced.

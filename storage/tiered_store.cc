@@ -40,9 +40,13 @@ StatusOr<std::unique_ptr<TieredExpertStore>> TieredExpertStore::Create(
     return absl::InvalidArgumentError("expert tensors must be a positive number of floats");
   }
   std::unique_ptr<TieredExpertStore> s(new TieredExpertStore(options));
-  ASSIGN_OR_RETURN(std::unique_ptr<BlockIo> io, MakeUringIo(options.io));
-  if (options.wrap_io) io = options.wrap_io(std::move(io));
-  ASSIGN_OR_RETURN(s->ssd_, SsdTier::Open(options.ssd, std::move(io)));
+  if (options.shared_ssd) {
+    s->ssd_ = options.shared_ssd;
+  } else {
+    ASSIGN_OR_RETURN(std::unique_ptr<BlockIo> io, MakeUringIo(options.io));
+    if (options.wrap_io) io = options.wrap_io(std::move(io));
+    ASSIGN_OR_RETURN(s->ssd_, SsdTier::Open(options.ssd, std::move(io)));
+  }
   ASSIGN_OR_RETURN(s->host_, SlotArena::Create("host", options.tensor_bytes,
                                                options.host_budget_bytes, options.host_budget));
   ASSIGN_OR_RETURN(s->device_,
@@ -606,6 +610,12 @@ Status TieredExpertStore::DoWriteBack(const TensorKey& key) {
 // --- Versions and checkpoints -----------------------------------------------------------------
 
 uint64_t TieredExpertStore::NextVersionLocked(const TensorKey& key) { return ++next_version_[key]; }
+
+void TieredExpertStore::ReserveVersions(const TensorKey& key, uint64_t version) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& next = next_version_[key];
+  next = std::max(next, version);
+}
 
 uint64_t TieredExpertStore::NextVersion(const TensorKey& key) {
   std::lock_guard<std::mutex> lock(mu_);

@@ -92,6 +92,8 @@ struct StoreOptions {
   std::function<void(const TensorKey&, float*)> initializer;
   // Tests inject faults by wrapping the block I/O.
   std::function<std::unique_ptr<BlockIo>(std::unique_ptr<BlockIo>)> wrap_io;
+  // An SSD tier shared with the checkpoints (then `ssd` and `io` above are not used).
+  std::shared_ptr<SsdTier> shared_ssd;
   // Compute threads that hold tensors at once; sets the minimum slot counts.
   int compute_threads = 1;
 
@@ -188,6 +190,8 @@ class TieredExpertStore {
   void RefVersion(const TensorKey& key, uint64_t version, const StoredExtent& stored);
   void UnrefVersion(const TensorKey& key, uint64_t version);
   uint64_t NextVersion(const TensorKey& key);
+  // Versions up to `version` of `key` exist elsewhere (older checkpoints): never reuse them.
+  void ReserveVersions(const TensorKey& key, uint64_t version);
   // Resume: the tensor's current value is `stored` (a checkpoint's version), nothing resident.
   void SetStored(const TensorKey& key, uint64_t version, const StoredExtent& stored);
 
@@ -250,7 +254,7 @@ class TieredExpertStore {
   void Span(const char* name, int thread, double start, const TensorKey& key);
 
   StoreOptions options_;
-  std::unique_ptr<SsdTier> ssd_;
+  std::shared_ptr<SsdTier> ssd_;
   std::unique_ptr<SlotArena> host_, device_;
 
   mutable std::mutex mu_;

@@ -31,8 +31,11 @@ class AdamW {
   void ZeroGrad(ops::Context& ctx) const;
 
   int64_t steps() const { return step_; }
-  const std::vector<Tensor>& first_moments() const { return m_; }
-  const std::vector<Tensor>& second_moments() const { return v_; }
+  void set_steps(int64_t steps) { step_ = steps; }  // resume
+  const std::vector<Parameter*>& params() const { return slices_.params(); }
+  // Adam's moments of params()[i].
+  const Tensor& first_moment(size_t i) const { return m_[i]; }
+  const Tensor& second_moment(size_t i) const { return v_[i]; }
 
  private:
   ParameterSlices slices_;

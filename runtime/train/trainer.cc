@@ -18,8 +18,13 @@
 namespace strata::train {
 
 Trainer::~Trainer() {
+  if (checkpoints_) {
+    Status s = checkpoints_->Wait();
+    if (!s.ok()) STRATA_LOG(ERROR) << s.message();
+  }
   if (model_) model_->AttachResidency(nullptr);
   scheduler_.reset();  // closes the SSD tier's files before its temporary folder goes
+  checkpoints_.reset();
   if (!temp_ssd_dir_.empty()) {
     std::error_code ec;
     std::filesystem::remove_all(temp_ssd_dir_, ec);
@@ -48,8 +53,9 @@ Status Trainer::SetUpTiered() {
   to.device_slot_bytes = st.device_budget_bytes() == 0 ? 0 : st.device_budget_bytes() - dense_bytes;
   to.host_budget = host_budget_.get();
   to.wrap_io = options_.wrap_io;
-  if (!cfg.checkpoint().dir().empty()) {
+  if (checkpoints_) {
     to.ssd_dir = cfg.checkpoint().dir();
+    to.shared_ssd = checkpoints_->ssd();
   } else if (!st.ssd_dir().empty()) {
     to.ssd_dir = st.ssd_dir();
   } else {
@@ -102,6 +108,28 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   const bool tiered = cfg.storage().mode() == config::StorageConfig::TIERED;
   mo.unbound_experts = tiered;
   ASSIGN_OR_RETURN(tr->model_, model::MoeTransformer::Create(tr->ctx_, mo));
+  if (!cfg.checkpoint().dir().empty()) {
+    CheckpointOptions co;
+    co.dir = cfg.checkpoint().dir();
+    co.keep = cfg.checkpoint().keep();
+    co.io.queue_depth = cfg.storage().io_queue_depth();
+    co.io.block_bytes = cfg.storage().io_block_bytes();
+    co.file_bytes = cfg.storage().ssd_file_bytes();
+    co.capacity_bytes = cfg.storage().ssd_capacity_bytes();
+    co.wrap_io = options.wrap_io;
+    co.commit_delay_ms = options.checkpoint_commit_delay_ms;
+    ASSIGN_OR_RETURN(tr->checkpoints_, CheckpointManager::Open(co, options.resume));
+    if (options.resume) RETURN_IF_ERROR(tr->checkpoints_->CheckCompatible(cfg));
+    if (!options.resume && !tr->checkpoints_->checkpoints().empty()) {
+      return absl::AlreadyExistsError(absl::StrFormat(
+          "checkpoint folder '%s' already holds checkpoints (the newest of step %d); pass "
+          "--resume to continue from it, or choose an empty folder",
+          co.dir, tr->checkpoints_->checkpoints().back().step()));
+    }
+  } else if (options.resume) {
+    return absl::InvalidArgumentError(
+        "--resume needs a checkpoint folder: pass --checkpoint-dir or set checkpoint.dir");
+  }
   if (tiered) RETURN_IF_ERROR(tr->SetUpTiered());
 
   model::AdamWOptions ao;
@@ -114,6 +142,11 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
 
   if (!options.metrics_path.empty()) {
     ASSIGN_OR_RETURN(tr->metrics_, MetricsWriter::Open(options.metrics_path, env));
+  }
+  if (options.resume) {
+    ASSIGN_OR_RETURN(tr->step_, tr->checkpoints_->Resume(cfg, *tr->model_, *tr->optimizer_,
+                                                         tr->scheduler_.get(), tr->ctx_));
+    tr->resumed_from_ = tr->step_;
   }
   const int64_t n = static_cast<int64_t>(cfg.train().global_batch()) * cfg.model().seq_len();
   tr->inputs_.resize(n);
@@ -254,7 +287,16 @@ Status Trainer::Run() {
       RETURN_IF_ERROR(metrics_->Write(j.str()));
     }
     if (options_.progress) PrintProgress(r, eval_due ? &eval : nullptr, r.step == steps);
+    if (checkpoints_) {
+      RETURN_IF_ERROR(checkpoints_->PollError());
+      const int every = static_cast<int>(cfg.checkpoint().every());
+      if (every > 0 && r.step % every == 0) {
+        RETURN_IF_ERROR(
+            checkpoints_->Save(r.step, cfg, *model_, *optimizer_, scheduler_.get(), ctx_));
+      }
+    }
   }
+  if (checkpoints_) RETURN_IF_ERROR(checkpoints_->Wait());
   return absl::OkStatus();
 }
 

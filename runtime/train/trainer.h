@@ -19,6 +19,7 @@
 #include "runtime/data/dataset.h"
 #include "runtime/model/adamw.h"
 #include "runtime/model/transformer.h"
+#include "runtime/train/checkpoint.h"
 #include "runtime/train/metrics.h"
 #include "scheduler/tiered_scheduler.h"
 
@@ -32,6 +33,10 @@ struct TrainOptions {
   storage::Env* env = nullptr;          // null: storage::Env::Default()
   // Tests wrap the SSD tier's block I/O to inject faults.
   std::function<std::unique_ptr<storage::BlockIo>(std::unique_ptr<storage::BlockIo>)> wrap_io;
+  // Continue from the newest valid checkpoint in config.checkpoint.dir.
+  bool resume = false;
+  // Tests: delay between a checkpoint's extents and its commit.
+  int checkpoint_commit_delay_ms = 0;
 };
 
 struct StepResult {
@@ -72,12 +77,17 @@ class Trainer {
 
   int64_t step() const { return step_; }
   model::MoeTransformer& model() { return *model_; }
+  model::AdamW* optimizer_for_test() { return optimizer_.get(); }
   ops::Context& context() { return ctx_; }
   const data::TokenDataset& dataset() const { return *dataset_; }
   const std::vector<StepResult>& history() const { return history_; }
   const std::vector<std::pair<int64_t, EvalResult>>& evals() const { return evals_; }
   // TIERED: the scheduler and its store (null in memory).
   scheduler::TieredExpertScheduler* tiered() { return scheduler_.get(); }
+  // The checkpoint folder's manager (null without checkpoints).
+  CheckpointManager* checkpoints() { return checkpoints_.get(); }
+  // The step a resumed run started from (0 for a fresh run).
+  int64_t resumed_from() const { return resumed_from_; }
 
  private:
   Trainer() = default;
@@ -96,10 +106,12 @@ class Trainer {
   // they charge, then the temporary SSD folder).
   std::string temp_ssd_dir_;
   std::unique_ptr<MemoryBudget> device_budget_, host_budget_;
+  std::unique_ptr<CheckpointManager> checkpoints_;  // uses the budgets' SSD tier; goes last
   std::unique_ptr<scheduler::TieredExpertScheduler> scheduler_;
   std::unique_ptr<MetricsWriter> metrics_;
   std::vector<int32_t> inputs_, targets_;
   int64_t step_ = 0;
+  int64_t resumed_from_ = 0;
   std::vector<StepResult> history_;
   std::vector<std::pair<int64_t, EvalResult>> evals_;
   double started_ = 0;

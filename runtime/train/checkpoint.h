@@ -1,0 +1,131 @@
+// Checkpoints on the storage tiers, and resuming from them.
+//
+// A checkpoint folder is the SSD tier's folder: data files of checksummed extents, a RocksDB
+// index (DIR/index) and a lock (DIR/LOCK) held by the process training into it. A checkpoint is
+// one version of every tensor — dense parameters with their Adam moments, and every expert's
+// weights and moments (as one blob per expert and kind, the tiered store's format, so a
+// checkpoint written in memory resumes in the tiered store and back) — plus a manifest: step,
+// model-config hash, seed, optimizer step count. Data order and gate randomness are pure
+// functions of (seed, step), so the step is the whole cursor.
+//
+// Save snapshots what is not already on the SSD tier into host memory (tensors whose current SSD
+// version is clean are only referenced, never-written tensors only named), returns, and persists
+// in the background while training goes on: extents, fdatasync, then the manifest and index
+// entries in one synced RocksDB batch. Only then does the checkpoint exist; a process killed
+// before leaves extents nobody refers to, which the next open reclaims. The last `keep`
+// checkpoints are kept; an extent is freed only when no checkpoint and no live tensor uses it.
+//
+// Resume takes the newest checkpoint whose every extent passes its CRC check, removes newer ones
+// that do not (saying which tensor in which file failed), and refuses a checkpoint of a different
+// model before anything is changed.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "proto/config.pb.h"
+#include "proto/storage.pb.h"
+#include "runtime/common/status.h"
+#include "runtime/model/adamw.h"
+#include "runtime/model/transformer.h"
+#include "scheduler/tiered_scheduler.h"
+#include "storage/ssd_tier.h"
+#include "storage/tensor_index.h"
+
+namespace strata::train {
+
+struct CheckpointOptions {
+  std::string dir;
+  uint32_t keep = 3;
+  storage::UringOptions io;
+  uint64_t file_bytes = 1ull << 30;
+  uint64_t capacity_bytes = 0;
+  // Tests wrap the block I/O to inject faults.
+  std::function<std::unique_ptr<storage::BlockIo>(std::unique_ptr<storage::BlockIo>)> wrap_io;
+  // Tests: pause this long between writing a checkpoint's extents and committing it.
+  int commit_delay_ms = 0;
+};
+
+struct CheckpointInfo {
+  int64_t step = 0;
+  int64_t created_unix_ms = 0;
+  int tensors = 0;
+  uint64_t stored_bytes = 0;  // bytes of extents the checkpoint refers to
+  uint64_t config_hash = 0;
+  std::string storage_mode;
+};
+
+class CheckpointManager {
+ public:
+  // Opens (creating it unless `must_exist`) the folder: takes its lock, opens the index and the
+  // SSD tier, reclaims extents no checkpoint refers to.
+  [[nodiscard]] static StatusOr<std::unique_ptr<CheckpointManager>> Open(
+      const CheckpointOptions& options, bool must_exist);
+  ~CheckpointManager();
+
+  std::shared_ptr<storage::SsdTier> ssd() const { return ssd_; }
+  const std::vector<storage::CheckpointManifest>& checkpoints() const { return manifests_; }
+
+  // Fails, naming the differences, when a checkpoint in the folder was written for another model.
+  [[nodiscard]] Status CheckCompatible(const config::JobConfig& config) const;
+
+  // Restores the newest valid checkpoint into the model, optimizer and (TIERED) the store, and
+  // returns its step. The model must have been built from `config`.
+  [[nodiscard]] StatusOr<int64_t> Resume(const config::JobConfig& config,
+                                         model::MoeTransformer& model, model::AdamW& optimizer,
+                                         scheduler::TieredExpertScheduler* tiered,
+                                         ops::Context& ctx);
+
+  // Checkpoints the state after `step` steps: snapshots now, persists in the background. Waits
+  // for the previous checkpoint's persist first.
+  [[nodiscard]] Status Save(int64_t step, const config::JobConfig& config,
+                            model::MoeTransformer& model, model::AdamW& optimizer,
+                            scheduler::TieredExpertScheduler* tiered, ops::Context& ctx);
+  // Waits for the persist in flight; returns its error, if any.
+  [[nodiscard]] Status Wait();
+  // The error of a persist that already finished (OK while one runs or none failed).
+  Status PollError();
+
+  // `strata ckpt`: list, verify (every extent's CRC; step -1: all), remove.
+  [[nodiscard]] static StatusOr<std::vector<CheckpointInfo>> List(const std::string& dir);
+  [[nodiscard]] static Status Verify(const std::string& dir, int64_t step,
+                                     std::vector<std::string>* report);
+  [[nodiscard]] static Status Remove(const std::string& dir, int64_t step);
+
+  // The hash that must match to resume: of the model config's text form.
+  static uint64_t ConfigHash(const config::ModelConfig& model);
+
+ private:
+  using VersionKey = std::tuple<int32_t, int32_t, int32_t, uint64_t>;  // layer, expert, kind, v
+  static VersionKey KeyOf(const storage::TensorRef& r) {
+    return {r.layer(), r.expert(), r.kind(), r.version()};
+  }
+  struct Pending;
+
+  CheckpointManager() = default;
+  // Reads every stored extent of a checkpoint; the first failure.
+  Status VerifyManifest(const storage::CheckpointManifest& m) const;
+  // Drops a checkpoint from the index and releases the extents only it used.
+  [[nodiscard]] Status RemoveLocked(int64_t step);
+  void Persist(std::shared_ptr<Pending> p);
+  void ReleaseVersion(const storage::TensorRef& r);
+
+  CheckpointOptions options_;
+  int lock_fd_ = -1;
+  std::shared_ptr<storage::SsdTier> ssd_;
+  std::unique_ptr<storage::TensorIndex> index_;
+  std::vector<storage::CheckpointManifest> manifests_;  // by increasing step
+  std::map<VersionKey, int> listed_;  // how many checkpoints list each stored version
+  std::map<std::tuple<int32_t, int32_t, int32_t>, uint64_t> next_version_;  // in-memory mode
+  scheduler::TieredExpertScheduler* tiered_ = nullptr;  // owner of live extent references
+
+  std::mutex mu_;
+  std::thread writer_;
+  Status writer_status_;
+  bool writer_done_ = true;
+};
+
+}  // namespace strata::train

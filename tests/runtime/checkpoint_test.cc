@@ -1,0 +1,297 @@
+// Checkpoints and resume with the real parts: real `strata` processes killed with SIGKILL, bytes
+// flipped in real data files, a disk made full by the fault-injecting block I/O, a damaged and a
+// missing RocksDB index, and an incompatible config.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_split.h"
+#include "proto/config_io.h"
+#include "runtime/train/trainer.h"
+#include "storage/tensor_index.h"
+#include "tests/test_util.h"
+
+namespace strata::train {
+namespace {
+
+using strata::testing::ReadFile;
+using strata::testing::RunCommand;
+using strata::testing::TempDir;
+using strata::testing::WriteFile;
+
+const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
+
+std::string ConfigText(const std::string& mode, int d_model = 32) {
+  return "seed: 5\n"
+         "model { seq_len: 16 d_model: " +
+         std::to_string(d_model) +
+         " n_layers: 2 n_heads: 2\n"
+         "        moe { num_experts: 8 top_k: 2 d_expert: 32 } }\n"
+         "data { path: \"text.txt\" }\n"
+         "train { steps: 40 global_batch: 8 lr: 0.004 warmup_steps: 2 eval_every: 0 "
+         "eval_batches: 1 threads: 2 }\n"
+         "storage { mode: " +
+         mode + " io_block_bytes: 8192" +
+         (mode == "TIERED" ? " device_budget_bytes: 400000 host_budget_bytes: 140000" : "") +
+         " }\n";
+}
+
+// step -> loss from a metrics file.
+std::map<int, std::string> Losses(const std::string& metrics) {
+  std::map<int, std::string> out;
+  for (const auto& line : absl::StrSplit(ReadFile(metrics), '\n', absl::SkipEmpty())) {
+    std::string l(line);
+    const int step = std::stoi(l.substr(l.find("\"step\":") + 7));
+    const size_t at = l.find("\"loss\":") + 7;
+    out[step] = l.substr(at, l.find(',', at) - at);  // the printed digits
+  }
+  return out;
+}
+
+class CheckpointTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    WriteFile(dir_.File("text.txt"), strata::testing::SyntheticText(40000));
+    WriteFile(dir_.File("job.textproto"), ConfigText(GetParam()));
+    // The uninterrupted run every resumed run is compared with.
+    auto r = RunCommand(Strata("--metrics-out " + dir_.File("full.jsonl")));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    full_ = Losses(dir_.File("full.jsonl"));
+    ASSERT_EQ(full_.size(), 40u);
+  }
+  std::string Strata(const std::string& flags) const {
+    return "cd " + dir_.path() + " && " + kStrata + " train --config job.textproto --quiet " +
+           flags;
+  }
+  // Runs training into `ckdir` in the background and SIGKILLs it once `marker` appears in its log.
+  void RunAndKill(const std::string& ckdir, const std::string& marker,
+                  const std::string& env = "") {
+    const std::string log = dir_.File("kill.log");
+    std::filesystem::remove(log);
+    pid_t pid = fork();
+    if (pid == 0) {
+      const std::string cmd = "cd " + dir_.path() + " && " + env + " exec " + kStrata +
+                              " train --config job.textproto --quiet --checkpoint-dir " + ckdir +
+                              " --checkpoint-every 10 > " + log + " 2>&1";
+      execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (ReadFile(log).find(marker) == std::string::npos) {
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "never saw: " << marker << "\n"
+                                                            << ReadFile(log);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    ASSERT_EQ(kill(pid, SIGKILL), 0);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+  }
+  // Resumes into `ckdir` and checks the resumed steps against the uninterrupted run.
+  void ResumeAndCompare(const std::string& ckdir, int expect_from) {
+    const std::string metrics = dir_.File("resumed.jsonl");
+    auto r = RunCommand(Strata("--checkpoint-dir " + ckdir +
+                               " --checkpoint-every 10 --resume --metrics-out " + metrics));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("resumed from checkpoint " + std::to_string(expect_from)),
+              std::string::npos)
+        << r.output;
+    auto resumed = Losses(metrics);
+    ASSERT_EQ(resumed.size(), static_cast<size_t>(40 - expect_from));
+    for (const auto& [step, loss] : resumed) {
+      EXPECT_EQ(loss, full_.at(step)) << "step " << step << " differs after resuming";
+    }
+  }
+  TempDir dir_;
+  std::map<int, std::string> full_;
+};
+
+TEST_P(CheckpointTest, SigkillMidCheckpointResumesFromLastCompleteOneBitwise) {
+  const std::string ck = dir_.File("ck");
+  // Hold each commit for 3 s and kill while checkpoint 20 is written but not committed.
+  RunAndKill(ck, "checkpoint 20: ", "STRATA_FAULT_CHECKPOINT_COMMIT_DELAY_MS=3000");
+  auto ls = RunCommand(kStrata + " ckpt ls " + ck);
+  ASSERT_EQ(ls.exit_code, 0) << ls.output;
+  EXPECT_NE(ls.output.find("        10  "), std::string::npos) << ls.output;
+  EXPECT_EQ(ls.output.find("        20  "), std::string::npos) << "20 was never committed";
+  ResumeAndCompare(ck, 10);
+  auto verify = RunCommand(kStrata + " ckpt verify " + ck);
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
+}
+
+TEST_P(CheckpointTest, FlippedByteIsNamedAndResumeFallsBackToThePreviousCheckpoint) {
+  const std::string ck = dir_.File("ck");
+  RunAndKill(ck, "checkpoint 30 committed");
+  // A tensor version that only checkpoint 30 lists.
+  std::string file;
+  uint64_t offset = 0;
+  {
+    auto index = storage::TensorIndex::OpenReadOnly(ck + "/index");
+    ASSERT_TRUE(index.ok()) << index.status();
+    auto cps = (*index)->Checkpoints();
+    ASSERT_TRUE(cps.ok());
+    ASSERT_EQ(cps->back().step(), 30);
+    std::set<std::string> older;
+    for (const auto& m : *cps) {
+      if (m.step() == 30) continue;
+      for (const auto& t : m.tensors()) older.insert(storage::TensorIndex::TensorKey(t));
+    }
+    for (const auto& t : cps->back().tensors()) {
+      if (t.has_extent() && !older.count(storage::TensorIndex::TensorKey(t))) {
+        char name[32];
+        std::snprintf(name, sizeof(name), "/data-%05u.bin", t.extent().file());
+        file = ck + name;
+        offset = t.extent().offset() + t.extent().bytes() / 2;
+        break;
+      }
+    }
+  }
+  ASSERT_FALSE(file.empty());
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(offset));
+    char c = static_cast<char>(f.get());
+    f.seekp(static_cast<std::streamoff>(offset));
+    f.put(static_cast<char>(c ^ 0x10));
+  }
+  auto verify = RunCommand(kStrata + " ckpt verify " + ck);
+  EXPECT_EQ(verify.exit_code, 1) << verify.output;
+  EXPECT_NE(verify.output.find("checkpoint 30: FAILED"), std::string::npos) << verify.output;
+  EXPECT_NE(verify.output.find(file), std::string::npos) << "the error names the file";
+  EXPECT_NE(verify.output.find("checkpoint 20: ok"), std::string::npos) << verify.output;
+  ResumeAndCompare(ck, 20);
+}
+
+TEST_P(CheckpointTest, MissingOrDamagedIndexAndIncompatibleConfigTouchNothing) {
+  const std::string ck = dir_.File("ck");
+  RunAndKill(ck, "checkpoint 20 committed");
+  auto snapshot = [&] {
+    std::map<std::string, std::string> files;
+    for (const auto& f : std::filesystem::recursive_directory_iterator(ck)) {
+      if (f.is_regular_file() && f.path().filename() != "LOCK") {
+        files[f.path().string()] = ReadFile(f.path().string());
+      }
+    }
+    return files;
+  };
+  // Incompatible config.
+  WriteFile(dir_.File("job.textproto"), ConfigText(GetParam(), /*d_model=*/48));
+  auto before = snapshot();
+  auto r = RunCommand(Strata("--checkpoint-dir " + ck + " --resume"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("different model"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("checkpoint has d_model: 32"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("config has d_model: 48"), std::string::npos) << r.output;
+  EXPECT_TRUE(snapshot() == before) << "an incompatible resume changed the folder";
+  WriteFile(dir_.File("job.textproto"), ConfigText(GetParam()));
+  // Damaged index.
+  for (const auto& f : std::filesystem::directory_iterator(ck + "/index")) {
+    if (f.path().filename().string().rfind("MANIFEST", 0) == 0) {
+      std::ofstream(f.path(), std::ios::binary | std::ios::trunc) << "not a manifest";
+    }
+  }
+  before = snapshot();
+  r = RunCommand(Strata("--checkpoint-dir " + ck + " --resume"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("checkpoint index"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(ck + "/index"), std::string::npos) << r.output;
+  EXPECT_TRUE(snapshot() == before) << "a damaged index must not be modified";
+  // Missing index.
+  std::filesystem::remove_all(ck + "/index");
+  before = snapshot();
+  r = RunCommand(Strata("--checkpoint-dir " + ck + " --resume"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("no checkpoint index"), std::string::npos) << r.output;
+  EXPECT_TRUE(snapshot() == before);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, CheckpointTest, ::testing::Values("IN_MEMORY", "TIERED"),
+                         [](const auto& info) { return info.param; });
+
+// A full disk while writing a checkpoint: a clear error, and the previous checkpoint still
+// verifies. The disk fills through the fault-injecting block I/O under the real io_uring one.
+TEST(CheckpointDiskFullTest, ClearErrorAndPreviousCheckpointStillVerifies) {
+  TempDir dir;
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(40000));
+  auto cfg = config::ParseJobConfig(ConfigText("IN_MEMORY"), "job.textproto", dir.path());
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  cfg->mutable_checkpoint()->set_dir(dir.File("ck"));
+  cfg->mutable_checkpoint()->set_every(10);
+  storage::FaultInjectingIo* fault = nullptr;
+  TrainOptions o;
+  o.config = *cfg;
+  o.progress = false;
+  o.wrap_io = [&](std::unique_ptr<storage::BlockIo> io) {
+    auto f = std::make_unique<storage::FaultInjectingIo>(std::move(io));
+    fault = f.get();
+    return std::unique_ptr<storage::BlockIo>(std::move(f));
+  };
+  // Room for one checkpoint and a half: the second one runs out.
+  int64_t per_checkpoint = 0;
+  {
+    auto probe = Trainer::Create(o);
+    ASSERT_TRUE(probe.ok()) << probe.status();
+    for (int i = 0; i < 10; ++i) ASSERT_TRUE((*probe)->Step().ok());
+    ASSERT_TRUE((*probe)
+                    ->checkpoints()
+                    ->Save(10, *cfg, (*probe)->model(), *(*probe)->optimizer_for_test(), nullptr,
+                           (*probe)->context())
+                    .ok());
+    ASSERT_TRUE((*probe)->checkpoints()->Wait().ok());
+    per_checkpoint = fault->bytes_written();
+  }
+  std::filesystem::remove_all(dir.File("ck"));
+  auto t = Trainer::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  fault->set_write_budget(per_checkpoint * 3 / 2);
+  Status s = (*t)->Run();
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_NE(s.message().find("checkpoint of step 20"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("full"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("previous checkpoints are intact"), std::string::npos) << s;
+  t->reset();
+  std::vector<std::string> report;
+  EXPECT_TRUE(CheckpointManager::Verify(dir.File("ck"), 10, &report).ok());
+  auto list = CheckpointManager::List(dir.File("ck"));
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_EQ((*list)[0].step, 10);
+}
+
+TEST(CheckpointKeepTest, KeepsTheLastKAndReusesTheirSpace) {
+  TempDir dir;
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(40000));
+  // In memory every checkpoint is a full copy, so without reuse the space would grow 20-fold.
+  auto cfg = config::ParseJobConfig(ConfigText("IN_MEMORY"), "job.textproto", dir.path());
+  ASSERT_TRUE(cfg.ok());
+  cfg->mutable_checkpoint()->set_dir(dir.File("ck"));
+  cfg->mutable_checkpoint()->set_every(2);
+  cfg->mutable_checkpoint()->set_keep(2);
+  TrainOptions o;
+  o.config = *cfg;
+  o.progress = false;
+  auto t = Trainer::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_TRUE((*t)->Run().ok());
+  const uint64_t used = (*t)->checkpoints()->ssd()->used_bytes();
+  t->reset();
+  auto list = CheckpointManager::List(dir.File("ck"));
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 2u);
+  EXPECT_EQ((*list)[0].step, 38);
+  EXPECT_EQ((*list)[1].step, 40);
+  EXPECT_EQ(used, (*list)[0].stored_bytes + (*list)[1].stored_bytes)
+      << "20 checkpoints were written; only the 2 kept may hold space";
+}
+
+}  // namespace
+}  // namespace strata::train
