@@ -18,6 +18,10 @@
 #include "runtime/common/thread_pool.h"
 #include "runtime/device/device.h"
 
+namespace strata {
+class Tracer;
+}  // namespace strata
+
 namespace strata::ops {
 
 using cpu::Activation;
@@ -26,6 +30,7 @@ using cpu::AdamWHyper;
 // Where and with what an op runs. One per trainer; later backends add their stream and handles.
 struct Context {
   ThreadPool* pool = nullptr;
+  Tracer* tracer = nullptr;  // spans of compute for --trace; null when not tracing
 };
 
 enum class NormKind { kLayerNorm = 0, kRmsNorm = 1 };

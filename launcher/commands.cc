@@ -28,6 +28,7 @@ const std::vector<FlagSpec>& TrainFlags() {
       {"checkpoint-dir", "folder of checkpoints (overrides checkpoint.dir)"},
       {"checkpoint-every", "checkpoint every N steps (overrides checkpoint.every)"},
       {"resume", "continue from the newest valid checkpoint in the checkpoint folder", false},
+      {"trace", "write a Chrome trace-event JSON of compute, I/O and copies (open in Perfetto)"},
       {"quiet", "no progress line", false},
   };
   return specs;
@@ -116,6 +117,7 @@ int TrainCommand(const std::vector<std::string>& args) {
   options.config = *cfg;
   options.metrics_path = flags->String("metrics-out").value_or("");
   options.progress = !flags->Has("quiet");
+  options.trace_path = flags->String("trace").value_or("");
   options.resume = flags->Has("resume");
   // Fault injection for tests and drills: hold every checkpoint between its extents and its
   // commit, so a kill can land in the middle of one.

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_format.h"
 #include "kernels/cpu/optimizer.h"
+#include "runtime/common/clock.h"
 #include "runtime/common/logging.h"
 
 namespace strata::scheduler {
@@ -52,6 +53,7 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
     }
     layer.history.assign(layer.experts.size(), 0.0);
     layer.grad_sq.assign(layer.experts.size(), 0.0);
+    layer.started.assign(layer.experts.size(), 0.0);
     s->layers_.push_back(std::move(layer));
   }
   s->zeros_.assign(s->floats_, 0.0f);
@@ -85,6 +87,26 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
 }
 
 TieredExpertScheduler::~TieredExpertScheduler() = default;
+
+void TieredExpertScheduler::set_tracer(Tracer* tracer) {
+  tracer_ = tracer;
+  store_->set_record_spans(tracer != nullptr);
+}
+
+void TieredExpertScheduler::Quiesce() {
+  store_->WaitIdle();
+  FlushStageSpans();
+}
+
+void TieredExpertScheduler::FlushStageSpans() {
+  if (tracer_ == nullptr) return;
+  for (const storage::StageSpan& s : store_->TakeSpans()) {
+    tracer_->SpanOn(s.thread == 0 ? "ssd stage" : "copy stage",
+                    absl::StrFormat("%s L%d E%d %s", s.name, s.key.layer, s.key.expert,
+                                    storage::KindName(s.key.kind)),
+                    s.thread == 0 ? "io" : "copy", s.start, s.end);
+  }
+}
 
 int TieredExpertScheduler::MoeIndex(int block) const {
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -208,6 +230,7 @@ int TieredExpertScheduler::NextReady(int layer, Pass pass) {
     to_prefetch_.erase(std::remove(to_prefetch_.begin(), to_prefetch_.end(), e),
                        to_prefetch_.end());
   }
+  const double t0 = tracer_ ? NowSeconds() : 0.0;
   auto w = store_->AcquireDevice(Key(li, e, TensorKind::kWeights));
   if (!w.ok()) {
     Fail(w.status());
@@ -224,6 +247,13 @@ int TieredExpertScheduler::NextReady(int layer, Pass pass) {
     grad = *g;
   }
   Bind(li, e, *w, grad);
+  if (tracer_) {
+    const double t1 = NowSeconds();
+    if (t1 - t0 > 20e-6) {
+      tracer_->Span(absl::StrFormat("wait L%d E%d", layers_[li].block, e), "stall", t0, t1);
+    }
+    layers_[li].started[e] = t1;
+  }
   return e;
 }
 
@@ -234,6 +264,12 @@ void TieredExpertScheduler::Done(int layer, Pass pass, int e) {
     double sq = 0;
     for (uint64_t i = 0; i < floats_; ++i) sq += static_cast<double>(g[i]) * g[i];
     layers_[li].grad_sq[e] = sq;
+  }
+  if (tracer_) {
+    tracer_->Span(
+        absl::StrFormat("%s L%d E%d", pass == Pass::kForward ? "expert fwd" : "expert bwd",
+                        layers_[li].block, e),
+        "compute", layers_[li].started[e], NowSeconds());
   }
   Unbind(li, e);
   store_->ReleaseDevice(Key(li, e, TensorKind::kWeights), false);
@@ -286,6 +322,7 @@ Status TieredExpertScheduler::StepExperts(ops::Context& ctx, const model::AdamWO
       }
       const Item& it = items[i];
       const std::vector<TensorKey> keys = keys_of(it);
+      const double t0 = tracer_ ? NowSeconds() : 0.0;
       std::vector<float*> ptr;
       Status s;
       for (const TensorKey& k : keys) {
@@ -295,6 +332,10 @@ Status TieredExpertScheduler::StepExperts(ops::Context& ctx, const model::AdamWO
           break;
         }
         ptr.push_back(*p);
+      }
+      const double t1 = tracer_ ? NowSeconds() : 0.0;
+      if (tracer_ && t1 - t0 > 20e-6) {
+        tracer_->Span(absl::StrFormat("wait L%d E%d", layers_[it.li].block, it.e), "stall", t0, t1);
       }
       if (s.ok()) {
         float* w = ptr[0];
@@ -314,6 +355,10 @@ Status TieredExpertScheduler::StepExperts(ops::Context& ctx, const model::AdamWO
                                    v + seg.offset, seg.shape.numel(), h);
         }
       }
+      if (tracer_) {
+        tracer_->Span(absl::StrFormat("adamw L%d E%d", layers_[it.li].block, it.e), "optimizer", t1,
+                      NowSeconds());
+      }
       for (size_t k = 0; k < ptr.size(); ++k) {
         store_->ReleaseHost(keys[k], /*modified=*/s.ok() && k < 3);
       }
@@ -332,6 +377,7 @@ void TieredExpertScheduler::EndStep() {
     for (double& h : L.history) h *= kHistoryDecay;
     std::fill(L.grad_sq.begin(), L.grad_sq.end(), 0.0);
   }
+  FlushStageSpans();
   store_->EndStep();
   // The next step starts with the first MoE layer: fetch its usual experts now.
   const Layer& first = layers_[0];

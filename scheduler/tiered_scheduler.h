@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "proto/config.pb.h"
+#include "runtime/common/trace.h"
 #include "runtime/model/adamw.h"
 #include "runtime/model/expert_residency.h"
 #include "runtime/model/transformer.h"
@@ -69,6 +70,12 @@ class TieredExpertScheduler : public model::ExpertResidency {
   // Ends the step: decays routing history and LFU hits, prefetches the next step's first layer.
   void EndStep();
 
+  // Records expert compute, stall and optimizer spans (and the store's stage spans) from now on.
+  void set_tracer(Tracer* tracer);
+  // Waits for the stages to finish what is queued (prefetches for a next step that will not
+  // come) and moves their spans to the tracer.
+  void Quiesce();
+
   storage::TieredExpertStore& store() { return *store_; }
   uint64_t expert_floats() const { return floats_; }
   // The parameters of expert `e` of MoE layer `li`, in blob order (unbound between uses).
@@ -98,6 +105,7 @@ class TieredExpertScheduler : public model::ExpertResidency {
     std::vector<double> history;                          // routing frequency, decayed per step
     std::vector<int> routed;                              // experts with rows in the last forward
     std::vector<double> grad_sq;                          // this step's gradient sums of squares
+    std::vector<double> started;                          // trace: when each expert's work began
   };
 
   TieredExpertScheduler() = default;
@@ -106,11 +114,14 @@ class TieredExpertScheduler : public model::ExpertResidency {
   void Bind(int li, int e, float* weights, float* grad);
   void Unbind(int li, int e);
   void Fail(const Status& s);
+  // Trace: moves the store's stage spans to the tracer.
+  void FlushStageSpans();
   void PrefetchWeights(int li, std::span<const int> experts);
   void SlideWindowLocked();
   int Window() const;
 
   TieredOptions options_;
+  Tracer* tracer_ = nullptr;
   std::unique_ptr<storage::TieredExpertStore> store_;
   std::vector<Layer> layers_;
   std::vector<Segment> segments_;

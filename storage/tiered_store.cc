@@ -290,6 +290,13 @@ Status TieredExpertStore::DrainWriteBacks() {
   return error;
 }
 
+void TieredExpertStore::WaitIdle() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] {
+    return stop_ || (queue_[0].empty() && queue_[1].empty() && busy_[0] == 0 && busy_[1] == 0);
+  });
+}
+
 void TieredExpertStore::Discard(const TensorKey& key) {
   std::unique_lock<std::mutex> lock(mu_);
   auto it = entries_.find(key);

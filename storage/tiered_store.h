@@ -159,6 +159,8 @@ class TieredExpertStore {
   void PrefetchHost(std::span<const TensorKey> keys);
   // Waits until the queued write-backs are done (before the optimizer reads gradients).
   [[nodiscard]] Status DrainWriteBacks();
+  // Waits until both stages have nothing queued or in progress (prefetches included).
+  void WaitIdle();
 
   // --- Steps and statistics ------------------------------------------------------------------
   void EndStep();

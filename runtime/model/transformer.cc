@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/config_io.h"
+#include "runtime/common/trace.h"
 
 namespace strata::model {
 
@@ -284,6 +285,7 @@ double MoeTransformer::Forward(ops::Context& ctx, const int32_t* tokens, const i
 
   ops::EmbeddingForward(ctx, residual_[0].Rows(0, N), tok, wte_->value, wpe_->value, B, T);
   for (size_t l = 0; l < blocks_.size(); ++l) {
+    TraceScope span(ctx.tracer, "forward block", "compute", static_cast<int>(l));
     blocks_[l]->Forward(ctx, residual_[l].Rows(0, N), residual_[l + 1].Rows(0, N), B, call);
   }
   Tensor lnf_out = lnf_out_.Rows(0, N), logits = logits_.Rows(0, N);
@@ -312,6 +314,7 @@ void MoeTransformer::Backward(ops::Context& ctx) {
                     residual_.back().Rows(0, N), lnf_w_->value, lnf_mean, lnf_rstd_.Rows(0, N));
   BlockScratch scratch{dln_, datt_, dqkv_};
   for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
+    TraceScope span(ctx.tracer, "backward block", "compute", l);
     blocks_[l]->Backward(ctx, residual_[l].Rows(0, N), dres, B, scratch);
   }
   ops::EmbeddingBackward(ctx, wte_->grad, wpe_->grad, dres, tokens_.Rows(0, N), B, T);

@@ -16,7 +16,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "google/protobuf/text_format.h"
+#include "runtime/common/clock.h"
 #include "runtime/common/logging.h"
+#include "runtime/common/trace.h"
 
 namespace strata::train {
 namespace {
@@ -119,6 +121,7 @@ struct CheckpointManager::Pending {
   };
   std::vector<Copy> copies;
   std::vector<TensorRef> refs;  // stored already (a store reference was taken) or generated
+  Tracer* tracer = nullptr;
 };
 
 uint64_t CheckpointManager::ConfigHash(const config::ModelConfig& model) {
@@ -405,10 +408,11 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
 Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
                                model::MoeTransformer& model, model::AdamW& optimizer,
                                scheduler::TieredExpertScheduler* tiered, ops::Context& ctx) {
-  (void)ctx;
   RETURN_IF_ERROR(Wait());
+  TraceScope span(ctx.tracer, "checkpoint snapshot", "checkpoint", static_cast<int>(step));
   tiered_ = tiered;
   auto p = std::make_shared<Pending>();
+  p->tracer = ctx.tracer;
   CheckpointManifest& m = p->manifest;
   m.set_step(step);
   m.set_created_unix_ms(NowMs());
@@ -515,6 +519,7 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
 
 void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
   CheckpointManifest& m = p->manifest;
+  const double started = NowSeconds();
   std::vector<storage::SsdTier::WriteItem> items;
   for (auto& c : p->copies) items.push_back({c.buffer->data, c.bytes, &c.stored});
   // Extents, then fdatasync (also of working state spilled earlier, which this checkpoint may
@@ -543,6 +548,10 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
     }
   }
   if (s.ok()) s = index_->CommitCheckpoint(m, new_versions);
+  if (p->tracer != nullptr) {
+    p->tracer->SpanOn("checkpoint writer", absl::StrFormat("checkpoint persist %d", m.step()),
+                      "checkpoint", started, NowSeconds());
+  }
   if (!s.ok()) {
     // Nothing was committed: give back what this checkpoint held.
     if (written) {

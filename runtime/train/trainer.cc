@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "proto/config_io.h"
 #include "runtime/common/clock.h"
@@ -97,6 +98,14 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
   tr->pool_ = std::make_unique<ThreadPool>(threads);
   tr->ctx_.pool = tr->pool_.get();
+  if (!options.trace_path.empty()) {
+    tr->tracer_ = std::make_unique<Tracer>();
+    tr->ctx_.tracer = tr->tracer_.get();
+    tr->pool_->Run([&](int tid, int) {
+      tr->tracer_->NameThisThread(tid == 0 ? std::string("compute 0 (main)")
+                                           : absl::StrCat("compute ", tid));
+    });
+  }
 
   ASSIGN_OR_RETURN(tr->dataset_, data::TokenDataset::Open(cfg.data(), cfg.model().vocab_size(),
                                                           cfg.model().seq_len(), env));
@@ -130,7 +139,10 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     return absl::InvalidArgumentError(
         "--resume needs a checkpoint folder: pass --checkpoint-dir or set checkpoint.dir");
   }
-  if (tiered) RETURN_IF_ERROR(tr->SetUpTiered());
+  if (tiered) {
+    RETURN_IF_ERROR(tr->SetUpTiered());
+    tr->scheduler_->set_tracer(tr->tracer_.get());
+  }
 
   model::AdamWOptions ao;
   ao.beta1 = cfg.train().beta1();
@@ -159,12 +171,16 @@ StatusOr<StepResult> Trainer::Step() {
   const config::JobConfig& cfg = options_.config;
   const int64_t B = cfg.train().global_batch();
   Stopwatch watch;
+  TraceScope step_span(ctx_.tracer, "step", "step", static_cast<int>(step_ + 1));
   dataset_->TrainBatch(cfg.seed(), data::TokenDataset::FirstSample(step_, B), B, inputs_.data(),
                        targets_.data());
   optimizer_->ZeroGrad(ctx_);
   model::GateCall call{true, static_cast<uint64_t>(step_)};
   StepResult r;
-  r.loss = model_->Forward(ctx_, inputs_.data(), targets_.data(), B, call);
+  {
+    TraceScope span(ctx_.tracer, "forward", "compute");
+    r.loss = model_->Forward(ctx_, inputs_.data(), targets_.data(), B, call);
+  }
   if (scheduler_) RETURN_IF_ERROR(scheduler_->status());
   if (!std::isfinite(r.loss)) {
     return absl::InternalError(
@@ -172,15 +188,22 @@ StatusOr<StepResult> Trainer::Step() {
                         "train.warmup_steps, and check the data file",
                         r.loss, step_ + 1, cfg.train().lr()));
   }
-  model_->Backward(ctx_);
+  {
+    TraceScope span(ctx_.tracer, "backward", "compute");
+    model_->Backward(ctx_);
+  }
   if (scheduler_) RETURN_IF_ERROR(scheduler_->status());
   double sq = optimizer_->GradSumSquares(ctx_);
   if (scheduler_) sq += scheduler_->ExpertGradSumSquares();
   r.grad_norm = std::sqrt(sq);
   r.lr = LearningRate(cfg.train(), step_);
   const double scale = cpu::ClipScale(r.grad_norm, cfg.train().grad_clip());
-  optimizer_->Step(ctx_, r.lr, scale);
+  {
+    TraceScope span(ctx_.tracer, "dense optimizer", "optimizer");
+    optimizer_->Step(ctx_, r.lr, scale);
+  }
   if (scheduler_) {
+    TraceScope span(ctx_.tracer, "expert optimizer", "optimizer");
     model::AdamWOptions ao;
     ao.beta1 = cfg.train().beta1();
     ao.beta2 = cfg.train().beta2();
@@ -233,6 +256,22 @@ EvalResult Trainer::Evaluate() {
 }
 
 Status Trainer::Run() {
+  Status s = RunLoop();
+  if (scheduler_) scheduler_->Quiesce();
+  if (tracer_) {
+    // Also after a failure: the trace shows what led up to it.
+    Status w = tracer_->Write(options_.trace_path);
+    if (w.ok()) {
+      STRATA_LOG(INFO) << "trace: " << tracer_->size() << " spans written to "
+                       << options_.trace_path << " (open it in ui.perfetto.dev)";
+    } else if (s.ok()) {
+      s = w;
+    }
+  }
+  return s;
+}
+
+Status Trainer::RunLoop() {
   const config::JobConfig& cfg = options_.config;
   const int64_t steps = cfg.train().steps();
   started_ = NowSeconds();

@@ -16,6 +16,7 @@
 #include "runtime/common/json.h"
 #include "runtime/common/status.h"
 #include "runtime/common/thread_pool.h"
+#include "runtime/common/trace.h"
 #include "runtime/data/dataset.h"
 #include "runtime/model/adamw.h"
 #include "runtime/model/transformer.h"
@@ -37,6 +38,9 @@ struct TrainOptions {
   bool resume = false;
   // Tests: delay between a checkpoint's extents and its commit.
   int checkpoint_commit_delay_ms = 0;
+  // Chrome trace-event JSON of compute, SSD I/O, copies, optimizer and checkpoint spans, written
+  // when Run returns; empty for none.
+  std::string trace_path;
 };
 
 struct StepResult {
@@ -86,6 +90,8 @@ class Trainer {
   scheduler::TieredExpertScheduler* tiered() { return scheduler_.get(); }
   // The checkpoint folder's manager (null without checkpoints).
   CheckpointManager* checkpoints() { return checkpoints_.get(); }
+  // The trace being recorded (null without TrainOptions::trace_path).
+  Tracer* tracer() { return tracer_.get(); }
   // The step a resumed run started from (0 for a fresh run).
   int64_t resumed_from() const { return resumed_from_; }
 
@@ -94,9 +100,11 @@ class Trainer {
   void PrintProgress(const StepResult& r, const EvalResult* eval, bool final_line);
 
   [[nodiscard]] Status SetUpTiered();
+  [[nodiscard]] Status RunLoop();
   void WriteStepMetrics(JsonWriter& j, const StepResult& r) const;
 
   TrainOptions options_;
+  std::unique_ptr<Tracer> tracer_;  // outlives every thread that records into it
   std::unique_ptr<ThreadPool> pool_;
   ops::Context ctx_;
   std::unique_ptr<data::TokenDataset> dataset_;

@@ -25,7 +25,8 @@ TEST(ExamplesTest, CustomExpertTrains) {
 
 TEST(ExamplesTest, ShippedConfigsAreValid) {
   for (const char* f :
-       {"examples/moe_lm/config.textproto", "examples/custom_expert/config.textproto"}) {
+       {"examples/moe_lm/config.textproto", "examples/custom_expert/config.textproto",
+        "examples/larger_than_memory/config.textproto"}) {
     auto c = config::LoadJobConfig(std::string(STRATA_SOURCE_DIR) + "/" + f);
     EXPECT_TRUE(c.ok()) << f << ": " << c.status();
   }
