@@ -105,6 +105,47 @@ inline std::string ExecutableDir() {
   return path.substr(0, path.rfind('/'));
 }
 
+// Median of the finite values (NaN when there are none).
+inline double MedianOf(std::vector<double> v) {
+  v.erase(std::remove_if(v.begin(), v.end(), [](double x) { return !std::isfinite(x); }), v.end());
+  if (v.empty()) return std::nan("");
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// fio, for the storage benchmarks' baseline: false (with a message naming `bench`) when missing.
+inline bool FioAvailable(const char* bench, const char* without) {
+  int status = 0;
+  Capture("fio --version 2>&1", &status);
+  if (status == 0) return true;
+  std::fprintf(stderr,
+               "%s: fio is not installed (scripts/install-deps.sh installs it); run with --no-fio "
+               "%s\n",
+               bench, without);
+  return false;
+}
+
+// One fio job on `file` (io_uring, O_DIRECT): GB/s (1e9 bytes per second) of `rw` ("read" or
+// "write"), or NaN with fio's output on stderr.
+inline double RunFio(const std::string& file, const std::string& rw, uint64_t bs, uint64_t total,
+                     uint64_t depth, bool fixed_buffers) {
+  const std::string cmd =
+      absl::StrCat("fio --name=bench --filename=", file, " --size=", total, " --bs=", bs,
+                   " --rw=", rw, " --ioengine=io_uring --direct=1 --iodepth=", depth,
+                   fixed_buffers ? " --fixedbufs" : "", " --output-format=json 2>&1");
+  int status = 0;
+  const std::string out = Capture(cmd, &status);
+  // bw_bytes of the job's "read" or "write" section
+  const size_t s = out.find("\"" + rw + "\" : {");
+  const size_t b = s == std::string::npos ? s : out.find("\"bw_bytes\" : ", s);
+  const double bw = b == std::string::npos ? 0.0 : std::strtod(out.c_str() + b + 13, nullptr);
+  if (status != 0 || !(bw > 0)) {
+    std::fprintf(stderr, "fio failed (%s):\n%s\n", cmd.c_str(), out.c_str());
+    return std::nan("");
+  }
+  return bw / 1e9;
+}
+
 inline std::string HostDescription() {
   std::ifstream f("/proc/cpuinfo");
   std::string line, model = "unknown CPU";

@@ -13,7 +13,7 @@ packages=(
   libabsl-dev
   libprotobuf-dev protobuf-compiler
   libgrpc++-dev protobuf-compiler-grpc
-  liburing-dev librocksdb-dev
+  liburing-dev librocksdb-dev fio
   libgloo-dev
   libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev

@@ -78,7 +78,15 @@ class UringIo : public BlockIo {
 
   void RegisterRegions(const std::vector<iovec>& regions) override {
     std::lock_guard<std::mutex> lock(mu_);
-    regions_.insert(regions_.end(), regions.begin(), regions.end());
+    // io_uring takes fixed buffers of at most 1 GiB each: larger regions go in as several. A
+    // request that straddles two of them is sent unregistered.
+    constexpr size_t kMaxFixedBuffer = size_t{1} << 30;
+    for (const iovec& r : regions) {
+      for (size_t off = 0; off < r.iov_len; off += kMaxFixedBuffer) {
+        regions_.push_back(iovec{static_cast<char*>(r.iov_base) + off,
+                                 std::min(kMaxFixedBuffer, r.iov_len - off)});
+      }
+    }
     rings_.clear();  // rings register their regions on creation
   }
 

@@ -137,33 +137,48 @@ StatusOr<StoredExtent> SsdTier::Write(const void* buf, uint64_t bytes) {
 }
 
 Status SsdTier::Read(const StoredExtent& e, void* buf, const std::string& what) {
-  IoRequest req;
+  ReadItem item{&e, buf, &what};
+  return ReadMany(std::span<const ReadItem>(&item, 1));
+}
+
+Status SsdTier::ReadMany(std::span<const ReadItem> items) {
+  std::vector<IoRequest> reqs;
+  uint64_t bytes = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (e.extent.file >= fds_.size() || fds_[e.extent.file] < 0) {
-      return absl::DataLossError(
-          absl::StrFormat("%s: the index points at SSD-tier file %d, which does not exist in '%s'",
-                          what, e.extent.file, options_.dir));
+    for (const ReadItem& it : items) {
+      const Extent& x = it.stored->extent;
+      if (x.file >= fds_.size() || fds_[x.file] < 0) {
+        return absl::DataLossError(absl::StrFormat(
+            "%s: the index points at SSD-tier file %d, which does not exist in '%s'", *it.what,
+            x.file, options_.dir));
+      }
+      reqs.push_back(IoRequest{fds_[x.file], x.offset, it.buf, x.length, false, &paths_[x.file]});
+      bytes += x.length;
     }
-    req = IoRequest{fds_[e.extent.file], e.extent.offset, buf,
-                    e.extent.length,     false,           &paths_[e.extent.file]};
   }
   Stopwatch w;
-  Status s = io_->Run(std::span<const IoRequest>(&req, 1));
-  if (!s.ok()) return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+  Status s = io_->Run(reqs);
+  if (!s.ok()) {
+    const std::string& what = items.size() == 1 ? *items[0].what : std::string("SSD-tier read");
+    return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stats_.bytes_read += e.extent.length;
-    stats_.reads += 1;
+    stats_.bytes_read += bytes;
+    stats_.reads += items.size();
     stats_.read_seconds += w.Seconds();
   }
-  const uint32_t crc = Crc32c(buf, e.bytes);
-  if (crc != e.crc) {
-    return absl::DataLossError(absl::StrFormat(
-        "%s is corrupt: CRC-32C of %d bytes at offset %d of '%s' is %08x, the index recorded "
-        "%08x; the SSD tier copy cannot be used (resume falls back to an earlier checkpoint; "
-        "`strata ckpt verify` checks them all)",
-        what, e.bytes, e.extent.offset, FilePath(e.extent.file), crc, e.crc));
+  for (const ReadItem& it : items) {
+    const StoredExtent& e = *it.stored;
+    const uint32_t crc = Crc32c(it.buf, e.bytes);
+    if (crc != e.crc) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s is corrupt: CRC-32C of %d bytes at offset %d of '%s' is %08x, the index recorded "
+          "%08x; the SSD tier copy cannot be used (resume falls back to an earlier checkpoint; "
+          "`strata ckpt verify` checks them all)",
+          *it.what, e.bytes, e.extent.offset, FilePath(e.extent.file), crc, e.crc));
+    }
   }
   return absl::OkStatus();
 }

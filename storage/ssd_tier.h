@@ -75,6 +75,13 @@ class SsdTier {
   // Reads an extent into `buf` (aligned, room for extent.length) and checks its CRC. `what` names
   // the tensor in errors ("layer 3 expert 5 weights v7").
   [[nodiscard]] Status Read(const StoredExtent& e, void* buf, const std::string& what);
+  // Several reads with their transfers in flight together; the first failure.
+  struct ReadItem {
+    const StoredExtent* stored;
+    void* buf;
+    const std::string* what;
+  };
+  [[nodiscard]] Status ReadMany(std::span<const ReadItem> items);
   // Reads and checks without keeping the bytes (verification).
   [[nodiscard]] Status Verify(const StoredExtent& e, const std::string& what);
 

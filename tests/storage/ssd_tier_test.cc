@@ -140,6 +140,47 @@ TEST(SsdTierTest, RoundTripRegisteredAndUnregistered) {
   ASSERT_TRUE(tier->Sync().ok());
 }
 
+TEST(SsdTierTest, ReadManyMatchesWhatWasWrittenAndNamesACorruptOne) {
+  TempDir dir;
+  auto tier = OpenTier(dir.path());
+  ASSERT_TRUE(tier);
+  constexpr int kN = 9;  // more extents than the queue depth (4), each of several blocks
+  const uint64_t bytes = 30000;
+  std::vector<std::unique_ptr<Aligned>> bufs;
+  std::vector<std::vector<char>> expect(kN);
+  std::vector<StoredExtent> stored(kN);
+  std::vector<SsdTier::WriteItem> writes;
+  std::mt19937 gen(7);
+  for (int i = 0; i < kN; ++i) bufs.push_back(std::make_unique<Aligned>(32768));
+  for (int i = 0; i < kN; ++i) {
+    for (uint64_t b = 0; b < bytes; ++b) bufs[i]->p[b] = static_cast<char>(gen());
+    expect[i].assign(bufs[i]->p, bufs[i]->p + bytes);
+    writes.push_back({bufs[i]->p, bytes, &stored[i]});
+  }
+  ASSERT_TRUE(tier->WriteMany(writes).ok());
+  std::vector<std::string> names;
+  for (int i = 0; i < kN; ++i) names.push_back("tensor " + std::to_string(i));
+  std::vector<SsdTier::ReadItem> reads;
+  for (int i = 0; i < kN; ++i) {
+    std::memset(bufs[i]->p, 0, bufs[i]->size);
+    reads.push_back({&stored[i], bufs[i]->p, &names[i]});
+  }
+  ASSERT_TRUE(tier->ReadMany(reads).ok());
+  for (int i = 0; i < kN; ++i) {
+    EXPECT_EQ(0, std::memcmp(bufs[i]->p, expect[i].data(), bytes)) << i;
+  }
+  ASSERT_TRUE(tier->Sync().ok());
+  {  // Corrupt extent 5 only.
+    std::fstream f(tier->FilePath(stored[5].extent.file),
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(stored[5].extent.offset + 100));
+    f.put(static_cast<char>(expect[5][100] ^ 1));
+  }
+  Status s = tier->ReadMany(reads);
+  ASSERT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_NE(s.message().find("tensor 5 is corrupt"), std::string::npos) << s;
+}
+
 TEST(SsdTierTest, FlippedByteIsDetectedAndNamed) {
   TempDir dir;
   auto tier = OpenTier(dir.path());

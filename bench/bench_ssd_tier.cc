@@ -1,0 +1,252 @@
+// bench_ssd_tier: read and write bandwidth of strata's SSD tier against fio on the same file
+// system.
+//
+// For each transfer size — 1 MiB blocks and the extents of two expert sizes — the tier writes and
+// reads `--mib` MiB as extents of that size through its batched path (SsdTier::WriteMany /
+// ReadMany: io_uring, O_DIRECT, registered buffers, queue depth 32, 1 MiB requests, CRC-32C of
+// every extent computed and checked inside the timing), and fio does the same with its io_uring
+// engine (--direct=1 --iodepth=32 --fixedbufs, bs = the extent size) on a file in the same folder.
+// A cloud disk is noisy, so the two alternate within each of --rounds rounds and the medians are
+// compared.
+//
+//   build/bin/bench_ssd_tier [--dir DIR] [--mib N] [--rounds R] [--io-block B] [--small] [--json]
+//
+// The tier sends each extent as one request (storage.io_block_bytes = the largest extent, as fio
+// sends one request of bs bytes); --io-block 1048576 measures the default 1 MiB requests.
+//
+// The folder defaults to $TMPDIR (or /tmp), where the SSD tier lives unless storage.ssd_dir says
+// otherwise; it must support O_DIRECT (not tmpfs).
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "bench/bench_util.h"
+#include "runtime/common/clock.h"
+#include "runtime/common/json.h"
+#include "storage/block_io.h"
+#include "storage/ssd_tier.h"
+
+namespace strata::bench {
+namespace {
+
+struct Size {
+  std::string name;
+  uint64_t bytes;  // one extent (a multiple of 4 KiB)
+};
+
+// An FFN expert's blob as the tiered store keeps it: 2 x d_model x d_expert weights plus biases.
+uint64_t ExpertBytes(uint64_t d_model, uint64_t d_expert) {
+  const uint64_t b = (2 * d_model * d_expert + d_model + d_expert) * sizeof(float);
+  return (b + storage::kSsdGranule - 1) / storage::kSsdGranule * storage::kSsdGranule;
+}
+
+struct Options {
+  std::string dir;
+  uint64_t mib = 512;
+  int rounds = 5;
+  bool json = false;
+  bool fio = true;
+  uint32_t queue_depth = 32;
+  uint64_t io_block = 0;  // 0: the largest extent
+};
+
+// One fio job in the benchmark's folder, at bs = the extent size.
+double Fio(const Options& o, const std::string& rw, uint64_t bs, uint64_t total) {
+  // fio registers one buffer of iodepth x bs, and io_uring takes at most 1 GiB per buffer.
+  const uint64_t depth =
+      std::max<uint64_t>(1, std::min<uint64_t>(o.queue_depth, (1ull << 30) / bs));
+  return RunFio(o.dir + "/bench_ssd_tier.fio", rw, bs, total, depth, /*fixed_buffers=*/true);
+}
+
+struct Row {
+  std::string op, size_name;
+  uint64_t block_bytes = 0;
+  std::vector<double> strata, fio;
+};
+
+int Main(int argc, char** argv) {
+  Options o;
+  const char* tmp = std::getenv("TMPDIR");
+  o.dir = tmp != nullptr && *tmp ? tmp : "/tmp";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "bench_ssd_tier: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--json") {
+      o.json = true;
+    } else if (a == "--small") {
+      o.mib = 64;
+      o.rounds = 1;
+    } else if (a == "--no-fio") {
+      o.fio = false;
+    } else if (a == "--dir") {
+      o.dir = value();
+    } else if (a == "--mib") {
+      o.mib = std::stoull(value());
+    } else if (a == "--io-block") {
+      o.io_block = std::stoull(value());
+    } else if (a == "--rounds") {
+      o.rounds = std::stoi(value());
+    } else {
+      std::fprintf(
+          stderr,
+          "usage: bench_ssd_tier [--dir DIR] [--mib N] [--rounds R] [--io-block B] [--small] "
+          "[--no-fio] [--json]\n");
+      return 2;
+    }
+  }
+  if (o.fio && !FioAvailable("bench_ssd_tier", "to measure the tier alone")) return 1;
+  const std::string dir = o.dir + "/bench_ssd_tier." + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  const uint64_t total = o.mib << 20;
+
+  std::vector<Size> sizes = {{"1 MiB block", 1 << 20},
+                             {"expert 256x512", ExpertBytes(256, 512)},
+                             {"expert 1024x4096", ExpertBytes(1024, 4096)}};
+
+  const uint64_t max_extent = std::max_element(sizes.begin(), sizes.end(), [](auto& a, auto& b) {
+                                return a.bytes < b.bytes;
+                              })->bytes;
+  if (o.io_block == 0) o.io_block = max_extent;
+  storage::UringOptions uo;
+  uo.queue_depth = o.queue_depth;
+  // One request per extent, as fio sends one request of bs bytes: storage.io_block_bytes at least
+  // the largest extent (the default, 1 MiB, splits larger extents into 1 MiB requests).
+  uo.block_bytes = o.io_block;
+  auto io = storage::MakeUringIo(uo);
+  if (!io.ok()) {
+    std::fprintf(stderr, "bench_ssd_tier: %s\n", std::string(io.status().message()).c_str());
+    return 1;
+  }
+  storage::SsdOptions so;
+  so.dir = dir;
+  so.file_bytes = 4ull << 30;
+  auto tier = storage::SsdTier::Open(so, *std::move(io));
+  if (!tier.ok()) {
+    std::fprintf(stderr, "bench_ssd_tier: %s\n", std::string(tier.status().message()).c_str());
+    return 1;
+  }
+  // One registered buffer for all extents, filled with random bytes (no zero pages).
+  const uint64_t arena_bytes = std::max(total, max_extent) + max_extent;
+  char* arena = static_cast<char*>(std::aligned_alloc(storage::kSsdGranule, arena_bytes));
+  std::mt19937_64 gen(1);
+  for (uint64_t i = 0; i < arena_bytes / 8; ++i) {
+    const uint64_t v = gen();
+    std::memcpy(arena + 8 * i, &v, 8);
+  }
+  (*tier)->RegisterRegions({iovec{arena, arena_bytes}});
+
+  std::vector<Row> rows;
+  for (const Size& s : sizes) {
+    for (const char* op : {"write", "read"}) {
+      Row r;
+      r.op = op;
+      r.size_name = s.name;
+      r.block_bytes = s.bytes;
+      rows.push_back(r);
+    }
+  }
+  if (!o.json) {
+    std::printf(
+        "bench_ssd_tier: %s; folder %s; %d MiB per measurement, %d rounds; queue depth %d, "
+        "requests of up to %d bytes\n",
+        HostDescription().c_str(), o.dir.c_str(), static_cast<int>(o.mib), o.rounds,
+        static_cast<int>(o.queue_depth), static_cast<int>(o.io_block));
+  }
+  for (int round = 0; round < o.rounds; ++round) {
+    for (size_t si = 0; si < sizes.size(); ++si) {
+      const Size& s = sizes[si];
+      const uint64_t n = std::max<uint64_t>(1, total / s.bytes);
+      const uint64_t bytes = n * s.bytes;
+      std::vector<storage::StoredExtent> stored(n);
+      std::vector<storage::SsdTier::WriteItem> writes;
+      for (uint64_t i = 0; i < n; ++i) writes.push_back({arena + i * s.bytes, s.bytes, &stored[i]});
+      Row& w = rows[2 * si];
+      Row& rd = rows[2 * si + 1];
+      // write: fio and the tier, in alternating order from round to round
+      const bool fio_first = round % 2 == 0;
+      if (o.fio && fio_first) w.fio.push_back(Fio(o, "write", s.bytes, bytes));
+      Stopwatch sw;
+      Status st = (*tier)->WriteMany(writes);
+      const double ws = sw.Seconds();
+      if (o.fio && !fio_first) w.fio.push_back(Fio(o, "write", s.bytes, bytes));
+      if (!st.ok()) {
+        std::fprintf(stderr, "bench_ssd_tier: write failed: %s\n",
+                     std::string(st.message()).c_str());
+        return 1;
+      }
+      w.strata.push_back(static_cast<double>(bytes) / ws / 1e9);
+      // read: fio (its file was just written) and the tier
+      if (o.fio && fio_first) rd.fio.push_back(Fio(o, "read", s.bytes, bytes));
+      std::vector<std::string> names(1, "bench extent");
+      std::vector<storage::SsdTier::ReadItem> reads;
+      for (uint64_t i = 0; i < n; ++i)
+        reads.push_back({&stored[i], arena + i * s.bytes, &names[0]});
+      sw.Reset();
+      st = (*tier)->ReadMany(reads);
+      const double rs = sw.Seconds();
+      if (!st.ok()) {
+        std::fprintf(stderr, "bench_ssd_tier: read failed: %s\n",
+                     std::string(st.message()).c_str());
+        return 1;
+      }
+      rd.strata.push_back(static_cast<double>(bytes) / rs / 1e9);
+      if (o.fio && !fio_first) rd.fio.push_back(Fio(o, "read", s.bytes, bytes));
+      for (const auto& e : stored) (*tier)->Free(e.extent);
+      std::filesystem::remove(o.dir + "/bench_ssd_tier.fio");
+    }
+  }
+  std::free(arena);
+  tier->reset();
+  std::filesystem::remove_all(dir);
+
+  if (!o.json) {
+    std::printf("%-6s %-17s %12s %10s %10s %9s\n", "op", "extent", "block_bytes", "strata GB/s",
+                "fio GB/s", "of fio");
+  }
+  bool below = false;
+  for (const Row& r : rows) {
+    const double g = MedianOf(r.strata), f = MedianOf(r.fio), frac = g / f;
+    below |= std::isfinite(frac) && frac < 0.9;
+    if (o.json) {
+      JsonWriter j;
+      j.BeginObject()
+          .Field("op", r.op)
+          .Field("extent", r.size_name)
+          .Field("block_bytes", r.block_bytes)
+          .Field("gbps", g)
+          .Field("fio_gbps", f)
+          .Field("fraction_of_fio", frac)
+          .Field("mib", o.mib)
+          .Field("rounds", o.rounds)
+          .Field("queue_depth", static_cast<int64_t>(o.queue_depth))
+          .EndObject();
+      std::printf("%s\n", j.str().c_str());
+    } else {
+      std::printf("%-6s %-17s %12llu %10.3f %10.3f %8.0f%%\n", r.op.c_str(), r.size_name.c_str(),
+                  static_cast<unsigned long long>(r.block_bytes), g, f, 100 * frac);
+    }
+  }
+  if (!o.json) {
+    std::printf("medians of %d rounds; target: at least 90%% of fio%s\n", o.rounds,
+                below ? " (some rows are below it)" : "");
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace strata::bench
+
+int main(int argc, char** argv) { return strata::bench::Main(argc, argv); }
