@@ -54,9 +54,8 @@ std::string TensorIndex::TensorKey(const TensorRef& ref) {
 namespace {
 
 Status MissingIndex(const std::string& dir, const char* consequence) {
-  return absl::NotFoundError(
-      absl::StrFormat("no checkpoint index in '%s' (its RocksDB files are missing): %s", dir,
-                      consequence));
+  return absl::NotFoundError(absl::StrFormat(
+      "no checkpoint index in '%s' (its RocksDB files are missing): %s", dir, consequence));
 }
 
 rocksdb::Options IndexOptions() {
