@@ -83,10 +83,20 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
     }
   };
   ASSIGN_OR_RETURN(s->store_, storage::TieredExpertStore::Create(so));
+  s->updated_layers_ = s->moe_layers();
+  s->update_pool_ = std::make_unique<ThreadPool>(1);
+  s->updater_ = std::thread([ptr = s.get()] { ptr->UpdaterLoop(); });
   return s;
 }
 
-TieredExpertScheduler::~TieredExpertScheduler() = default;
+TieredExpertScheduler::~TieredExpertScheduler() {
+  {
+    std::lock_guard<std::mutex> lock(umu_);
+    stop_updater_ = true;  // after the update in flight, if any
+  }
+  ucv_.notify_all();
+  if (updater_.joinable()) updater_.join();
+}
 
 void TieredExpertScheduler::set_tracer(Tracer* tracer) {
   tracer_ = tracer;
@@ -94,6 +104,8 @@ void TieredExpertScheduler::set_tracer(Tracer* tracer) {
 }
 
 void TieredExpertScheduler::Quiesce() {
+  Status s = FinishExpertStep();  // its error is the trainer's to report
+  (void)s;
   store_->WaitIdle();
   FlushStageSpans();
 }
@@ -101,10 +113,12 @@ void TieredExpertScheduler::Quiesce() {
 void TieredExpertScheduler::FlushStageSpans() {
   if (tracer_ == nullptr) return;
   for (const storage::StageSpan& s : store_->TakeSpans()) {
-    tracer_->SpanOn(s.thread == 0 ? "ssd stage" : "copy stage",
+    tracer_->SpanOn(s.thread == 0   ? "ssd stage"
+                    : s.thread == 1 ? "copy stage"
+                                    : "ssd stage 2",
                     absl::StrFormat("%s L%d E%d %s", s.name, s.key.layer, s.key.expert,
                                     storage::KindName(s.key.kind)),
-                    s.thread == 0 ? "io" : "copy", s.start, s.end);
+                    s.thread == 1 ? "copy" : "io", s.start, s.end);
   }
 }
 
@@ -145,8 +159,12 @@ void TieredExpertScheduler::Fail(const Status& s) {
 }
 
 Status TieredExpertScheduler::status() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return error_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error_.ok()) return error_;
+  }
+  std::lock_guard<std::mutex> lock(umu_);
+  return update_error_;
 }
 
 int TieredExpertScheduler::Window() const {
@@ -162,6 +180,20 @@ void TieredExpertScheduler::PrefetchWeights(int li, std::span<const int> experts
   store_->PrefetchDevice(keys);
 }
 
+std::vector<int> TieredExpertScheduler::ByHistory(int li, int limit) const {
+  const Layer& L = layers_[li];
+  std::vector<int> order(L.experts.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return L.history[a] > L.history[b]; });
+  const int n = std::min<int>({limit, static_cast<int>(options_.storage.history_prefetch()),
+                               static_cast<int>(order.size())});
+  order.resize(std::max(0, n));
+  order.erase(std::remove_if(order.begin(), order.end(), [&](int e) { return L.history[e] <= 0; }),
+              order.end());
+  return order;
+}
+
 void TieredExpertScheduler::SlideWindowLocked() {
   // Keep up to Window() routed experts of the pass loaded ahead of the threads.
   const int in_flight = static_cast<int>(pending_.size()) - static_cast<int>(to_prefetch_.size());
@@ -175,6 +207,10 @@ void TieredExpertScheduler::SlideWindowLocked() {
 
 void TieredExpertScheduler::BeginPass(int layer, Pass pass, std::span<const int> experts) {
   const int li = MoeIndex(layer);
+  WaitUpdated(li);
+  // Fetch the next layer's usual experts only once their update is done (a copy made before
+  // would be dropped by it).
+  const bool next_updated = li + 1 < moe_layers() && Updated(li + 1);
   std::lock_guard<std::mutex> lock(mu_);
   pass_li_ = li;
   pass_ = pass;
@@ -188,21 +224,8 @@ void TieredExpertScheduler::BeginPass(int layer, Pass pass, std::span<const int>
   SlideWindowLocked();
   // Horizontal prefetch behind this layer's experts, if the device tier has room for more.
   const int spare = Window() - static_cast<int>(pending_.size());
-  if (pass == Pass::kForward && li + 1 < moe_layers() && options_.storage.history_prefetch() > 0 &&
-      spare > 0) {
-    const Layer& next = layers_[li + 1];
-    std::vector<int> order(next.experts.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int a, int b) { return next.history[a] > next.history[b]; });
-    const int n = std::min<int>({spare, static_cast<int>(options_.storage.history_prefetch()),
-                                 static_cast<int>(order.size())});
-    order.resize(n);
-    std::vector<TensorKey> keys;
-    for (int e : order) {
-      if (next.history[e] > 0) keys.push_back(Key(li + 1, e, TensorKind::kWeights));
-    }
-    store_->PrefetchDevice(keys);
+  if (pass == Pass::kForward && next_updated && spare > 0) {
+    PrefetchWeights(li + 1, ByHistory(li + 1, spare));
   }
   if (pass == Pass::kBackward && li > 0 && spare > 0) {
     // Exact: the previous layer's routing is known from its forward.
@@ -214,12 +237,31 @@ void TieredExpertScheduler::BeginPass(int layer, Pass pass, std::span<const int>
   }
 }
 
+bool TieredExpertScheduler::Updated(int li) {
+  std::lock_guard<std::mutex> lock(umu_);
+  return updated_layers_ > li;
+}
+
+void TieredExpertScheduler::WaitUpdated(int li) {
+  std::unique_lock<std::mutex> lock(umu_);
+  if (updated_layers_ > li || !update_error_.ok()) return;
+  const double t0 = NowSeconds();
+  ucv_.wait(lock, [&] { return updated_layers_ > li || !update_error_.ok(); });
+  const double t1 = NowSeconds();
+  lock.unlock();
+  store_->AddStall(t1 - t0);
+  if (tracer_) {
+    tracer_->Span(absl::StrFormat("wait update L%d", layers_[li].block), "stall", t0, t1);
+  }
+}
+
 int TieredExpertScheduler::NextReady(int layer, Pass pass) {
   const int li = MoeIndex(layer);
   int e;
   {
+    if (!status().ok()) return -1;
     std::lock_guard<std::mutex> lock(mu_);
-    if (!error_.ok() || pending_.empty()) return -1;
+    if (pending_.empty()) return -1;
     // A resident expert first, so threads compute while the rest load.
     auto it = std::find_if(pending_.begin(), pending_.end(), [&](int x) {
       return store_->DeviceReady(Key(li, x, TensorKind::kWeights));
@@ -290,22 +332,62 @@ double TieredExpertScheduler::ExpertGradSumSquares() const {
   return s;
 }
 
-Status TieredExpertScheduler::StepExperts(ops::Context& ctx, const model::AdamWOptions& o,
-                                          double lr, double grad_scale, int64_t step) {
+Status TieredExpertScheduler::StepExperts(const model::AdamWOptions& o, double lr,
+                                          double grad_scale, int64_t step) {
+  RETURN_IF_ERROR(FinishExpertStep());  // the forward has waited for it already
   RETURN_IF_ERROR(status());
   RETURN_IF_ERROR(store_->DrainWriteBacks());
-  struct Item {
-    int li, e;
-    bool grad;
-  };
-  std::vector<Item> items;
+  Update u;
+  u.options = o;
+  u.lr = lr;
+  u.grad_scale = grad_scale;
+  u.step = step;
   const bool lazy = options_.storage.expert_update() == config::StorageConfig::LAZY;
   for (int li = 0; li < moe_layers(); ++li) {
     for (int e = 0; e < num_experts(li); ++e) {
       const bool grad = store_->Materialized(Key(li, e, TensorKind::kGrad));
-      if (grad || !lazy) items.push_back(Item{li, e, grad});
+      if (grad || !lazy) u.items.push_back(Item{li, e, grad});
     }
   }
+  // The next step starts with the first MoE layer: its usual experts are fetched to the device
+  // as soon as their update is done.
+  u.first_layer_prefetch = ByHistory(0, Window());
+  {
+    std::lock_guard<std::mutex> lock(umu_);
+    updated_layers_ = u.items.empty() ? moe_layers() : u.items.front().li;
+    updating_ = true;
+    queued_ = std::move(u);
+  }
+  ucv_.notify_all();
+  if (options_.storage.overlap_optimizer()) return absl::OkStatus();
+  return FinishExpertStep();
+}
+
+Status TieredExpertScheduler::FinishExpertStep() {
+  std::unique_lock<std::mutex> lock(umu_);
+  ucv_.wait(lock, [&] { return !updating_; });
+  return update_error_;
+}
+
+void TieredExpertScheduler::UpdaterLoop() {
+  std::unique_lock<std::mutex> lock(umu_);
+  while (true) {
+    ucv_.wait(lock, [&] { return stop_updater_ || queued_.has_value(); });
+    if (!queued_) return;  // stopping, nothing left
+    const Update u = std::move(*queued_);
+    queued_.reset();
+    lock.unlock();
+    Status s = RunUpdate(u);
+    lock.lock();
+    if (!s.ok() && update_error_.ok()) update_error_ = s;
+    updating_ = false;
+    updated_layers_ = moe_layers();
+    ucv_.notify_all();
+  }
+}
+
+Status TieredExpertScheduler::RunUpdate(const Update& u) {
+  if (tracer_) tracer_->NameThisThread("expert optimizer");
   auto keys_of = [&](const Item& it) {
     std::vector<TensorKey> k = {Key(it.li, it.e, TensorKind::kWeights),
                                 Key(it.li, it.e, TensorKind::kAdamM),
@@ -313,63 +395,68 @@ Status TieredExpertScheduler::StepExperts(ops::Context& ctx, const model::AdamWO
     if (it.grad) k.push_back(Key(it.li, it.e, TensorKind::kGrad));
     return k;
   };
-  const int ahead = static_cast<int>(options_.storage.optimizer_prefetch());
-  ctx.pool->Run([&](int tid, int threads) {
-    const size_t begin = items.size() * tid / threads, end = items.size() * (tid + 1) / threads;
-    for (size_t i = begin; i < end; ++i) {
-      for (size_t j = i + 1; j < std::min(end, i + 1 + ahead); ++j) {
-        store_->PrefetchHost(keys_of(items[j]));
+  const size_t ahead = options_.storage.optimizer_prefetch();
+  const std::vector<Item>& items = u.items;
+  if (items.empty() || items.front().li > 0) PrefetchWeights(0, u.first_layer_prefetch);
+  for (size_t i = 0; i < items.size(); ++i) {
+    for (size_t j = i + 1; j < std::min(items.size(), i + 1 + ahead); ++j) {
+      store_->PrefetchHost(keys_of(items[j]));
+    }
+    const Item& it = items[i];
+    const std::vector<TensorKey> keys = keys_of(it);
+    const double t0 = tracer_ ? NowSeconds() : 0.0;
+    std::vector<float*> ptr;
+    Status s;
+    for (const TensorKey& k : keys) {
+      auto p = store_->AcquireHost(k, /*background=*/true);
+      if (!p.ok()) {
+        s = p.status();
+        break;
       }
-      const Item& it = items[i];
-      const std::vector<TensorKey> keys = keys_of(it);
-      const double t0 = tracer_ ? NowSeconds() : 0.0;
-      std::vector<float*> ptr;
-      Status s;
-      for (const TensorKey& k : keys) {
-        auto p = store_->AcquireHost(k);
-        if (!p.ok()) {
-          s = p.status();
-          break;
-        }
-        ptr.push_back(*p);
-      }
-      const double t1 = tracer_ ? NowSeconds() : 0.0;
-      if (tracer_ && t1 - t0 > 20e-6) {
-        tracer_->Span(absl::StrFormat("wait L%d E%d", layers_[it.li].block, it.e), "stall", t0, t1);
-      }
-      if (s.ok()) {
-        float* w = ptr[0];
-        float* m = ptr[1];
-        float* v = ptr[2];
-        const float* g = it.grad ? ptr[3] : zeros_.data();
-        for (const Segment& seg : segments_) {
-          cpu::AdamWHyper h;
-          h.lr = lr;
-          h.beta1 = o.beta1;
-          h.beta2 = o.beta2;
-          h.eps = o.eps;
-          h.weight_decay = seg.decay ? o.weight_decay : 0.0;
-          h.step = step;
-          h.grad_scale = grad_scale;
-          cpu::adamw_update<float>(*ctx.pool, w + seg.offset, g + seg.offset, m + seg.offset,
-                                   v + seg.offset, seg.shape.numel(), h);
-        }
+      ptr.push_back(*p);
+    }
+    const double t1 = tracer_ ? NowSeconds() : 0.0;
+    if (tracer_ && t1 - t0 > 20e-6) {
+      tracer_->Span(absl::StrFormat("wait L%d E%d", layers_[it.li].block, it.e), "stall", t0, t1);
+    }
+    if (s.ok()) {
+      float* w = ptr[0];
+      float* m = ptr[1];
+      float* v = ptr[2];
+      const float* g = it.grad ? ptr[3] : zeros_.data();
+      for (const Segment& seg : segments_) {
+        cpu::AdamWHyper h;
+        h.lr = u.lr;
+        h.beta1 = u.options.beta1;
+        h.beta2 = u.options.beta2;
+        h.eps = u.options.eps;
+        h.weight_decay = seg.decay ? u.options.weight_decay : 0.0;
+        h.step = u.step;
+        h.grad_scale = u.grad_scale;
+        cpu::adamw_update<float>(*update_pool_, w + seg.offset, g + seg.offset, m + seg.offset,
+                                 v + seg.offset, seg.shape.numel(), h);
       }
       if (tracer_) {
         tracer_->Span(absl::StrFormat("adamw L%d E%d", layers_[it.li].block, it.e), "optimizer", t1,
                       NowSeconds());
       }
-      for (size_t k = 0; k < ptr.size(); ++k) {
-        store_->ReleaseHost(keys[k], /*modified=*/s.ok() && k < 3);
-      }
-      if (!s.ok()) {
-        Fail(s);
-        return;
-      }
-      if (it.grad) store_->Discard(keys[3]);
     }
-  });
-  return status();
+    for (size_t k = 0; k < ptr.size(); ++k) {
+      store_->ReleaseHost(keys[k], /*modified=*/s.ok() && k < 3);
+    }
+    if (!s.ok()) return s;
+    if (it.grad) store_->Discard(keys[3]);
+    const bool layer_done = i + 1 == items.size() || items[i + 1].li != it.li;
+    if (layer_done) {
+      {
+        std::lock_guard<std::mutex> lock(umu_);
+        updated_layers_ = i + 1 == items.size() ? moe_layers() : items[i + 1].li;
+      }
+      ucv_.notify_all();
+      if (it.li == 0) PrefetchWeights(0, u.first_layer_prefetch);
+    }
+  }
+  return absl::OkStatus();
 }
 
 void TieredExpertScheduler::EndStep() {
@@ -379,16 +466,6 @@ void TieredExpertScheduler::EndStep() {
   }
   FlushStageSpans();
   store_->EndStep();
-  // The next step starts with the first MoE layer: fetch its usual experts now.
-  const Layer& first = layers_[0];
-  std::vector<int> order(first.experts.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int a, int b) { return first.history[a] > first.history[b]; });
-  const int n = std::min<int>({Window(), static_cast<int>(options_.storage.history_prefetch()),
-                               static_cast<int>(order.size())});
-  order.resize(std::max(0, n));
-  PrefetchWeights(0, order);
   std::lock_guard<std::mutex> lock(mu_);
   error_ = absl::OkStatus();
 }

@@ -9,8 +9,12 @@
 //     the previous layer's routed experts are prefetched behind them, gradients go to zeroed
 //     device buffers and are written back to the host tier as each expert finishes;
 //   optimizer — every expert (DENSE) or every expert with a gradient (LAZY) takes its AdamW step
-//     on the host tier, each thread fetching the next experts' state from SSD while it updates
-//     the current one (ZeRO-Offload style).
+//     on the host tier (ZeRO-Offload style), on the scheduler's optimizer thread, fetching the
+//     next experts' state from SSD while it updates the current one. The step runs layer by layer
+//     behind the next step's forward (storage.overlap_optimizer): the forward of MoE layer l
+//     waits only until layer l's experts are updated, so the SSD reads and writes of the Adam
+//     moments of later layers overlap with forward compute. The values are exactly those of the
+//     update done in place: nothing reads an expert before its update is complete.
 // The SSD->host and host->device stages run beside all of this (vertical prefetch), so both
 // links and the compute stay busy (SE-MoE's 2D prefetch).
 //
@@ -18,13 +22,17 @@
 // experts of a model must have the same parameter shapes.
 #pragma once
 
+#include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "proto/config.pb.h"
+#include "runtime/common/thread_pool.h"
 #include "runtime/common/trace.h"
 #include "runtime/model/adamw.h"
 #include "runtime/model/expert_residency.h"
@@ -64,16 +72,22 @@ class TieredExpertScheduler : public model::ExpertResidency {
   Status status() const;
   // Sum of squares of this step's expert gradients, added in (layer, expert) order.
   double ExpertGradSumSquares() const;
-  // AdamW step `step` (1-based, as the dense optimizer's) of the experts on the host tier.
-  [[nodiscard]] Status StepExperts(ops::Context& ctx, const model::AdamWOptions& options, double lr,
-                                   double grad_scale, int64_t step);
-  // Ends the step: decays routing history and LFU hits, prefetches the next step's first layer.
+  // Starts AdamW step `step` (1-based, as the dense optimizer's) of the experts on the host tier,
+  // on the optimizer thread. With storage.overlap_optimizer it returns at once and the next
+  // forward's BeginPass of MoE layer l waits until layer l is updated; without, it returns when
+  // the step is done. Fails with the error of an earlier update or of this step's passes.
+  [[nodiscard]] Status StepExperts(const model::AdamWOptions& options, double lr, double grad_scale,
+                                   int64_t step);
+  // Waits until the expert update in flight (if any) is done; the error of a failed update (it
+  // stays: the experts are then partly updated and training cannot go on).
+  [[nodiscard]] Status FinishExpertStep();
+  // Ends the step: decays routing history and LFU hits.
   void EndStep();
 
   // Records expert compute, stall and optimizer spans (and the store's stage spans) from now on.
   void set_tracer(Tracer* tracer);
-  // Waits for the stages to finish what is queued (prefetches for a next step that will not
-  // come) and moves their spans to the tracer.
+  // Waits for the expert update in flight and for the stages to finish what is queued
+  // (prefetches for a next step that will not come), and moves their spans to the tracer.
   void Quiesce();
 
   storage::TieredExpertStore& store() { return *store_; }
@@ -107,6 +121,17 @@ class TieredExpertScheduler : public model::ExpertResidency {
     std::vector<double> grad_sq;                          // this step's gradient sums of squares
     std::vector<double> started;                          // trace: when each expert's work began
   };
+  struct Item {  // one expert's optimizer step
+    int li, e;
+    bool grad;  // it has a gradient (else: zero, DENSE)
+  };
+  struct Update {
+    model::AdamWOptions options;
+    double lr = 0, grad_scale = 1;
+    int64_t step = 0;
+    std::vector<Item> items;                // layer by layer, first layer first
+    std::vector<int> first_layer_prefetch;  // fetched to the device once layer 0 is updated
+  };
 
   TieredExpertScheduler() = default;
   int MoeIndex(int block) const;
@@ -117,8 +142,16 @@ class TieredExpertScheduler : public model::ExpertResidency {
   // Trace: moves the store's stage spans to the tracer.
   void FlushStageSpans();
   void PrefetchWeights(int li, std::span<const int> experts);
+  // The experts of layer `li` with the most routing history, as many as prefetch may fetch.
+  std::vector<int> ByHistory(int li, int limit) const;
   void SlideWindowLocked();
   int Window() const;
+  // The optimizer thread: runs queued updates.
+  void UpdaterLoop();
+  [[nodiscard]] Status RunUpdate(const Update& u);
+  // Waits until MoE layer `li` has no update in flight (the wait counts as stall).
+  void WaitUpdated(int li);
+  bool Updated(int li);
 
   TieredOptions options_;
   Tracer* tracer_ = nullptr;
@@ -136,6 +169,18 @@ class TieredExpertScheduler : public model::ExpertResidency {
   std::vector<int> pending_;      // not handed out yet
   std::vector<int> to_prefetch_;  // routed experts not yet prefetched
   std::unordered_map<float*, std::shared_ptr<Buffer>> blobs_;
+
+  // The expert update (optimizer thread). updated_layers_: the leading MoE layers the update in
+  // flight has finished (all of them when none is in flight).
+  mutable std::mutex umu_;
+  std::condition_variable ucv_;
+  std::optional<Update> queued_;
+  bool updating_ = false;
+  bool stop_updater_ = false;
+  int updated_layers_ = 0;
+  Status update_error_;
+  std::unique_ptr<ThreadPool> update_pool_;  // one thread: the update is elementwise
+  std::thread updater_;
 };
 
 }  // namespace strata::scheduler

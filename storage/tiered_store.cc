@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <tuple>
 
 #include "absl/strings/str_format.h"
 #include "runtime/common/clock.h"
@@ -30,6 +31,7 @@ std::string TensorKey::ToString() const {
 
 namespace {
 enum Stage { kSsdStage = 0, kCopyStage = 1 };
+thread_local int t_track = -1;  // the stage thread's trace track
 }  // namespace
 
 TieredExpertStore::TieredExpertStore(const StoreOptions& options) : options_(options) {}
@@ -69,8 +71,10 @@ StatusOr<std::unique_ptr<TieredExpertStore>> TieredExpertStore::Create(
         options.MinHostSlots() * slot));
   }
   s->ssd_->RegisterRegions(s->host_->Regions());
-  for (int stage = 0; stage < 2; ++stage) {
-    s->stages_[stage] = std::thread([ptr = s.get(), stage] { ptr->StageLoop(stage); });
+  for (int i = 0; i <= kSsdThreads; ++i) {
+    const int stage = i < kSsdThreads ? kSsdStage : kCopyStage;
+    const int track = i == 0 ? 0 : i < kSsdThreads ? 1 + i : 1;
+    s->stages_[i] = std::thread([ptr = s.get(), stage, track] { ptr->StageLoop(stage, track); });
   }
   return s;
 }
@@ -123,6 +127,7 @@ void TieredExpertStore::EnqueueLocked(int stage, Job job, bool demand) {
 
 void TieredExpertStore::Span(const char* name, int thread, double start, const TensorKey& key) {
   if (!record_spans_) return;
+  if (t_track >= 0) thread = t_track;
   std::lock_guard<std::mutex> lock(mu_);
   spans_.push_back(StageSpan{name, thread, start, NowSeconds(), key});
 }
@@ -208,11 +213,14 @@ void TieredExpertStore::ReleaseDevice(const TensorKey& key, bool modified) {
   cv_.notify_all();
 }
 
-StatusOr<float*> TieredExpertStore::AcquireHost(const TensorKey& key) {
+StatusOr<float*> TieredExpertStore::AcquireHost(const TensorKey& key, bool background) {
   std::unique_lock<std::mutex> lock(mu_);
   Entry& e = EntryLocked(key);
   e.hits += 1;
+  e.host_last_use = ++clock_;
+  e.host_unused = false;
   e.host_pins++;
+  double& waited = background ? stats_.background_wait_seconds : stats_.stall_seconds;
   bool counted = false;
   const double t0 = NowSeconds();
   while (true) {
@@ -230,7 +238,8 @@ StatusOr<float*> TieredExpertStore::AcquireHost(const TensorKey& key) {
       }
     } else if (e.host == HostState::kReady && e.host_readers == 0) {
       if (!counted) stats_.host.hits++;
-      stats_.stall_seconds += NowSeconds() - t0;
+      waited += NowSeconds() - t0;
+      e.host_unused = false;
       e.host_writers++;
       return host_->data(e.host_slot);
     } else if (e.host == HostState::kAbsent) {
@@ -357,7 +366,8 @@ void TieredExpertStore::PrefetchHost(std::span<const TensorKey> keys) {
 
 // --- Stage threads -----------------------------------------------------------------------------
 
-void TieredExpertStore::StageLoop(int stage) {
+void TieredExpertStore::StageLoop(int stage, int track) {
+  t_track = track;
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     work_cv_.wait(lock, [&] { return stop_ || !queue_[stage].empty(); });
@@ -369,7 +379,7 @@ void TieredExpertStore::StageLoop(int stage) {
     Status s;
     switch (job.type) {
       case Job::kLoadHost:
-        s = LoadHost(job.key);
+        s = LoadHost(job.key, !job.demand);
         break;
       case Job::kLoadDevice:
         s = LoadDevice(job.key);
@@ -394,12 +404,13 @@ StatusOr<int> TieredExpertStore::HostSlotLocked(std::unique_lock<std::mutex>& lo
     if (stop_) return absl::CancelledError("the store is shutting down");
     const int free_slot = host_->Allocate();
     if (free_slot >= 0) return free_slot;
-    // LFU: the unpinned resident entry with the fewest hits (ties: the lowest key).
+    // LFU: the unpinned resident entry with the fewest hits (ties: the least recently used).
     Entry* victim = nullptr;
     for (auto& [k, e] : entries_) {
       if (e.host != HostState::kReady || e.host_pins > 0) continue;
-      if (victim == nullptr || e.hits < victim->hits ||
-          (e.hits == victim->hits && e.key < victim->key)) {
+      if (victim == nullptr ||
+          std::make_tuple(e.host_unused, e.hits, e.host_last_use) <
+              std::make_tuple(victim->host_unused, victim->hits, victim->host_last_use)) {
         victim = &e;
       }
     }
@@ -467,16 +478,19 @@ void TieredExpertStore::DropDeviceLocked(Entry& e) {
   e.dev_dirty = false;
 }
 
-Status TieredExpertStore::LoadHost(const TensorKey& key) {
+Status TieredExpertStore::LoadHost(const TensorKey& key, bool hint) {
   std::unique_lock<std::mutex> lock(mu_);
   Entry& e = EntryLocked(key);
-  if (e.host != HostState::kLoading || e.host_slot >= 0) return absl::OkStatus();
+  // Another job for the same tensor (a hint promoted after it was taken) finds it in hand.
+  if (e.host != HostState::kLoading || e.host_slot >= 0 || e.host_claimed) return absl::OkStatus();
   if (e.dev_dirty) {  // the value lives on the device; AcquireHost will write it back
     e.host = HostState::kAbsent;
     return absl::OkStatus();
   }
+  e.host_claimed = true;
   auto slot = HostSlotLocked(lock);
   if (!slot.ok()) {
+    e.host_claimed = false;
     e.host = HostState::kAbsent;
     return slot.status();
   }
@@ -500,6 +514,7 @@ Status TieredExpertStore::LoadHost(const TensorKey& key) {
     s = absl::InternalError(absl::StrCat(key.ToString(), " has no readable copy"));
   }
   lock.lock();
+  e.host_claimed = false;
   if (!s.ok()) {
     host_->Free(e.host_slot);
     e.host_slot = -1;
@@ -514,6 +529,8 @@ Status TieredExpertStore::LoadHost(const TensorKey& key) {
   }
   e.host = HostState::kReady;
   e.host_dirty = false;  // a generated value can be generated again; an SSD copy is current
+  e.host_last_use = ++clock_;
+  e.host_unused = hint;
   cv_.notify_all();
   return absl::OkStatus();
 }
@@ -539,6 +556,7 @@ Status TieredExpertStore::LoadDevice(const TensorKey& key) {
   }
   e.host_pins++;
   e.host_readers++;
+  e.host_unused = false;  // the device copy is its use
   int slot;
   while ((slot = DeviceSlotLocked()) < 0) {
     // Full of pinned or dirty tensors: finish queued write-backs (they free slots), or wait.
@@ -607,6 +625,7 @@ Status TieredExpertStore::DoWriteBack(const TensorKey& key) {
   DropDeviceLocked(e);
   e.host = HostState::kReady;
   e.host_dirty = true;
+  e.host_last_use = ++clock_;
   e.write_back_queued = false;
   stats_.device.bytes_out += options_.tensor_bytes;
   stats_.host.bytes_in += options_.tensor_bytes;
@@ -735,6 +754,11 @@ void TieredExpertStore::EndStep() {
   if (options_.lfu_decay_interval > 0 && steps_ % options_.lfu_decay_interval == 0) {
     for (auto& [k, e] : entries_) e.hits *= options_.lfu_decay;
   }
+}
+
+void TieredExpertStore::AddStall(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.stall_seconds += seconds;
 }
 
 StoreStats TieredExpertStore::TakeStats() {

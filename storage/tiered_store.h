@@ -12,7 +12,10 @@
 // Residency is moved by two stage threads, so both links are busy at once (SE-MoE's vertical
 // prefetch):
 //   ssd stage   — SSD -> host: reads (or initialises) tensors into host slots, evicting the
-//                 coldest unpinned host entry by LFU-with-decay, writing it back first if dirty;
+//                 coldest unpinned host entry by LFU-with-decay, writing it back first if dirty.
+//                 Two threads serve it, so one's read or write is on the device while the
+//                 other takes the lock, picks a victim and checks a CRC: the SSD never waits
+//                 for the CPU between requests;
 //   copy stage  — host -> device: copies resident host tensors into device slots (evicting the
 //                 least recently used unpinned clean device copy), and device -> host write-backs
 //                 of dirty device tensors (gradients).
@@ -24,7 +27,11 @@
 // slots (see StoreOptions::MinDeviceSlots / MinHostSlots); Create checks them.
 //
 // LFU with decay (SE-MoE): every Acquire adds a hit; every `lfu_decay_interval` steps (EndStep)
-// all hits are multiplied by `lfu_decay`; eviction takes the entry with the fewest hits.
+// all hits are multiplied by `lfu_decay`; eviction takes the entry with the fewest hits, and of
+// entries with as few, the least recently used (so of a step's gradients, which all have one hit,
+// the first ones backward wrote go first and the last ones — which the optimizer takes first —
+// stay). A tensor a hint brought in and nobody has used yet goes only when nothing else can:
+// evicting it would waste the read and repeat it.
 //
 // Thread-safe. One mutex guards the entry table; transfers run outside it.
 #pragma once
@@ -113,13 +120,14 @@ struct TierStats {
 struct StoreStats {
   TierStats device, host, ssd;
   double ssd_read_seconds = 0, ssd_write_seconds = 0;
-  double stall_seconds = 0;  // compute threads waiting in Acquire*, summed
+  double stall_seconds = 0;            // compute threads waiting in Acquire*, summed
+  double background_wait_seconds = 0;  // the background optimizer waiting for the SSD stage
 };
 
 // One span of stage work, for the trace (copy or SSD I/O).
 struct StageSpan {
   const char* name;   // "ssd_read", "ssd_write", "h2d_copy", "d2h_copy"
-  int thread;         // 0 ssd stage, 1 copy stage
+  int thread;         // 0 and 2 ssd stage, 1 copy stage
   double start, end;  // NowSeconds()
   TensorKey key;
 };
@@ -141,8 +149,9 @@ class TieredExpertStore {
   void ReleaseDevice(const TensorKey& key, bool modified);
   // Pins `key` in the host tier (optimizer, ZeRO-Offload style) and returns its data, with
   // exclusive access: stage copies of the tensor wait until it is released, and it waits for
-  // copies in progress.
-  [[nodiscard]] StatusOr<float*> AcquireHost(const TensorKey& key);
+  // copies in progress. A `background` caller (the optimizer running behind the next forward)
+  // does not stall compute: its waits count as background_wait_seconds.
+  [[nodiscard]] StatusOr<float*> AcquireHost(const TensorKey& key, bool background = false);
   // Unpins; `modified` makes the host copy the current value and drops any device copy.
   void ReleaseHost(const TensorKey& key, bool modified);
   // Queues a dirty device tensor's move to the host tier (frees its device slot when done).
@@ -164,6 +173,8 @@ class TieredExpertStore {
 
   // --- Steps and statistics ------------------------------------------------------------------
   void EndStep();
+  // Compute waited `seconds` for work that feeds the store (counted in stall_seconds).
+  void AddStall(double seconds);
   StoreStats TakeStats();
   std::vector<StageSpan> TakeSpans();
   void set_record_spans(bool on) { record_spans_ = on; }
@@ -217,6 +228,9 @@ class TieredExpertStore {
     int host_writers = 0;  // AcquireHost holders (they may write)
     int host_readers = 0;  // stage copies / snapshots reading the host copy
     double hits = 0;
+    uint64_t host_last_use = 0;  // host LRU clock, to break ties between equally cold entries
+    bool host_unused = false;    // loaded by a hint and not used yet: evicted last
+    bool host_claimed = false;   // an ssd stage thread is loading it
     // device
     int dev_slot = -1;
     DevState dev = DevState::kAbsent;
@@ -239,9 +253,10 @@ class TieredExpertStore {
   explicit TieredExpertStore(const StoreOptions& options);
   Entry& EntryLocked(const TensorKey& key);
   void EnqueueLocked(int stage, Job job, bool demand);
-  void StageLoop(int stage);
+  // `track` names the thread in the trace: 0 and 2 the ssd stage, 1 the copy stage.
+  void StageLoop(int stage, int track);
   // Stage work; called without the lock held, take it as needed.
-  Status LoadHost(const TensorKey& key);
+  Status LoadHost(const TensorKey& key, bool hint);
   Status LoadDevice(const TensorKey& key);
   Status DoWriteBack(const TensorKey& key);
   // A free host slot, evicting the coldest unpinned entry if needed (may write it to SSD, which
@@ -265,16 +280,18 @@ class TieredExpertStore {
   std::unordered_map<TensorKey, Entry, TensorKeyHash> entries_;
   std::map<std::pair<TensorKey, uint64_t>, VersionRef> versions_;
   std::unordered_map<TensorKey, uint64_t, TensorKeyHash> next_version_;
-  std::deque<Job> queue_[2];
+  std::deque<Job> queue_[2];  // per stage
   int busy_[2] = {0, 0};
   bool stop_ = false;
-  uint64_t clock_ = 0;  // device LRU clock
+  uint64_t clock_ = 0;  // device and host LRU clock
   uint64_t steps_ = 0;
   StoreStats stats_;
   SsdStats last_ssd_;
   bool record_spans_ = false;
   std::vector<StageSpan> spans_;
-  std::thread stages_[2];
+  // Stage threads: kSsdThreads on the ssd stage, then the copy stage.
+  static constexpr int kSsdThreads = 2;
+  std::thread stages_[kSsdThreads + 1];
 };
 
 }  // namespace strata::storage

@@ -409,6 +409,8 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
                                model::MoeTransformer& model, model::AdamW& optimizer,
                                scheduler::TieredExpertScheduler* tiered, ops::Context& ctx) {
   RETURN_IF_ERROR(Wait());
+  // The experts' update of the last step runs behind the caller: snapshot what it wrote.
+  if (tiered) RETURN_IF_ERROR(tiered->FinishExpertStep());
   TraceScope span(ctx.tracer, "checkpoint snapshot", "checkpoint", static_cast<int>(step));
   tiered_ = tiered;
   auto p = std::make_shared<Pending>();

@@ -209,7 +209,8 @@ StatusOr<StepResult> Trainer::Step() {
     ao.beta2 = cfg.train().beta2();
     ao.eps = cfg.train().adam_eps();
     ao.weight_decay = cfg.train().weight_decay();
-    RETURN_IF_ERROR(scheduler_->StepExperts(ctx_, ao, r.lr, scale, optimizer_->steps()));
+    // Behind the next step's forward, layer by layer (storage.overlap_optimizer).
+    RETURN_IF_ERROR(scheduler_->StepExperts(ao, r.lr, scale, optimizer_->steps()));
     scheduler_->EndStep();
     r.tiered = true;
     r.store = scheduler_->store().TakeStats();
@@ -335,6 +336,7 @@ Status Trainer::RunLoop() {
       }
     }
   }
+  if (scheduler_) RETURN_IF_ERROR(scheduler_->FinishExpertStep());
   if (checkpoints_) RETURN_IF_ERROR(checkpoints_->Wait());
   return absl::OkStatus();
 }
@@ -363,6 +365,7 @@ void Trainer::WriteStepMetrics(JsonWriter& j, const StepResult& r) const {
   j.EndObject();
   j.EndObject();
   j.Field("stall_ms", 1e3 * s.stall_seconds);
+  j.Field("optimizer_wait_ms", 1e3 * s.background_wait_seconds);
 }
 
 void Trainer::PrintProgress(const StepResult& r, const EvalResult* eval, bool final_line) {

@@ -130,6 +130,18 @@ TEST_F(TieredTrainingTest, TinyBudgetsGiveBitwiseIdenticalLosses) {
                              tiny.dense[i].size() * sizeof(float)));
   }
   EXPECT_LT(tiny.losses.back(), tiny.losses.front());
+
+  // The experts' optimizer step overlapped with the next forward (the default) and done before
+  // it give the same bits: no forward reads an expert before its update is complete.
+  config::JobConfig serial = TieredJob(data, device, host);
+  serial.mutable_storage()->set_overlap_optimizer(false);
+  const RunResult in_order = Train(serial);
+  ASSERT_EQ(in_order.losses.size(), 12u);
+  for (size_t i = 0; i < 12; ++i) {
+    EXPECT_EQ(0, std::memcmp(&in_order.losses[i], &tiny.losses[i], sizeof(double)))
+        << "step " << i + 1 << ": " << in_order.losses[i] << " vs " << tiny.losses[i];
+  }
+  EXPECT_EQ(in_order.evals, tiny.evals);
 }
 
 TEST_F(TieredTrainingTest, MatchesInMemoryTrainingClosely) {

@@ -2,7 +2,11 @@
 // with what the step did.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 
 #include "proto/config_io.h"
 #include "runtime/train/trainer.h"
@@ -15,6 +19,42 @@ using strata::testing::ReadFile;
 using strata::testing::RunCommand;
 using strata::testing::TempDir;
 using strata::testing::WriteFile;
+
+struct Span {
+  std::string name;
+  double start, end;
+};
+
+// The complete spans of a trace written by Tracer::Write (one event per line), by start time.
+std::vector<Span> Spans(const std::string& json) {
+  std::vector<Span> out;
+  auto field = [](const std::string& line, const std::string& key) {
+    const size_t p = line.find("\"" + key + "\":");
+    if (p == std::string::npos) return std::string();
+    size_t b = p + key.size() + 3;
+    if (line[b] == '"') {
+      ++b;
+      return line.substr(b, line.find('"', b) - b);
+    }
+    return line.substr(b, line.find_first_of(",}", b) - b);
+  };
+  size_t pos = 0;
+  while (pos < json.size()) {
+    size_t eol = json.find('\n', pos);
+    if (eol == std::string::npos) eol = json.size();
+    const std::string line = json.substr(pos, eol - pos);
+    pos = eol + 1;
+    if (field(line, "ph") != "X") continue;
+    const double ts = std::stod(field(line, "ts")), dur = std::stod(field(line, "dur"));
+    out.push_back(Span{field(line, "name"), ts, ts + dur});
+  }
+  std::sort(out.begin(), out.end(), [](const Span& a, const Span& b) { return a.start < b.start; });
+  return out;
+}
+
+bool StartsWith(const std::string& s, const std::string& prefix) {
+  return s.compare(0, prefix.size(), prefix) == 0;
+}
 
 size_t Count(const std::string& text, const std::string& needle) {
   size_t n = 0;
@@ -103,6 +143,36 @@ TEST(TraceTest, SpansMatchTheStepsAndTheFileIsValidJson) {
   EXPECT_NE(json.find("\"name\":\"ssd stage\""), std::string::npos);
   EXPECT_NE(json.find("\"name\":\"copy stage\""), std::string::npos);
   EXPECT_NE(json.find("\"name\":\"compute 1\""), std::string::npos);
+
+  // The experts' update of step t runs behind the forward of step t+1 (overlap_optimizer), but
+  // never ahead of it: every expert of block b is updated before any expert of block b computes
+  // in the next forward.
+  const std::vector<Span> spans = Spans(json);
+  for (int b = 0; b < 2; ++b) {
+    const std::string block = absl::StrCat("forward block ", b);
+    const std::string adamw = absl::StrCat("adamw L", b, " ");
+    const std::string fwd = absl::StrCat("expert fwd L", b, " ");
+    std::vector<const Span*> forwards, updates;
+    for (const Span& s : spans) {
+      if (s.name == block) forwards.push_back(&s);
+      if (StartsWith(s.name, adamw)) updates.push_back(&s);
+    }
+    ASSERT_EQ(forwards.size(), 4u);      // 3 steps and the final evaluation
+    ASSERT_EQ(updates.size(), 3u * 8u);  // 8 experts per step
+    for (int t = 0; t < 3; ++t) {
+      double updated = 0;
+      for (int k = 0; k < 8; ++k) updated = std::max(updated, updates[8 * t + k]->end);
+      const Span& next = *forwards[t + 1];
+      int computed = 0;
+      for (const Span& s : spans) {
+        if (!StartsWith(s.name, fwd) || s.start < next.start || s.start > next.end) continue;
+        ++computed;
+        EXPECT_GE(s.start, updated) << s.name << " of forward " << t + 2
+                                    << " started before the update of step " << t + 1 << " ended";
+      }
+      EXPECT_GT(computed, 0) << "forward " << t + 2 << " of block " << b;
+    }
+  }
 }
 
 TEST(TraceTest, UnwritablePathIsAClearError) {

@@ -155,6 +155,32 @@ TEST_F(TieredStoreTest, LfuKeepsTheHotEntryAndDecayLetsItGo) {
   EXPECT_EQ(store->TakeStats().host.misses, 1u) << "decayed hits should have let it be evicted";
 }
 
+TEST_F(TieredStoreTest, EquallyColdEntriesLeaveLeastRecentlyUsedFirst) {
+  auto store = Make(3, 7);
+  // Seven tensors with one hit each, used in descending key order: expert 7 is the oldest.
+  for (int e = 7; e >= 1; --e) {
+    TensorKey k{1, e, TensorKind::kGrad};
+    ASSERT_TRUE(store->AcquireHost(k).ok());
+    store->ReleaseHost(k, true);
+  }
+  // An eighth needs a slot: the victim is the least recently used of the equally cold, expert 7
+  // (not the lowest key, expert 1), and it is written to the SSD tier first (it is dirty).
+  const TensorKey fresh{1, 8, TensorKind::kGrad};
+  ASSERT_TRUE(store->AcquireHost(fresh).ok());
+  store->ReleaseHost(fresh, false);
+  store->TakeStats();
+  ASSERT_TRUE(store->AcquireHost(TensorKey{1, 1, TensorKind::kGrad}).ok());
+  store->ReleaseHost(TensorKey{1, 1, TensorKind::kGrad}, false);
+  StoreStats s = store->TakeStats();
+  EXPECT_EQ(s.host.hits, 1u) << "the most recently used of the cold entries was evicted";
+  auto old = store->AcquireHost(TensorKey{1, 7, TensorKind::kGrad});
+  ASSERT_TRUE(old.ok()) << old.status();
+  store->ReleaseHost(TensorKey{1, 7, TensorKind::kGrad}, false);
+  s = store->TakeStats();
+  EXPECT_EQ(s.host.misses, 1u) << "the least recently used entry should have been evicted";
+  EXPECT_GT(s.ssd.bytes_out, 0u) << "it came back from the SSD tier";
+}
+
 TEST_F(TieredStoreTest, ConcurrentUseMatchesAShadowCopy) {
   constexpr int kThreads = 3;
   auto store = Make(2 * kThreads + 1, 4 * kThreads + 3, kThreads);
