@@ -316,9 +316,10 @@ void TieredExpertScheduler::Done(int layer, Pass pass, int e) {
   Unbind(li, e);
   store_->ReleaseDevice(Key(li, e, TensorKind::kWeights), false);
   if (pass == Pass::kBackward) {
-    const TensorKey gk = Key(li, e, TensorKind::kGrad);
-    store_->ReleaseDevice(gk, /*modified=*/true);
-    store_->WriteBack(gk);
+    // The gradient stays on the device until its slot is needed (then it moves to the host) or
+    // the optimizer takes it: the last layers' gradients, which the optimizer takes first, need
+    // neither a host slot through the end of backward nor a trip through the SSD tier.
+    store_->ReleaseDevice(Key(li, e, TensorKind::kGrad), /*modified=*/true);
   }
   std::lock_guard<std::mutex> lock(mu_);
   SlideWindowLocked();

@@ -7,7 +7,8 @@
 //     fetched while this layer computes (horizontal prefetch from history);
 //   backward of an MoE layer — the routed experts' weights come back (exact: routing is known),
 //     the previous layer's routed experts are prefetched behind them, gradients go to zeroed
-//     device buffers and are written back to the host tier as each expert finishes;
+//     device buffers and stay there until their slot is needed (then they move to the host
+//     tier, oldest first) or the optimizer takes them;
 //   optimizer — every expert (DENSE) or every expert with a gradient (LAZY) takes its AdamW step
 //     on the host tier (ZeRO-Offload style), on the scheduler's optimizer thread, fetching the
 //     next experts' state from SSD while it updates the current one. The step runs layer by layer

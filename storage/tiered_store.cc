@@ -150,6 +150,7 @@ StatusOr<float*> TieredExpertStore::AcquireDevice(const TensorKey& key, bool zer
           e.dev = DevState::kReady;
           break;
         }
+        QueueDirtyWriteBackLocked();  // make room: move the oldest finished gradient down
       }
       const double t0 = NowSeconds();
       cv_.wait(lock);
@@ -471,6 +472,20 @@ int TieredExpertStore::DeviceSlotLocked() {
   return slot;
 }
 
+bool TieredExpertStore::QueueDirtyWriteBackLocked() {
+  Entry* oldest = nullptr;
+  for (auto& [k, e] : entries_) {
+    if (e.dev != DevState::kReady || !e.dev_dirty || e.dev_pins > 0 || e.write_back_queued) {
+      continue;
+    }
+    if (oldest == nullptr || e.dev_last_use < oldest->dev_last_use) oldest = &e;
+  }
+  if (oldest == nullptr) return false;
+  oldest->write_back_queued = true;
+  EnqueueLocked(kCopyStage, Job{oldest->key, Job::kWriteBack}, true);
+  return true;
+}
+
 void TieredExpertStore::DropDeviceLocked(Entry& e) {
   device_->Free(e.dev_slot);
   e.dev_slot = -1;
@@ -572,6 +587,7 @@ Status TieredExpertStore::LoadDevice(const TensorKey& key) {
       if (!s.ok()) EntryLocked(wkey).error = s;
       continue;
     }
+    if (QueueDirtyWriteBackLocked()) continue;
     cv_.wait(lock);
     if (stop_) return absl::CancelledError("shutting down");
   }

@@ -155,6 +155,8 @@ class TieredExpertStore {
   // Unpins; `modified` makes the host copy the current value and drops any device copy.
   void ReleaseHost(const TensorKey& key, bool modified);
   // Queues a dirty device tensor's move to the host tier (frees its device slot when done).
+  // Without it, a dirty device tensor moves down when its slot is needed or when AcquireHost
+  // asks for it.
   void WriteBack(const TensorKey& key);
   // Forgets a tensor's value (it reads as zero again): gradients after the optimizer.
   void Discard(const TensorKey& key);
@@ -265,6 +267,9 @@ class TieredExpertStore {
   StatusOr<int> HostSlotLocked(std::unique_lock<std::mutex>& lock);
   uint64_t NextVersionLocked(const TensorKey& key);
   int DeviceSlotLocked();
+  // Queues the write-back of the least recently used unpinned dirty device tensor (a finished
+  // gradient left on the device until its room is needed); false when there is none.
+  bool QueueDirtyWriteBackLocked();
   void DropDeviceLocked(Entry& e);
   void UnrefLocked(const TensorKey& key, uint64_t version);
   void RefLocked(const TensorKey& key, uint64_t version, const StoredExtent& stored);
