@@ -106,7 +106,8 @@ struct StoreOptions {
 
   // Device slots compute can need at once: weights + gradient per thread, plus one to load into.
   int MinDeviceSlots() const { return 2 * compute_threads + 1; }
-  // Host slots: the optimizer holds weights, gradient, m and v per thread; plus the stages' own.
+  // Host slots: the optimizer thread holds weights, gradient, m and v, the stages one each; 4 per
+  // compute thread plus 3 keeps a margin over that.
   int MinHostSlots() const { return 4 * compute_threads + 3; }
 };
 
