@@ -31,6 +31,7 @@
 #include "runtime/common/clock.h"
 #include "runtime/common/json.h"
 #include "storage/block_io.h"
+#include "storage/io_memory.h"
 #include "storage/ssd_tier.h"
 
 namespace strata::bench {
@@ -140,7 +141,12 @@ int Main(int argc, char** argv) {
   }
   // One registered buffer for all extents, filled with random bytes (no zero pages).
   const uint64_t arena_bytes = std::max(total, max_extent) + max_extent;
-  char* arena = static_cast<char*>(std::aligned_alloc(storage::kSsdGranule, arena_bytes));
+  auto arena_buf = storage::IoBuffer::Allocate(arena_bytes);
+  if (!arena_buf.ok()) {
+    std::fprintf(stderr, "bench_ssd_tier: %s\n", std::string(arena_buf.status().message()).c_str());
+    return 1;
+  }
+  char* arena = arena_buf->data();
   std::mt19937_64 gen(1);
   for (uint64_t i = 0; i < arena_bytes / 8; ++i) {
     const uint64_t v = gen();
@@ -208,7 +214,6 @@ int Main(int argc, char** argv) {
       std::filesystem::remove(o.dir + "/bench_ssd_tier.fio");
     }
   }
-  std::free(arena);
   tier->reset();
   std::filesystem::remove_all(dir);
 

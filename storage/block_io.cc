@@ -92,7 +92,8 @@ class UringIo : public BlockIo {
 
   bool registered() const override { return registered_; }
 
-  Status Run(std::span<const IoRequest> requests) override {
+  using BlockIo::Run;
+  Status Run(std::span<const IoRequest> requests, const RequestDone& done) override {
     Ring* ring = nullptr;
     std::vector<iovec> regions;
     {
@@ -115,6 +116,9 @@ class UringIo : public BlockIo {
       uint64_t length;
     };
     std::deque<Piece> pending;
+    // Bytes of each request still to move; a failed request's count is set to UINT64_MAX.
+    std::vector<uint64_t> remaining(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) remaining[i] = requests[i].length;
     for (const IoRequest& r : requests) {
       for (uint64_t done = 0; done < r.length; done += options_.block_bytes) {
         const uint64_t n = std::min<uint64_t>(options_.block_bytes, r.length - done);
@@ -127,6 +131,17 @@ class UringIo : public BlockIo {
     Status first_error;
     uint32_t in_flight = 0;
     io_uring* ring_ptr = ring->get();
+    // Requests whose last byte arrived, for `done`: handled after the queue was refilled, so the
+    // device stays busy meanwhile.
+    std::vector<size_t> finished;
+    auto run_done = [&]() -> Status {
+      Status status;
+      for (size_t i : finished) {
+        if (Status s = done(i); !s.ok() && status.ok()) status = s;
+      }
+      finished.clear();
+      return status;
+    };
     while (!pending.empty() || in_flight > 0) {
       uint32_t queued = 0;
       while (!pending.empty() && !free_slots.empty()) {
@@ -161,6 +176,10 @@ class UringIo : public BlockIo {
         if (r < 0) return IoErrnoStatus(-r, "io_uring submit", "(ring)", 0);
         in_flight += queued;
       }
+      if (!finished.empty()) {
+        if (Status s = run_done(); first_error.ok()) first_error = s;
+      }
+      if (in_flight == 0) continue;
       io_uring_cqe* cqe = nullptr;
       int r = io_uring_wait_cqe(ring_ptr, &cqe);
       if (r == -EINTR) continue;
@@ -176,26 +195,36 @@ class UringIo : public BlockIo {
         free_slots.push_back(s);
         const int res = cqe->res;
         const std::string& path = p.req->path ? *p.req->path : kUnknownPath;
+        const size_t index = static_cast<size_t>(p.req - requests.data());
         if (res == -EAGAIN || res == -EINTR) {
           pending.push_front(p);  // try the same piece again
         } else if (res < 0) {
+          remaining[index] = UINT64_MAX;
           if (first_error.ok()) {
             first_error = IoErrnoStatus(-res, p.req->write ? "write" : "read", path, p.offset);
           }
         } else if (res == 0 && p.length > 0) {
+          remaining[index] = UINT64_MAX;
           if (first_error.ok()) {
             first_error = absl::DataLossError(absl::StrFormat(
                 "%s '%s' at offset %d returned no bytes: the file is shorter than the index says",
                 p.req->write ? "write" : "read", path, p.offset));
           }
-        } else if (static_cast<uint64_t>(res) < p.length) {
-          // Short transfer: queue the rest from where it stopped.
-          pending.push_front(Piece{p.req, p.offset + static_cast<uint64_t>(res), p.buf + res,
-                                   p.length - static_cast<uint64_t>(res)});
+        } else {
+          if (static_cast<uint64_t>(res) < p.length) {
+            // Short transfer: queue the rest from where it stopped.
+            pending.push_front(Piece{p.req, p.offset + static_cast<uint64_t>(res), p.buf + res,
+                                     p.length - static_cast<uint64_t>(res)});
+          }
+          if (remaining[index] != UINT64_MAX) {
+            remaining[index] -= static_cast<uint64_t>(res);
+            if (remaining[index] == 0 && done) finished.push_back(index);
+          }
         }
       }
       io_uring_cq_advance(ring_ptr, seen);
     }
+    if (Status s = run_done(); first_error.ok()) first_error = s;
     return first_error;
   }
 
@@ -252,7 +281,7 @@ StatusOr<std::unique_ptr<BlockIo>> MakeUringIo(const UringOptions& options) {
   return std::unique_ptr<BlockIo>(new UringIo(options));
 }
 
-Status FaultInjectingIo::Run(std::span<const IoRequest> requests) {
+Status FaultInjectingIo::Run(std::span<const IoRequest> requests, const RequestDone& done) {
   int64_t bytes = 0;
   const IoRequest* first_write = nullptr;
   for (const IoRequest& r : requests) {
@@ -267,7 +296,7 @@ Status FaultInjectingIo::Run(std::span<const IoRequest> requests) {
                          first_write->offset);
   }
   written_ += bytes;
-  return base_->Run(requests);
+  return base_->Run(requests, done);
 }
 
 Status FaultInjectingIo::Allocate(int fd, uint64_t offset, uint64_t length,

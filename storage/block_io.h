@@ -23,6 +23,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -48,9 +49,15 @@ class BlockIo {
   // Memory that will be used for I/O; implementations may register it with the kernel. Call before
   // the first Run; may be called again to add regions.
   virtual void RegisterRegions(const std::vector<iovec>& regions) = 0;
+  // Called on the thread inside Run as soon as every byte of requests[index] has been transferred,
+  // while later requests may still be in flight (so checking one extent overlaps reading the
+  // next). Not called for a request that failed. An error it returns becomes Run's result.
+  using RequestDone = std::function<Status(size_t index)>;
   // Performs all requests, waiting for all of them; the first error is returned (the others still
   // complete).
-  [[nodiscard]] virtual Status Run(std::span<const IoRequest> requests) = 0;
+  [[nodiscard]] virtual Status Run(std::span<const IoRequest> requests,
+                                   const RequestDone& done) = 0;
+  [[nodiscard]] Status Run(std::span<const IoRequest> requests) { return Run(requests, nullptr); }
   // Reserves [offset, offset + length) of a file on disk (posix_fallocate).
   [[nodiscard]] virtual Status Allocate(int fd, uint64_t offset, uint64_t length,
                                         const std::string& path) = 0;
@@ -80,7 +87,8 @@ class FaultInjectingIo : public BlockIo {
   void RegisterRegions(const std::vector<iovec>& regions) override {
     base_->RegisterRegions(regions);
   }
-  Status Run(std::span<const IoRequest> requests) override;
+  using BlockIo::Run;
+  Status Run(std::span<const IoRequest> requests, const RequestDone& done) override;
   Status Allocate(int fd, uint64_t offset, uint64_t length, const std::string& path) override;
   Status Sync(int fd, const std::string& path) override { return base_->Sync(fd, path); }
   bool registered() const override { return base_->registered(); }

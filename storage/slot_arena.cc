@@ -2,8 +2,6 @@
 
 #include <sys/uio.h>
 
-#include <cstdlib>
-
 #include "absl/strings/str_format.h"
 
 namespace strata::storage {
@@ -25,24 +23,23 @@ StatusOr<std::unique_ptr<SlotArena>> SlotArena::Create(std::string name, uint64_
   }
   a->block_bytes_ = slots * a->slot_bytes_;
   if (budget != nullptr) RETURN_IF_ERROR(budget->Reserve(a->block_bytes_));
-  a->block_ = static_cast<char*>(std::aligned_alloc(4096, a->block_bytes_));
-  if (a->block_ == nullptr) {
+  auto block = IoBuffer::Allocate(a->block_bytes_);
+  if (!block.ok()) {
     if (budget != nullptr) budget->Release(a->block_bytes_);
     return absl::ResourceExhaustedError(
-        absl::StrFormat("cannot allocate %d bytes for the %s tier", a->block_bytes_, a->name_));
+        absl::StrFormat("the %s tier: %s", a->name_, block.status().message()));
   }
-  for (uint64_t i = 0; i < slots; ++i) a->ptrs_.push_back(a->block_ + i * a->slot_bytes_);
+  a->block_ = *std::move(block);
+  for (uint64_t i = 0; i < slots; ++i) a->ptrs_.push_back(a->block_.data() + i * a->slot_bytes_);
   for (int i = static_cast<int>(slots) - 1; i >= 0; --i) a->free_.push_back(i);
   return a;
 }
 
 SlotArena::~SlotArena() {
   if (limited_) {
-    std::free(block_);
     if (budget_ != nullptr) budget_->Release(block_bytes_);
     return;
   }
-  for (char* p : ptrs_) std::free(p);
   if (budget_ != nullptr) budget_->Release(ptrs_.size() * slot_bytes_);
 }
 
@@ -55,12 +52,13 @@ int SlotArena::Allocate() {
   }
   if (limited_) return -1;
   if (budget_ != nullptr && !budget_->Reserve(slot_bytes_).ok()) return -1;
-  char* p = static_cast<char*>(std::aligned_alloc(4096, slot_bytes_));
-  if (p == nullptr) {
+  auto buf = IoBuffer::Allocate(slot_bytes_);
+  if (!buf.ok()) {
     if (budget_ != nullptr) budget_->Release(slot_bytes_);
     return -1;
   }
-  ptrs_.push_back(p);
+  ptrs_.push_back(buf->data());
+  grown_.push_back(*std::move(buf));
   ++in_use_;
   return static_cast<int>(ptrs_.size()) - 1;
 }
@@ -72,7 +70,7 @@ void SlotArena::Free(int slot) {
 
 std::vector<iovec> SlotArena::Regions() const {
   if (!limited_) return {};
-  return {iovec{block_, block_bytes_}};
+  return {iovec{block_.data(), block_bytes_}};
 }
 
 }  // namespace strata::storage

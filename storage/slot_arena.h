@@ -2,7 +2,8 @@
 //
 // Every tensor the tiered store holds for one model has the same size (an expert's parameters,
 // gradient or Adam moment), so a tier is a set of equal slots: no fragmentation, O(1) allocation.
-// With a byte budget the arena is one block allocated up front — charged to the tier's
+// With a byte budget the arena is one block allocated up front (huge-page I/O memory, see
+// io_memory.h) — charged to the tier's
 // MemoryBudget and registered with io_uring for fixed-buffer transfers. Without one it grows a
 // slot at a time.
 //
@@ -18,6 +19,7 @@
 
 #include "runtime/common/status.h"
 #include "runtime/device/device.h"
+#include "storage/io_memory.h"
 
 namespace strata::storage {
 
@@ -50,8 +52,9 @@ class SlotArena {
   std::string name_;
   uint64_t slot_bytes_ = 0;
   bool limited_ = false;
-  char* block_ = nullptr;
+  IoBuffer block_;  // limited: every slot
   uint64_t block_bytes_ = 0;
+  std::vector<IoBuffer> grown_;  // unlimited: one buffer per slot
   MemoryBudget* budget_ = nullptr;
   std::vector<char*> ptrs_;
   std::vector<int> free_;

@@ -13,6 +13,7 @@
 #include "runtime/common/clock.h"
 #include "runtime/common/logging.h"
 #include "storage/crc32c.h"
+#include "storage/io_memory.h"
 
 namespace strata::storage {
 namespace {
@@ -157,38 +158,37 @@ Status SsdTier::ReadMany(std::span<const ReadItem> items) {
       bytes += x.length;
     }
   }
+  // Each extent's CRC is checked as soon as its last byte arrives, while the rest are in flight.
+  bool corrupt = false;  // the error is a CRC mismatch, already named
+  auto check = [&](size_t i) -> Status {
+    const ReadItem& it = items[i];
+    const StoredExtent& e = *it.stored;
+    const uint32_t crc = Crc32c(it.buf, e.bytes);
+    if (crc == e.crc) return absl::OkStatus();
+    corrupt = true;
+    return absl::DataLossError(absl::StrFormat(
+        "%s is corrupt: CRC-32C of %d bytes at offset %d of '%s' is %08x, the index recorded "
+        "%08x; the SSD tier copy cannot be used (resume falls back to an earlier checkpoint; "
+        "`strata ckpt verify` checks them all)",
+        *it.what, e.bytes, e.extent.offset, FilePath(e.extent.file), crc, e.crc));
+  };
   Stopwatch w;
-  Status s = io_->Run(reqs);
+  Status s = io_->Run(reqs, check);
   if (!s.ok()) {
+    if (corrupt) return s;
     const std::string& what = items.size() == 1 ? *items[0].what : std::string("SSD-tier read");
     return absl::Status(s.code(), absl::StrCat(what, ": ", s.message()));
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.bytes_read += bytes;
-    stats_.reads += items.size();
-    stats_.read_seconds += w.Seconds();
-  }
-  for (const ReadItem& it : items) {
-    const StoredExtent& e = *it.stored;
-    const uint32_t crc = Crc32c(it.buf, e.bytes);
-    if (crc != e.crc) {
-      return absl::DataLossError(absl::StrFormat(
-          "%s is corrupt: CRC-32C of %d bytes at offset %d of '%s' is %08x, the index recorded "
-          "%08x; the SSD tier copy cannot be used (resume falls back to an earlier checkpoint; "
-          "`strata ckpt verify` checks them all)",
-          *it.what, e.bytes, e.extent.offset, FilePath(e.extent.file), crc, e.crc));
-    }
-  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.bytes_read += bytes;
+  stats_.reads += items.size();
+  stats_.read_seconds += w.Seconds();
   return absl::OkStatus();
 }
 
 Status SsdTier::Verify(const StoredExtent& e, const std::string& what) {
-  void* buf = std::aligned_alloc(kSsdGranule, e.extent.length);
-  if (buf == nullptr) return absl::ResourceExhaustedError("out of memory verifying an extent");
-  Status s = Read(e, buf, what);
-  std::free(buf);
-  return s;
+  ASSIGN_OR_RETURN(IoBuffer buf, IoBuffer::Allocate(e.extent.length));
+  return Read(e, buf.data(), what);
 }
 
 Status SsdTier::Sync() {

@@ -1,10 +1,13 @@
 // The SSD tier's parts with the real kernel interfaces: CRC-32C, the extent allocator, io_uring
 // transfers into O_DIRECT files (registered and unregistered buffers), corruption and truncation
-// detection, injected disk-full errors, and the RocksDB index.
+// detection, injected disk-full errors, the RocksDB index, the per-request completion callback
+// that lets reads check CRCs while later extents are in flight, and huge-page I/O memory.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -13,6 +16,7 @@
 
 #include "storage/crc32c.h"
 #include "storage/extent_allocator.h"
+#include "storage/io_memory.h"
 #include "storage/ssd_tier.h"
 #include "storage/tensor_index.h"
 #include "tests/test_util.h"
@@ -179,6 +183,116 @@ TEST(SsdTierTest, ReadManyMatchesWhatWasWrittenAndNamesACorruptOne) {
   Status s = tier->ReadMany(reads);
   ASSERT_TRUE(absl::IsDataLoss(s)) << s;
   EXPECT_NE(s.message().find("tensor 5 is corrupt"), std::string::npos) << s;
+}
+
+// The completion callback of BlockIo::Run, on a real file through io_uring: it fires exactly once
+// per request, only when all of that request's bytes are in its buffer (checked against what was
+// written, inside the callback), never for a request that failed, and its error becomes Run's.
+TEST(BlockIoTest, DoneFiresOncePerRequestWithItsBytesInPlace) {
+  TempDir dir;
+  UringOptions uo;
+  uo.queue_depth = 3;
+  uo.block_bytes = 8192;  // requests of up to 5 pieces, more requests than the queue depth
+  auto io = MakeUringIo(uo);
+  ASSERT_TRUE(io.ok()) << io.status();
+  const std::string path = dir.path() + "/blocks.bin";
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0);
+  const std::vector<uint64_t> lengths = {4096, 40960, 8192, 12288, 36864, 4096, 20480, 8192};
+  uint64_t total = 0;
+  for (uint64_t n : lengths) total += n;
+  Aligned src(total), dst(total);
+  std::mt19937 gen(3);
+  for (uint64_t i = 0; i < total; ++i) src.p[i] = static_cast<char>(gen());
+  std::vector<IoRequest> writes, reads;
+  uint64_t off = 0;
+  for (uint64_t n : lengths) {
+    writes.push_back(IoRequest{fd, off, src.p + off, n, true, &path});
+    reads.push_back(IoRequest{fd, off, dst.p + off, n, false, &path});
+    off += n;
+  }
+  ASSERT_TRUE((*io)->Run(writes).ok());
+  std::vector<int> calls(lengths.size(), 0);
+  std::memset(dst.p, 0, total);
+  Status s = (*io)->Run(reads, [&](size_t i) -> Status {
+    ++calls[i];
+    const IoRequest& r = reads[i];
+    EXPECT_EQ(0, std::memcmp(dst.p + r.offset, src.p + r.offset, r.length)) << "request " << i;
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (size_t i = 0; i < calls.size(); ++i) EXPECT_EQ(calls[i], 1) << "request " << i;
+  EXPECT_EQ(0, std::memcmp(dst.p, src.p, total));
+
+  // The callback's error is Run's; the other requests still complete.
+  std::memset(dst.p, 0, total);
+  std::fill(calls.begin(), calls.end(), 0);
+  s = (*io)->Run(reads, [&](size_t i) -> Status {
+    ++calls[i];
+    return i == 4 ? absl::DataLossError("request 4 rejected") : absl::OkStatus();
+  });
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_NE(s.message().find("request 4 rejected"), std::string::npos) << s;
+  for (size_t i = 0; i < calls.size(); ++i) EXPECT_EQ(calls[i], 1) << "request " << i;
+  EXPECT_EQ(0, std::memcmp(dst.p, src.p, total));
+
+  // A request past the end of the file fails and gets no callback; the one before it does.
+  std::vector<IoRequest> past = {reads[0], IoRequest{fd, total + 65536, dst.p, 4096, false, &path}};
+  std::fill(calls.begin(), calls.end(), 0);
+  s = (*io)->Run(past, [&](size_t i) -> Status {
+    ++calls[i];
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_EQ(calls[0], 1);
+  EXPECT_EQ(calls[1], 0);
+  ::close(fd);
+}
+
+// The VmFlags line of the mapping that holds `p` in /proc/self/smaps.
+std::string VmFlagsOf(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool inside = false;
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  while (std::getline(smaps, line)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2) {
+      inside = addr >= lo && addr < hi;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line;
+    }
+  }
+  return "";
+}
+
+TEST(IoBufferTest, SizesAlignmentZeroFillAndHugePageAdvice) {
+  for (uint64_t bytes :
+       {1ull, 4096ull, 70000ull, (2ull << 20) - 1, 2ull << 20, (2ull << 20) + 1, 33574912ull}) {
+    auto b = IoBuffer::Allocate(bytes);
+    ASSERT_TRUE(b.ok()) << b.status();
+    const bool huge = bytes >= (2ull << 20);
+    const uint64_t unit = huge ? (2ull << 20) : 4096;
+    EXPECT_EQ(b->size(), (bytes + unit - 1) / unit * unit) << bytes;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data()) % unit, 0u) << bytes;
+    EXPECT_EQ(b->huge_pages(), huge) << bytes;
+    // Zero-filled and writable to its last byte.
+    EXPECT_EQ(b->data()[0], 0);
+    EXPECT_EQ(b->data()[b->size() - 1], 0);
+    std::memset(b->data(), 0x7f, b->size());
+    if (huge) {
+      // MADV_HUGEPAGE shows as "hg" among the mapping's flags (whether the kernel then backs it
+      // with huge pages depends on its THP setting and free memory).
+      EXPECT_NE(VmFlagsOf(b->data()).find(" hg"), std::string::npos) << VmFlagsOf(b->data());
+    }
+  }
+  // Moving hands the memory over; the moved-from buffer is empty.
+  auto a = IoBuffer::Allocate(4096);
+  ASSERT_TRUE(a.ok());
+  char* p = a->data();
+  IoBuffer moved = *std::move(a);
+  EXPECT_EQ(moved.data(), p);
+  EXPECT_EQ(moved.size(), 4096u);
 }
 
 TEST(SsdTierTest, FlippedByteIsDetectedAndNamed) {
