@@ -246,6 +246,8 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
             "set model.moe_every or use IN_MEMORY");
   v.Require(s.io_queue_depth() >= 1 && s.io_queue_depth() <= 4096, {"storage", "io_queue_depth"},
             "io_queue_depth must be in [1, 4096]");
+  v.Require(s.ssd_threads() >= 1 && s.ssd_threads() <= 64, {"storage", "ssd_threads"},
+            "ssd_threads must be in [1, 64]");
   v.Require(s.io_block_bytes() >= 4096 && s.io_block_bytes() % 4096 == 0,
             {"storage", "io_block_bytes"},
             "io_block_bytes must be a positive multiple of 4096 (the O_DIRECT alignment)");

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/cpu/optimizer.h"
 #include "runtime/common/clock.h"
@@ -72,6 +73,7 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
   so.io.queue_depth = options.storage.io_queue_depth();
   so.io.block_bytes = options.storage.io_block_bytes();
   so.compute_threads = options.threads;
+  so.ssd_threads = static_cast<int>(options.storage.ssd_threads());
   so.wrap_io = options.wrap_io;
   so.shared_ssd = options.shared_ssd;
   // Never-written weights are generated from the seed, exactly as in memory.
@@ -113,9 +115,9 @@ void TieredExpertScheduler::Quiesce() {
 void TieredExpertScheduler::FlushStageSpans() {
   if (tracer_ == nullptr) return;
   for (const storage::StageSpan& s : store_->TakeSpans()) {
-    tracer_->SpanOn(s.thread == 0   ? "ssd stage"
-                    : s.thread == 1 ? "copy stage"
-                                    : "ssd stage 2",
+    tracer_->SpanOn(s.thread == 0   ? std::string("ssd stage")
+                    : s.thread == 1 ? std::string("copy stage")
+                                    : absl::StrCat("ssd stage ", s.thread),
                     absl::StrFormat("%s L%d E%d %s", s.name, s.key.layer, s.key.expert,
                                     storage::KindName(s.key.kind)),
                     s.thread == 1 ? "copy" : "io", s.start, s.end);

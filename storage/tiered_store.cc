@@ -41,6 +41,9 @@ StatusOr<std::unique_ptr<TieredExpertStore>> TieredExpertStore::Create(
   if (options.tensor_bytes == 0 || options.tensor_bytes % 4 != 0) {
     return absl::InvalidArgumentError("expert tensors must be a positive number of floats");
   }
+  if (options.ssd_threads < 1 || options.ssd_threads > 64) {
+    return absl::InvalidArgumentError("storage.ssd_threads must be in [1, 64]");
+  }
   std::unique_ptr<TieredExpertStore> s(new TieredExpertStore(options));
   if (options.shared_ssd) {
     s->ssd_ = options.shared_ssd;
@@ -71,10 +74,12 @@ StatusOr<std::unique_ptr<TieredExpertStore>> TieredExpertStore::Create(
         options.MinHostSlots() * slot));
   }
   s->ssd_->RegisterRegions(s->host_->Regions());
-  for (int i = 0; i <= kSsdThreads; ++i) {
-    const int stage = i < kSsdThreads ? kSsdStage : kCopyStage;
-    const int track = i == 0 ? 0 : i < kSsdThreads ? 1 + i : 1;
-    s->stages_[i] = std::thread([ptr = s.get(), stage, track] { ptr->StageLoop(stage, track); });
+  // Trace tracks: 0 the first ssd stage thread, 1 the copy stage, 2.. the other ssd threads.
+  const int ssd_threads = options.ssd_threads;
+  for (int i = 0; i <= ssd_threads; ++i) {
+    const int stage = i < ssd_threads ? kSsdStage : kCopyStage;
+    const int track = i == 0 ? 0 : i < ssd_threads ? 1 + i : 1;
+    s->stages_.emplace_back([ptr = s.get(), stage, track] { ptr->StageLoop(stage, track); });
   }
   return s;
 }

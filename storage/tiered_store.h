@@ -103,11 +103,16 @@ struct StoreOptions {
   std::shared_ptr<SsdTier> shared_ssd;
   // Compute threads that hold tensors at once; sets the minimum slot counts.
   int compute_threads = 1;
+  // Threads of the ssd stage. Each has one tensor transfer in flight (plus, before it, the
+  // write-back of the entry it evicts), so this is how many requests the store keeps at the SSD.
+  int ssd_threads = 4;
 
   // Device slots compute can need at once: weights + gradient per thread, plus one to load into.
   int MinDeviceSlots() const { return 2 * compute_threads + 1; }
-  // Host slots: the optimizer thread holds weights, gradient, m and v, the stages one each; 4 per
-  // compute thread plus 3 keeps a margin over that.
+  // Host slots: 4 per compute thread (weights, gradient and the Adam moments of what it holds,
+  // which also covers the optimizer thread), plus 3 being filled by the stages. More ssd stage
+  // threads do not need more: a thread that finds no slot waits until a fill in flight ends and
+  // its tensor becomes evictable.
   int MinHostSlots() const { return 4 * compute_threads + 3; }
 };
 
@@ -295,9 +300,8 @@ class TieredExpertStore {
   SsdStats last_ssd_;
   bool record_spans_ = false;
   std::vector<StageSpan> spans_;
-  // Stage threads: kSsdThreads on the ssd stage, then the copy stage.
-  static constexpr int kSsdThreads = 2;
-  std::thread stages_[kSsdThreads + 1];
+  // Stage threads: options_.ssd_threads on the ssd stage, then the copy stage.
+  std::vector<std::thread> stages_;
 };
 
 }  // namespace strata::storage

@@ -28,6 +28,22 @@ TEST(ConfigTest, MinimalConfigTakesDocumentedDefaults) {
   EXPECT_EQ(c->model().moe().gate().type(), GateConfig::TOP_K);
   EXPECT_EQ(c->train().steps(), 1000);
   EXPECT_EQ(c->data().path(), "/base/d.txt");  // relative to the config's folder
+  EXPECT_EQ(c->storage().io_queue_depth(), 32u);
+  EXPECT_EQ(c->storage().io_block_bytes(), 1u << 20);
+  EXPECT_EQ(c->storage().ssd_threads(), 4u);
+}
+
+TEST(ConfigTest, StorageConcurrencyOutOfRangeNamesTheField) {
+  const std::string msg = Error(
+      "data { path: \"d\" }\n"
+      "storage {\n"
+      "  mode: TIERED\n"
+      "  ssd_threads: 0\n"
+      "  io_queue_depth: 5000\n"
+      "}\n");
+  EXPECT_NE(msg.find("job.textproto:4:3: field storage.ssd_threads"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("ssd_threads must be in [1, 64]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("storage.io_queue_depth"), std::string::npos) << msg;
 }
 
 TEST(ConfigTest, TopKFollowsGateTypeUnlessSet) {
