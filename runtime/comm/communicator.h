@@ -1,0 +1,72 @@
+// Communicator: the collectives strata's workers use, over Gloo (TCP) for CPU tensors; NCCL for
+// device tensors comes with the CUDA backend behind the same interface.
+//
+// All ranks call the same operations in the same order (each call takes the next tag, so a
+// mismatch is detected rather than mixed up). Calls on one communicator are made by one thread at
+// a time; Abort may come from any thread. Every operation has the timeout of CommOptions: a peer
+// that died or hangs makes the call return DEADLINE_EXCEEDED / UNAVAILABLE naming the operation,
+// this rank and the peer when known — never a hang. After Abort (or any failure) the communicator
+// is finished: every later call returns ABORTED, and the owner builds a new one for the next
+// membership generation (under a new Store prefix).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/comm/store.h"
+#include "runtime/common/status.h"
+
+namespace strata::comm {
+
+struct CommOptions {
+  int rank = 0;
+  int world_size = 1;
+  // Every operation, and the rendezvous, must finish within this. Default: 30 s.
+  std::chrono::milliseconds timeout{30000};
+  // The address this rank listens on for its peers. Default: loopback.
+  std::string hostname = "127.0.0.1";
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual std::string backend() const = 0;
+
+  // Element-wise sum over all ranks, in place.
+  [[nodiscard]] virtual Status AllReduce(float* data, size_t n) = 0;
+  [[nodiscard]] virtual Status AllReduce(double* data, size_t n) = 0;
+  // Rank r sends send_counts[d] elements to rank d, taken in rank order from `send`, and receives
+  // recv_counts[s] elements from rank s into `recv`, in rank order. Counts may be zero; the
+  // counts of a pair must agree (what r sends to d is what d expects from r).
+  [[nodiscard]] virtual Status AllToAllV(const void* send, const std::vector<int64_t>& send_counts,
+                                         void* recv, const std::vector<int64_t>& recv_counts,
+                                         size_t element_bytes) = 0;
+  // `bytes` from every rank into `recv` (world_size * bytes), in rank order.
+  [[nodiscard]] virtual Status AllGather(const void* send, size_t bytes, void* recv) = 0;
+  // `bytes` of `root`'s `data` into every rank's `data`.
+  [[nodiscard]] virtual Status Broadcast(void* data, size_t bytes, int root) = 0;
+  [[nodiscard]] virtual Status Barrier() = 0;
+  // Unblocks every call in flight on this rank with ABORTED and fails every later one; closes the
+  // connections so that peers waiting on this rank fail fast too. Safe from any thread.
+  virtual void Abort(const std::string& why) = 0;
+
+  template <typename T>
+  [[nodiscard]] Status AllToAllV(const T* send, const std::vector<int64_t>& send_counts, T* recv,
+                                 const std::vector<int64_t>& recv_counts) {
+    return AllToAllV(static_cast<const void*>(send), send_counts, static_cast<void*>(recv),
+                     recv_counts, sizeof(T));
+  }
+};
+
+// Connects `options.world_size` ranks through `store` (each rank publishes its address under
+// the store's keys and connects to every other: a full mesh of TCP pairs).
+[[nodiscard]] StatusOr<std::unique_ptr<Communicator>> ConnectGloo(std::shared_ptr<Store> store,
+                                                                  const CommOptions& options);
+
+}  // namespace strata::comm

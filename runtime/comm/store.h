@@ -1,0 +1,56 @@
+// Store: the key-value rendezvous that workers of one membership generation meet through.
+//
+// Communicators exchange their addresses through it (and NCCL its unique id); the trainer uses it
+// for small agreements (a barrier before the first step, a shared run id). Keys are strings,
+// values bytes. Every generation of a membership works under its own prefix (PrefixStore with
+// "gen/<g>/"), so a worker of the new generation never reads a key a dead worker left behind.
+//
+//   InMemoryStore  threads of one process (tests, single-process jobs)
+//   FileStore      processes that share a folder (one machine, or a shared file system); a key
+//                  is a file written to a temporary name and renamed into place, so readers never
+//                  see half a value; Add is serialised with flock
+// The coordinator issue adds a gRPC store behind the same interface.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/common/status.h"
+
+namespace strata::comm {
+
+class Store {
+ public:
+  virtual ~Store() = default;
+  // Sets (or replaces) a key.
+  [[nodiscard]] virtual Status Set(const std::string& key, const std::string& value) = 0;
+  // The value of a key; NOT_FOUND when it is not set.
+  [[nodiscard]] virtual StatusOr<std::string> Get(const std::string& key) = 0;
+  // Waits until every key is set; DEADLINE_EXCEEDED naming the keys still missing after
+  // `timeout`.
+  [[nodiscard]] virtual Status Wait(const std::vector<std::string>& keys,
+                                    std::chrono::milliseconds timeout) = 0;
+  // Adds `delta` to the decimal integer stored at `key` (absent: 0), atomically across every
+  // user of the store, and returns the new value.
+  [[nodiscard]] virtual StatusOr<int64_t> Add(const std::string& key, int64_t delta) = 0;
+
+  // Waits for a key and returns its value.
+  [[nodiscard]] StatusOr<std::string> WaitGet(const std::string& key,
+                                              std::chrono::milliseconds timeout);
+};
+
+std::shared_ptr<Store> MakeInMemoryStore();
+
+// Creates `dir` if needed. Keys may contain any character; they are escaped into file names.
+[[nodiscard]] StatusOr<std::shared_ptr<Store>> MakeFileStore(const std::string& dir);
+
+// Every key of `base` under `prefix` (e.g. "gen/3/").
+std::shared_ptr<Store> MakePrefixStore(std::shared_ptr<Store> base, std::string prefix);
+
+// The prefix of a membership generation: "gen/<g>/".
+std::string GenerationPrefix(int64_t generation);
+
+}  // namespace strata::comm

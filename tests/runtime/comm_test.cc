@@ -1,0 +1,204 @@
+// The rendezvous stores and the Gloo communicator with the real parts: FileStore on a real
+// folder shared by threads and processes, and collectives between real worker processes over
+// loopback TCP (tests/runtime/comm_worker.cc checks every result against a local reference),
+// including a peer killed with SIGKILL in the middle of a collective, and Abort.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/comm/communicator.h"
+#include "runtime/comm/store.h"
+#include "tests/test_util.h"
+
+namespace strata::comm {
+namespace {
+
+using strata::testing::TempDir;
+using namespace std::chrono_literals;
+
+void ExerciseStore(Store& s) {
+  EXPECT_TRUE(absl::IsNotFound(s.Get("a").status()));
+  ASSERT_TRUE(s.Set("a", std::string("x\0y", 3)).ok());
+  EXPECT_EQ(*s.Get("a"), std::string("x\0y", 3));
+  ASSERT_TRUE(s.Set("a", "replaced").ok());
+  EXPECT_EQ(*s.Get("a"), "replaced");
+  ASSERT_TRUE(s.Set("odd/key with spaces:1", "v").ok());
+  EXPECT_EQ(*s.Get("odd/key with spaces:1"), "v");
+  // Wait: a key set later by another thread; and a timeout that names what is missing.
+  auto setter = std::async(std::launch::async, [&] {
+    std::this_thread::sleep_for(50ms);
+    return s.Set("late", "1");
+  });
+  EXPECT_TRUE(s.Wait({"a", "late"}, 5000ms).ok());
+  EXPECT_TRUE(setter.get().ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  Status w = s.Wait({"a", "never"}, 100ms);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(w)) << w;
+  EXPECT_NE(w.message().find("never"), std::string::npos) << w;
+  EXPECT_EQ(w.message().find("'a'"), std::string::npos) << w;  // only the missing key is named
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+  // Add from 4 threads at once: no increment is lost.
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 4; ++t) {
+    ts.emplace_back([&] {
+      for (int i = 0; i < 25; ++i) ASSERT_TRUE(s.Add("counter", 2).ok());
+    });
+  }
+  for (auto& t : ts) t.join();
+  EXPECT_EQ(*s.Add("counter", 0), 200);
+  EXPECT_EQ(*s.Add("counter", -50), 150);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s.Add("a", 1).status()));  // not a counter
+}
+
+TEST(StoreTest, InMemory) {
+  auto s = MakeInMemoryStore();
+  ExerciseStore(*s);
+}
+
+TEST(StoreTest, FileStoreAndPrefixesKeepGenerationsApart) {
+  TempDir dir;
+  auto s = MakeFileStore(dir.path() + "/store");
+  ASSERT_TRUE(s.ok()) << s.status();
+  ExerciseStore(**s);
+  auto g1 = MakePrefixStore(*s, GenerationPrefix(1));
+  auto g2 = MakePrefixStore(*s, GenerationPrefix(2));
+  ASSERT_TRUE(g1->Set("rank_0", "old address").ok());
+  EXPECT_TRUE(absl::IsNotFound(g2->Get("rank_0").status()));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(g2->Wait({"rank_0"}, 50ms)));
+  EXPECT_EQ(*(*s)->Get("gen/1/rank_0"), "old address");
+  // A second store object on the same folder (another process would do the same) sees it all.
+  auto other = MakeFileStore(dir.path() + "/store");
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(*(*other)->Get("gen/1/rank_0"), "old address");
+  EXPECT_EQ(*(*other)->Add("counter", 1), 151);
+}
+
+TEST(StoreTest, FileStoreInAFileIsAClearError) {
+  TempDir dir;
+  strata::testing::WriteFile(dir.File("plain"), "x");
+  auto s = MakeFileStore(dir.File("plain"));
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("plain"), std::string::npos) << s.status();
+}
+
+pid_t Spawn(const std::vector<std::string>& args) {
+  const std::string bin = std::string(STRATA_TEST_DIR) + "/comm_worker";
+  pid_t pid = fork();
+  if (pid == 0) {
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(bin.c_str()));
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(bin.c_str(), argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+// Waits for a process for at most `limit`; kills it (and reports -1) if it does not finish.
+int WaitExit(pid_t pid, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  return -1;
+}
+
+std::vector<std::string> Args(int rank, int world, const std::string& store,
+                              const std::string& scenario, int timeout_ms = 20000) {
+  return {
+      "--rank", std::to_string(rank), "--world", std::to_string(world), "--store",
+      store,    "--scenario",         scenario,  "--timeout-ms",        std::to_string(timeout_ms)};
+}
+
+class CollectivesTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(CollectivesTest, EveryCollectiveMatchesALocalReference) {
+  const int world = GetParam();
+  TempDir dir;
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) pids.push_back(Spawn(Args(r, world, dir.path(), "collectives")));
+  for (int r = 0; r < world; ++r) EXPECT_EQ(WaitExit(pids[r], 120s), 0) << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Workers, CollectivesTest, ::testing::Values(2, 4));
+
+TEST(CommFailureTest, PeerKilledMidCollectiveIsAnErrorWithinTheTimeout) {
+  TempDir dir;
+  const int world = 3, victim = 2;
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    pids.push_back(
+        Spawn(Args(r, world, dir.path(), r == victim ? "victim" : "survivor", /*timeout=*/5000)));
+  }
+  // Once every rank has met, the survivors are inside an AllReduce that needs the victim.
+  auto store = MakeFileStore(dir.path());
+  ASSERT_TRUE(store.ok());
+  const auto deadline = std::chrono::steady_clock::now() + 60s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto n = (*store)->Get("ready");
+    if (n.ok() && *n == std::to_string(world)) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  std::this_thread::sleep_for(200ms);
+  ASSERT_EQ(kill(pids[victim], SIGKILL), 0);
+  EXPECT_EQ(WaitExit(pids[victim], 10s), 128 + SIGKILL);
+  for (int r = 0; r < world; ++r) {
+    if (r != victim) {
+      EXPECT_EQ(WaitExit(pids[r], 30s), 0) << "survivor " << r;
+    }
+  }
+}
+
+TEST(CommFailureTest, AbortUnblocksAWaitingCall) {
+  // Two ranks in this process; rank 1 never joins the AllReduce, so rank 0 would wait for the
+  // whole (long) timeout — Abort from another thread ends it at once.
+  auto store = MakeInMemoryStore();
+  CommOptions o;
+  o.world_size = 2;
+  o.timeout = 60s;
+  auto connect = [&](int rank) {
+    CommOptions ro = o;
+    ro.rank = rank;
+    return ConnectGloo(store, ro);
+  };
+  auto f1 = std::async(std::launch::async, connect, 1);
+  auto c0 = connect(0);
+  auto c1 = f1.get();
+  ASSERT_TRUE(c0.ok()) << c0.status();
+  ASSERT_TRUE(c1.ok()) << c1.status();
+  std::vector<float> x(1000, 1.f);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto waiting =
+      std::async(std::launch::async, [&] { return (*c0)->AllReduce(x.data(), x.size()); });
+  std::this_thread::sleep_for(300ms);
+  (*c0)->Abort("membership changed (test)");
+  Status s = waiting.get();
+  const auto took = std::chrono::steady_clock::now() - t0;
+  EXPECT_TRUE(absl::IsAborted(s)) << s;
+  EXPECT_NE(s.message().find("membership changed (test)"), std::string::npos) << s;
+  EXPECT_LT(took, 10s);
+  EXPECT_TRUE(absl::IsAborted((*c0)->Barrier()));
+  // The peer's next call fails fast too instead of waiting for the timeout.
+  const auto t1 = std::chrono::steady_clock::now();
+  Status peer = (*c1)->Barrier();
+  EXPECT_FALSE(peer.ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - t1, 30s);
+}
+
+}  // namespace
+}  // namespace strata::comm
