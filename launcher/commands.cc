@@ -124,6 +124,11 @@ int TrainCommand(const std::vector<std::string>& args) {
   if (const char* d = std::getenv("STRATA_FAULT_CHECKPOINT_COMMIT_DELAY_MS")) {
     options.checkpoint_commit_delay_ms = std::atoi(d);
   }
+  // ... or stop the checkpoint writer for good once checkpoint N is committed, so a kill lands
+  // after N and before any later checkpoint however fast training runs.
+  if (const char* n = std::getenv("STRATA_FAULT_CHECKPOINT_HOLD_AFTER")) {
+    options.checkpoint_hold_after_step = std::atoll(n);
+  }
   auto trainer = train::Trainer::Create(options);
   if (!trainer.ok()) return Fail(trainer.status());
   Status s = (*trainer)->Run();

@@ -600,6 +600,11 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
   }
   writer_status_ = prune;
   writer_done_ = true;
+  if (options_.hold_after_step > 0 && m.step() == options_.hold_after_step) {
+    STRATA_LOG(WARNING) << "checkpoint " << m.step()
+                        << ": holding here (fault injection) until the process is killed";
+    for (;;) pause();
+  }
 }
 
 Status CheckpointManager::Wait() {

@@ -47,6 +47,9 @@ struct CheckpointOptions {
   std::function<std::unique_ptr<storage::BlockIo>(std::unique_ptr<storage::BlockIo>)> wrap_io;
   // Tests: pause this long between writing a checkpoint's extents and committing it.
   int commit_delay_ms = 0;
+  // Tests and drills: after committing the checkpoint of this step, the writer never returns, so
+  // a kill lands after it and before any later checkpoint. 0: off.
+  int64_t hold_after_step = 0;
 };
 
 struct CheckpointInfo {

@@ -127,6 +127,7 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     co.capacity_bytes = cfg.storage().ssd_capacity_bytes();
     co.wrap_io = options.wrap_io;
     co.commit_delay_ms = options.checkpoint_commit_delay_ms;
+    co.hold_after_step = options.checkpoint_hold_after_step;
     ASSIGN_OR_RETURN(tr->checkpoints_, CheckpointManager::Open(co, options.resume));
     if (options.resume) RETURN_IF_ERROR(tr->checkpoints_->CheckCompatible(cfg));
     if (!options.resume && !tr->checkpoints_->checkpoints().empty()) {

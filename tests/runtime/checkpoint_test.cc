@@ -129,7 +129,7 @@ TEST_P(CheckpointTest, SigkillMidCheckpointResumesFromLastCompleteOneBitwise) {
 
 TEST_P(CheckpointTest, FlippedByteIsNamedAndResumeFallsBackToThePreviousCheckpoint) {
   const std::string ck = dir_.File("ck");
-  RunAndKill(ck, "checkpoint 30 committed");
+  RunAndKill(ck, "checkpoint 30 committed", "STRATA_FAULT_CHECKPOINT_HOLD_AFTER=30");
   // A tensor version that only checkpoint 30 lists.
   std::string file;
   uint64_t offset = 0;
@@ -172,7 +172,7 @@ TEST_P(CheckpointTest, FlippedByteIsNamedAndResumeFallsBackToThePreviousCheckpoi
 
 TEST_P(CheckpointTest, MissingOrDamagedIndexAndIncompatibleConfigTouchNothing) {
   const std::string ck = dir_.File("ck");
-  RunAndKill(ck, "checkpoint 20 committed");
+  RunAndKill(ck, "checkpoint 20 committed", "STRATA_FAULT_CHECKPOINT_HOLD_AFTER=20");
   auto snapshot = [&] {
     std::map<std::string, std::string> files;
     for (const auto& f : std::filesystem::recursive_directory_iterator(ck)) {
