@@ -274,41 +274,43 @@ void MoeCombineBackward(Context& ctx, const Tensor& dyp, const Tensor& dweight, 
 }
 
 void MoeRandomRouting(Context& ctx, std::vector<uint8_t>* eligible, const Tensor& topk_weight,
-                      uint64_t key) {
+                      uint64_t key, int64_t first_token) {
   RequireCpu({&topk_weight}, "MoeRandomRouting");
   (void)ctx;
   CHECK_EQ(topk_weight.dim(-1), 2) << "random routing needs top-2";
   const int64_t T = topk_weight.dim(0);
   eligible->resize(2 * T);
-  cpu::moe_random_routing<float>(eligible->data(), topk_weight.f32(), key, T);
+  cpu::moe_random_routing<float>(eligible->data(), topk_weight.f32(), key, T, first_token);
 }
 
-void MoeJitterForward(Context& ctx, const Tensor& xj, const Tensor& x, uint64_t key, double eps) {
+void MoeJitterForward(Context& ctx, const Tensor& xj, const Tensor& x, uint64_t key, double eps,
+                      int64_t first_token) {
   RequireCpu({&xj, &x}, "MoeJitterForward");
   const int64_t C = x.dim(-1), T = x.numel() / C;
-  cpu::moe_jitter_forward<float>(Pool(ctx), xj.f32(), x.f32(), key, T, C, eps);
+  cpu::moe_jitter_forward<float>(Pool(ctx), xj.f32(), x.f32(), key, T, C, eps, first_token);
 }
 
-void MoeJitterBackward(Context& ctx, const Tensor& dx, const Tensor& dxj, uint64_t key,
-                       double eps) {
+void MoeJitterBackward(Context& ctx, const Tensor& dx, const Tensor& dxj, uint64_t key, double eps,
+                       int64_t first_token) {
   RequireCpu({&dx, &dxj}, "MoeJitterBackward");
   const int64_t C = dx.dim(-1), T = dx.numel() / C;
-  cpu::moe_jitter_backward<float>(Pool(ctx), dx.f32(), dxj.f32(), key, T, C, eps);
+  cpu::moe_jitter_backward<float>(Pool(ctx), dx.f32(), dxj.f32(), key, T, C, eps, first_token);
 }
 
 void MoeNoisyLogitsForward(Context& ctx, const Tensor& h, const Tensor& clean,
-                           const Tensor& raw_noise, uint64_t key) {
+                           const Tensor& raw_noise, uint64_t key, int64_t first_token) {
   RequireCpu({&h, &clean, &raw_noise}, "MoeNoisyLogitsForward");
   const int64_t E = clean.dim(-1), T = clean.numel() / E;
-  cpu::moe_noisy_logits_forward<float>(Pool(ctx), h.f32(), clean.f32(), raw_noise.f32(), key, T, E);
+  cpu::moe_noisy_logits_forward<float>(Pool(ctx), h.f32(), clean.f32(), raw_noise.f32(), key, T, E,
+                                       first_token);
 }
 
 void MoeNoisyLogitsBackward(Context& ctx, const Tensor& draw_noise, const Tensor& dh,
-                            const Tensor& raw_noise, uint64_t key) {
+                            const Tensor& raw_noise, uint64_t key, int64_t first_token) {
   RequireCpu({&draw_noise, &dh, &raw_noise}, "MoeNoisyLogitsBackward");
   const int64_t E = dh.dim(-1), T = dh.numel() / E;
   cpu::moe_noisy_logits_backward<float>(Pool(ctx), draw_noise.f32(), dh.f32(), raw_noise.f32(), key,
-                                        T, E);
+                                        T, E, first_token);
 }
 
 }  // namespace strata::ops

@@ -128,14 +128,18 @@ void MoeCombineForward(Context& ctx, const Tensor& y, const Tensor& yp, const Te
 // dyp [R, C] (may alias yp) and dweight [T, k].
 void MoeCombineBackward(Context& ctx, const Tensor& dyp, const Tensor& dweight, const Tensor& dy,
                         const Tensor& yp, const Tensor& weight, const Tensor& slot);
+// Random draws of the gates; first_token is the index of row 0 within the whole batch (see
+// kernels/cpu/moe.h), so workers holding parts of a batch draw what one process would.
 // GShard random routing: (*eligible)[t, 0] = 1, (*eligible)[t, 1] = 2 * w[t, 1] > U_t.
 void MoeRandomRouting(Context& ctx, std::vector<uint8_t>* eligible, const Tensor& topk_weight,
-                      uint64_t key);
-void MoeJitterForward(Context& ctx, const Tensor& xj, const Tensor& x, uint64_t key, double eps);
-void MoeJitterBackward(Context& ctx, const Tensor& dx, const Tensor& dxj, uint64_t key, double eps);
+                      uint64_t key, int64_t first_token = 0);
+void MoeJitterForward(Context& ctx, const Tensor& xj, const Tensor& x, uint64_t key, double eps,
+                      int64_t first_token = 0);
+void MoeJitterBackward(Context& ctx, const Tensor& dx, const Tensor& dxj, uint64_t key, double eps,
+                       int64_t first_token = 0);
 void MoeNoisyLogitsForward(Context& ctx, const Tensor& h, const Tensor& clean,
-                           const Tensor& raw_noise, uint64_t key);
+                           const Tensor& raw_noise, uint64_t key, int64_t first_token = 0);
 void MoeNoisyLogitsBackward(Context& ctx, const Tensor& draw_noise, const Tensor& dh,
-                            const Tensor& raw_noise, uint64_t key);
+                            const Tensor& raw_noise, uint64_t key, int64_t first_token = 0);
 
 }  // namespace strata::ops

@@ -229,20 +229,22 @@ void moe_combine_backward(ThreadPool& pool, T* dyp, T* dweight, const T* dy, con
 
 template <typename T>
 void moe_jitter_forward(ThreadPool& pool, T* xj, const T* x, uint64_t key, int64_t Tn, int64_t C,
-                        double eps) {
+                        double eps, int64_t first_token) {
+  const int64_t base = first_token * C;
   pool.ParallelFor(Tn * C, internal::kElementGrain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      xj[i] = x[i] * static_cast<T>(1.0 - eps + 2.0 * eps * rng::Uniform(key, i));
+      xj[i] = x[i] * static_cast<T>(1.0 - eps + 2.0 * eps * rng::Uniform(key, base + i));
     }
   });
 }
 
 template <typename T>
 void moe_jitter_backward(ThreadPool& pool, T* dx, const T* dxj, uint64_t key, int64_t Tn, int64_t C,
-                         double eps) {
+                         double eps, int64_t first_token) {
+  const int64_t base = first_token * C;
   pool.ParallelFor(Tn * C, internal::kElementGrain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      dx[i] += dxj[i] * static_cast<T>(1.0 - eps + 2.0 * eps * rng::Uniform(key, i));
+      dx[i] += dxj[i] * static_cast<T>(1.0 - eps + 2.0 * eps * rng::Uniform(key, base + i));
     }
   });
 }
@@ -256,30 +258,34 @@ inline T Softplus(T x) {
 
 template <typename T>
 void moe_noisy_logits_forward(ThreadPool& pool, T* h, const T* clean, const T* raw_noise,
-                              uint64_t key, int64_t Tn, int64_t E) {
+                              uint64_t key, int64_t Tn, int64_t E, int64_t first_token) {
+  const int64_t base = first_token * E;
   pool.ParallelFor(Tn * E, 1024, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      h[i] = clean[i] + static_cast<T>(rng::Normal(key, i)) * Softplus(raw_noise[i]);
+      h[i] = clean[i] + static_cast<T>(rng::Normal(key, base + i)) * Softplus(raw_noise[i]);
     }
   });
 }
 
 template <typename T>
 void moe_noisy_logits_backward(ThreadPool& pool, T* draw_noise, const T* dh, const T* raw_noise,
-                               uint64_t key, int64_t Tn, int64_t E) {
+                               uint64_t key, int64_t Tn, int64_t E, int64_t first_token) {
+  const int64_t base = first_token * E;
   pool.ParallelFor(Tn * E, 1024, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       T sig = T(1) / (T(1) + std::exp(-raw_noise[i]));
-      draw_noise[i] = dh[i] * static_cast<T>(rng::Normal(key, i)) * sig;
+      draw_noise[i] = dh[i] * static_cast<T>(rng::Normal(key, base + i)) * sig;
     }
   });
 }
 
 template <typename T>
-void moe_random_routing(uint8_t* eligible, const T* topk_weight, uint64_t key, int64_t Tn) {
+void moe_random_routing(uint8_t* eligible, const T* topk_weight, uint64_t key, int64_t Tn,
+                        int64_t first_token) {
   for (int64_t t = 0; t < Tn; ++t) {
     eligible[2 * t] = 1;
-    eligible[2 * t + 1] = 2.0 * static_cast<double>(topk_weight[2 * t + 1]) > rng::Uniform(key, t);
+    eligible[2 * t + 1] =
+        2.0 * static_cast<double>(topk_weight[2 * t + 1]) > rng::Uniform(key, first_token + t);
   }
 }
 
@@ -300,14 +306,14 @@ void moe_random_routing(uint8_t* eligible, const T* topk_weight, uint64_t key, i
   template void moe_combine_backward<T>(ThreadPool&, T*, T*, const T*, const T*, const T*,       \
                                         const int32_t*, int64_t, int, int64_t);                  \
   template void moe_jitter_forward<T>(ThreadPool&, T*, const T*, uint64_t, int64_t, int64_t,     \
-                                      double);                                                   \
+                                      double, int64_t);                                          \
   template void moe_jitter_backward<T>(ThreadPool&, T*, const T*, uint64_t, int64_t, int64_t,    \
-                                       double);                                                  \
+                                       double, int64_t);                                         \
   template void moe_noisy_logits_forward<T>(ThreadPool&, T*, const T*, const T*, uint64_t,       \
-                                            int64_t, int64_t);                                   \
+                                            int64_t, int64_t, int64_t);                          \
   template void moe_noisy_logits_backward<T>(ThreadPool&, T*, const T*, const T*, uint64_t,      \
-                                             int64_t, int64_t);                                  \
-  template void moe_random_routing<T>(uint8_t*, const T*, uint64_t, int64_t);
+                                             int64_t, int64_t, int64_t);                         \
+  template void moe_random_routing<T>(uint8_t*, const T*, uint64_t, int64_t, int64_t);
 STRATA_INSTANTIATE(float)
 STRATA_INSTANTIATE(double)
 

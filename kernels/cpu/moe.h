@@ -82,30 +82,32 @@ void moe_combine_backward(ThreadPool& pool, T* dyp, T* dweight, const T* dy, con
 
 // --- Gate-specific pieces
 // ------------------------------------------------------------------------- Random numbers come
-// from rng::Uniform/Normal(key, counter) with counter = t * width + i, so a reference can reproduce
-// each draw.
+// from rng::Uniform/Normal(key, counter) with counter = (first_token + t) * width + i, so a
+// reference can reproduce each draw, and a worker holding tokens [first_token, first_token + Tn) of
+// a batch draws what one process holding the whole batch would.
 
 // Switch jitter: xj = x * (1 - eps + 2 eps u), u ~ U[0, 1).
 template <typename T>
 void moe_jitter_forward(ThreadPool& pool, T* xj, const T* x, uint64_t key, int64_t Tn, int64_t C,
-                        double eps);
+                        double eps, int64_t first_token = 0);
 // dx += dxj * (1 - eps + 2 eps u).
 template <typename T>
 void moe_jitter_backward(ThreadPool& pool, T* dx, const T* dxj, uint64_t key, int64_t Tn, int64_t C,
-                         double eps);
+                         double eps, int64_t first_token = 0);
 
 // Noisy top-k: h = clean + n * softplus(raw_noise), n ~ N(0, 1). h may alias clean.
 template <typename T>
 void moe_noisy_logits_forward(ThreadPool& pool, T* h, const T* clean, const T* raw_noise,
-                              uint64_t key, int64_t Tn, int64_t E);
+                              uint64_t key, int64_t Tn, int64_t E, int64_t first_token = 0);
 // draw_noise = dh * n * sigmoid(raw_noise) (the gradient w.r.t. clean is dh itself).
 template <typename T>
 void moe_noisy_logits_backward(ThreadPool& pool, T* draw_noise, const T* dh, const T* raw_noise,
-                               uint64_t key, int64_t Tn, int64_t E);
+                               uint64_t key, int64_t Tn, int64_t E, int64_t first_token = 0);
 
 // GShard random routing: eligible[t, 0] = 1 and eligible[t, 1] = (2 * w[t, 1] > u_t) with
 // u_t ~ U[0, 1), w the (normalised) combine weights. k must be 2.
 template <typename T>
-void moe_random_routing(uint8_t* eligible, const T* topk_weight, uint64_t key, int64_t Tn);
+void moe_random_routing(uint8_t* eligible, const T* topk_weight, uint64_t key, int64_t Tn,
+                        int64_t first_token = 0);
 
 }  // namespace strata::cpu

@@ -109,10 +109,10 @@ void TokenDataset::TrainBatch(uint64_t seed, int64_t first_sample, int64_t count
   }
 }
 
-void TokenDataset::EvalBatch(int64_t index, int64_t batch, int32_t* inputs,
-                             int32_t* targets) const {
-  for (int64_t i = 0; i < batch; ++i) {
-    const int64_t w = (index * batch + i) % eval_windows_;
+void TokenDataset::EvalBatch(int64_t index, int64_t batch, int64_t first, int64_t count,
+                             int32_t* inputs, int32_t* targets) const {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t w = (index * batch + first + i) % eval_windows_;
     Window(train_tokens_ + w * seq_len_, inputs + i * seq_len_, targets + i * seq_len_);
   }
 }

@@ -47,7 +47,12 @@ class TokenDataset {
                   int32_t* targets) const;
   // Held-out batch `index` of `batch` sequences: eval windows index * batch + [0, batch), modulo
   // the number of eval windows.
-  void EvalBatch(int64_t index, int64_t batch, int32_t* inputs, int32_t* targets) const;
+  void EvalBatch(int64_t index, int64_t batch, int32_t* inputs, int32_t* targets) const {
+    EvalBatch(index, batch, 0, batch, inputs, targets);
+  }
+  // Sequences [first, first + count) of that batch: a data-parallel worker's share.
+  void EvalBatch(int64_t index, int64_t batch, int64_t first, int64_t count, int32_t* inputs,
+                 int32_t* targets) const;
 
  private:
   TokenDataset() = default;

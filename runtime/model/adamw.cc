@@ -32,14 +32,7 @@ void AdamW::Step(ops::Context& ctx, double lr, double grad_scale) {
 double AdamW::GradNorm(ops::Context& ctx) const { return std::sqrt(GradSumSquares(ctx)); }
 
 double AdamW::GradSumSquares(ops::Context& ctx) const {
-  std::vector<double>& partial = norm_partials_;
-  partial.assign(ctx.pool->num_threads(), 0.0);  // sized once: no allocation per step
-  slices_.Run(ctx, [&](int tid, size_t i, int64_t begin, int64_t n) {
-    partial[tid] += ops::SumSquares(ctx, slices_.params()[i]->grad.View(begin, {n}));
-  });
-  double s = 0;
-  for (double v : partial) s += v;
-  return s;
+  return model::GradSumSquares(ctx, slices_, &norm_partials_);
 }
 
 void AdamW::ZeroGrad(ops::Context& ctx) const {

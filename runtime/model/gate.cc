@@ -1,5 +1,8 @@
 #include "runtime/model/gate.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "runtime/common/rng.h"
 
 namespace strata::model {
@@ -57,6 +60,7 @@ void SoftmaxGate::Forward(ops::Context& ctx, const Tensor& x, const GateCall& ca
   CHECK_LE(T, logits_.dim(0)) << "more tokens than the gate was sized for";
   last_tokens_ = T;
   last_step_ = call.step;
+  last_first_token_ = call.first_token;
   last_jitter_ =
       call.training && cfg_.type() == config::GateConfig::SWITCH && cfg_.jitter_eps() > 0;
   last_noise_ = call.training && cfg_.type() == config::GateConfig::NOISY_TOP_K;
@@ -65,15 +69,16 @@ void SoftmaxGate::Forward(ops::Context& ctx, const Tensor& x, const GateCall& ca
   Tensor router_in = x;
   if (last_jitter_) {
     router_in = xj_.Rows(0, T);
-    ops::MoeJitterForward(ctx, router_in, x, JitterKey(seed_, call.step, layer_),
-                          cfg_.jitter_eps());
+    ops::MoeJitterForward(ctx, router_in, x, JitterKey(seed_, call.step, layer_), cfg_.jitter_eps(),
+                          call.first_token);
   }
   Tensor logits = logits_.Rows(0, T);
   ops::LinearForward(ctx, logits, router_in, w_gate_->value, none);
   if (last_noise_) {
     Tensor raw = raw_noise_.Rows(0, T);
     ops::LinearForward(ctx, raw, router_in, w_noise_->value, none);
-    ops::MoeNoisyLogitsForward(ctx, logits, logits, raw, NoiseKey(seed_, call.step, layer_));
+    ops::MoeNoisyLogitsForward(ctx, logits, logits, raw, NoiseKey(seed_, call.step, layer_),
+                               call.first_token);
   }
   Tensor probs = probs_.Rows(0, T), lse = lse_.Rows(0, T);
   Tensor expert = expert_.Rows(0, T), weight = weight_.Rows(0, T);
@@ -85,11 +90,32 @@ void SoftmaxGate::Forward(ops::Context& ctx, const Tensor& x, const GateCall& ca
   out->weight = weight;
   out->eligible = nullptr;
   if (call.training && cfg_.type() == config::GateConfig::GSHARD && cfg_.random_routing()) {
-    ops::MoeRandomRouting(ctx, &eligible_, weight, RoutingKey(seed_, call.step, layer_));
+    ops::MoeRandomRouting(ctx, &eligible_, weight, RoutingKey(seed_, call.step, layer_),
+                          call.first_token);
     out->eligible = eligible_.data();
   }
   out->aux_loss = ops::MoeAuxLoss(ctx, probs, expert, &top1_counts_);
   out->z_loss = ops::MoeZLoss(ctx, lse);
+  last_batch_tokens_ = static_cast<double>(T);
+  if (reducer_ != nullptr && reducer_->parts() > 1) {
+    // aux = E * sum_e (count_e / T) * (sum_t p_te / T) over the whole batch.
+    batch_stats_.assign(2 * E_ + 1, 0.0);
+    const float* p = probs.f32();
+    for (int64_t e = 0; e < E_; ++e) batch_stats_[e] = static_cast<double>(top1_counts_[e]);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t e = 0; e < E_; ++e) batch_stats_[E_ + e] += static_cast<double>(p[t * E_ + e]);
+    }
+    batch_stats_[2 * E_] = static_cast<double>(T);
+    reducer_->Sum(batch_stats_.data(), batch_stats_.size());
+    const double tokens = std::max(1.0, batch_stats_[2 * E_]);
+    double aux = 0;
+    for (int64_t e = 0; e < E_; ++e) {
+      top1_counts_[e] = std::llround(batch_stats_[e]);
+      aux += batch_stats_[e] / tokens * (batch_stats_[E_ + e] / tokens);
+    }
+    out->aux_loss = static_cast<double>(E_) * aux;
+    last_batch_tokens_ = tokens;
+  }
 }
 
 void SoftmaxGate::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dweight,
@@ -98,9 +124,14 @@ void SoftmaxGate::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dwe
   CHECK_EQ(x.dim(0), T);
   Tensor none;
   Tensor dlogits = dlogits_.Rows(0, T);
+  // The kernel's aux gradient is coef * E * count_e / T^2 for local T. With batch-wide counts,
+  // scaling coef by T / T_batch makes it coef * E * count_e / (T * T_batch): the batch
+  // gradient times the number of workers, which the gradient average divides back out.
+  const double aux_coef =
+      cfg_.aux_loss_coef() * static_cast<double>(T) / std::max(1.0, last_batch_tokens_);
   ops::MoeRouterBackward(ctx, dlogits, dweight, probs_.Rows(0, T), lse_.Rows(0, T),
-                         expert_.Rows(0, T), top1_counts_, renormalize(), cfg_.aux_loss_coef(),
-                         cfg_.z_loss_coef());
+                         expert_.Rows(0, T), top1_counts_, renormalize(),
+                         static_cast<float>(aux_coef), cfg_.z_loss_coef());
   // With jitter the router saw xj, and its input gradient is scaled back onto x.
   Tensor router_in = last_jitter_ ? xj_.Rows(0, T) : x;
   Tensor drouter_in = last_jitter_ ? dxj_.Rows(0, T) : dx;
@@ -108,7 +139,7 @@ void SoftmaxGate::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dwe
   if (last_noise_) {
     Tensor draw = draw_noise_.Rows(0, T);
     ops::MoeNoisyLogitsBackward(ctx, draw, dlogits, raw_noise_.Rows(0, T),
-                                NoiseKey(seed_, last_step_, layer_));
+                                NoiseKey(seed_, last_step_, layer_), last_first_token_);
     ops::LinearBackward(ctx, drouter_in, w_noise_->grad, none, draw, router_in, w_noise_->value,
                         accumulate);
     ops::LinearBackward(ctx, drouter_in, w_gate_->grad, none, dlogits, router_in, w_gate_->value,
@@ -119,7 +150,7 @@ void SoftmaxGate::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dwe
   }
   if (last_jitter_) {
     ops::MoeJitterBackward(ctx, dx, drouter_in, JitterKey(seed_, last_step_, layer_),
-                           cfg_.jitter_eps());
+                           cfg_.jitter_eps(), last_first_token_);
   }
 }
 

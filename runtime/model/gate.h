@@ -21,6 +21,7 @@
 
 #include "kernels/ops.h"
 #include "proto/config.pb.h"
+#include "runtime/model/parallel.h"
 #include "runtime/model/parameter.h"
 
 namespace strata::model {
@@ -29,6 +30,9 @@ namespace strata::model {
 struct GateCall {
   bool training = true;
   uint64_t step = 0;  // keys the random draws of this call
+  // Index of this call's first token within the whole batch (a data-parallel worker's share
+  // starts past the others'), so random draws match a single process's.
+  int64_t first_token = 0;
 };
 
 struct Routing {
@@ -56,6 +60,10 @@ class Gate {
   virtual void Backward(ops::Context& ctx, const Tensor& x, const Tensor& dweight,
                         const Tensor& dx) = 0;
   virtual std::vector<Parameter*> Parameters() = 0;
+  // When a step's batch is split over workers, the load-balancing loss (a product of two batch
+  // means) is computed from statistics summed over all of them, so it — and its gradient — equal
+  // a single process's on the whole batch. Null: this worker holds the whole batch.
+  virtual void AttachReducer(BatchReducer* reducer) = 0;
 };
 
 struct SoftmaxGateOptions {
@@ -80,6 +88,7 @@ class SoftmaxGate : public Gate {
   void Backward(ops::Context& ctx, const Tensor& x, const Tensor& dweight,
                 const Tensor& dx) override;
   std::vector<Parameter*> Parameters() override;
+  void AttachReducer(BatchReducer* reducer) override { reducer_ = reducer; }
 
   Parameter& router() { return *w_gate_; }
   Parameter* noise_router() { return w_noise_.get(); }
@@ -104,9 +113,13 @@ class SoftmaxGate : public Gate {
   Tensor logits_, raw_noise_, probs_, lse_, dlogits_, draw_noise_;
   Tensor expert_, weight_;
   std::vector<uint8_t> eligible_;
-  std::vector<int64_t> top1_counts_;
+  std::vector<int64_t> top1_counts_;  // over the whole batch (all workers)
+  std::vector<double> batch_stats_;   // [2E + 1]: top-1 counts, probability sums, tokens
+  BatchReducer* reducer_ = nullptr;
   // State of the last Forward, for Backward.
   int64_t last_tokens_ = 0;
+  int64_t last_first_token_ = 0;
+  double last_batch_tokens_ = 0;  // tokens of the whole batch the aux loss averaged over
   bool last_jitter_ = false, last_noise_ = false;
   uint64_t last_step_ = 0;
 };

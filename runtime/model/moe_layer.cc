@@ -7,9 +7,14 @@
 namespace strata::model {
 
 MoeLayer::MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> gate,
-                   std::vector<std::unique_ptr<Expert>> experts)
-    : C_(d_model), gate_(std::move(gate)), experts_(std::move(experts)) {
-  CHECK_EQ(static_cast<int64_t>(experts_.size()), gate_->num_experts());
+                   std::vector<std::unique_ptr<Expert>> experts, int64_t first_expert)
+    : C_(d_model),
+      gate_(std::move(gate)),
+      experts_(std::move(experts)),
+      first_local_(first_expert) {
+  CHECK(first_local_ >= 0 && first_local_ + num_local_experts() <= gate_->num_experts())
+      << "experts [" << first_local_ << ", " << first_local_ + num_local_experts() << ") of "
+      << gate_->num_experts();
   saved_stride_ = 0;
   for (auto& e : experts_) saved_stride_ = std::max(saved_stride_, e->SavedPerRow());
   const int64_t rows = max_tokens * gate_->k();
@@ -22,7 +27,7 @@ MoeLayer::MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> ga
   dweight_ = Tensor::Empty({max_tokens, gate_->k()});
 }
 
-std::vector<Parameter*> MoeLayer::Parameters() {
+std::vector<Parameter*> MoeLayer::Parameters() {  // gate, then the local experts
   std::vector<Parameter*> ps = gate_->Parameters();
   for (auto& e : experts_) {
     for (Parameter* p : e->Parameters()) ps.push_back(p);
@@ -30,64 +35,86 @@ std::vector<Parameter*> MoeLayer::Parameters() {
   return ps;
 }
 
-void MoeLayer::PlanExpertGroups(int threads) {
+void MoeLayer::PlanExpertGroups(int threads, const std::vector<int64_t>& offsets) {
   group_begin_.clear();
-  const int64_t E = num_experts(), R = plan_.rows;
+  const int64_t E = static_cast<int64_t>(offsets.size()) - 1, R = offsets.back() - offsets[0];
   if (threads < 2 || E < threads || R == 0) return;
   // Cut the expert order where the row prefix sum crosses i * R / threads.
   group_begin_.assign(threads + 1, E);
   group_begin_[0] = 0;
   int part = 1;
   for (int64_t e = 0; e < E && part < threads; ++e) {
-    while (part < threads && plan_.offsets[e + 1] * threads >= part * R) {
+    while (part < threads && (offsets[e + 1] - offsets[0]) * threads >= part * R) {
       // Put expert e in the earlier group if that lands closer to the ideal cut.
-      const int64_t ideal = part * R / threads;
-      const bool before = plan_.offsets[e + 1] - ideal <= ideal - plan_.offsets[e];
+      const int64_t ideal = part * R / threads + offsets[0];
+      const bool before = offsets[e + 1] - ideal <= ideal - offsets[e];
       group_begin_[part++] = before ? e + 1 : e;
     }
   }
   int64_t worst = 0;
   for (int i = 0; i < threads; ++i) {
-    worst = std::max(worst, plan_.offsets[group_begin_[i + 1]] - plan_.offsets[group_begin_[i]]);
+    worst = std::max(worst, offsets[group_begin_[i + 1]] - offsets[group_begin_[i]]);
   }
   if (worst * threads > R * 115 / 100) group_begin_.clear();  // too uneven: split GEMMs instead
 }
 
 template <typename Fn>
-void MoeLayer::ForEachExpert(ops::Context& ctx, Fn&& fn) {
-  const int64_t E = num_experts();
+void MoeLayer::ForEachExpert(ops::Context& ctx, const std::vector<int64_t>& offsets, Fn&& fn) {
+  const int64_t E = num_local_experts();
   if (group_begin_.empty()) {
     for (int64_t e = 0; e < E; ++e) {
-      if (plan_.counts[e] > 0) fn(e);
+      if (offsets[e + 1] > offsets[e]) fn(e);
     }
     return;
   }
   // Inside a pool task every op runs on its own thread (nested parallelism is inline).
   ctx.pool->Run([&](int tid, int) {
     for (int64_t e = group_begin_[tid]; e < group_begin_[tid + 1]; ++e) {
-      if (plan_.counts[e] > 0) fn(e);
+      if (offsets[e + 1] > offsets[e]) fn(e);
     }
   });
 }
 
 template <typename Fn>
-void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass, Fn&& fn) {
+void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
+                          const std::vector<int64_t>& offsets, Fn&& fn) {
+  CHECK_EQ(static_cast<int64_t>(offsets.size()), num_local_experts() + 1);
   if (residency_ == nullptr) {
-    if (pass == ExpertResidency::Pass::kForward) PlanExpertGroups(ctx.pool->num_threads());
-    ForEachExpert(ctx, fn);
+    // Backward keeps the groups of the matching forward (same rows per expert).
+    if (pass == ExpertResidency::Pass::kForward) PlanExpertGroups(ctx.pool->num_threads(), offsets);
+    ForEachExpert(ctx, offsets, fn);
     return;
   }
   group_begin_.clear();
   needed_.clear();
-  for (int64_t e = 0; e < num_experts(); ++e) {
-    if (plan_.counts[e] > 0) needed_.push_back(static_cast<int>(e));
+  for (int64_t e = 0; e < num_local_experts(); ++e) {
+    if (offsets[e + 1] > offsets[e]) needed_.push_back(static_cast<int>(first_local_ + e));
   }
   residency_->BeginPass(layer_, pass, needed_);
   ctx.pool->Run([&](int, int) {
     for (int e; (e = residency_->NextReady(layer_, pass)) >= 0;) {
-      fn(e);
+      fn(e - first_local_);
       residency_->Done(layer_, pass, e);
     }
+  });
+}
+
+void MoeLayer::RunLocalForward(ops::Context& ctx, const std::vector<int64_t>& offsets,
+                               const Tensor& x, const Tensor& y, const Tensor& saved) {
+  RunExperts(ctx, ExpertResidency::Pass::kForward, offsets, [&](int64_t e) {
+    const int64_t r0 = offsets[e], r1 = offsets[e + 1];
+    experts_[e]->Forward(ctx, x.Rows(r0, r1), y.Rows(r0, r1),
+                         saved.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));
+  });
+}
+
+void MoeLayer::RunLocalBackward(ops::Context& ctx, const std::vector<int64_t>& offsets,
+                                const Tensor& x, const Tensor& dy, const Tensor& dx,
+                                const Tensor& saved) {
+  RunExperts(ctx, ExpertResidency::Pass::kBackward, offsets, [&](int64_t e) {
+    const int64_t r0 = offsets[e], r1 = offsets[e + 1];
+    experts_[e]->Backward(ctx, x.Rows(r0, r1), dy.Rows(r0, r1), dx.Rows(r0, r1),
+                          saved.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));
   });
 }
 
@@ -103,11 +130,12 @@ void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, cons
   const int64_t R = plan_.rows;
   Tensor xp = xp_.Rows(0, R), yp = yp_.Rows(0, R);
   ops::MoePermuteForward(ctx, xp, x, row_token_);
-  RunExperts(ctx, ExpertResidency::Pass::kForward, [&](int64_t e) {
-    const int64_t r0 = plan_.offsets[e], r1 = plan_.offsets[e + 1];
-    experts_[e]->Forward(ctx, xp.Rows(r0, r1), yp.Rows(r0, r1),
-                         saved_.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));
-  });
+  if (exchange_ != nullptr) {
+    exchange_->Forward(ctx, layer_, *this, xp, plan_.counts, yp);
+  } else {
+    CHECK_EQ(num_local_experts(), E) << "experts on other workers need an ExpertExchange";
+    RunLocalForward(ctx, plan_.offsets, xp, yp, saved_);
+  }
   ops::MoeCombineForward(ctx, y, yp, routing_.weight, slot);
 
   stats_.tokens = T;
@@ -136,11 +164,11 @@ void MoeLayer::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, co
   Tensor dweight = dweight_.Rows(0, T);
   // dyp overwrites yp in place (each row is read, then written, by one thread).
   ops::MoeCombineBackward(ctx, yp, dweight, dy, yp, routing_.weight, slot);
-  RunExperts(ctx, ExpertResidency::Pass::kBackward, [&](int64_t e) {
-    const int64_t r0 = plan_.offsets[e], r1 = plan_.offsets[e + 1];
-    experts_[e]->Backward(ctx, xp.Rows(r0, r1), yp.Rows(r0, r1), dxp.Rows(r0, r1),
-                          saved_.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));
-  });
+  if (exchange_ != nullptr) {
+    exchange_->Backward(ctx, layer_, *this, yp, dxp);
+  } else {
+    RunLocalBackward(ctx, plan_.offsets, xp, yp, dxp, saved_);
+  }
   ops::MoePermuteBackward(ctx, dx, dxp, slot, /*accumulate=*/false);
   gate_->Backward(ctx, x, dweight, dx);
 }

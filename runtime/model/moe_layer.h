@@ -22,6 +22,11 @@
 // store) experts are handed to threads as their parameters become resident, each run on one
 // thread. The layer keeps the routing of its last
 // Forward for Backward and for statistics.
+//
+// Expert parallelism: a layer may hold only some of its experts — [first_local_expert(),
+// first_local_expert() + num_local_experts()) — and an ExpertExchange (parallel.h) that moves the
+// rows of the others to the workers holding them; the exchange calls RunLocalForward /
+// RunLocalBackward for the rows this worker's experts received. Experts keep their global ids.
 #pragma once
 
 #include <memory>
@@ -31,6 +36,7 @@
 #include "runtime/model/expert.h"
 #include "runtime/model/expert_residency.h"
 #include "runtime/model/gate.h"
+#include "runtime/model/parallel.h"
 
 namespace strata::model {
 
@@ -47,9 +53,10 @@ struct MoeStats {
 
 class MoeLayer {
  public:
-  // experts.size() must equal gate->num_experts().
+  // `experts` are experts [first_expert, first_expert + experts.size()) of the gate's
+  // num_experts(); all of them unless an ExpertExchange is attached before Forward.
   MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> gate,
-           std::vector<std::unique_ptr<Expert>> experts);
+           std::vector<std::unique_ptr<Expert>> experts, int64_t first_expert = 0);
 
   // y [T, C] from x [T, C], T <= max_tokens.
   void Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, const GateCall& call);
@@ -70,16 +77,41 @@ class MoeLayer {
   }
   ExpertResidency* residency() const { return residency_; }
 
+  // Rows of experts on other workers go through `exchange` (null: every expert is local).
+  void AttachExchange(ExpertExchange* exchange, int layer) {
+    exchange_ = exchange;
+    layer_ = layer;
+  }
+  // For an ExpertExchange: runs local expert i (global id first_local_expert() + i) on rows
+  // [offsets[i], offsets[i + 1]) of x, writing y, keeping saved[row * SavedPerRow()..]. offsets has
+  // num_local_experts() + 1 entries. saved must hold offsets.back() * saved_stride() floats.
+  void RunLocalForward(ops::Context& ctx, const std::vector<int64_t>& offsets, const Tensor& x,
+                       const Tensor& y, const Tensor& saved);
+  // The backward of RunLocalForward for the same rows: dx from dy; accumulates expert gradients.
+  void RunLocalBackward(ops::Context& ctx, const std::vector<int64_t>& offsets, const Tensor& x,
+                        const Tensor& dy, const Tensor& dx, const Tensor& saved);
+  // Floats of saved storage per row (the most any local expert keeps).
+  int64_t saved_stride() const { return saved_stride_; }
+  int64_t d_model() const { return C_; }
+
   // Whether the last Forward ran the experts in per-thread groups (see the file comment).
   bool last_run_grouped() const { return !group_begin_.empty(); }
   Gate& gate() { return *gate_; }
-  Expert& expert(int e) { return *experts_[e]; }
-  int64_t num_experts() const { return static_cast<int64_t>(experts_.size()); }
+  // Expert `e` by its global id, which must be local.
+  Expert& expert(int64_t e) {
+    CHECK(e >= first_local_ && e < first_local_ + num_local_experts())
+        << "expert " << e << " is not on this worker";
+    return *experts_[e - first_local_];
+  }
+  int64_t num_experts() const { return gate_->num_experts(); }
+  int64_t first_local_expert() const { return first_local_; }
+  int64_t num_local_experts() const { return static_cast<int64_t>(experts_.size()); }
 
  private:
   int64_t C_;
   std::unique_ptr<Gate> gate_;
-  std::vector<std::unique_ptr<Expert>> experts_;
+  std::vector<std::unique_ptr<Expert>> experts_;  // local ones, from first_local_
+  int64_t first_local_ = 0;
   int64_t saved_stride_;  // floats of saved storage per row: max over experts
 
   Routing routing_;
@@ -94,17 +126,20 @@ class MoeLayer {
   std::vector<int64_t> group_begin_;
 
   ExpertResidency* residency_ = nullptr;
+  ExpertExchange* exchange_ = nullptr;
   int layer_ = -1;
   std::vector<int> needed_;  // experts with rows, for the residency
 
-  void PlanExpertGroups(int threads);
-  // Runs fn(e) for every expert with rows: through the residency when there is one, else grouped
-  // or in order.
+  // Per-thread groups over local experts whose rows are [offsets[i], offsets[i + 1]).
+  void PlanExpertGroups(int threads, const std::vector<int64_t>& offsets);
+  // Runs fn(i) for every local expert i with rows: through the residency when there is one, else
+  // grouped or in order.
   template <typename Fn>
-  void RunExperts(ops::Context& ctx, ExpertResidency::Pass pass, Fn&& fn);
-  // Runs fn(e) for every expert with rows, grouped or in order (see the file comment).
+  void RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
+                  const std::vector<int64_t>& offsets, Fn&& fn);
+  // Runs fn(i) for every local expert with rows, grouped or in order (see the file comment).
   template <typename Fn>
-  void ForEachExpert(ops::Context& ctx, Fn&& fn);
+  void ForEachExpert(ops::Context& ctx, const std::vector<int64_t>& offsets, Fn&& fn);
 };
 
 }  // namespace strata::model

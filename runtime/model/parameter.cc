@@ -73,4 +73,16 @@ int64_t CountScalars(const std::vector<Parameter*>& params) {
   return n;
 }
 
+double GradSumSquares(ops::Context& ctx, const ParameterSlices& slices,
+                      std::vector<double>* partials) {
+  std::vector<double>& partial = *partials;
+  partial.assign(ctx.pool->num_threads(), 0.0);
+  slices.Run(ctx, [&](int tid, size_t i, int64_t begin, int64_t n) {
+    partial[tid] += ops::SumSquares(ctx, slices.params()[i]->grad.View(begin, {n}));
+  });
+  double s = 0;
+  for (double v : partial) s += v;
+  return s;
+}
+
 }  // namespace strata::model

@@ -75,4 +75,9 @@ class ParameterSlices {
   std::vector<int64_t> offsets_;  // prefix sums of sizes, [params + 1]
 };
 
+// Sum of the squares of every gradient in `slices`, from per-thread partial sums (kept in
+// *partials, sized once) combined in thread order: the same bits for the same thread count.
+double GradSumSquares(ops::Context& ctx, const ParameterSlices& slices,
+                      std::vector<double>* partials);
+
 }  // namespace strata::model

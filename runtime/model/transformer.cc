@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "proto/config_io.h"
 #include "runtime/common/trace.h"
 
@@ -32,7 +33,8 @@ struct BlockScratch {
 class Block {
  public:
   Block(int index, const config::ModelConfig& cfg, int64_t max_batch, ops::NormKind norm,
-        uint64_t seed, const ExpertFactory& factory, bool unbound_experts)
+        uint64_t seed, const ExpertFactory& factory, bool unbound_experts, int64_t first_expert,
+        int64_t local_experts)
       : index_(index),
         norm_(norm),
         C_(cfg.d_model()),
@@ -66,10 +68,11 @@ class Block {
       g.layer = index;
       g.init_std = std;
       std::vector<std::unique_ptr<Expert>> experts;
-      for (int e = 0; e < m.num_experts(); ++e) {
+      if (local_experts < 0) local_experts = m.num_experts() - first_expert;
+      for (int64_t e = first_expert; e < first_expert + local_experts; ++e) {
         std::string ep = absl::StrCat(p, ".moe.experts.", e);
         if (factory) {
-          experts.push_back(factory(index, e, ep));
+          experts.push_back(factory(index, static_cast<int>(e), ep));
         } else {
           FfnOptions f{C_, m.d_expert(), act, m.expert_bias(), std, out_std};
           experts.push_back(std::make_unique<FfnExpert>(ep, f));
@@ -78,7 +81,8 @@ class Block {
           for (Parameter* p : experts.back()->Parameters()) Unbind(*p);
         }
       }
-      moe_ = std::make_unique<MoeLayer>(C_, N, MakeGate(p + ".moe.gate", g), std::move(experts));
+      moe_ = std::make_unique<MoeLayer>(C_, N, MakeGate(p + ".moe.gate", g), std::move(experts),
+                                        first_expert);
     } else {
       FfnOptions f{C_, cfg.d_ff(), act, true, std, out_std};
       ffn_ = std::make_unique<FfnExpert>(p + ".ffn", f);
@@ -101,8 +105,9 @@ class Block {
   std::vector<Parameter*> Parameters() {
     std::vector<Parameter*> ps = DenseParameters();
     if (moe_) {
-      for (int64_t e = 0; e < moe_->num_experts(); ++e) {
-        for (Parameter* p : moe_->expert(static_cast<int>(e)).Parameters()) ps.push_back(p);
+      const int64_t first = moe_->first_local_expert();
+      for (int64_t e = first; e < first + moe_->num_local_experts(); ++e) {
+        for (Parameter* p : moe_->expert(e).Parameters()) ps.push_back(p);
       }
     }
     return ps;
@@ -196,6 +201,14 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
   config::Normalize(&probe);
   RETURN_IF_ERROR(config::ValidateModelConfig(probe.model(), "model config"));
   if (options.max_batch < 1) return absl::InvalidArgumentError("max_batch must be at least 1");
+  const int64_t E = probe.model().moe().num_experts();
+  if (options.first_local_expert < 0 || options.first_local_expert > E ||
+      (options.num_local_experts >= 0 &&
+       options.first_local_expert + options.num_local_experts > E)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("local experts [%d, +%d) do not fit the %d experts of a layer",
+                        options.first_local_expert, options.num_local_experts, E));
+  }
 
   std::unique_ptr<MoeTransformer> m(new MoeTransformer);
   m->cfg_ = probe.model();
@@ -210,9 +223,9 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
   m->wpe_ = MakeParameter("wpe", {T, C}, Init::kNormal, cfg.init_std(), true);
   m->params_ = {m->wte_.get(), m->wpe_.get()};
   for (int l = 0; l < cfg.n_layers(); ++l) {
-    m->blocks_.push_back(std::make_unique<Block>(l, cfg, options.max_batch, m->norm_kind_,
-                                                 options.seed, options.expert_factory,
-                                                 options.unbound_experts));
+    m->blocks_.push_back(std::make_unique<Block>(
+        l, cfg, options.max_batch, m->norm_kind_, options.seed, options.expert_factory,
+        options.unbound_experts, options.first_local_expert, options.num_local_experts));
     for (Parameter* p : m->blocks_.back()->Parameters()) m->params_.push_back(p);
     if (m->blocks_.back()->moe()) m->moe_layers_.push_back({l, m->blocks_.back()->moe()});
   }
@@ -260,13 +273,33 @@ Parameter* MoeTransformer::FindParameter(const std::string& name) const {
 int64_t MoeTransformer::ActiveParametersPerToken() const {
   int64_t n = CountScalars(dense_params_);
   for (const MoeLayerRef& ref : moe_layers_) {
-    n += CountScalars(ref.layer->expert(0).Parameters()) * ref.layer->gate().k();
+    if (ref.layer->num_local_experts() == 0) continue;
+    n += CountScalars(ref.layer->expert(ref.layer->first_local_expert()).Parameters()) *
+         ref.layer->gate().k();
   }
   return n;
 }
 
 void MoeTransformer::AttachResidency(ExpertResidency* residency) {
   for (const MoeLayerRef& ref : moe_layers_) ref.layer->AttachResidency(residency, ref.block);
+}
+
+void MoeTransformer::AttachParallel(ExpertExchange* exchange, BatchReducer* reducer,
+                                    GradientReadyListener* listener) {
+  for (const MoeLayerRef& ref : moe_layers_) {
+    ref.layer->AttachExchange(exchange, ref.block);
+    ref.layer->gate().AttachReducer(reducer);
+  }
+  listener_ = listener;
+}
+
+std::vector<Parameter*> MoeTransformer::BlockParameters(int block) const {
+  if (block >= 0) return blocks_[block]->Parameters();
+  std::vector<Parameter*> ps;
+  for (Parameter* p : {wte_.get(), wpe_.get(), lnf_w_.get(), lnf_b_.get(), lm_head_.get()}) {
+    if (p != nullptr) ps.push_back(p);
+  }
+  return ps;
 }
 
 void MoeTransformer::ZeroGrad() {
@@ -316,8 +349,10 @@ void MoeTransformer::Backward(ops::Context& ctx) {
   for (int l = static_cast<int>(blocks_.size()) - 1; l >= 0; --l) {
     TraceScope span(ctx.tracer, "backward block", "compute", l);
     blocks_[l]->Backward(ctx, residual_[l].Rows(0, N), dres, B, scratch);
+    if (listener_ != nullptr) listener_->BlockReady(l);
   }
   ops::EmbeddingBackward(ctx, wte_->grad, wpe_->grad, dres, tokens_.Rows(0, N), B, T);
+  if (listener_ != nullptr) listener_->BlockReady(-1);
 }
 
 }  // namespace strata::model

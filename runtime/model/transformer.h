@@ -37,6 +37,11 @@ struct ModelOptions {
   // (the tiered store) binds them when they are used. Their initial values come from
   // InitialValues with the same seed.
   bool unbound_experts = false;
+  // Expert parallelism: build only experts [first_local_expert, first_local_expert +
+  // num_local_experts) of every MoE layer (-1: all of them); the others live on other workers,
+  // reached through an ExpertExchange (AttachParallel).
+  int64_t first_local_expert = 0;
+  int64_t num_local_experts = -1;
 };
 
 class MoeTransformer {
@@ -61,6 +66,14 @@ class MoeTransformer {
   const std::vector<Parameter*>& DenseParameters() const { return dense_params_; }
   // Lets every MoE layer's experts become resident through `residency` (see MoeLayer).
   void AttachResidency(ExpertResidency* residency);
+  // Distributed training (parallel.h); any may be null. `exchange` reaches the experts of other
+  // workers, `reducer` sums gate statistics over the batch's workers, `listener` hears in
+  // Backward which blocks' gradients are final.
+  void AttachParallel(ExpertExchange* exchange, BatchReducer* reducer,
+                      GradientReadyListener* listener);
+  // The parameters of block `block` (dense first, then local experts); block -1: the embeddings,
+  // the final norm and the output head, whose gradients are final only at the end of Backward.
+  std::vector<Parameter*> BlockParameters(int block) const;
   Parameter* FindParameter(const std::string& name) const;
 
   // The MoE layers, with the index of the block each sits in.
@@ -84,6 +97,7 @@ class MoeTransformer {
   std::vector<Parameter*> params_;
   std::vector<Parameter*> dense_params_;
   std::vector<MoeLayerRef> moe_layers_;
+  GradientReadyListener* listener_ = nullptr;
 
   // Activations [max_batch * seq_len, ...] and backward scratch.
   Tensor tokens_, targets_;
