@@ -29,8 +29,23 @@ const std::vector<FlagSpec>& TrainFlags() {
       {"checkpoint-every", "checkpoint every N steps (overrides checkpoint.every)"},
       {"resume", "continue from the newest valid checkpoint in the checkpoint folder", false},
       {"trace", "write a Chrome trace-event JSON of compute, I/O and copies (open in Perfetto)"},
+      {"export-params", "when training ends, write every parameter to DIR/<name>.f32 (float32)"},
       {"quiet", "no progress line", false},
   };
+  return specs;
+}
+
+const std::vector<FlagSpec>& WorkerFlags() {
+  static const std::vector<FlagSpec> specs = [] {
+    std::vector<FlagSpec> v = {
+        {"rank", "this worker's rank in [0, world-size); required"},
+        {"world-size", "number of workers; required"},
+        {"store", "rendezvous folder shared by all workers (created if missing); required"},
+        {"hostname", "address the other workers reach this one at (default 127.0.0.1)"},
+    };
+    for (const FlagSpec& f : TrainFlags()) v.push_back(f);
+    return v;
+  }();
   return specs;
 }
 
@@ -85,6 +100,8 @@ void PrintTopUsage(std::FILE* out) {
                "usage: strata COMMAND [flags]\n\n"
                "commands:\n"
                "  train    train a model from a job config on this machine\n"
+               "  worker   one of several processes training a job together (--rank, "
+               "--world-size, --store)\n"
                "  check    validate a job config and its data file, print the effective config\n"
                "  ckpt     list, verify or remove checkpoints: strata ckpt ls|verify|rm DIR ...\n"
                "  version  print the version and the backends this build has\n"
@@ -102,23 +119,24 @@ bool WantsHelp(const std::vector<std::string>& args) {
 
 }  // namespace
 
-int TrainCommand(const std::vector<std::string>& args) {
-  if (WantsHelp(args)) {
-    std::printf("usage: strata train [flags]\n%s", Flags::Usage(TrainFlags()).c_str());
-    return 0;
-  }
-  auto flags = Flags::Parse("train", TrainFlags(), args);
-  if (!flags.ok()) return UsageError(flags.status(), "train", TrainFlags());
-  auto overrides = ParseOverrides(*flags);
-  if (!overrides.ok()) return UsageError(overrides.status(), "train", TrainFlags());
-  auto cfg = LoadWithOverrides(*flags, *overrides);
+namespace {
+
+// `strata train` and `strata worker` after their own flags: load the config and train.
+int RunTraining(const Flags& flags, const std::string& command, const std::vector<FlagSpec>& specs,
+                const train::WorkerOptions& worker) {
+  auto overrides = ParseOverrides(flags);
+  if (!overrides.ok()) return UsageError(overrides.status(), command, specs);
+  auto cfg = LoadWithOverrides(flags, *overrides);
   if (!cfg.ok()) return Fail(cfg.status());
   train::TrainOptions options;
   options.config = *cfg;
-  options.metrics_path = flags->String("metrics-out").value_or("");
-  options.progress = !flags->Has("quiet");
-  options.trace_path = flags->String("trace").value_or("");
-  options.resume = flags->Has("resume");
+  options.worker = worker;
+  options.metrics_path = flags.String("metrics-out").value_or("");
+  // One progress line per job: the first worker's.
+  options.progress = !flags.Has("quiet") && worker.rank == 0;
+  options.trace_path = flags.String("trace").value_or("");
+  options.export_params_dir = flags.String("export-params").value_or("");
+  options.resume = flags.Has("resume");
   // Fault injection for tests and drills: hold every checkpoint between its extents and its
   // commit, so a kill can land in the middle of one.
   if (const char* d = std::getenv("STRATA_FAULT_CHECKPOINT_COMMIT_DELAY_MS")) {
@@ -138,10 +156,60 @@ int TrainCommand(const std::vector<std::string>& args) {
     std::string bpb = std::isfinite(e.bits_per_byte)
                           ? absl::StrFormat(", %.3f bits per byte", e.bits_per_byte)
                           : std::string();
-    std::printf("done: %d steps, held-out loss %.4f nats per token%s\n", static_cast<int>(step),
-                e.loss, bpb.c_str());
+    if (worker.rank == 0) {
+      std::printf("done: %d steps, held-out loss %.4f nats per token%s\n", static_cast<int>(step),
+                  e.loss, bpb.c_str());
+    }
   }
   return 0;
+}
+
+}  // namespace
+
+int TrainCommand(const std::vector<std::string>& args) {
+  if (WantsHelp(args)) {
+    std::printf("usage: strata train [flags]\n%s", Flags::Usage(TrainFlags()).c_str());
+    return 0;
+  }
+  auto flags = Flags::Parse("train", TrainFlags(), args);
+  if (!flags.ok()) return UsageError(flags.status(), "train", TrainFlags());
+  return RunTraining(*flags, "train", TrainFlags(), train::WorkerOptions{});
+}
+
+int WorkerCommand(const std::vector<std::string>& args) {
+  if (WantsHelp(args)) {
+    std::printf(
+        "usage: strata worker --rank R --world-size W --store DIR --config FILE [flags]\n"
+        "One of W processes training one job together: each takes global_batch / W sequences of "
+        "every step; experts are split as the config's `parallel` section says. Start all W with "
+        "the same config and store folder.\n%s",
+        Flags::Usage(WorkerFlags()).c_str());
+    return 0;
+  }
+  auto flags = Flags::Parse("worker", WorkerFlags(), args);
+  if (!flags.ok()) return UsageError(flags.status(), "worker", WorkerFlags());
+  auto world = flags->Int("world-size", 1, 4096);
+  if (!world.ok()) return UsageError(world.status(), "worker", WorkerFlags());
+  auto rank = flags->Int("rank", 0, 4095);
+  if (!rank.ok()) return UsageError(rank.status(), "worker", WorkerFlags());
+  auto store_dir = flags->String("store");
+  if (!*world || !*rank || !store_dir) {
+    return UsageError(absl::InvalidArgumentError("--rank, --world-size and --store are required"),
+                      "worker", WorkerFlags());
+  }
+  if (**rank >= **world) {
+    return UsageError(absl::InvalidArgumentError(absl::StrFormat(
+                          "--rank %d must be below --world-size %d", **rank, **world)),
+                      "worker", WorkerFlags());
+  }
+  auto store = comm::MakeFileStore(*store_dir);
+  if (!store.ok()) return Fail(store.status());
+  train::WorkerOptions worker;
+  worker.rank = static_cast<int>(**rank);
+  worker.world_size = static_cast<int>(**world);
+  worker.store = comm::MakePrefixStore(std::move(*store), comm::GenerationPrefix(0));
+  worker.hostname = flags->String("hostname").value_or("127.0.0.1");
+  return RunTraining(*flags, "worker", WorkerFlags(), worker);
 }
 
 int CheckCommand(const std::vector<std::string>& args) {
@@ -227,6 +295,7 @@ int Main(int argc, char** argv) {
   const std::string cmd = args[0];
   args.erase(args.begin());
   if (cmd == "train") return TrainCommand(args);
+  if (cmd == "worker") return WorkerCommand(args);
   if (cmd == "check") return CheckCommand(args);
   if (cmd == "ckpt") return CkptCommand(args);
   if (cmd == "version" || cmd == "--version") {

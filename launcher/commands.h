@@ -10,6 +10,9 @@ namespace strata::launcher {
 // strata train --config FILE [--steps N] [--threads T] [--metrics-out FILE.jsonl]
 //              [--checkpoint-dir DIR] [--checkpoint-every N] [--resume] [--quiet]
 int TrainCommand(const std::vector<std::string>& args);
+// strata worker --rank R --world-size W --store DIR --config FILE [train's flags]: one of W
+// processes that train a job together (data and expert parallel; see ParallelConfig).
+int WorkerCommand(const std::vector<std::string>& args);
 // strata check --config FILE: validates the config and its data file, prints the effective config.
 int CheckCommand(const std::vector<std::string>& args);
 // strata ckpt ls|verify|rm DIR ...: the checkpoints in a folder.

@@ -258,6 +258,31 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
   v.Require(!(s.expert_update() == StorageConfig::LAZY && !tiered), {"storage", "expert_update"},
             "expert_update LAZY applies to the tiered store; set storage.mode: TIERED or use "
             "DENSE");
+  const ParallelConfig& par = c.parallel();
+  v.Require(par.expert_parallel() >= 0 && par.expert_parallel() <= 4096,
+            {"parallel", "expert_parallel"},
+            "expert_parallel must be in [0, 4096] (0: all workers, 1: data parallel only)");
+  v.Require(par.dispatch_chunks() >= 1 && par.dispatch_chunks() <= 64,
+            {"parallel", "dispatch_chunks"}, "dispatch_chunks must be in [1, 64] (1: no overlap)");
+  v.Require(par.bucket_bytes() >= 4, {"parallel", "bucket_bytes"},
+            "bucket_bytes must be at least 4 (one float)");
+  v.Require(par.timeout_ms() >= 100, {"parallel", "timeout_ms"}, "timeout_ms must be at least 100");
+  if (par.experts_per_worker_size() > 0) {
+    int64_t sum = 0;
+    bool negative = false;
+    for (int32_t n : par.experts_per_worker()) {
+      sum += n;
+      negative |= n < 0;
+    }
+    v.Require(!negative && sum == m.moe().num_experts(), {"parallel", "experts_per_worker"},
+              absl::StrCat("experts_per_worker must be non-negative and sum to moe.num_experts = ",
+                           m.moe().num_experts(), " (it sums to ", sum, ")"));
+    v.Require(par.expert_parallel() == 0 || par.experts_per_worker_size() == par.expert_parallel(),
+              {"parallel", "experts_per_worker"},
+              absl::StrCat("experts_per_worker has ", par.experts_per_worker_size(),
+                           " entries but expert_parallel is ", par.expert_parallel(),
+                           "; give one per worker of an expert-parallel group"));
+  }
   v.Require(s.device_budget_bytes() == 0 || tiered, {"storage", "device_budget_bytes"},
             "budgets apply to storage.mode: TIERED");
   v.Require(s.host_budget_bytes() == 0 || tiered, {"storage", "host_budget_bytes"},

@@ -25,6 +25,13 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
   if (model.moe_layers().empty()) {
     return absl::InvalidArgumentError("the tiered store needs a model with MoE layers");
   }
+  for (const auto& ref : model.moe_layers()) {
+    if (ref.layer->num_local_experts() != ref.layer->num_experts()) {
+      return absl::UnimplementedError(
+          "the tiered store holds every expert of a layer; with experts placed on other workers "
+          "(parallel.expert_parallel > 1) use storage.mode: IN_MEMORY");
+    }
+  }
   // The layout of an expert's blob, from the first expert; every other must match it.
   std::vector<model::Parameter*> first = model.moe_layers()[0].layer->expert(0).Parameters();
   for (model::Parameter* p : first) {

@@ -348,7 +348,8 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
     for (const auto& ref : model.moe_layers()) {
       if (ref.block == r.layer()) layer = ref.layer;
     }
-    if (layer == nullptr || r.expert() >= layer->num_experts()) {
+    if (layer == nullptr || r.expert() < layer->first_local_expert() ||
+        r.expert() >= layer->first_local_expert() + layer->num_local_experts()) {
       return absl::DataLossError(
           absl::StrFormat("%s has no place in the model", Describe(r, m.step())));
     }
@@ -461,7 +462,8 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
 
   // Experts: one blob per expert and kind.
   for (const auto& ref : model.moe_layers()) {
-    for (int e = 0; e < ref.layer->num_experts(); ++e) {
+    const int first = static_cast<int>(ref.layer->first_local_expert());
+    for (int e = first; e < first + ref.layer->num_local_experts(); ++e) {
       for (int kind : {0, 2, 3}) {
         TensorRef r;
         r.set_layer(ref.block);

@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -77,6 +79,123 @@ Status Trainer::SetUpTiered() {
   return absl::OkStatus();
 }
 
+Status Trainer::SetUpWorkers() {
+  const config::JobConfig& cfg = options_.config;
+  const WorkerOptions& w = options_.worker;
+  const int W = w.world_size;
+  if (w.rank < 0 || w.rank >= W) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--rank %d is outside [0, %d) for --world-size %d", w.rank, W, W));
+  }
+  if (w.store == nullptr) return absl::InvalidArgumentError("a distributed worker needs a store");
+  const config::ParallelConfig& par = cfg.parallel();
+  const int ep = par.expert_parallel() == 0 ? W : par.expert_parallel();
+  if (W % ep != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "parallel.expert_parallel = %d does not divide the %d workers; choose a divisor of %d "
+        "(or 0 for all workers)",
+        ep, W, W));
+  }
+  if (cfg.train().global_batch() % W != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "train.global_batch = %d does not split evenly over %d workers; make it a multiple of %d",
+        cfg.train().global_batch(), W, W));
+  }
+  if (ep > 1 && par.experts_per_worker_size() > 0 && par.experts_per_worker_size() != ep) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "parallel.experts_per_worker has %d entries but expert-parallel groups have %d workers",
+        par.experts_per_worker_size(), ep));
+  }
+  if (ep > 1 && cfg.model().moe().num_experts() < ep && par.experts_per_worker_size() == 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "moe.num_experts = %d is fewer than the %d workers of an expert-parallel group; lower "
+        "parallel.expert_parallel or give parallel.experts_per_worker",
+        cfg.model().moe().num_experts(), ep));
+  }
+  if (cfg.storage().mode() == config::StorageConfig::TIERED) {
+    return absl::UnimplementedError(
+        "storage.mode: TIERED is not available to distributed workers yet; use IN_MEMORY");
+  }
+  if (!cfg.checkpoint().dir().empty() || options_.resume) {
+    return absl::UnimplementedError(
+        "checkpoints are not available to distributed workers yet; leave checkpoint.dir empty");
+  }
+  comm::CommOptions co;
+  co.timeout = std::chrono::milliseconds(par.timeout_ms());
+  co.hostname = w.hostname;
+  co.rank = w.rank;
+  co.world_size = W;
+  auto connect = [&](const std::string& prefix, int rank, int size,
+                     std::unique_ptr<comm::Communicator>* out) -> Status {
+    comm::CommOptions o = co;
+    o.rank = rank;
+    o.world_size = size;
+    auto c = comm::ConnectGloo(comm::MakePrefixStore(w.store, prefix), o);
+    if (!c.ok()) {
+      return Status(c.status().code(),
+                    absl::StrCat("connecting the ", prefix, " group: ", c.status().message()));
+    }
+    *out = std::move(*c);
+    return absl::OkStatus();
+  };
+  // Every worker connects the groups in the same order: all workers, its expert-parallel group,
+  // its expert replicas.
+  RETURN_IF_ERROR(connect("world/", w.rank, W, &world_comm_));
+  if (ep > 1) {
+    RETURN_IF_ERROR(connect(absl::StrCat("ep/", w.rank / ep, "/"), w.rank % ep, ep, &ep_comm_));
+    if (W / ep > 1) {
+      RETURN_IF_ERROR(connect(absl::StrCat("replicas/", w.rank % ep, "/"), w.rank / ep, W / ep,
+                              &replica_comm_));
+    }
+  }
+  STRATA_LOG(INFO) << absl::StrFormat(
+      "worker %d of %d: expert-parallel groups of %d, %d copies of each expert, %d sequences per "
+      "step, %d dispatch chunks",
+      w.rank, W, ep, W / ep, cfg.train().global_batch() / W, par.dispatch_chunks());
+  return absl::OkStatus();
+}
+
+Status Trainer::SumOverWorkers(double* data, size_t n) {
+  if (!distributed()) return absl::OkStatus();
+  data_parallel_->Sum(data, n);
+  return data_parallel_->status();
+}
+
+Status Trainer::ParallelStatus() const {
+  if (exchange_) RETURN_IF_ERROR(exchange_->status());
+  if (data_parallel_) RETURN_IF_ERROR(data_parallel_->status());
+  return absl::OkStatus();
+}
+
+Status Trainer::ExportParameters() const {
+  const std::string& dir = options_.export_params_dir;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("cannot create --export-params folder '%s': %s", dir, ec.message()));
+  }
+  const std::vector<model::Parameter*>& dense = model_->DenseParameters();
+  const std::set<const model::Parameter*> is_dense(dense.begin(), dense.end());
+  const bool rank0 = options_.worker.rank == 0;
+  for (const model::Parameter* p : model_->Parameters()) {
+    if (is_dense.count(p) ? !rank0 : !expert_replica_leader_) continue;
+    if (!p->value.defined()) continue;  // tiered experts live in the store
+    const std::string path = absl::StrCat(dir, "/", p->name, ".f32");
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    if (f == nullptr) {
+      return absl::PermissionDeniedError(
+          absl::StrFormat("cannot write '%s': %s", path, std::strerror(errno)));
+    }
+    const size_t n = static_cast<size_t>(p->value.numel());
+    const bool ok = std::fwrite(p->value.f32(), sizeof(float), n, f) == n;
+    if (std::fclose(f) != 0 || !ok) {
+      return absl::DataLossError(absl::StrFormat("writing '%s' failed", path));
+    }
+  }
+  return absl::OkStatus();
+}
+
 double Trainer::LearningRate(const config::TrainConfig& t, int64_t s) {
   const double peak = t.lr();
   if (s < t.warmup_steps()) return peak * static_cast<double>(s + 1) / t.warmup_steps();
@@ -116,7 +235,45 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   mo.expert_factory = options.expert_factory;
   const bool tiered = cfg.storage().mode() == config::StorageConfig::TIERED;
   mo.unbound_experts = tiered;
+  tr->local_batch_ = cfg.train().global_batch();
+  std::optional<scheduler::ExpertPlacement> placement;
+  if (tr->distributed()) {
+    RETURN_IF_ERROR(tr->SetUpWorkers());
+    const int W = options.worker.world_size, rank = options.worker.rank;
+    tr->local_batch_ = cfg.train().global_batch() / W;
+    tr->first_sequence_ = rank * tr->local_batch_;
+    mo.max_batch = tr->local_batch_;
+    const int ep = tr->ep_comm_ ? tr->ep_comm_->world_size() : 1;
+    const int64_t E = cfg.model().moe().num_experts();
+    if (cfg.parallel().experts_per_worker_size() > 0 && ep > 1) {
+      std::vector<int64_t> counts(cfg.parallel().experts_per_worker().begin(),
+                                  cfg.parallel().experts_per_worker().end());
+      ASSIGN_OR_RETURN(placement, scheduler::ExpertPlacement::FromCounts(counts));
+    } else {
+      ASSIGN_OR_RETURN(placement, scheduler::ExpertPlacement::Even(E, ep));
+    }
+    const int group_rank = rank % ep;
+    mo.first_local_expert = placement->first(group_rank);
+    mo.num_local_experts = placement->count(group_rank);
+    tr->expert_replica_leader_ = rank < ep;
+  }
   ASSIGN_OR_RETURN(tr->model_, model::MoeTransformer::Create(tr->ctx_, mo));
+  if (tr->distributed()) {
+    if (tr->ep_comm_) {
+      scheduler::ExpertParallelOptions eo;
+      eo.chunks = cfg.parallel().dispatch_chunks();
+      tr->exchange_ =
+          std::make_unique<scheduler::ExpertParallel>(tr->ep_comm_.get(), *placement, eo);
+    }
+    scheduler::DataParallelOptions dpo;
+    dpo.bucket_bytes = cfg.parallel().bucket_bytes();
+    comm::Communicator* replicas = tr->ep_comm_ ? tr->replica_comm_.get() : tr->world_comm_.get();
+    tr->data_parallel_ = std::make_unique<scheduler::DataParallel>(
+        *tr->model_, tr->world_comm_.get(), replicas, dpo);
+    tr->model_->AttachParallel(tr->exchange_.get(), tr->data_parallel_.get(),
+                               tr->data_parallel_.get());
+    tr->dense_slices_ = std::make_unique<model::ParameterSlices>(tr->model_->DenseParameters());
+  }
   if (!cfg.checkpoint().dir().empty()) {
     CheckpointOptions co;
     co.dir = cfg.checkpoint().dir();
@@ -161,7 +318,7 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
                                                          tr->scheduler_.get(), tr->ctx_));
     tr->resumed_from_ = tr->step_;
   }
-  const int64_t n = static_cast<int64_t>(cfg.train().global_batch()) * cfg.model().seq_len();
+  const int64_t n = tr->local_batch_ * cfg.model().seq_len();
   tr->inputs_.resize(n);
   tr->targets_.resize(n);
   tr->tty_ = isatty(STDERR_FILENO);
@@ -173,28 +330,63 @@ StatusOr<StepResult> Trainer::Step() {
   const int64_t B = cfg.train().global_batch();
   Stopwatch watch;
   TraceScope step_span(ctx_.tracer, "step", "step", static_cast<int>(step_ + 1));
-  dataset_->TrainBatch(cfg.seed(), data::TokenDataset::FirstSample(step_, B), B, inputs_.data(),
-                       targets_.data());
+  const int64_t b = local_batch_;
+  dataset_->TrainBatch(cfg.seed(), data::TokenDataset::FirstSample(step_, B) + first_sequence_, b,
+                       inputs_.data(), targets_.data());
   optimizer_->ZeroGrad(ctx_);
-  model::GateCall call{true, static_cast<uint64_t>(step_)};
+  model::GateCall call{true, static_cast<uint64_t>(step_), first_sequence_ * cfg.model().seq_len()};
   StepResult r;
   {
     TraceScope span(ctx_.tracer, "forward", "compute");
-    r.loss = model_->Forward(ctx_, inputs_.data(), targets_.data(), B, call);
+    r.loss = model_->Forward(ctx_, inputs_.data(), targets_.data(), b, call);
   }
   if (scheduler_) RETURN_IF_ERROR(scheduler_->status());
+  RETURN_IF_ERROR(ParallelStatus());
+  double expert_sq = 0;
+  if (distributed()) {
+    // Backward, then the loss, the z-loss and the experts' share of the gradient norm summed over
+    // the workers in one go (every worker's loss is the mean over its own tokens).
+    {
+      TraceScope span(ctx_.tracer, "backward", "compute");
+      model_->Backward(ctx_);
+    }
+    RETURN_IF_ERROR(ParallelStatus());
+    RETURN_IF_ERROR(data_parallel_->FinishGradients());
+    if (expert_replica_leader_) {
+      const std::vector<model::Parameter*>& dense = model_->DenseParameters();
+      const std::set<const model::Parameter*> is_dense(dense.begin(), dense.end());
+      for (const model::Parameter* p : model_->Parameters()) {
+        if (is_dense.count(p)) continue;
+        const float* g = p->grad.f32();
+        for (int64_t i = 0; i < p->grad.numel(); ++i) expert_sq += double{g[i]} * g[i];
+      }
+    }
+    double z = 0;
+    for (const auto& ref : model_->moe_layers()) z += ref.layer->stats().z_loss;
+    double sums[3] = {r.loss, z, expert_sq};
+    RETURN_IF_ERROR(SumOverWorkers(sums, 3));
+    const double W = options_.worker.world_size;
+    r.loss = sums[0] / W;
+    r.z_loss = sums[1] / W;
+    expert_sq = sums[2];
+  }
   if (!std::isfinite(r.loss)) {
     return absl::InternalError(
         absl::StrFormat("the training loss became %f at step %d; lower train.lr (now %g) or raise "
                         "train.warmup_steps, and check the data file",
                         r.loss, step_ + 1, cfg.train().lr()));
   }
-  {
+  if (!distributed()) {
     TraceScope span(ctx_.tracer, "backward", "compute");
     model_->Backward(ctx_);
   }
   if (scheduler_) RETURN_IF_ERROR(scheduler_->status());
-  double sq = optimizer_->GradSumSquares(ctx_);
+  double sq = 0;
+  if (distributed()) {
+    sq = model::GradSumSquares(ctx_, *dense_slices_, &norm_partials_) + expert_sq;
+  } else {
+    sq = optimizer_->GradSumSquares(ctx_);
+  }
   if (scheduler_) sq += scheduler_->ExpertGradSumSquares();
   r.grad_norm = std::sqrt(sq);
   r.lr = LearningRate(cfg.train(), step_);
@@ -216,15 +408,20 @@ StatusOr<StepResult> Trainer::Step() {
     r.tiered = true;
     r.store = scheduler_->store().TakeStats();
   }
+  const double z_over_workers = r.z_loss;
+  r.z_loss = 0;
   for (const auto& ref : model_->moe_layers()) {
     r.moe.push_back(ref.layer->stats());
     r.aux_loss += ref.layer->stats().aux_loss;
     r.z_loss += ref.layer->stats().z_loss;
   }
+  if (distributed()) r.z_loss = z_over_workers;
   if (!model_->moe_layers().empty()) {
     r.aux_loss /= static_cast<double>(model_->moe_layers().size());
     r.z_loss /= static_cast<double>(model_->moe_layers().size());
   }
+  if (data_parallel_) r.comm_seconds = data_parallel_->TakeCommSeconds();
+  if (exchange_) r.comm_seconds += exchange_->TakeTimes().comm_seconds;
   r.seconds = watch.Seconds();
   r.tokens = B * cfg.model().seq_len();
   r.step = ++step_;
@@ -236,11 +433,22 @@ EvalResult Trainer::Evaluate() {
   const config::JobConfig& cfg = options_.config;
   const int64_t B = cfg.train().global_batch();
   const int64_t N = B * cfg.model().seq_len();
-  model::GateCall call{false, static_cast<uint64_t>(step_)};
+  const int64_t n = local_batch_ * cfg.model().seq_len();
+  model::GateCall call{false, static_cast<uint64_t>(step_),
+                       first_sequence_ * cfg.model().seq_len()};
   double sum = 0;
   for (int b = 0; b < cfg.train().eval_batches(); ++b) {
-    dataset_->EvalBatch(b, B, inputs_.data(), targets_.data());
-    sum += model_->Forward(ctx_, inputs_.data(), targets_.data(), B, call) * N;
+    dataset_->EvalBatch(b, B, first_sequence_, local_batch_, inputs_.data(), targets_.data());
+    sum += model_->Forward(ctx_, inputs_.data(), targets_.data(), local_batch_, call) *
+           static_cast<double>(n);
+  }
+  if (distributed()) {
+    Status s = ParallelStatus();
+    if (s.ok()) s = SumOverWorkers(&sum, 1);
+    if (!s.ok()) {
+      STRATA_LOG(ERROR) << "evaluation: " << s;
+      sum = std::nan("");
+    }
   }
   if (scheduler_) {
     Status s = scheduler_->status();
@@ -259,6 +467,7 @@ EvalResult Trainer::Evaluate() {
 
 Status Trainer::Run() {
   Status s = RunLoop();
+  if (s.ok() && !options_.export_params_dir.empty()) s = ExportParameters();
   if (scheduler_) scheduler_->Quiesce();
   if (tracer_) {
     // Also after a failure: the trace shows what led up to it.

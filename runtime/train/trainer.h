@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "proto/config.pb.h"
+#include "runtime/comm/communicator.h"
+#include "runtime/comm/store.h"
 #include "runtime/common/json.h"
 #include "runtime/common/status.h"
 #include "runtime/common/thread_pool.h"
@@ -22,9 +24,19 @@
 #include "runtime/model/transformer.h"
 #include "runtime/train/checkpoint.h"
 #include "runtime/train/metrics.h"
+#include "scheduler/data_parallel.h"
+#include "scheduler/expert_parallel.h"
 #include "scheduler/tiered_scheduler.h"
 
 namespace strata::train {
+
+// This process as one of several workers (`strata worker`); world_size 1 is a single process.
+struct WorkerOptions {
+  int rank = 0;
+  int world_size = 1;
+  std::shared_ptr<comm::Store> store;  // rendezvous of the communicators
+  std::string hostname = "127.0.0.1";  // the address peers reach this worker at
+};
 
 struct TrainOptions {
   config::JobConfig config;  // loaded with config::LoadJobConfig (validated, paths resolved)
@@ -43,6 +55,12 @@ struct TrainOptions {
   // Chrome trace-event JSON of compute, SSD I/O, copies, optimizer and checkpoint spans, written
   // when Run returns; empty for none.
   std::string trace_path;
+  // Distributed training: the step's batch is split over the workers (see ParallelConfig).
+  WorkerOptions worker;
+  // When Run returns, every parameter this worker holds is written to DIR/<name>.f32 (raw
+  // little-endian float32; dense parameters by rank 0 only, experts by the worker that holds
+  // them — rank 0 of its expert replicas). Empty: nothing is written.
+  std::string export_params_dir;
 };
 
 struct StepResult {
@@ -54,6 +72,7 @@ struct StepResult {
   double lr = 0;
   double seconds = 0;
   int64_t tokens = 0;
+  double comm_seconds = 0;           // distributed: time the communication threads were busy
   std::vector<model::MoeStats> moe;  // per MoE layer, in model.moe_layers() order
   bool tiered = false;
   storage::StoreStats store;  // TIERED: this step's tier figures
@@ -102,6 +121,12 @@ class Trainer {
   void PrintProgress(const StepResult& r, const EvalResult* eval, bool final_line);
 
   [[nodiscard]] Status SetUpTiered();
+  [[nodiscard]] Status SetUpWorkers();
+  // Sum over all workers (identity for one process); fails the step on a communication error.
+  [[nodiscard]] Status SumOverWorkers(double* data, size_t n);
+  [[nodiscard]] Status ParallelStatus() const;
+  [[nodiscard]] Status ExportParameters() const;
+  bool distributed() const { return options_.worker.world_size > 1; }
   [[nodiscard]] Status RunLoop();
   void WriteStepMetrics(JsonWriter& j, const StepResult& r) const;
 
@@ -118,6 +143,15 @@ class Trainer {
   std::unique_ptr<MemoryBudget> device_budget_, host_budget_;
   std::unique_ptr<CheckpointManager> checkpoints_;  // uses the budgets' SSD tier; goes last
   std::unique_ptr<scheduler::TieredExpertScheduler> scheduler_;
+  // Distributed (declared so that the exchanges go before the communicators they use).
+  std::unique_ptr<comm::Communicator> world_comm_, ep_comm_, replica_comm_;
+  std::unique_ptr<scheduler::ExpertParallel> exchange_;
+  std::unique_ptr<scheduler::DataParallel> data_parallel_;
+  int64_t local_batch_ = 0;            // sequences per step on this worker
+  int64_t first_sequence_ = 0;         // this worker's first sequence within the step's batch
+  bool expert_replica_leader_ = true;  // counts its experts in the global gradient norm
+  std::unique_ptr<model::ParameterSlices> dense_slices_;  // for the dense gradient norm
+  std::vector<double> norm_partials_;
   std::unique_ptr<MetricsWriter> metrics_;
   std::vector<int32_t> inputs_, targets_;
   int64_t step_ = 0;

@@ -1,0 +1,58 @@
+// CommThread: one thread that runs a communicator's operations in the order they were submitted.
+//
+// A Communicator takes calls from one thread at a time, and every rank must issue the same
+// operations in the same order. Submitting them to one FIFO thread keeps both true while the
+// submitting thread goes on computing: the order is the program order of Submit, which is the
+// same on every rank. Wait(ticket) blocks until that operation finished and returns its Status;
+// the first failure is kept and every later operation is skipped with it, so a broken peer ends
+// the step with one clear error.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "runtime/common/clock.h"
+#include "runtime/common/status.h"
+
+namespace strata::scheduler {
+
+class CommThread {
+ public:
+  explicit CommThread(std::string name);
+  ~CommThread();  // waits for what was submitted
+  CommThread(const CommThread&) = delete;
+  CommThread& operator=(const CommThread&) = delete;
+
+  using Ticket = int64_t;
+  Ticket Submit(std::function<Status()> op);
+  // Waits for `ticket` (and everything submitted before it).
+  [[nodiscard]] Status Wait(Ticket ticket);
+  // Waits for everything submitted so far.
+  [[nodiscard]] Status Drain();
+  // Runs op on the thread and waits for it.
+  [[nodiscard]] Status Run(std::function<Status()> op) { return Wait(Submit(std::move(op))); }
+  // The first error (OK while none).
+  [[nodiscard]] Status status() const;
+  // Seconds spent inside operations since the last call (for the step's communication time).
+  double TakeBusySeconds();
+
+ private:
+  void Loop();
+
+  std::string name_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::deque<std::function<Status()>> queue_;
+  Ticket submitted_ = 0, finished_ = 0;
+  Status status_;
+  double busy_ = 0;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace strata::scheduler

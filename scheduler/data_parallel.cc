@@ -1,0 +1,120 @@
+#include "scheduler/data_parallel.h"
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include "runtime/common/logging.h"
+
+namespace strata::scheduler {
+
+DataParallel::DataParallel(model::MoeTransformer& model, comm::Communicator* world,
+                           comm::Communicator* expert_replicas, const DataParallelOptions& options)
+    : world_(world), replicas_(expert_replicas), options_(options) {
+  CHECK(world_ != nullptr);
+  world_thread_ = std::make_unique<CommThread>("gradient all-reduce");
+  if (replicas_ != nullptr && replicas_ != world_ && replicas_->world_size() > 1) {
+    replica_thread_ = std::make_unique<CommThread>("expert gradient all-reduce");
+  }
+  scale_ = 1.0f / static_cast<float>(world_->world_size());
+  Plan(model);
+}
+
+DataParallel::~DataParallel() = default;
+
+int DataParallel::parts() const { return world_->world_size(); }
+
+void DataParallel::Plan(model::MoeTransformer& model) {
+  const std::vector<model::Parameter*>& dense = model.DenseParameters();
+  const std::set<model::Parameter*> is_dense(dense.begin(), dense.end());
+  const int64_t cap = std::max<int64_t>(1, static_cast<int64_t>(options_.bucket_bytes / 4));
+  const int blocks = model.config().n_layers();
+  ready_.assign(blocks + 1, {});
+  int open[2] = {-1, -1};      // open dense / expert bucket
+  int last_block[2] = {0, 0};  // block of the last parameter put in it
+  auto close = [&](int kind) {
+    if (open[kind] >= 0) ready_[last_block[kind] + 1].push_back(open[kind]);
+    open[kind] = -1;
+  };
+  for (int b = blocks - 1; b >= -1; --b) {
+    for (model::Parameter* p : model.BlockParameters(b)) {
+      const int kind = is_dense.count(p) ? 0 : 1;
+      const int64_t n = p->shape.numel();
+      if (open[kind] >= 0 && buckets_[open[kind]].floats + n > cap) close(kind);
+      if (open[kind] < 0) {
+        open[kind] = static_cast<int>(buckets_.size());
+        buckets_.push_back(Bucket{});
+        buckets_.back().expert = kind == 1;
+      }
+      Bucket& bucket = buckets_[open[kind]];
+      bucket.params.push_back(p);
+      bucket.floats += n;
+      last_block[kind] = b;
+    }
+  }
+  close(0);
+  close(1);
+  for (Bucket& b : buckets_) b.buffer = Tensor::Empty({std::max<int64_t>(1, b.floats)});
+}
+
+void DataParallel::Launch(Bucket& b) {
+  // Gather on this thread (the gradients are final); reduce, average and scatter on the
+  // communication thread, which owns them until FinishGradients.
+  float* buf = b.buffer.f32();
+  int64_t at = 0;
+  for (model::Parameter* p : b.params) {
+    const int64_t n = p->shape.numel();
+    std::memcpy(buf + at, p->grad.f32(), static_cast<size_t>(n) * sizeof(float));
+    at += n;
+  }
+  comm::Communicator* comm = b.expert ? replicas_ : world_;
+  CommThread* thread = b.expert && replica_thread_ ? replica_thread_.get() : world_thread_.get();
+  if (b.expert && (replicas_ == nullptr || replicas_->world_size() == 1)) comm = nullptr;
+  thread->Submit([&b, comm, scale = scale_] {
+    float* buf = b.buffer.f32();
+    if (comm != nullptr) RETURN_IF_ERROR(comm->AllReduce(buf, static_cast<size_t>(b.floats)));
+    int64_t at = 0;
+    for (model::Parameter* p : b.params) {
+      const int64_t n = p->shape.numel();
+      float* g = p->grad.f32();
+      for (int64_t i = 0; i < n; ++i) g[i] = buf[at + i] * scale;
+      at += n;
+    }
+    return absl::OkStatus();
+  });
+}
+
+void DataParallel::BlockReady(int block) {
+  for (int i : ready_[block + 1]) Launch(buckets_[i]);
+}
+
+Status DataParallel::FinishGradients() {
+  Status s = world_thread_->Drain();
+  if (replica_thread_) {
+    Status r = replica_thread_->Drain();
+    if (s.ok()) s = r;
+  }
+  if (status_.ok() && !s.ok()) status_ = s;
+  return status_;
+}
+
+void DataParallel::Sum(double* data, size_t n) {
+  if (!status_.ok()) return;
+  Status s = world_thread_->Run([&] { return world_->AllReduce(data, n); });
+  if (!s.ok()) status_ = s;
+}
+
+Status DataParallel::status() const {
+  Status s = status_;
+  if (s.ok()) s = world_thread_->status();
+  if (s.ok() && replica_thread_) s = replica_thread_->status();
+  return s;
+}
+
+double DataParallel::TakeCommSeconds() {
+  double t = world_thread_->TakeBusySeconds();
+  if (replica_thread_) t += replica_thread_->TakeBusySeconds();
+  return t;
+}
+
+}  // namespace strata::scheduler

@@ -1,0 +1,75 @@
+// DataParallel: what keeps workers that split a step's batch in step — fused, overlapped gradient
+// all-reduce, and the small sums the model and the trainer need (gate statistics, the loss, the
+// gradient norm).
+//
+// Gradients travel in buckets of ParallelConfig.bucket_bytes (default 25 MiB), filled in reverse
+// block order — the order backward finishes them. When MoeTransformer::Backward reports a block
+// done (GradientReadyListener), every bucket whose last parameter belongs to that block is copied
+// into its buffer and all-reduced on a communication thread while backward goes on; the thread
+// also writes the averaged result back. FinishGradients waits for the last bucket.
+//
+// Two groups: dense parameters are averaged over all workers; an expert's parameters over the
+// workers holding a copy of that expert (one per expert-parallel group), and — because each copy
+// already summed the rows that every worker of its group sent it — divided by the total number of
+// workers too. Each worker's loss is the mean over its own tokens, so this average is the
+// gradient of the mean loss over the global batch.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "runtime/comm/communicator.h"
+#include "runtime/model/parallel.h"
+#include "runtime/model/transformer.h"
+#include "scheduler/comm_thread.h"
+
+namespace strata::scheduler {
+
+struct DataParallelOptions {
+  uint64_t bucket_bytes = 25ull << 20;
+};
+
+class DataParallel : public model::GradientReadyListener, public model::BatchReducer {
+ public:
+  // `world` connects all workers. `expert_replicas` connects the workers that hold the same
+  // experts (null when each expert has one copy). Neither is owned.
+  DataParallel(model::MoeTransformer& model, comm::Communicator* world,
+               comm::Communicator* expert_replicas, const DataParallelOptions& options);
+  ~DataParallel() override;
+
+  // BatchReducer: sums over all workers, on the world communication thread.
+  int parts() const override;
+  void Sum(double* data, size_t n) override;
+  // GradientReadyListener.
+  void BlockReady(int block) override;
+
+  // Waits until every bucket of this step is reduced and written back.
+  [[nodiscard]] Status FinishGradients();
+  // The first communication error (OK while none).
+  [[nodiscard]] Status status() const;
+  // Seconds the communication threads spent in collectives since the last call.
+  double TakeCommSeconds();
+  int num_buckets() const { return static_cast<int>(buckets_.size()); }
+
+ private:
+  struct Bucket {
+    std::vector<model::Parameter*> params;
+    int64_t floats = 0;
+    Tensor buffer;
+    bool expert = false;  // travels among expert replicas
+  };
+  void Plan(model::MoeTransformer& model);
+  void Launch(Bucket& b);
+
+  comm::Communicator* world_;
+  comm::Communicator* replicas_;
+  DataParallelOptions options_;
+  std::unique_ptr<CommThread> world_thread_, replica_thread_;
+  std::vector<Bucket> buckets_;
+  // Buckets to launch when block b is done: ready_[b + 1] (block -1 at index 0).
+  std::vector<std::vector<int>> ready_;
+  float scale_ = 1.0f;
+  Status status_;
+};
+
+}  // namespace strata::scheduler
