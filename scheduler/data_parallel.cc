@@ -20,7 +20,11 @@ DataParallel::DataParallel(model::MoeTransformer& model, comm::Communicator* wor
   Plan(model);
 }
 
-DataParallel::~DataParallel() = default;
+DataParallel::~DataParallel() {
+  // Queued buckets refer to buffers and parameters: finish them before anything goes.
+  replica_thread_.reset();
+  world_thread_.reset();
+}
 
 int DataParallel::parts() const { return world_->world_size(); }
 

@@ -53,7 +53,9 @@ ExpertParallel::ExpertParallel(comm::Communicator* comm, ExpertPlacement placeme
   thread_ = std::make_unique<CommThread>("expert all-to-all");
 }
 
-ExpertParallel::~ExpertParallel() = default;
+ExpertParallel::~ExpertParallel() {
+  thread_.reset();  // queued all-to-alls refer to the staging buffers: finish them first
+}
 
 Status ExpertParallel::status() const { return status_; }
 

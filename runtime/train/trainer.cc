@@ -158,13 +158,15 @@ Status Trainer::SetUpWorkers() {
 Status Trainer::SumOverWorkers(double* data, size_t n) {
   if (!distributed()) return absl::OkStatus();
   data_parallel_->Sum(data, n);
-  return data_parallel_->status();
+  return ParallelStatus();
 }
 
 Status Trainer::ParallelStatus() const {
-  if (exchange_) RETURN_IF_ERROR(exchange_->status());
-  if (data_parallel_) RETURN_IF_ERROR(data_parallel_->status());
-  return absl::OkStatus();
+  Status s;
+  if (exchange_) s = exchange_->status();
+  if (s.ok() && data_parallel_) s = data_parallel_->status();
+  if (s.ok()) return s;
+  return Status(s.code(), absl::StrFormat("step %d: %s", step_ + 1, s.message()));
 }
 
 Status Trainer::ExportParameters() const {
@@ -351,7 +353,7 @@ StatusOr<StepResult> Trainer::Step() {
       model_->Backward(ctx_);
     }
     RETURN_IF_ERROR(ParallelStatus());
-    RETURN_IF_ERROR(data_parallel_->FinishGradients());
+    if (!data_parallel_->FinishGradients().ok()) return ParallelStatus();
     if (expert_replica_leader_) {
       const std::vector<model::Parameter*>& dense = model_->DenseParameters();
       const std::set<const model::Parameter*> is_dense(dense.begin(), dense.end());
