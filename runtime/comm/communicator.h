@@ -5,9 +5,13 @@
 // mismatch is detected rather than mixed up). Calls on one communicator are made by one thread at
 // a time; Abort may come from any thread. Every operation has the timeout of CommOptions: a peer
 // that died or hangs makes the call return DEADLINE_EXCEEDED / UNAVAILABLE naming the operation,
-// this rank and the peer when known — never a hang. After Abort (or any failure) the communicator
-// is finished: every later call returns ABORTED, and the owner builds a new one for the next
-// membership generation (under a new Store prefix).
+// this rank and the peer when known ("peer rank 2 ([10.0.0.7]:41234)") — never a hang. After
+// Abort (or any failure) the communicator is finished: it closes its connections, so that peers
+// waiting on this rank fail too, every later call returns ABORTED, and the owner builds a new one
+// for the next membership generation (under a new Store prefix).
+//
+// hierarchical.h wraps three communicators into one whose AllToAllV runs in two levels (inside
+// the nodes, then across them).
 #pragma once
 
 #include <atomic>

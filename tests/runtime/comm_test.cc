@@ -1,7 +1,8 @@
 // The rendezvous stores and the Gloo communicator with the real parts: FileStore on a real
 // folder shared by threads and processes, and collectives between real worker processes over
 // loopback TCP (tests/runtime/comm_worker.cc checks every result against a local reference),
-// including a peer killed with SIGKILL in the middle of a collective, and Abort.
+// including a peer killed with SIGKILL in the middle of a collective, and Abort; and the
+// hierarchical all-to-all of several processes per "node" against the flat one.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "runtime/comm/communicator.h"
+#include "runtime/comm/hierarchical.h"
 #include "runtime/comm/store.h"
 #include "tests/test_util.h"
 
@@ -119,10 +121,13 @@ int WaitExit(pid_t pid, std::chrono::seconds limit) {
 }
 
 std::vector<std::string> Args(int rank, int world, const std::string& store,
-                              const std::string& scenario, int timeout_ms = 20000) {
-  return {
+                              const std::string& scenario, int timeout_ms = 20000,
+                              std::vector<std::string> more = {}) {
+  std::vector<std::string> args = {
       "--rank", std::to_string(rank), "--world", std::to_string(world), "--store",
       store,    "--scenario",         scenario,  "--timeout-ms",        std::to_string(timeout_ms)};
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
 }
 
 class CollectivesTest : public ::testing::TestWithParam<int> {};
@@ -137,15 +142,94 @@ TEST_P(CollectivesTest, EveryCollectiveMatchesALocalReference) {
 
 INSTANTIATE_TEST_SUITE_P(Workers, CollectivesTest, ::testing::Values(2, 4));
 
-TEST(CommFailureTest, PeerKilledMidCollectiveIsAnErrorWithinTheTimeout) {
+// (nodes, local ranks per node): real processes on this machine standing in for the nodes.
+class HierarchicalTest : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(HierarchicalTest, TwoLevelAllToAllVMatchesFlatAndReferenceBitForBit) {
+  const auto [nodes, local] = GetParam();
+  const int world = nodes * local;
+  TempDir dir;
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    pids.push_back(Spawn(Args(r, world, dir.path(), "hierarchical", 20000,
+                              {"--local-size", std::to_string(local)})));
+  }
+  for (int r = 0; r < world; ++r) EXPECT_EQ(WaitExit(pids[r], 120s), 0) << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, HierarchicalTest,
+                         ::testing::Values(std::pair{2, 2}, std::pair{1, 2}, std::pair{2, 1}),
+                         [](const auto& info) {
+                           return std::to_string(info.param.first) + "x" +
+                                  std::to_string(info.param.second);
+                         });
+
+TEST(HierarchicalCommTest, AbortEndsEveryStage) {
+  // 2 nodes x 2 local ranks as threads of this process. Rank 0 starts an AllToAllV that its
+  // node's other rank never joins: Abort ends it, and every later call on rank 0 (whichever of
+  // the three communicators it uses) is ABORTED; rank 1 fails fast instead of at its timeout.
+  auto store = MakeInMemoryStore();
+  constexpr int kWorld = 4;
+  std::vector<std::future<StatusOr<std::unique_ptr<Communicator>>>> connects;
+  for (int r = 0; r < kWorld; ++r) {
+    connects.push_back(std::async(std::launch::async, [&store, r] {
+      CommOptions o;
+      o.rank = r;
+      o.world_size = kWorld;
+      o.timeout = 60s;
+      return ConnectHierarchicalGloo(store, o, /*local_size=*/2);
+    }));
+  }
+  std::vector<std::unique_ptr<Communicator>> comms;
+  for (auto& f : connects) {
+    auto c = f.get();
+    ASSERT_TRUE(c.ok()) << c.status();
+    comms.push_back(*std::move(c));
+  }
+  std::vector<int64_t> counts(kWorld, 3);
+  std::vector<float> in(3 * kWorld, 1.f), out(3 * kWorld);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto waiting = std::async(std::launch::async, [&] {
+    return comms[0]->AllToAllV(in.data(), counts, out.data(), counts);
+  });
+  std::this_thread::sleep_for(300ms);
+  comms[0]->Abort("membership changed (test)");
+  Status s = waiting.get();
+  EXPECT_TRUE(absl::IsAborted(s)) << s;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+  EXPECT_TRUE(absl::IsAborted(comms[0]->AllToAllV(in.data(), counts, out.data(), counts)));
+  EXPECT_TRUE(absl::IsAborted(comms[0]->AllReduce(in.data(), in.size())));
+  EXPECT_TRUE(absl::IsAborted(comms[0]->Barrier()));
+  const auto t1 = std::chrono::steady_clock::now();
+  Status peer = comms[1]->AllToAllV(in.data(), counts, out.data(), counts);
+  EXPECT_FALSE(peer.ok());
+  EXPECT_NE(peer.message().find("hierarchical AllToAllV on rank 1 of 4"), std::string::npos)
+      << peer;
+  EXPECT_LT(std::chrono::steady_clock::now() - t1, 30s);
+}
+
+TEST(HierarchicalCommTest, LayoutsThatDoNotFitAreInvalid) {
+  CommOptions o;
+  o.world_size = 3;
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      ConnectHierarchicalGloo(MakeInMemoryStore(), o, /*local_size=*/2).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(MakeHierarchical(nullptr, nullptr, nullptr, 1).status()));
+}
+
+// Each survivor checks that its error names the killed rank ("peer rank 2 ([127.0.0.1]:port)");
+// in Gloo's all-gather, a peer rank (see comm_worker.cc).
+class CommFailureKillTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CommFailureKillTest, PeerKilledMidCollectiveIsAnErrorWithinTheTimeout) {
   TempDir dir;
   const int world = 3, victim = 2;
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
     pids.push_back(
-        Spawn(Args(r, world, dir.path(), r == victim ? "victim" : "survivor", /*timeout=*/5000)));
+        Spawn(Args(r, world, dir.path(), r == victim ? "victim" : "survivor",
+                   /*timeout=*/5000, {"--victim", std::to_string(victim), "--op", GetParam()})));
   }
-  // Once every rank has met, the survivors are inside an AllReduce that needs the victim.
+  // Once every rank has met, the survivors are inside a collective that needs the victim.
   auto store = MakeFileStore(dir.path());
   ASSERT_TRUE(store.ok());
   const auto deadline = std::chrono::steady_clock::now() + 60s;
@@ -160,6 +244,38 @@ TEST(CommFailureTest, PeerKilledMidCollectiveIsAnErrorWithinTheTimeout) {
   for (int r = 0; r < world; ++r) {
     if (r != victim) {
       EXPECT_EQ(WaitExit(pids[r], 30s), 0) << "survivor " << r;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, CommFailureKillTest, ::testing::Values("allreduce", "allgather"),
+                         [](const auto& info) { return std::string(info.param); });
+
+TEST(CommFailureTest, AHungPeerIsADeadlineThatNamesIt) {
+  // Rank 1 is connected but never joins: rank 0's call ends at its timeout, naming rank 1.
+  auto store = MakeInMemoryStore();
+  auto connect = [&](int rank) {
+    CommOptions o;
+    o.rank = rank;
+    o.world_size = 2;
+    o.timeout = 2000ms;  // the rendezvous too: room for a loaded machine
+    return ConnectGloo(store, o);
+  };
+  auto f1 = std::async(std::launch::async, connect, 1);
+  auto c0 = connect(0);
+  auto c1 = f1.get();
+  ASSERT_TRUE(c0.ok()) << c0.status();
+  ASSERT_TRUE(c1.ok()) << c1.status();
+  for (int op = 0; op < 2; ++op) {
+    std::vector<float> x(1000, 1.f);
+    const auto t0 = std::chrono::steady_clock::now();
+    Status s = op == 0 ? (*c0)->AllReduce(x.data(), x.size()) : (*c0)->Barrier();
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
+    if (op == 0) {
+      EXPECT_TRUE(absl::IsDeadlineExceeded(s)) << s;
+      EXPECT_NE(s.message().find("waiting for peer rank 1 ("), std::string::npos) << s;
+    } else {
+      EXPECT_TRUE(absl::IsAborted(s)) << s;  // finished after the failure
     }
   }
 }
