@@ -267,6 +267,8 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
   v.Require(par.bucket_bytes() >= 4, {"parallel", "bucket_bytes"},
             "bucket_bytes must be at least 4 (one float)");
   v.Require(par.timeout_ms() >= 100, {"parallel", "timeout_ms"}, "timeout_ms must be at least 100");
+  v.Require(par.local_size() >= 0 && par.local_size() <= 4096, {"parallel", "local_size"},
+            "local_size must be in [0, 4096] (0: flat all-to-all)");
   if (par.experts_per_worker_size() > 0) {
     int64_t sum = 0;
     bool negative = false;

@@ -42,6 +42,9 @@ void DataParallel::Plan(model::MoeTransformer& model) {
   };
   for (int b = blocks - 1; b >= -1; --b) {
     for (model::Parameter* p : model.BlockParameters(b)) {
+      // Experts in the tiered store have no bound gradient here: each has one copy, and the
+      // store's optimizer applies the average's 1 / workers itself.
+      if (!p->grad.defined()) continue;
       const int kind = is_dense.count(p) ? 0 : 1;
       const int64_t n = p->shape.numel();
       if (open[kind] >= 0 && buckets_[open[kind]].floats + n > cap) close(kind);

@@ -25,15 +25,20 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
   if (model.moe_layers().empty()) {
     return absl::InvalidArgumentError("the tiered store needs a model with MoE layers");
   }
+  // Every layer holds the same range of experts (the placement is per worker, not per layer).
+  const model::MoeLayer& first_layer = *model.moe_layers()[0].layer;
+  s->first_expert_ = first_layer.first_local_expert();
   for (const auto& ref : model.moe_layers()) {
-    if (ref.layer->num_local_experts() != ref.layer->num_experts()) {
-      return absl::UnimplementedError(
-          "the tiered store holds every expert of a layer; with experts placed on other workers "
-          "(parallel.expert_parallel > 1) use storage.mode: IN_MEMORY");
+    if (ref.layer->first_local_expert() != s->first_expert_ ||
+        ref.layer->num_local_experts() != first_layer.num_local_experts() ||
+        ref.layer->num_local_experts() == 0) {
+      return absl::InvalidArgumentError(
+          "the tiered store needs every MoE layer to hold the same, non-empty range of experts");
     }
   }
   // The layout of an expert's blob, from the first expert; every other must match it.
-  std::vector<model::Parameter*> first = model.moe_layers()[0].layer->expert(0).Parameters();
+  std::vector<model::Parameter*> first =
+      model.moe_layers()[0].layer->expert(s->first_expert_).Parameters();
   for (model::Parameter* p : first) {
     s->segments_.push_back(Segment{s->floats_, p->shape, p->decay});
     s->floats_ += static_cast<uint64_t>(p->shape.numel());
@@ -41,8 +46,8 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
   for (const auto& ref : model.moe_layers()) {
     Layer layer;
     layer.block = ref.block;
-    for (int64_t e = 0; e < ref.layer->num_experts(); ++e) {
-      std::vector<model::Parameter*> ps = ref.layer->expert(static_cast<int>(e)).Parameters();
+    for (int64_t e = s->first_expert_; e < s->first_expert_ + ref.layer->num_local_experts(); ++e) {
+      std::vector<model::Parameter*> ps = ref.layer->expert(e).Parameters();
       bool same = ps.size() == first.size();
       for (size_t i = 0; same && i < ps.size(); ++i) same = ps[i]->shape == first[i]->shape;
       if (!same) {
@@ -87,8 +92,8 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
   so.initializer = [ptr = s.get()](const TensorKey& key, float* dst) {
     const int li = ptr->MoeIndex(key.layer);
     for (size_t i = 0; i < ptr->segments_.size(); ++i) {
-      model::InitialValues(*ptr->layers_[li].experts[key.expert][i], ptr->options_.seed,
-                           dst + ptr->segments_[i].offset);
+      model::InitialValues(*ptr->layers_[li].experts[key.expert - ptr->first_expert_][i],
+                           ptr->options_.seed, dst + ptr->segments_[i].offset);
     }
   };
   ASSIGN_OR_RETURN(s->store_, storage::TieredExpertStore::Create(so));
@@ -223,12 +228,13 @@ void TieredExpertScheduler::BeginPass(int layer, Pass pass, std::span<const int>
   std::lock_guard<std::mutex> lock(mu_);
   pass_li_ = li;
   pass_ = pass;
-  pending_.assign(experts.begin(), experts.end());
+  pending_.clear();
+  for (int e : experts) pending_.push_back(static_cast<int>(e - first_expert_));
   to_prefetch_ = pending_;
   Layer& L = layers_[li];
   if (pass == Pass::kForward) {
     L.routed = pending_;
-    for (int e : experts) L.history[e] += 1.0;
+    for (int e : pending_) L.history[e] += 1.0;
   }
   SlideWindowLocked();
   // Horizontal prefetch behind this layer's experts, if the device tier has room for more.
@@ -305,11 +311,12 @@ int TieredExpertScheduler::NextReady(int layer, Pass pass) {
     }
     layers_[li].started[e] = t1;
   }
-  return e;
+  return static_cast<int>(first_expert_ + e);
 }
 
-void TieredExpertScheduler::Done(int layer, Pass pass, int e) {
+void TieredExpertScheduler::Done(int layer, Pass pass, int expert) {
   const int li = MoeIndex(layer);
+  const int e = static_cast<int>(expert - first_expert_);
   if (pass == Pass::kBackward) {
     const float* g = layers_[li].experts[e][0]->grad.f32();
     double sq = 0;

@@ -103,12 +103,17 @@ class TieredExpertScheduler : public model::ExpertResidency {
     return static_cast<int>(layers_[moe_layer].experts.size());
   }
   int block_of(int moe_layer) const { return layers_[moe_layer].block; }
-  // The key of an expert tensor (layer = block index).
+  // The key of an expert tensor (layer = block index, expert = its global id).
   storage::TensorKey Key(int moe_layer, int expert, storage::TensorKind kind) const {
-    return storage::TensorKey{layers_[moe_layer].block, expert, kind};
+    return storage::TensorKey{layers_[moe_layer].block, static_cast<int>(first_expert_ + expert),
+                              kind};
   }
+  // With expert parallelism the store holds this worker's experts only: local index e is global
+  // expert first_expert() + e. The residency interface speaks global ids.
+  int64_t first_expert() const { return first_expert_; }
 
  private:
+  int64_t first_expert_ = 0;
   struct Segment {
     uint64_t offset;
     Shape shape;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "proto/config_io.h"
+#include "runtime/comm/hierarchical.h"
 #include "runtime/common/clock.h"
 #include "runtime/common/json.h"
 #include "runtime/common/logging.h"
@@ -60,7 +61,9 @@ Status Trainer::SetUpTiered() {
     to.ssd_dir = cfg.checkpoint().dir();
     to.shared_ssd = checkpoints_->ssd();
   } else if (!st.ssd_dir().empty()) {
-    to.ssd_dir = st.ssd_dir();
+    // Workers on one machine keep their experts apart.
+    to.ssd_dir =
+        distributed() ? absl::StrCat(st.ssd_dir(), "/rank-", options_.worker.rank) : st.ssd_dir();
   } else {
     const char* base = std::getenv("TMPDIR");
     std::string tmpl = std::string(base && *base ? base : "/tmp") + "/strata-ssd-XXXXXX";
@@ -112,9 +115,17 @@ Status Trainer::SetUpWorkers() {
         "parallel.expert_parallel or give parallel.experts_per_worker",
         cfg.model().moe().num_experts(), ep));
   }
-  if (cfg.storage().mode() == config::StorageConfig::TIERED) {
-    return absl::UnimplementedError(
-        "storage.mode: TIERED is not available to distributed workers yet; use IN_MEMORY");
+  if (par.local_size() > 0 && ep > 1 && ep % par.local_size() != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "parallel.local_size = %d does not divide the %d workers of an expert-parallel group; "
+        "give the ranks per node (a divisor of %d) or 0 for a flat all-to-all",
+        par.local_size(), ep, ep));
+  }
+  if (cfg.storage().mode() == config::StorageConfig::TIERED && ep != W) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "storage.mode: TIERED keeps each expert on one worker, but parallel.expert_parallel = %d "
+        "of %d workers gives every expert %d copies; set expert_parallel: 0 or use IN_MEMORY",
+        par.expert_parallel(), W, W / ep));
   }
   if (!cfg.checkpoint().dir().empty() || options_.resume) {
     return absl::UnimplementedError(
@@ -142,16 +153,35 @@ Status Trainer::SetUpWorkers() {
   // its expert replicas.
   RETURN_IF_ERROR(connect("world/", w.rank, W, &world_comm_));
   if (ep > 1) {
-    RETURN_IF_ERROR(connect(absl::StrCat("ep/", w.rank / ep, "/"), w.rank % ep, ep, &ep_comm_));
+    const std::string ep_prefix = absl::StrCat("ep/", w.rank / ep, "/");
+    if (par.local_size() > 0 && par.local_size() < ep) {
+      comm::CommOptions o = co;
+      o.rank = w.rank % ep;
+      o.world_size = ep;
+      auto c = comm::ConnectHierarchicalGloo(comm::MakePrefixStore(w.store, ep_prefix), o,
+                                             par.local_size());
+      if (!c.ok()) {
+        return Status(c.status().code(),
+                      absl::StrCat("connecting the ", ep_prefix,
+                                   " group (two-level): ", c.status().message()));
+      }
+      ep_comm_ = std::move(*c);
+    } else {
+      RETURN_IF_ERROR(connect(ep_prefix, w.rank % ep, ep, &ep_comm_));
+    }
     if (W / ep > 1) {
       RETURN_IF_ERROR(connect(absl::StrCat("replicas/", w.rank % ep, "/"), w.rank / ep, W / ep,
                               &replica_comm_));
     }
   }
   STRATA_LOG(INFO) << absl::StrFormat(
-      "worker %d of %d: expert-parallel groups of %d, %d copies of each expert, %d sequences per "
-      "step, %d dispatch chunks",
-      w.rank, W, ep, W / ep, cfg.train().global_batch() / W, par.dispatch_chunks());
+      "worker %d of %d: expert-parallel groups of %d%s, %d copies of each expert, %d sequences "
+      "per step, %d dispatch chunks",
+      w.rank, W, ep,
+      par.local_size() > 0 && par.local_size() < ep
+          ? absl::StrFormat(" (two-level all-to-all, %d per node)", par.local_size())
+          : "",
+      W / ep, cfg.train().global_batch() / W, par.dispatch_chunks());
   return absl::OkStatus();
 }
 
@@ -263,7 +293,9 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   if (tr->distributed()) {
     if (tr->ep_comm_) {
       scheduler::ExpertParallelOptions eo;
-      eo.chunks = cfg.parallel().dispatch_chunks();
+      // The tiered store already overlaps loading with compute by handing experts to threads as
+      // they become resident; one pass per layer keeps its prefetch plan whole.
+      eo.chunks = tiered ? 1 : cfg.parallel().dispatch_chunks();
       tr->exchange_ =
           std::make_unique<scheduler::ExpertParallel>(tr->ep_comm_.get(), *placement, eo);
     }
@@ -354,7 +386,11 @@ StatusOr<StepResult> Trainer::Step() {
     }
     RETURN_IF_ERROR(ParallelStatus());
     if (!data_parallel_->FinishGradients().ok()) return ParallelStatus();
-    if (expert_replica_leader_) {
+    const double W = options_.worker.world_size;
+    if (scheduler_) {
+      // The store's expert gradients are this worker's sums, not yet divided by the workers.
+      expert_sq = scheduler_->ExpertGradSumSquares() / (W * W);
+    } else if (expert_replica_leader_) {
       const std::vector<model::Parameter*>& dense = model_->DenseParameters();
       const std::set<const model::Parameter*> is_dense(dense.begin(), dense.end());
       for (const model::Parameter* p : model_->Parameters()) {
@@ -367,7 +403,6 @@ StatusOr<StepResult> Trainer::Step() {
     for (const auto& ref : model_->moe_layers()) z += ref.layer->stats().z_loss;
     double sums[3] = {r.loss, z, expert_sq};
     RETURN_IF_ERROR(SumOverWorkers(sums, 3));
-    const double W = options_.worker.world_size;
     r.loss = sums[0] / W;
     r.z_loss = sums[1] / W;
     expert_sq = sums[2];
@@ -389,7 +424,7 @@ StatusOr<StepResult> Trainer::Step() {
   } else {
     sq = optimizer_->GradSumSquares(ctx_);
   }
-  if (scheduler_) sq += scheduler_->ExpertGradSumSquares();
+  if (scheduler_ && !distributed()) sq += scheduler_->ExpertGradSumSquares();
   r.grad_norm = std::sqrt(sq);
   r.lr = LearningRate(cfg.train(), step_);
   const double scale = cpu::ClipScale(r.grad_norm, cfg.train().grad_clip());
@@ -405,7 +440,10 @@ StatusOr<StepResult> Trainer::Step() {
     ao.eps = cfg.train().adam_eps();
     ao.weight_decay = cfg.train().weight_decay();
     // Behind the next step's forward, layer by layer (storage.overlap_optimizer).
-    RETURN_IF_ERROR(scheduler_->StepExperts(ao, r.lr, scale, optimizer_->steps()));
+    // Workers' expert gradients are sums over the rows every worker sent; the average divides by
+    // the number of workers (see scheduler/data_parallel.h).
+    const double expert_scale = scale / static_cast<double>(options_.worker.world_size);
+    RETURN_IF_ERROR(scheduler_->StepExperts(ao, r.lr, expert_scale, optimizer_->steps()));
     scheduler_->EndStep();
     r.tiered = true;
     r.store = scheduler_->store().TakeStats();
@@ -517,6 +555,11 @@ Status Trainer::RunLoop() {
           .Field("tokens", r.tokens)
           .Field("tokens_per_s", r.tokens / r.seconds)
           .Field("step_ms", 1e3 * r.seconds);
+      if (distributed()) {
+        j.Field("rank", options_.worker.rank)
+            .Field("workers", options_.worker.world_size)
+            .Field("comm_ms", 1e3 * r.comm_seconds);
+      }
       j.Key("moe").BeginArray();
       for (size_t i = 0; i < r.moe.size(); ++i) {
         const model::MoeStats& s = r.moe[i];
