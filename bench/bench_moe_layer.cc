@@ -34,6 +34,17 @@
 #include "runtime/model/moe_layer.h"
 
 namespace strata::bench {
+
+// The benchmarked layer: top-k gate (dropless), GELU FFN experts with biases, experts [first,
+// first + count) of `experts`, every parameter initialised from seed 1 (moe_layer_workers.cc).
+std::unique_ptr<model::MoeLayer> MakeBenchLayer(ops::Context& ctx, int64_t tokens, int64_t d_model,
+                                                int64_t d_hidden, int64_t experts, int k,
+                                                int64_t first, int64_t count);
+// bench_moe_layer --workers N (moe_layer_workers.cc).
+// shape: tokens per worker, d_model, d_hidden, experts, k; all zero for the default.
+int RunWorkersBench(int workers, int chunks, int rounds, int iters, bool json, bool small,
+                    const int64_t shape[5]);
+
 namespace {
 
 struct Shape {
@@ -177,21 +188,9 @@ Row RunShape(const Shape& s, const Options& o, ThreadPool& pool) {
   row.s = s;
   ops::Context ctx{&pool};
   {
-    model::SoftmaxGateOptions g;
-    g.d_model = s.d_model;
-    g.num_experts = s.experts;
-    g.k = s.k;
-    g.max_tokens = s.tokens;
-    g.config.set_type(config::GateConfig::TOP_K);
-    g.config.set_capacity_factor_train(0);
-    g.seed = 1;
-    std::vector<std::unique_ptr<model::Expert>> experts;
-    for (int64_t e = 0; e < s.experts; ++e) {
-      model::FfnOptions f{s.d_model, s.d_hidden, ops::Activation::kGelu, true, 0.02f, 0.02f};
-      experts.push_back(std::make_unique<model::FfnExpert>(absl::StrCat("e", e), f));
-    }
-    model::MoeLayer layer(s.d_model, s.tokens, model::MakeGate("gate", g), std::move(experts));
-    for (model::Parameter* p : layer.Parameters()) model::Initialize(ctx, *p, 1);
+    auto layer_owner =
+        MakeBenchLayer(ctx, s.tokens, s.d_model, s.d_hidden, s.experts, s.k, 0, s.experts);
+    model::MoeLayer& layer = *layer_owner;
     Tensor x = Tensor::Empty({s.tokens, s.d_model}), y = Tensor::Empty({s.tokens, s.d_model});
     Tensor dy = Tensor::Empty({s.tokens, s.d_model}), dx = Tensor::Empty({s.tokens, s.d_model});
     std::mt19937 gen(7);
@@ -379,6 +378,9 @@ Row MeasureShape(const Shape& s, const Options& o, int threads) {
 
 int Main(int argc, char** argv) {
   Options o;
+  int workers = 0, chunks = 2;
+  bool small = false;
+  int64_t worker_shape[5] = {0, 0, 0, 0, 0};
   o.python = access("/usr/bin/python3", X_OK) == 0 ? "/usr/bin/python3" : "python3";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -404,8 +406,13 @@ int Main(int argc, char** argv) {
       o.torch = false;
     else if (a == "--python" && i + 1 < argc)
       o.python = argv[++i];
-    else if (a == "--small")
+    else if (a == "--small") {
       o.shapes = {{512, 128, 256, 8, 2}};
+      small = true;
+    } else if (a == "--workers")
+      value(&workers);
+    else if (a == "--chunks")
+      value(&chunks);
     else if (a == "--shape" && i + 1 < argc) {
       Shape s{};
       if (std::sscanf(argv[++i], "%ld,%ld,%ld,%ld,%d", &s.tokens, &s.d_model, &s.d_hidden,
@@ -416,13 +423,24 @@ int Main(int argc, char** argv) {
         return 2;
       }
       o.shapes = {s};
+      worker_shape[0] = s.tokens;
+      worker_shape[1] = s.d_model;
+      worker_shape[2] = s.d_hidden;
+      worker_shape[3] = s.experts;
+      worker_shape[4] = s.k;
     } else {
       std::fprintf(stderr,
                    "usage: bench_moe_layer [--json] [--threads T] [--iters N] [--blocks N] "
                    "[--rounds N] [--warmup N] "
-                   "[--no-torch] [--python PATH] [--small] [--shape T,C,H,E,K]\n");
+                   "[--no-torch] [--python PATH] [--small] [--shape T,C,H,E,K]\n"
+                   "       bench_moe_layer --workers N [--chunks K] [--rounds N] [--iters N] "
+                   "[--small] [--json]\n");
       return 2;
     }
+  }
+  if (workers > 0) {
+    return RunWorkersBench(workers, std::max(1, chunks), std::max(1, o.rounds),
+                           std::max(1, o.iters * 3), o.json, small, worker_shape);
   }
   if (o.threads == 0) o.threads = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
   if (o.iters < 1) o.iters = 1;
