@@ -73,4 +73,13 @@ class Communicator {
 [[nodiscard]] StatusOr<std::unique_ptr<Communicator>> ConnectGloo(std::shared_ptr<Store> store,
                                                                   const CommOptions& options);
 
+// Connects `options.world_size` ranks over NCCL on CUDA device `device`; the NCCL unique id travels
+// through `store` (key "nccl/unique_id", made by rank 0). Every pointer given to its operations
+// must be device memory on that device; each call returns once the operation completed on the
+// device. FAILED_PRECONDITION on a machine without a GPU, UNIMPLEMENTED in a build without NCCL
+// (configured without the CUDA toolkit).
+[[nodiscard]] StatusOr<std::unique_ptr<Communicator>> ConnectNccl(std::shared_ptr<Store> store,
+                                                                  const CommOptions& options,
+                                                                  int device);
+
 }  // namespace strata::comm
