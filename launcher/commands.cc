@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <filesystem>
 #include <optional>
 
 #include "absl/strings/numbers.h"
@@ -209,6 +210,13 @@ int WorkerCommand(const std::vector<std::string>& args) {
   worker.world_size = static_cast<int>(**world);
   worker.store = comm::MakePrefixStore(std::move(*store), comm::GenerationPrefix(0));
   worker.hostname = flags->String("hostname").value_or("127.0.0.1");
+  // Rendezvous keys of this job must not greet the next one that uses the folder.
+  worker.after_rendezvous = [dir = *store_dir] {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+      std::filesystem::remove_all(entry.path(), ec);
+    }
+  };
   return RunTraining(*flags, "worker", WorkerFlags(), worker);
 }
 

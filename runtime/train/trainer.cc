@@ -174,6 +174,12 @@ Status Trainer::SetUpWorkers() {
                               &replica_comm_));
     }
   }
+  // Every worker has connected every group once all pass this barrier.
+  Status b = world_comm_->Barrier();
+  if (!b.ok()) {
+    return Status(b.code(), absl::StrCat("waiting for every worker to connect: ", b.message()));
+  }
+  if (w.rank == 0 && w.after_rendezvous) w.after_rendezvous();
   STRATA_LOG(INFO) << absl::StrFormat(
       "worker %d of %d: expert-parallel groups of %d%s, %d copies of each expert, %d sequences "
       "per step, %d dispatch chunks",

@@ -36,6 +36,9 @@ struct WorkerOptions {
   int world_size = 1;
   std::shared_ptr<comm::Store> store;  // rendezvous of the communicators
   std::string hostname = "127.0.0.1";  // the address peers reach this worker at
+  // Called on rank 0 once every worker has connected all its communicators (the store is no
+  // longer needed): `strata worker` empties its rendezvous folder, so a later job can use it.
+  std::function<void()> after_rendezvous;
 };
 
 struct TrainOptions {

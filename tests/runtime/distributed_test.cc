@@ -199,6 +199,20 @@ TEST(DistributedFailureTest, APeerKilledMidTrainingFailsTheOthersWithinTheTimeou
   EXPECT_NE(log.find("rank 0 of 2"), std::string::npos) << "the error names this rank: " << log;
 }
 
+TEST(DistributedStoreTest, TheRendezvousFolderIsEmptiedForTheNextJob) {
+  TempDir dir;
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(30000));
+  WriteFile(dir.File("job.textproto"), Config(Layout{"", 2, 0, 2, ""}, /*steps=*/3));
+  for (int job = 0; job < 2; ++job) {
+    auto pids = StartWorkers(dir, 2, "");
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(WaitExit(pids[r]), 0)
+          << "job " << job << ": " << ReadFile(dir.File(absl::StrCat("worker", r, ".log")));
+    }
+    EXPECT_TRUE(std::filesystem::is_empty(dir.File("store"))) << "job " << job;
+  }
+}
+
 TEST(DistributedConfigTest, LayoutErrorsNameTheFieldBeforeConnecting) {
   TempDir dir;
   WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(30000));
