@@ -18,11 +18,11 @@ CommThread::~CommThread() {
   thread_.join();
 }
 
-CommThread::Ticket CommThread::Submit(std::function<Status()> op) {
+CommThread::Ticket CommThread::Submit(std::function<Status()> op, std::string label) {
   Ticket t;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(op));
+    queue_.emplace_back(std::move(op), std::move(label));
     t = ++submitted_;
   }
   cv_.notify_one();
@@ -59,19 +59,28 @@ double CommThread::TakeBusySeconds() {
 void CommThread::Loop() {
   for (;;) {
     std::function<Status()> op;
+    std::string label;
     bool skip;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;
-      op = std::move(queue_.front());
+      op = std::move(queue_.front().first);
+      label = std::move(queue_.front().second);
       queue_.pop_front();
       skip = !status_.ok();
     }
     Status s;
     const double t0 = NowSeconds();
     if (!skip) s = op();
-    const double spent = NowSeconds() - t0;
+    const double t1 = NowSeconds(), spent = t1 - t0;
+    if (Tracer* tracer = tracer_.load(); tracer != nullptr && !skip) {
+      if (!named_) {
+        tracer->NameThisThread("comm: " + name_);
+        named_ = true;
+      }
+      tracer->Span(std::move(label), "comm", t0, t1);
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (status_.ok() && !s.ok()) status_ = s;

@@ -8,6 +8,7 @@
 // the step with one clear error.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -18,6 +19,7 @@
 
 #include "runtime/common/clock.h"
 #include "runtime/common/status.h"
+#include "runtime/common/trace.h"
 
 namespace strata::scheduler {
 
@@ -29,17 +31,22 @@ class CommThread {
   CommThread& operator=(const CommThread&) = delete;
 
   using Ticket = int64_t;
-  Ticket Submit(std::function<Status()> op);
+  // `label` names the operation's span in the trace (when one is recorded).
+  Ticket Submit(std::function<Status()> op, std::string label = "collective");
   // Waits for `ticket` (and everything submitted before it).
   [[nodiscard]] Status Wait(Ticket ticket);
   // Waits for everything submitted so far.
   [[nodiscard]] Status Drain();
   // Runs op on the thread and waits for it.
-  [[nodiscard]] Status Run(std::function<Status()> op) { return Wait(Submit(std::move(op))); }
+  [[nodiscard]] Status Run(std::function<Status()> op, std::string label = "collective") {
+    return Wait(Submit(std::move(op), std::move(label)));
+  }
   // The first error (OK while none).
   [[nodiscard]] Status status() const;
   // Seconds spent inside operations since the last call (for the step's communication time).
   double TakeBusySeconds();
+  // Records every operation as a span on this thread's track ("comm: <name>"); null: none.
+  void set_tracer(Tracer* tracer) { tracer_.store(tracer); }
 
  private:
   void Loop();
@@ -47,7 +54,9 @@ class CommThread {
   std::string name_;
   mutable std::mutex mu_;
   std::condition_variable cv_, done_cv_;
-  std::deque<std::function<Status()>> queue_;
+  std::deque<std::pair<std::function<Status()>, std::string>> queue_;
+  std::atomic<Tracer*> tracer_{nullptr};
+  bool named_ = false;
   Ticket submitted_ = 0, finished_ = 0;
   Status status_;
   double busy_ = 0;

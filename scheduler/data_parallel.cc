@@ -77,18 +77,20 @@ void DataParallel::Launch(Bucket& b) {
   comm::Communicator* comm = b.expert ? replicas_ : world_;
   CommThread* thread = b.expert && replica_thread_ ? replica_thread_.get() : world_thread_.get();
   if (b.expert && (replicas_ == nullptr || replicas_->world_size() == 1)) comm = nullptr;
-  thread->Submit([&b, comm, scale = scale_] {
-    float* buf = b.buffer.f32();
-    if (comm != nullptr) RETURN_IF_ERROR(comm->AllReduce(buf, static_cast<size_t>(b.floats)));
-    int64_t at = 0;
-    for (model::Parameter* p : b.params) {
-      const int64_t n = p->shape.numel();
-      float* g = p->grad.f32();
-      for (int64_t i = 0; i < n; ++i) g[i] = buf[at + i] * scale;
-      at += n;
-    }
-    return absl::OkStatus();
-  });
+  thread->Submit(
+      [&b, comm, scale = scale_] {
+        float* buf = b.buffer.f32();
+        if (comm != nullptr) RETURN_IF_ERROR(comm->AllReduce(buf, static_cast<size_t>(b.floats)));
+        int64_t at = 0;
+        for (model::Parameter* p : b.params) {
+          const int64_t n = p->shape.numel();
+          float* g = p->grad.f32();
+          for (int64_t i = 0; i < n; ++i) g[i] = buf[at + i] * scale;
+          at += n;
+        }
+        return absl::OkStatus();
+      },
+      b.expert ? "expert gradient bucket" : "gradient bucket");
 }
 
 void DataParallel::BlockReady(int block) {
@@ -107,7 +109,7 @@ Status DataParallel::FinishGradients() {
 
 void DataParallel::Sum(double* data, size_t n) {
   if (!status_.ok()) return;
-  Status s = world_thread_->Run([&] { return world_->AllReduce(data, n); });
+  Status s = world_thread_->Run([&] { return world_->AllReduce(data, n); }, "sum over workers");
   if (!s.ok()) status_ = s;
 }
 

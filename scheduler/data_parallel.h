@@ -50,6 +50,11 @@ class DataParallel : public model::GradientReadyListener, public model::BatchRed
   // Seconds the communication threads spent in collectives since the last call.
   double TakeCommSeconds();
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
+  // Records each all-reduce as a span on the communication threads' tracks.
+  void set_tracer(Tracer* tracer) {
+    world_thread_->set_tracer(tracer);
+    if (replica_thread_) replica_thread_->set_tracer(tracer);
+  }
 
  private:
   struct Bucket {

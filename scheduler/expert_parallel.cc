@@ -71,8 +71,8 @@ ExchangeTimes ExpertParallel::TakeTimes() {
 }
 
 template <typename Run>
-void ExpertParallel::Exchange(LayerState& L, int64_t C, const Tensor& send, const Tensor& out,
-                              Run&& run) {
+void ExpertParallel::Exchange(LayerState& L, int64_t C, const std::string& tag, const Tensor& send,
+                              const Tensor& out, Run&& run) {
   const int K = options_.chunks;
   const int64_t E = placement_.num_experts();
   Reserve(send_, L.send_base[K] * C);
@@ -105,7 +105,8 @@ void ExpertParallel::Exchange(LayerState& L, int64_t C, const Tensor& send, cons
         [this, &L, c, C, s = counts_of(L.send_rows, c), r = counts_of(L.recv_rows, c)] {
           return comm_->AllToAllV(send_.f32() + L.send_base[c] * C, s,
                                   recv_.f32() + L.recv_base[c] * C, r, sizeof(float));
-        });
+        },
+        absl::StrFormat("%s chunk %d out", tag, c));
   }
   // Received rows (chunk c: source, then local expert) <-> expert-major work rows.
   auto walk_received = [&](int c, auto&& fn) {
@@ -135,7 +136,8 @@ void ExpertParallel::Exchange(LayerState& L, int64_t C, const Tensor& send, cons
         [this, &L, c, C, s = counts_of(L.recv_rows, c), r = counts_of(L.send_rows, c)] {
           return comm_->AllToAllV(ret_.f32() + L.recv_base[c] * C, s,
                                   back_.f32() + L.send_base[c] * C, r, sizeof(float));
-        });
+        },
+        absl::StrFormat("%s chunk %d back", tag, c));
   }
   const double t0 = NowSeconds();
   Status s = thread_->Drain();
@@ -175,9 +177,11 @@ void ExpertParallel::Forward(ops::Context& ctx, int layer, model::MoeLayer& moe,
   for (int p = 0; p < P_; ++p) send_counts[p] = placement_.count(p);
   L.recv_counts.assign(P_ * local_, 0);
   const double t0 = NowSeconds();
-  Status s = thread_->Run([&] {
-    return comm_->AllToAllV(counts.data(), send_counts, L.recv_counts.data(), recv_counts);
-  });
+  Status s = thread_->Run(
+      [&] {
+        return comm_->AllToAllV(counts.data(), send_counts, L.recv_counts.data(), recv_counts);
+      },
+      absl::StrFormat("fwd L%d counts", layer));
   times_.wait_seconds += NowSeconds() - t0;
   if (!s.ok()) return Fail(s);
   for (int64_t v : L.recv_counts) {
@@ -224,7 +228,7 @@ void ExpertParallel::Forward(ops::Context& ctx, int layer, model::MoeLayer& moe,
   // 3. Dispatch, compute, return.
   Tensor x = L.x.View(0, {L.rows_in, C}), y = work_out_.View(0, {L.rows_in, C});
   Tensor saved = L.saved.View(0, {std::max<int64_t>(1, L.rows_in * L.stride)});
-  Exchange(L, C, xp, yp, [&](int c, auto&& walk_received) {
+  Exchange(L, C, absl::StrFormat("fwd L%d", layer), xp, yp, [&](int c, auto&& walk_received) {
     walk_received(c, [&](int64_t at, int64_t row, int64_t n) {
       CopyRows(x.f32() + row * C, recv_.f32() + at * C, n, C);
     });
@@ -247,7 +251,7 @@ void ExpertParallel::Backward(ops::Context& ctx, int layer, model::MoeLayer& moe
   Tensor x = L.x.View(0, {L.rows_in, C});
   Tensor dy = work_out_.View(0, {L.rows_in, C}), dx = work_dx_.View(0, {L.rows_in, C});
   Tensor saved = L.saved.View(0, {std::max<int64_t>(1, L.rows_in * L.stride)});
-  Exchange(L, C, dyp, dxp, [&](int c, auto&& walk_received) {
+  Exchange(L, C, absl::StrFormat("bwd L%d", layer), dyp, dxp, [&](int c, auto&& walk_received) {
     walk_received(c, [&](int64_t at, int64_t row, int64_t n) {
       CopyRows(dy.f32() + row * C, recv_.f32() + at * C, n, C);
     });

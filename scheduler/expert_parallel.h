@@ -63,13 +63,16 @@ class ExpertParallel : public model::ExpertExchange {
   // Times since the last call.
   ExchangeTimes TakeTimes();
   const ExpertPlacement& placement() const { return placement_; }
+  // Records each all-to-all-v as a span on the communication thread's track.
+  void set_tracer(Tracer* tracer) { thread_->set_tracer(tracer); }
 
  private:
   struct LayerState;
   // Moves `send` (caller order, counts of the layer) through the experts: `run(c, offsets)`
   // computes chunk c from work_in_ into work_out_; the result lands in `out` (caller order).
   template <typename Run>
-  void Exchange(LayerState& L, int64_t C, const Tensor& send, const Tensor& out, Run&& run);
+  void Exchange(LayerState& L, int64_t C, const std::string& tag, const Tensor& send,
+                const Tensor& out, Run&& run);
   void Fail(const Status& s);
 
   comm::Communicator* comm_;

@@ -313,6 +313,10 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     tr->model_->AttachParallel(tr->exchange_.get(), tr->data_parallel_.get(),
                                tr->data_parallel_.get());
     tr->dense_slices_ = std::make_unique<model::ParameterSlices>(tr->model_->DenseParameters());
+    if (tr->tracer_) {
+      tr->data_parallel_->set_tracer(tr->tracer_.get());
+      if (tr->exchange_) tr->exchange_->set_tracer(tr->tracer_.get());
+    }
   }
   if (!cfg.checkpoint().dir().empty()) {
     CheckpointOptions co;

@@ -25,6 +25,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "tests/test_util.h"
 
@@ -86,10 +87,11 @@ std::vector<float> ReadFloats(const std::string& path) {
   return v;
 }
 
-// Starts `strata worker` for every rank and returns their pids.
-std::vector<pid_t> StartWorkers(const TempDir& dir, int workers, const std::string& flags) {
+// Starts `strata worker` for every rank and returns their pids. "{rank}" in flags becomes the rank.
+std::vector<pid_t> StartWorkers(const TempDir& dir, int workers, const std::string& flags_in) {
   std::vector<pid_t> pids;
   for (int r = 0; r < workers; ++r) {
+    const std::string flags = absl::StrReplaceAll(flags_in, {{"{rank}", std::to_string(r)}});
     pid_t pid = fork();
     if (pid == 0) {
       const std::string cmd = absl::StrCat(
@@ -199,17 +201,25 @@ TEST(DistributedFailureTest, APeerKilledMidTrainingFailsTheOthersWithinTheTimeou
   EXPECT_NE(log.find("rank 0 of 2"), std::string::npos) << "the error names this rank: " << log;
 }
 
-TEST(DistributedStoreTest, TheRendezvousFolderIsEmptiedForTheNextJob) {
+TEST(DistributedStoreTest, TheRendezvousFolderIsEmptiedForTheNextJobAndTracesShowComm) {
   TempDir dir;
   WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(30000));
   WriteFile(dir.File("job.textproto"), Config(Layout{"", 2, 0, 2, ""}, /*steps=*/3));
   for (int job = 0; job < 2; ++job) {
-    auto pids = StartWorkers(dir, 2, "");
+    auto pids = StartWorkers(dir, 2, "--trace trace{rank}.json");
     for (int r = 0; r < 2; ++r) {
       EXPECT_EQ(WaitExit(pids[r]), 0)
           << "job " << job << ": " << ReadFile(dir.File(absl::StrCat("worker", r, ".log")));
     }
     EXPECT_TRUE(std::filesystem::is_empty(dir.File("store"))) << "job " << job;
+  }
+  // Each worker's trace has its communication threads' spans next to compute.
+  for (int r = 0; r < 2; ++r) {
+    const std::string trace = ReadFile(dir.File(absl::StrCat("trace", r, ".json")));
+    for (const char* span : {"fwd L0 counts", "fwd L1 chunk 1 out", "bwd L0 chunk 0 back",
+                             "gradient bucket", "comm: expert all-to-all", "backward block"}) {
+      EXPECT_NE(trace.find(span), std::string::npos) << "rank " << r << " trace lacks " << span;
+    }
   }
 }
 
