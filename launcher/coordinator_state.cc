@@ -1,0 +1,413 @@
+#include "launcher/coordinator_state.h"
+
+#include <rocksdb/db.h>
+#include <rocksdb/options.h>
+#include <rocksdb/write_batch.h>
+
+#include <algorithm>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace strata::launcher {
+
+namespace {
+
+Status FromRocks(const rocksdb::Status& s, const std::string& what, const std::string& dir) {
+  if (s.ok()) return absl::OkStatus();
+  if (s.IsCorruption()) {
+    return absl::DataLossError(absl::StrFormat(
+        "the coordinator's record in '%s' is damaged (%s: %s); restore the folder from a copy, or "
+        "start the job afresh with an empty folder (workers then resume from its checkpoints)",
+        dir, what, s.ToString()));
+  }
+  return absl::InternalError(
+      absl::StrFormat("%s the coordinator's record in '%s': %s", what, dir, s.ToString()));
+}
+
+std::string LogKey(int64_t generation) { return absl::StrFormat("log/%020d", generation); }
+
+}  // namespace
+
+CoordinatorState::~CoordinatorState() = default;
+
+StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Open(
+    const CoordinatorOptions& options, const std::string& job_config, Time now) {
+  if (options.token.empty()) {
+    return absl::InvalidArgumentError("the coordinator needs a job token (none was given)");
+  }
+  if (options.min_workers < 1 || options.initial_workers < options.min_workers ||
+      options.max_workers < options.initial_workers) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("workers must satisfy 1 <= min (%d) <= initial (%d) <= max (%d)",
+                        options.min_workers, options.initial_workers, options.max_workers));
+  }
+  std::unique_ptr<CoordinatorState> c(new CoordinatorState);
+  c->options_ = options;
+  rocksdb::Options ro;
+  ro.create_if_missing = true;
+  ro.paranoid_checks = true;
+  ro.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
+  ro.keep_log_file_num = 2;
+  rocksdb::DB* db = nullptr;
+  RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(ro, options.dir, &db), "opening", options.dir));
+  c->db_.reset(db);
+  std::string bytes;
+  rocksdb::Status s = db->Get(rocksdb::ReadOptions(), "state", &bytes);
+  if (s.ok()) {
+    if (!c->record_.ParseFromString(bytes)) {
+      return absl::DataLossError(absl::StrFormat(
+          "the coordinator's record in '%s' does not parse; restore the folder from a copy, or "
+          "start the job afresh with an empty folder",
+          options.dir));
+    }
+    // Resumed: members and pending workers get a heartbeat timeout from now to reconnect.
+    for (const auto& w : c->record_.generation().workers()) {
+      c->last_seen_[w.id()] = now;
+      c->reported_[w.id()] = c->record_.step();
+    }
+    for (const auto& w : c->record_.pending()) c->last_seen_[w.id()] = now;
+    return c;
+  }
+  if (!s.IsNotFound()) return FromRocks(s, "reading", options.dir);
+  c->record_.set_job_config(job_config);
+  c->record_.mutable_generation()->set_number(0);
+  c->record_.mutable_generation()->set_reason("waiting for workers");
+  c->record_.set_step(0);
+  std::lock_guard<std::mutex> lock(c->mu_);
+  RETURN_IF_ERROR(c->PersistLocked());
+  return c;
+}
+
+Status CoordinatorState::CheckToken(const std::string& token) const {
+  if (token != options_.token) {
+    return absl::UnauthenticatedError(
+        "the request does not carry this job's token; workers started by `strata launch` get it "
+        "from STRATA_JOB_TOKEN, others must be given it");
+  }
+  return absl::OkStatus();
+}
+
+bool CoordinatorState::IsMemberLocked(const std::string& id) const {
+  for (const auto& w : record_.generation().workers()) {
+    if (w.id() == id) return true;
+  }
+  return false;
+}
+
+Status CoordinatorState::PersistLocked() {
+  rocksdb::WriteBatch batch;
+  batch.Put("state", record_.SerializeAsString());
+  batch.Put(LogKey(record_.generation().number()), record_.generation().SerializeAsString());
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  return FromRocks(db_->Write(wo, &batch), "writing", options_.dir);
+}
+
+Status CoordinatorState::NewGenerationLocked(std::vector<coordinator::WorkerInfo> workers,
+                                             const char* reason, Time now) {
+  coordinator::CoordinatorRecord next = record_;
+  coordinator::Generation* g = next.mutable_generation();
+  g->set_number(record_.generation().number() + 1);
+  g->clear_workers();
+  const bool enough = static_cast<int>(workers.size()) >= options_.min_workers;
+  if (enough) {
+    for (auto& w : workers) *g->add_workers() = std::move(w);
+    g->set_reason(reason);
+  } else {
+    // Too few to train: they wait with the pending joins for more.
+    next.clear_pending();
+    for (auto& w : workers) *next.add_pending() = std::move(w);
+    for (const auto& w : record_.pending()) *next.add_pending() = w;
+    g->set_reason(absl::StrFormat("waiting for workers (%d of at least %d)", workers.size(),
+                                  options_.min_workers));
+  }
+  g->set_first_step(record_.step());
+  if (enough) next.clear_pending();
+  const coordinator::CoordinatorRecord before = record_;
+  record_ = std::move(next);
+  Status s = PersistLocked();
+  if (!s.ok()) {
+    record_ = before;  // nothing changes when the record cannot be written
+    return s;
+  }
+  reported_.clear();
+  for (const auto& w : record_.generation().workers()) {
+    reported_[w.id()] = record_.step();
+    last_seen_[w.id()] = now;
+  }
+  return absl::OkStatus();
+}
+
+StatusOr<CoordinatorState::JoinReply> CoordinatorState::Join(const std::string& token,
+                                                             const coordinator::WorkerInfo& info,
+                                                             Time now) {
+  RETURN_IF_ERROR(CheckToken(token));
+  if (info.id().empty()) {
+    return absl::InvalidArgumentError("Join without a worker id; give each worker a unique id");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool pending = std::any_of(record_.pending().begin(), record_.pending().end(),
+                                   [&](const auto& w) { return w.id() == info.id(); });
+  if (IsMemberLocked(info.id()) || pending) {
+    return absl::AlreadyExistsError(absl::StrFormat(
+        "worker '%s' has already joined (%s of generation %d); a restarted worker needs a new id",
+        info.id(), pending ? "pending" : "a member", record_.generation().number()));
+  }
+  const int total = record_.generation().workers_size() + record_.pending_size();
+  if (total >= options_.max_workers) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "the job already has %d workers, its maximum (max_workers); worker '%s' was not admitted",
+        total, info.id()));
+  }
+  JoinReply reply;
+  const bool training = record_.generation().workers_size() > 0;
+  const int needed =
+      record_.generation().number() == 0 ? options_.initial_workers : options_.min_workers;
+  if (!training && record_.pending_size() + 1 >= needed) {
+    // Enough to start (or restart) training now: no step is running to wait for.
+    std::vector<coordinator::WorkerInfo> workers(record_.pending().begin(),
+                                                 record_.pending().end());
+    workers.push_back(info);
+    RETURN_IF_ERROR(NewGenerationLocked(
+        std::move(workers), record_.generation().number() == 0 ? "start" : "join", now));
+    reply.admitted = true;
+    reply.rank = record_.generation().workers_size() - 1;
+  } else {
+    coordinator::CoordinatorRecord before = record_;
+    *record_.add_pending() = info;
+    Status s = PersistLocked();
+    if (!s.ok()) {
+      record_ = before;
+      return s;
+    }
+    last_seen_[info.id()] = now;
+  }
+  reply.generation = record_.generation().number();
+  return reply;
+}
+
+StatusOr<coordinator::Generation> CoordinatorState::Heartbeat(const std::string& token,
+                                                              const std::string& id, Time now) {
+  RETURN_IF_ERROR(CheckToken(token));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = last_seen_.find(id);
+  if (it == last_seen_.end()) {
+    return absl::NotFoundError(absl::StrFormat(
+        "worker '%s' is not part of the job (it never joined, or it was declared failed); it "
+        "must Join again with a new id",
+        id));
+  }
+  it->second = now;
+  return record_.generation();
+}
+
+StatusOr<coordinator::Generation> CoordinatorState::ReportStep(const std::string& token,
+                                                               const std::string& id,
+                                                               int64_t generation, int64_t step,
+                                                               Time now) {
+  RETURN_IF_ERROR(CheckToken(token));
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t current = record_.generation().number();
+  if (generation != current) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "worker '%s' reported step %d of generation %d, but the job is in generation %d; "
+        "it must re-form its communicators for generation %d first",
+        id, step, generation, current, current));
+  }
+  auto it = reported_.find(id);
+  if (it == reported_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("worker '%s' is not a member of generation %d", id, current));
+  }
+  if (step != it->second + 1) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "worker '%s' reported step %d out of order: its last reported step is %d, so the next "
+        "must be %d",
+        id, step, it->second, it->second + 1));
+  }
+  it->second = step;
+  last_seen_[id] = now;
+  int64_t boundary = step;
+  for (const auto& [w, s] : reported_) boundary = std::min(boundary, s);
+  if (boundary > record_.step()) {
+    coordinator::CoordinatorRecord before = record_;
+    record_.set_step(boundary);
+    if (record_.pending_size() > 0) {
+      // A step boundary: the joiners come in after the current members, in join order.
+      std::vector<coordinator::WorkerInfo> workers(record_.generation().workers().begin(),
+                                                   record_.generation().workers().end());
+      for (const auto& w : record_.pending()) workers.push_back(w);
+      Status s = NewGenerationLocked(std::move(workers), "join", now);
+      if (!s.ok()) {
+        record_ = before;
+        return s;
+      }
+    } else {
+      Status s = PersistLocked();
+      if (!s.ok()) {
+        record_ = before;
+        return s;
+      }
+    }
+  }
+  return record_.generation();
+}
+
+Status CoordinatorState::RemoveLocked(const std::string& id, const char* reason, Time now) {
+  last_seen_.erase(id);
+  if (!IsMemberLocked(id)) {
+    coordinator::CoordinatorRecord before = record_;
+    auto* p = record_.mutable_pending();
+    p->erase(std::remove_if(p->begin(), p->end(), [&](const auto& w) { return w.id() == id; }),
+             p->end());
+    Status s = PersistLocked();
+    if (!s.ok()) record_ = before;
+    return s;
+  }
+  std::vector<coordinator::WorkerInfo> survivors;
+  for (const auto& w : record_.generation().workers()) {
+    if (w.id() != id) survivors.push_back(w);
+  }
+  return NewGenerationLocked(std::move(survivors), reason, now);
+}
+
+Status CoordinatorState::Leave(const std::string& token, const std::string& id, Time now) {
+  RETURN_IF_ERROR(CheckToken(token));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!last_seen_.count(id)) {
+    return absl::NotFoundError(absl::StrFormat("worker '%s' is not part of the job", id));
+  }
+  return RemoveLocked(id, "leave", now);
+}
+
+Status CoordinatorState::StreamBroken(const std::string& id, Time now) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!last_seen_.count(id)) return absl::OkStatus();  // already gone
+  return RemoveLocked(id, "failure", now);
+}
+
+StatusOr<int> CoordinatorState::Tick(Time now) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> late;
+  for (const auto& [id, seen] : last_seen_) {
+    if (now - seen > options_.heartbeat_timeout) late.push_back(id);
+  }
+  if (late.empty()) return 0;
+  auto is_late = [&](const coordinator::WorkerInfo& w) {
+    return std::find(late.begin(), late.end(), w.id()) != late.end();
+  };
+  // All of them at once: one new generation, however many failed together.
+  const coordinator::CoordinatorRecord before = record_;
+  auto* p = record_.mutable_pending();
+  p->erase(std::remove_if(p->begin(), p->end(), is_late), p->end());
+  std::vector<coordinator::WorkerInfo> survivors;
+  bool member_failed = false;
+  for (const auto& w : record_.generation().workers()) {
+    if (is_late(w)) {
+      member_failed = true;
+    } else {
+      survivors.push_back(w);
+    }
+  }
+  Status s =
+      member_failed ? NewGenerationLocked(std::move(survivors), "failure", now) : PersistLocked();
+  if (!s.ok()) {
+    record_ = before;
+    return s;
+  }
+  for (const std::string& id : late) last_seen_.erase(id);
+  return static_cast<int>(late.size());
+}
+
+Status CoordinatorState::Set(const std::string& token, const std::string& key,
+                             const std::string& value) {
+  RETURN_IF_ERROR(CheckToken(token));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    kv_[key] = value;
+  }
+  kv_cv_.notify_all();
+  return absl::OkStatus();
+}
+
+StatusOr<std::string> CoordinatorState::Get(const std::string& token, const std::string& key) {
+  RETURN_IF_ERROR(CheckToken(token));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = kv_.find(key);
+  if (it == kv_.end()) return absl::NotFoundError(absl::StrCat("key '", key, "' is not set"));
+  return it->second;
+}
+
+Status CoordinatorState::Wait(const std::string& token, const std::vector<std::string>& keys,
+                              std::chrono::milliseconds timeout) {
+  RETURN_IF_ERROR(CheckToken(token));
+  std::unique_lock<std::mutex> lock(mu_);
+  auto missing = [&] {
+    std::vector<std::string> m;
+    for (const auto& k : keys) {
+      if (!kv_.count(k)) m.push_back(k);
+    }
+    return m;
+  };
+  if (kv_cv_.wait_for(lock, timeout, [&] { return missing().empty(); })) return absl::OkStatus();
+  return absl::DeadlineExceededError(absl::StrFormat(
+      "waited %d ms for the rendezvous keys %s; a worker of this generation never published them "
+      "(it died, or it is in another generation)",
+      timeout.count(), absl::StrJoin(missing(), ", ")));
+}
+
+StatusOr<int64_t> CoordinatorState::Add(const std::string& token, const std::string& key,
+                                        int64_t delta) {
+  RETURN_IF_ERROR(CheckToken(token));
+  int64_t value = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = kv_.find(key);
+    if (it != kv_.end() && !absl::SimpleAtoi(it->second, &value)) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("Add on key '%s', which holds '%s', not an integer", key, it->second));
+    }
+    value += delta;
+    kv_[key] = absl::StrCat(value);
+  }
+  kv_cv_.notify_all();
+  return value;
+}
+
+coordinator::CoordinatorRecord CoordinatorState::Snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return record_;
+}
+
+namespace {
+
+class CoordinatorStore : public comm::Store {
+ public:
+  CoordinatorStore(CoordinatorState* state, std::string token)
+      : state_(state), token_(std::move(token)) {}
+  Status Set(const std::string& key, const std::string& value) override {
+    return state_->Set(token_, key, value);
+  }
+  StatusOr<std::string> Get(const std::string& key) override { return state_->Get(token_, key); }
+  Status Wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    return state_->Wait(token_, keys, timeout);
+  }
+  StatusOr<int64_t> Add(const std::string& key, int64_t delta) override {
+    return state_->Add(token_, key, delta);
+  }
+
+ private:
+  CoordinatorState* state_;
+  std::string token_;
+};
+
+}  // namespace
+
+std::shared_ptr<comm::Store> MakeCoordinatorStore(CoordinatorState* state, std::string token) {
+  return std::make_shared<CoordinatorStore>(state, std::move(token));
+}
+
+}  // namespace strata::launcher

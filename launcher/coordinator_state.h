@@ -1,0 +1,116 @@
+// CoordinatorState: the coordinator's logic without sockets — membership generations, rank
+// assignment, admission of joins at step boundaries, failure detection, the rendezvous key-value
+// store, and the RocksDB record that lets a restarted coordinator resume the job.
+//
+// The gRPC service (and tests) call it; every call carries the job's token and is checked first
+// (UNAUTHENTICATED otherwise). A request that does not fit the state — a second Join of the same
+// worker, a report from an old generation or out of step order, a Wait past its timeout — gets a
+// status that says what and why, and changes nothing.
+//
+// Generations. The first forms when `initial_workers` have joined (ranks in join order). A failure
+// (missed heartbeats, a broken stream) or a Leave forms the next one at once with the survivors,
+// keeping their order; a Join waits for the next step boundary — the step every member has
+// reported done — and is appended. Below `min_workers` no generation trains: the next one forms
+// as soon as enough workers are there. Every change is written (synced) to RocksDB before the
+// call returns: the record under "state", each generation under "log/<number>".
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "proto/coordinator.pb.h"
+#include "runtime/comm/store.h"
+#include "runtime/common/status.h"
+
+namespace rocksdb {
+class DB;
+}
+
+namespace strata::launcher {
+
+struct CoordinatorOptions {
+  std::string dir;    // RocksDB folder of the coordinator's record (created if missing)
+  std::string token;  // every request must carry it
+  int initial_workers = 1;
+  int min_workers = 1;
+  int max_workers = 1024;
+  std::chrono::milliseconds heartbeat_timeout{2000};
+};
+
+class CoordinatorState {
+ public:
+  using Time = std::chrono::steady_clock::time_point;
+
+  // Opens (or creates) the record in options.dir. A record already there is resumed — its job
+  // config wins over `job_config` — and its members count as alive from now on (they have one
+  // heartbeat timeout to reconnect).
+  [[nodiscard]] static StatusOr<std::unique_ptr<CoordinatorState>> Open(
+      const CoordinatorOptions& options, const std::string& job_config, Time now);
+  ~CoordinatorState();
+
+  struct JoinReply {
+    bool admitted = false;  // false: pending until the next step boundary (or enough workers)
+    int64_t generation = 0;
+    int rank = -1;
+  };
+  [[nodiscard]] StatusOr<JoinReply> Join(const std::string& token,
+                                         const coordinator::WorkerInfo& info, Time now);
+  // Liveness; returns the current generation so the worker sees changes.
+  [[nodiscard]] StatusOr<coordinator::Generation> Heartbeat(const std::string& token,
+                                                            const std::string& id, Time now);
+  // Worker `id` of generation `generation` finished `step` (each member reports every step in
+  // order). Returns the current generation — a new one when this completed a step boundary with
+  // joins pending.
+  [[nodiscard]] StatusOr<coordinator::Generation> ReportStep(const std::string& token,
+                                                             const std::string& id,
+                                                             int64_t generation, int64_t step,
+                                                             Time now);
+  [[nodiscard]] Status Leave(const std::string& token, const std::string& id, Time now);
+  // The worker's stream broke: it has failed (no token: this comes from the service itself).
+  [[nodiscard]] Status StreamBroken(const std::string& id, Time now);
+  // Members whose last heartbeat is older than the timeout have failed. Returns how many.
+  [[nodiscard]] StatusOr<int> Tick(Time now);
+
+  // The rendezvous store (not persisted: a new generation rendezvouses afresh).
+  [[nodiscard]] Status Set(const std::string& token, const std::string& key,
+                           const std::string& value);
+  [[nodiscard]] StatusOr<std::string> Get(const std::string& token, const std::string& key);
+  [[nodiscard]] Status Wait(const std::string& token, const std::vector<std::string>& keys,
+                            std::chrono::milliseconds timeout);
+  [[nodiscard]] StatusOr<int64_t> Add(const std::string& token, const std::string& key,
+                                      int64_t delta);
+
+  coordinator::CoordinatorRecord Snapshot() const;
+  const std::string& job_config() const { return record_.job_config(); }
+
+ private:
+  CoordinatorState() = default;
+  Status CheckToken(const std::string& token) const;
+  // Forms generation number + 1 from `workers`; persists. Locked.
+  Status NewGenerationLocked(std::vector<coordinator::WorkerInfo> workers, const char* reason,
+                             Time now);
+  Status RemoveLocked(const std::string& id, const char* reason, Time now);
+  Status PersistLocked();
+  bool IsMemberLocked(const std::string& id) const;
+
+  CoordinatorOptions options_;
+  std::unique_ptr<rocksdb::DB> db_;
+  mutable std::mutex mu_;
+  std::condition_variable kv_cv_;
+  coordinator::CoordinatorRecord record_;
+  std::map<std::string, Time> last_seen_;    // members and pending workers
+  std::map<std::string, int64_t> reported_;  // member -> last step reported
+  std::map<std::string, std::string> kv_;
+};
+
+// The rendezvous Store of workers in the coordinator's process (tests; the gRPC store calls the
+// same methods remotely).
+std::shared_ptr<comm::Store> MakeCoordinatorStore(CoordinatorState* state, std::string token);
+
+}  // namespace strata::launcher

@@ -1,0 +1,242 @@
+// The coordinator's logic driven directly (no sockets), with its real RocksDB record: generations
+// and ranks, admission of joins at step boundaries, failures by missed heartbeats and broken
+// streams, the token, refused requests that change nothing, the rendezvous store, and a
+// coordinator reopened on its folder resuming the job.
+#include "launcher/coordinator_state.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "tests/test_util.h"
+
+namespace strata::launcher {
+namespace {
+
+using coordinator::WorkerInfo;
+using std::chrono::milliseconds;
+using Time = CoordinatorState::Time;
+
+constexpr char kToken[] = "job-token-123";
+
+WorkerInfo Worker(const std::string& id) {
+  WorkerInfo w;
+  w.set_id(id);
+  w.set_host("127.0.0.1");
+  return w;
+}
+
+std::vector<std::string> Ids(const coordinator::Generation& g) {
+  std::vector<std::string> v;
+  for (const auto& w : g.workers()) v.push_back(w.id());
+  return v;
+}
+
+class CoordinatorStateTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<CoordinatorState> Open(int initial = 3, int min = 2, int max = 8) {
+    CoordinatorOptions o;
+    o.dir = dir_.File("coordinator");
+    o.token = kToken;
+    o.initial_workers = initial;
+    o.min_workers = min;
+    o.max_workers = max;
+    o.heartbeat_timeout = milliseconds(2000);
+    auto c = CoordinatorState::Open(o, "name: \"job\"\n", t0_);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  // Every member reports `step` of the current generation.
+  void AllReport(CoordinatorState& c, int64_t step, Time now) {
+    const coordinator::Generation g = c.Snapshot().generation();
+    for (const auto& w : g.workers()) {
+      auto r = c.ReportStep(kToken, w.id(), g.number(), step, now);
+      ASSERT_TRUE(r.ok()) << r.status();
+    }
+  }
+  strata::testing::TempDir dir_;
+  Time t0_ = std::chrono::steady_clock::now();
+};
+
+TEST_F(CoordinatorStateTest, FirstGenerationFormsWhenTheInitialWorkersJoinedRanksInJoinOrder) {
+  auto c = Open();
+  auto a = c->Join(kToken, Worker("a"), t0_);
+  auto b = c->Join(kToken, Worker("b"), t0_);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_FALSE(a->admitted);
+  EXPECT_FALSE(b->admitted);
+  EXPECT_EQ(c->Snapshot().generation().workers_size(), 0);
+  auto d = c->Join(kToken, Worker("d"), t0_);
+  ASSERT_TRUE(d.ok());
+  EXPECT_TRUE(d->admitted);
+  EXPECT_EQ(d->generation, 1);
+  EXPECT_EQ(d->rank, 2);
+  const auto g = c->Snapshot().generation();
+  EXPECT_EQ(Ids(g), (std::vector<std::string>{"a", "b", "d"}));
+  EXPECT_EQ(g.reason(), "start");
+  EXPECT_EQ(c->Snapshot().pending_size(), 0);
+}
+
+TEST_F(CoordinatorStateTest, RefusedRequestsSayWhyAndChangeNothing) {
+  auto c = Open();
+  for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  const std::string before = c->Snapshot().SerializeAsString();
+  // Wrong token, on every kind of call.
+  EXPECT_EQ(c->Join("wrong", Worker("x"), t0_).status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(c->ReportStep("", "a", 1, 1, t0_).status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(c->Set("nope", "k", "v").code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(c->Leave("nope", "a", t0_).code(), absl::StatusCode::kUnauthenticated);
+  // Joining twice.
+  auto twice = c->Join(kToken, Worker("b"), t0_);
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(twice.status().message().find("'b' has already joined"), std::string::npos);
+  // A report from a stale generation, and one out of step order.
+  auto stale = c->ReportStep(kToken, "a", 0, 1, t0_);
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(stale.status().message().find("the job is in generation 1"), std::string::npos);
+  auto skip = c->ReportStep(kToken, "a", 1, 3, t0_);
+  EXPECT_EQ(skip.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(skip.status().message().find("the next must be 1"), std::string::npos);
+  // Unknown workers.
+  EXPECT_EQ(c->Heartbeat(kToken, "ghost", t0_).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(c->Leave(kToken, "ghost", t0_).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(c->Snapshot().SerializeAsString(), before);
+  // The step order check did not count the refused report: step 1 is still next for "a".
+  EXPECT_TRUE(c->ReportStep(kToken, "a", 1, 1, t0_).ok());
+}
+
+TEST_F(CoordinatorStateTest, AJoinIsAdmittedAtTheNextStepBoundaryAfterTheMembers) {
+  auto c = Open();
+  for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  AllReport(*c, 1, t0_);
+  auto e = c->Join(kToken, Worker("e"), t0_);
+  ASSERT_TRUE(e.ok());
+  EXPECT_FALSE(e->admitted);
+  // Two of three report step 2: no boundary yet.
+  ASSERT_TRUE(c->ReportStep(kToken, "a", 1, 2, t0_).ok());
+  ASSERT_TRUE(c->ReportStep(kToken, "b", 1, 2, t0_).ok());
+  EXPECT_EQ(c->Snapshot().generation().number(), 1);
+  auto g = c->ReportStep(kToken, "c", 1, 2, t0_);
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(g->number(), 2);
+  EXPECT_EQ(Ids(*g), (std::vector<std::string>{"a", "b", "c", "e"}));
+  EXPECT_EQ(g->reason(), "join");
+  EXPECT_EQ(g->first_step(), 2);
+  // The new generation reports from step 3 on.
+  EXPECT_TRUE(c->ReportStep(kToken, "e", 2, 3, t0_).ok());
+}
+
+TEST_F(CoordinatorStateTest, MissedHeartbeatsAndBrokenStreamsFormTheNextGenerationAtOnce) {
+  auto c = Open(/*initial=*/4, /*min=*/2);
+  for (const char* id : {"a", "b", "c", "d"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  AllReport(*c, 1, t0_);
+  // b and d stop heartbeating; a and c keep going.
+  const Time t1 = t0_ + milliseconds(1500), t2 = t0_ + milliseconds(3000);
+  ASSERT_TRUE(c->Heartbeat(kToken, "a", t1).ok());
+  ASSERT_TRUE(c->Heartbeat(kToken, "c", t1).ok());
+  auto none = c->Tick(t1);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(*none, 0);
+  auto failed = c->Tick(t2);
+  ASSERT_TRUE(failed.ok());
+  EXPECT_EQ(*failed, 2);
+  auto g = c->Snapshot().generation();
+  EXPECT_EQ(g.number(), 2) << "both failures in one new generation (not one each)";
+  EXPECT_EQ(Ids(g), (std::vector<std::string>{"a", "c"}));
+  EXPECT_EQ(g.reason(), "failure");
+  EXPECT_EQ(g.first_step(), 1);
+  // A failed worker is out for good.
+  EXPECT_EQ(c->Heartbeat(kToken, "b", t2).status().code(), absl::StatusCode::kNotFound);
+  // A broken stream takes c out immediately; a alone is below min_workers: nothing trains.
+  ASSERT_TRUE(c->StreamBroken("c", t2).ok());
+  g = c->Snapshot().generation();
+  EXPECT_EQ(g.workers_size(), 0);
+  EXPECT_NE(g.reason().find("waiting for workers (1 of at least 2)"), std::string::npos);
+  // A new worker brings it back to two at once (no step is running to wait for).
+  auto f = c->Join(kToken, Worker("f"), t2);
+  ASSERT_TRUE(f.ok());
+  EXPECT_TRUE(f->admitted);
+  EXPECT_EQ(Ids(c->Snapshot().generation()), (std::vector<std::string>{"a", "f"}));
+}
+
+TEST_F(CoordinatorStateTest, AReopenedCoordinatorResumesTheJobFromItsRecord) {
+  {
+    auto c = Open();
+    for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+    AllReport(*c, 1, t0_);
+    AllReport(*c, 2, t0_);
+    ASSERT_TRUE(c->Join(kToken, Worker("late"), t0_).ok());
+    ASSERT_TRUE(c->Set(kToken, "k", "v").ok());
+  }
+  CoordinatorOptions o;
+  o.dir = dir_.File("coordinator");
+  o.token = kToken;
+  o.initial_workers = 3;
+  o.min_workers = 2;
+  auto c = CoordinatorState::Open(o, "ignored: the record's config wins", t0_);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const auto r = (*c)->Snapshot();
+  EXPECT_EQ((*c)->job_config(), "name: \"job\"\n");
+  EXPECT_EQ(r.generation().number(), 1);
+  EXPECT_EQ(Ids(r.generation()), (std::vector<std::string>{"a", "b", "c"}));
+  EXPECT_EQ(r.step(), 2);
+  ASSERT_EQ(r.pending_size(), 1);
+  EXPECT_EQ(r.pending(0).id(), "late");
+  // Members carry on from the recorded step; the rendezvous store starts empty.
+  EXPECT_TRUE((*c)->ReportStep(kToken, "a", 1, 3, t0_).ok());
+  EXPECT_EQ((*c)->Get(kToken, "k").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CoordinatorStateTest, ADamagedRecordIsAClearErrorNamingTheFolder) {
+  { auto c = Open(); }
+  for (const auto& f : std::filesystem::directory_iterator(dir_.File("coordinator"))) {
+    if (f.path().filename().string().rfind("MANIFEST", 0) == 0) {
+      std::ofstream(f.path(), std::ios::binary | std::ios::trunc) << "not a manifest";
+    }
+  }
+  CoordinatorOptions o;
+  o.dir = dir_.File("coordinator");
+  o.token = kToken;
+  auto c = CoordinatorState::Open(o, "", t0_);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find(dir_.File("coordinator")), std::string::npos) << c.status();
+}
+
+TEST_F(CoordinatorStateTest, RendezvousStoreSetGetAddAndWaitWithTimeout) {
+  auto c = Open();
+  auto store = MakeCoordinatorStore(c.get(), kToken);
+  // A waiter is woken by a Set from another thread.
+  std::thread setter([&] {
+    std::this_thread::sleep_for(milliseconds(50));
+    ASSERT_TRUE(store->Set("gen/1/rank_0", "addr0").ok());
+  });
+  auto v = store->WaitGet("gen/1/rank_0", milliseconds(5000));
+  setter.join();
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, "addr0");
+  // Add is atomic across threads.
+  std::vector<std::thread> adders;
+  for (int i = 0; i < 4; ++i) {
+    adders.emplace_back([&] {
+      for (int j = 0; j < 100; ++j) ASSERT_TRUE(store->Add("count", 1).ok());
+    });
+  }
+  for (auto& t : adders) t.join();
+  auto total = store->Add("count", 0);
+  ASSERT_TRUE(total.ok());
+  EXPECT_EQ(*total, 400);
+  // A key nobody sets: DEADLINE_EXCEEDED naming it, after the timeout.
+  const auto start = std::chrono::steady_clock::now();
+  Status w = store->Wait({"gen/1/rank_0", "gen/1/rank_1"}, milliseconds(200));
+  EXPECT_EQ(w.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(w.message().find("gen/1/rank_1"), std::string::npos) << w;
+  EXPECT_EQ(w.message().find("gen/1/rank_0,"), std::string::npos) << "only the missing key";
+  EXPECT_GE(std::chrono::steady_clock::now() - start, milliseconds(200));
+  EXPECT_EQ(store->Add("gen/1/rank_0", 1).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace strata::launcher
