@@ -1,15 +1,20 @@
 #include "launcher/commands.h"
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
 #include <optional>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "launcher/coordinator_service.h"
 #include "launcher/flags.h"
 #include "proto/config_io.h"
 #include "runtime/common/logging.h"
@@ -104,6 +109,8 @@ void PrintTopUsage(std::FILE* out) {
                "  worker   one of several processes training a job together (--rank, "
                "--world-size, --store)\n"
                "  check    validate a job config and its data file, print the effective config\n"
+               "  coordinator  serve a job's membership and rendezvous (gRPC; --dir, --config)\n"
+               "  status   a running coordinator's generation, members and step: status HOST:PORT\n"
                "  ckpt     list, verify or remove checkpoints: strata ckpt ls|verify|rm DIR ...\n"
                "  version  print the version and the backends this build has\n"
                "  help     this text\n\n"
@@ -242,6 +249,118 @@ int CheckCommand(const std::vector<std::string>& args) {
   return 0;
 }
 
+namespace {
+
+const std::vector<FlagSpec>& CoordinatorFlags() {
+  static const std::vector<FlagSpec> specs = {
+      {"config", "job config in text format (.textproto); required for a new job"},
+      {"dir", "folder of the coordinator's RocksDB record; required (a record there is resumed)"},
+      {"listen", "HOST:PORT to serve on (default 127.0.0.1:7777; port 0 picks a free one)"},
+      {"token", "the job token (default: $STRATA_JOB_TOKEN); every call must carry it"},
+      {"workers", "workers that form the first generation (default 1)"},
+      {"min-workers", "fewer than this and training waits (default 1)"},
+      {"max-workers", "more than this are refused (default 1024)"},
+      {"tls-cert", "PEM certificate: serve with TLS (needs --tls-key)"},
+      {"tls-key", "PEM private key of --tls-cert"},
+  };
+  return specs;
+}
+
+std::string TokenFrom(const Flags& flags) {
+  if (auto t = flags.String("token")) return *t;
+  const char* env = std::getenv("STRATA_JOB_TOKEN");
+  return env ? env : "";
+}
+
+std::atomic<bool> g_stop{false};
+void OnSignal(int) { g_stop = true; }
+
+}  // namespace
+
+int CoordinatorCommand(const std::vector<std::string>& args) {
+  if (WantsHelp(args)) {
+    std::printf("usage: strata coordinator --dir DIR [--config FILE] [flags]\n%s",
+                Flags::Usage(CoordinatorFlags()).c_str());
+    return 0;
+  }
+  auto flags = Flags::Parse("coordinator", CoordinatorFlags(), args);
+  if (!flags.ok()) return UsageError(flags.status(), "coordinator", CoordinatorFlags());
+  auto workers = flags->Int("workers", 1, 1 << 20);
+  auto min_workers = flags->Int("min-workers", 1, 1 << 20);
+  auto max_workers = flags->Int("max-workers", 1, 1 << 20);
+  for (const auto* v : {&workers, &min_workers, &max_workers}) {
+    if (!v->ok()) return UsageError(v->status(), "coordinator", CoordinatorFlags());
+  }
+  if (!flags->Has("dir")) {
+    return UsageError(absl::InvalidArgumentError("--dir DIR is required"), "coordinator",
+                      CoordinatorFlags());
+  }
+  CoordinatorOptions o;
+  o.dir = *flags->String("dir");
+  o.token = TokenFrom(*flags);
+  if (o.token.empty()) {
+    return UsageError(
+        absl::InvalidArgumentError("give the job token with --token or $STRATA_JOB_TOKEN"),
+        "coordinator", CoordinatorFlags());
+  }
+  o.initial_workers = static_cast<int>(workers->value_or(1));
+  o.min_workers = static_cast<int>(min_workers->value_or(1));
+  o.max_workers = static_cast<int>(max_workers->value_or(1024));
+  std::string job_config;
+  if (auto path = flags->String("config")) {
+    auto cfg = config::LoadJobConfig(*path);
+    if (!cfg.ok()) return Fail(cfg.status());
+    job_config = config::ToText(*cfg);
+  }
+  auto state = CoordinatorState::Open(o, job_config, std::chrono::steady_clock::now());
+  if (!state.ok()) return Fail(state.status());
+  if ((*state)->job_config().empty()) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrFormat("'%s' holds no job yet: give --config FILE for a new job", o.dir)));
+  }
+  TlsFiles tls{flags->String("tls-cert").value_or(""), flags->String("tls-key").value_or(""), ""};
+  auto server = CoordinatorServer::Start(state->get(),
+                                         flags->String("listen").value_or("127.0.0.1:7777"), tls);
+  if (!server.ok()) return Fail(server.status());
+  const auto record = (*state)->Snapshot();
+  std::printf("coordinator listening on %s (generation %lld, step %lld, record in %s)\n",
+              (*server)->address().c_str(), static_cast<long long>(record.generation().number()),
+              static_cast<long long>(record.step()), o.dir.c_str());
+  std::fflush(stdout);
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  std::printf("coordinator stopping\n");
+  return 0;
+}
+
+int StatusCommand(const std::vector<std::string>& args) {
+  static const std::vector<FlagSpec> specs = {
+      {"token", "the job token (default: $STRATA_JOB_TOKEN)"},
+  };
+  if (args.empty() || WantsHelp(args)) {
+    std::fprintf(args.empty() ? stderr : stdout, "usage: strata status HOST:PORT [--token T]\n");
+    return args.empty() ? 2 : 0;
+  }
+  auto flags = Flags::Parse("status", specs, {args.begin() + 1, args.end()});
+  if (!flags.ok()) return UsageError(flags.status(), "status", specs);
+  auto client = CoordinatorClient::Connect(args[0], TokenFrom(*flags));
+  if (!client.ok()) return Fail(client.status());
+  auto r = (*client)->GetStatus();
+  if (!r.ok()) return Fail(r.status());
+  const auto& g = r->generation();
+  std::printf("generation %lld (%s) since step %lld; step %lld done\n",
+              static_cast<long long>(g.number()), g.reason().c_str(),
+              static_cast<long long>(g.first_step()), static_cast<long long>(r->step()));
+  for (int i = 0; i < g.workers_size(); ++i) {
+    std::printf("  rank %d  %s  %s\n", i, g.workers(i).id().c_str(), g.workers(i).host().c_str());
+  }
+  for (const auto& w : r->pending()) {
+    std::printf("  pending  %s  %s\n", w.id().c_str(), w.host().c_str());
+  }
+  return 0;
+}
+
 int CkptCommand(const std::vector<std::string>& args) {
   static const char* kUsage =
       "usage: strata ckpt ls DIR            list the checkpoints in DIR\n"
@@ -306,6 +425,8 @@ int Main(int argc, char** argv) {
   if (cmd == "worker") return WorkerCommand(args);
   if (cmd == "check") return CheckCommand(args);
   if (cmd == "ckpt") return CkptCommand(args);
+  if (cmd == "coordinator") return CoordinatorCommand(args);
+  if (cmd == "status") return StatusCommand(args);
   if (cmd == "version" || cmd == "--version") {
     std::printf(
         "strata 0.1.0 (backends: cpu%s)\n",

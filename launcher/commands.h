@@ -17,6 +17,12 @@ int WorkerCommand(const std::vector<std::string>& args);
 int CheckCommand(const std::vector<std::string>& args);
 // strata ckpt ls|verify|rm DIR ...: the checkpoints in a folder.
 int CkptCommand(const std::vector<std::string>& args);
+// strata coordinator --dir DIR [--config FILE] [--listen HOST:PORT] [--token T] [--workers N]
+// [--min-workers M] [--max-workers X] [--tls-cert F --tls-key F]: serves a job's coordinator until
+// SIGINT/SIGTERM; a record already in DIR is resumed.
+int CoordinatorCommand(const std::vector<std::string>& args);
+// strata status HOST:PORT [--token T]: a running coordinator's generation, members and step.
+int StatusCommand(const std::vector<std::string>& args);
 // strata [help|--help], strata version, and dispatch to the subcommands.
 int Main(int argc, char** argv);
 

@@ -86,6 +86,8 @@ class CoordinatorState {
   [[nodiscard]] StatusOr<int64_t> Add(const std::string& token, const std::string& key,
                                       int64_t delta);
 
+  // OK for the job's token, UNAUTHENTICATED otherwise (for calls that carry no other check).
+  [[nodiscard]] Status Authenticate(const std::string& token) const { return CheckToken(token); }
   coordinator::CoordinatorRecord Snapshot() const;
   const std::string& job_config() const { return record_.job_config(); }
 

@@ -1,0 +1,84 @@
+// The coordinator over gRPC: CoordinatorServer serves a CoordinatorState (proto/coordinator.proto's
+// service) and runs its failure detector; CoordinatorClient is the worker's side, including the
+// rendezvous comm::Store over the network.
+//
+// The job token travels in the "strata-token" metadata entry of every call. The server listens on
+// loopback unless given another address; with certificate files it uses TLS (gRPC SSL
+// credentials), and clients then need the CA certificate.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "launcher/coordinator_state.h"
+#include "proto/coordinator.pb.h"
+#include "runtime/comm/store.h"
+#include "runtime/common/status.h"
+
+namespace grpc {
+class Channel;
+class Server;
+}  // namespace grpc
+
+namespace strata::launcher {
+
+struct TlsFiles {
+  std::string cert, key, ca;  // PEM files; all empty: no TLS
+};
+
+class CoordinatorServer {
+ public:
+  // Serves `state` (not owned) on `listen` ("127.0.0.1:0" picks a free port).
+  [[nodiscard]] static StatusOr<std::unique_ptr<CoordinatorServer>> Start(CoordinatorState* state,
+                                                                          const std::string& listen,
+                                                                          const TlsFiles& tls = {});
+  ~CoordinatorServer();  // stops serving and the failure detector
+  int port() const { return port_; }
+  std::string address() const;
+
+ private:
+  CoordinatorServer() = default;
+  class Service;
+  CoordinatorState* state_ = nullptr;
+  std::string host_;
+  int port_ = 0;
+  std::unique_ptr<Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::atomic<bool> stop_{false};
+  std::thread ticker_;
+};
+
+class CoordinatorClient {
+ public:
+  // `tls_ca`: the CA certificate file when the server uses TLS; empty for plaintext. Fails with
+  // UNAVAILABLE when the coordinator cannot be reached within `connect_timeout`.
+  [[nodiscard]] static StatusOr<std::unique_ptr<CoordinatorClient>> Connect(
+      const std::string& address, const std::string& token, const std::string& tls_ca = "",
+      std::chrono::milliseconds connect_timeout = std::chrono::milliseconds(5000));
+  ~CoordinatorClient();
+
+  [[nodiscard]] StatusOr<coordinator::JoinReply> Join(const coordinator::WorkerInfo& info);
+  [[nodiscard]] StatusOr<coordinator::Generation> Heartbeat(const std::string& id);
+  [[nodiscard]] StatusOr<coordinator::Generation> ReportStep(const std::string& id,
+                                                             int64_t generation, int64_t step);
+  [[nodiscard]] Status Leave(const std::string& id);
+  [[nodiscard]] StatusOr<coordinator::CoordinatorRecord> GetStatus();
+  // The rendezvous store on the coordinator.
+  std::shared_ptr<comm::Store> store();
+
+  // Each call's deadline (except Wait, which gets its own timeout plus this).
+  std::chrono::milliseconds rpc_timeout{5000};
+
+ private:
+  CoordinatorClient() = default;
+  class Stub;
+  class Store;
+  std::string address_, token_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<Stub> stub_;
+};
+
+}  // namespace strata::launcher

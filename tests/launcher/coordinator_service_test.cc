@@ -1,0 +1,228 @@
+// The coordinator over real gRPC on loopback: joins and status through the client, the token on
+// every call, the rendezvous store over the network used by two real Gloo communicators, a clear
+// error when no coordinator is listening, and the `strata coordinator` process killed with
+// SIGKILL and restarted on its RocksDB record.
+#include "launcher/coordinator_service.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <regex>
+#include <thread>
+
+#include "runtime/comm/communicator.h"
+#include "tests/test_util.h"
+
+namespace strata::launcher {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr char kToken[] = "s3cret-token";
+
+class CoordinatorServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    CoordinatorOptions o;
+    o.dir = dir_.File("coordinator");
+    o.token = kToken;
+    o.initial_workers = 2;
+    o.min_workers = 1;
+    auto s = CoordinatorState::Open(o, "name: \"job\"\n", std::chrono::steady_clock::now());
+    ASSERT_TRUE(s.ok()) << s.status();
+    state_ = std::move(*s);
+    auto server = CoordinatorServer::Start(state_.get(), "127.0.0.1:0");
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(*server);
+  }
+  std::unique_ptr<CoordinatorClient> Client(const std::string& token = kToken) {
+    auto c = CoordinatorClient::Connect(server_->address(), token);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? std::move(*c) : nullptr;
+  }
+  strata::testing::TempDir dir_;
+  std::unique_ptr<CoordinatorState> state_;
+  std::unique_ptr<CoordinatorServer> server_;
+};
+
+coordinator::WorkerInfo Worker(const std::string& id) {
+  coordinator::WorkerInfo w;
+  w.set_id(id);
+  w.set_host("127.0.0.1");
+  return w;
+}
+
+TEST_F(CoordinatorServiceTest, WorkersJoinReportAndSeeTheirGenerationOverGrpc) {
+  auto a = Client(), b = Client();
+  auto ja = a->Join(Worker("a"));
+  ASSERT_TRUE(ja.ok()) << ja.status();
+  EXPECT_FALSE(ja->admitted());
+  auto jb = b->Join(Worker("b"));
+  ASSERT_TRUE(jb.ok()) << jb.status();
+  EXPECT_TRUE(jb->admitted());
+  EXPECT_EQ(jb->generation(), 1);
+  EXPECT_EQ(jb->rank(), 1);
+  auto g = a->Heartbeat("a");
+  ASSERT_TRUE(g.ok()) << g.status();
+  ASSERT_EQ(g->workers_size(), 2);
+  EXPECT_EQ(g->workers(0).id(), "a");
+  ASSERT_TRUE(a->ReportStep("a", 1, 1).ok());
+  ASSERT_TRUE(b->ReportStep("b", 1, 1).ok());
+  auto st = a->GetStatus();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->step(), 1);
+  // A refused request keeps its code and message across the wire.
+  auto again = b->Join(Worker("b"));
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(again.status().message().find("'b' has already joined"), std::string::npos);
+}
+
+TEST_F(CoordinatorServiceTest, ACallWithoutTheTokenIsRefusedAndChangesNothing) {
+  auto intruder = Client("not-the-token");
+  const std::string before = state_->Snapshot().SerializeAsString();
+  EXPECT_EQ(intruder->Join(Worker("x")).status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(intruder->GetStatus().status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(intruder->store()->Set("k", "v").code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(state_->Snapshot().SerializeAsString(), before);
+  EXPECT_EQ(state_->Get(kToken, "k").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CoordinatorServiceTest, TwoGlooRanksRendezvousThroughTheNetworkStore) {
+  auto client = Client();
+  // The store itself: Add, and a Wait that times out naming the key.
+  auto store = client->store();
+  auto v = store->Add("n", 5);
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, 5);
+  Status w = store->Wait({"never"}, milliseconds(150));
+  EXPECT_EQ(w.code(), absl::StatusCode::kDeadlineExceeded) << w;
+  EXPECT_NE(w.message().find("never"), std::string::npos);
+  // Two communicators meet through it and all-reduce.
+  std::vector<float> sums(2);
+  std::vector<Status> results(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      comm::CommOptions o;
+      o.rank = r;
+      o.world_size = 2;
+      o.timeout = milliseconds(10000);
+      auto c = comm::ConnectGloo(comm::MakePrefixStore(client->store(), "gen/1/"), o);
+      if (!c.ok()) {
+        results[r] = c.status();
+        return;
+      }
+      float x = static_cast<float>(r + 1);
+      results[r] = (*c)->AllReduce(&x, 1);
+      sums[r] = x;
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(results[r].ok()) << results[r];
+    EXPECT_EQ(sums[r], 3.0f);
+  }
+}
+
+TEST(CoordinatorClientTest, NoCoordinatorListeningIsAClearError) {
+  // A port that was just free: nothing listens there.
+  CoordinatorOptions o;
+  strata::testing::TempDir dir;
+  o.dir = dir.File("c");
+  o.token = kToken;
+  auto state = CoordinatorState::Open(o, "", std::chrono::steady_clock::now());
+  ASSERT_TRUE(state.ok());
+  std::string address;
+  {
+    auto server = CoordinatorServer::Start(state->get(), "127.0.0.1:0");
+    ASSERT_TRUE(server.ok());
+    address = (*server)->address();
+  }
+  auto c = CoordinatorClient::Connect(address, kToken, "", milliseconds(500));
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(c.status().message().find("cannot reach the coordinator at " + address),
+            std::string::npos)
+      << c.status();
+}
+
+// `strata coordinator` as a real process: SIGKILLed and restarted on its folder, it still knows
+// the job (generation, members); `strata status` shows it, and refuses without the token.
+class CoordinatorProcessTest : public ::testing::Test {
+ protected:
+  const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
+  // Starts the coordinator; returns its address from its first line.
+  std::string Start(const std::string& extra) {
+    const std::string log = dir_.File("coordinator.log");
+    std::filesystem::remove(log);
+    pid_ = fork();
+    if (pid_ == 0) {
+      const std::string cmd = "cd " + dir_.path() + " && STRATA_JOB_TOKEN=" + kToken + " exec " +
+                              kStrata + " coordinator --dir record --listen 127.0.0.1:0 " + extra +
+                              " > " + log + " 2>&1";
+      execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    std::smatch m;
+    const std::regex re("listening on (127\\.0\\.0\\.1:[0-9]+)");
+    std::string text;
+    while (!std::regex_search(text = strata::testing::ReadFile(log), m, re)) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ADD_FAILURE() << "the coordinator did not start: " << text;
+        return "";
+      }
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+    return m[1];
+  }
+  void Kill() {
+    ASSERT_EQ(kill(pid_, SIGKILL), 0);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+  }
+  void TearDown() override {
+    if (pid_ > 0) Kill();
+  }
+  strata::testing::TempDir dir_;
+  pid_t pid_ = -1;
+};
+
+TEST_F(CoordinatorProcessTest, KilledAndRestartedItResumesTheJobFromItsRecord) {
+  strata::testing::WriteFile(dir_.File("text.txt"), "hello");
+  strata::testing::WriteFile(dir_.File("job.textproto"),
+                             "name: \"elastic\"\ndata { path: \"text.txt\" }\n");
+  std::string address = Start("--config job.textproto --workers 2");
+  ASSERT_FALSE(address.empty());
+  {
+    auto a = CoordinatorClient::Connect(address, kToken);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE((*a)->Join(Worker("w-a")).ok());
+    auto b = (*a)->Join(Worker("w-b"));
+    ASSERT_TRUE(b.ok()) << b.status();
+    ASSERT_TRUE(b->admitted());
+    ASSERT_TRUE((*a)->ReportStep("w-a", 1, 1).ok());
+    ASSERT_TRUE((*a)->ReportStep("w-b", 1, 1).ok());
+  }
+  Kill();
+  // No --config: the job comes from the record.
+  address = Start("");
+  ASSERT_FALSE(address.empty());
+  auto r = strata::testing::RunCommand(kStrata + " status " + address + " --token " + kToken);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("generation 1 (start) since step 0; step 1 done"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("rank 0  w-a"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 1  w-b"), std::string::npos) << r.output;
+  auto bad = strata::testing::RunCommand(kStrata + " status " + address + " --token wrong");
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.output.find("does not carry this job's token"), std::string::npos) << bad.output;
+}
+
+}  // namespace
+}  // namespace strata::launcher
