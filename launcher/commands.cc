@@ -1,5 +1,8 @@
 #include "launcher/commands.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -8,6 +11,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <thread>
 
@@ -44,10 +48,17 @@ const std::vector<FlagSpec>& TrainFlags() {
 const std::vector<FlagSpec>& WorkerFlags() {
   static const std::vector<FlagSpec> specs = [] {
     std::vector<FlagSpec> v = {
-        {"rank", "this worker's rank in [0, world-size); required"},
-        {"world-size", "number of workers; required"},
-        {"store", "rendezvous folder shared by all workers (created if missing); required"},
+        {"rank", "this worker's rank in [0, world-size) (without --coordinator)"},
+        {"world-size", "number of workers (without --coordinator)"},
+        {"store",
+         "rendezvous folder shared by all workers, created if missing (without "
+         "--coordinator)"},
         {"hostname", "address the other workers reach this one at (default 127.0.0.1)"},
+        {"coordinator",
+         "HOST:PORT of the job's coordinator: join through it instead of "
+         "--rank/--world-size/--store"},
+        {"id", "this worker's id at the coordinator (default HOSTNAME:PID)"},
+        {"token", "the job token for --coordinator (default: $STRATA_JOB_TOKEN)"},
     };
     for (const FlagSpec& f : TrainFlags()) v.push_back(f);
     return v;
@@ -106,6 +117,7 @@ void PrintTopUsage(std::FILE* out) {
                "usage: strata COMMAND [flags]\n\n"
                "commands:\n"
                "  train    train a model from a job config on this machine\n"
+               "  launch   start a coordinator and N local workers for a job (--workers N)\n"
                "  worker   one of several processes training a job together (--rank, "
                "--world-size, --store)\n"
                "  check    validate a job config and its data file, print the effective config\n"
@@ -131,7 +143,8 @@ namespace {
 
 // `strata train` and `strata worker` after their own flags: load the config and train.
 int RunTraining(const Flags& flags, const std::string& command, const std::vector<FlagSpec>& specs,
-                const train::WorkerOptions& worker) {
+                const train::WorkerOptions& worker,
+                std::function<Status(const train::StepResult&)> on_step = nullptr) {
   auto overrides = ParseOverrides(flags);
   if (!overrides.ok()) return UsageError(overrides.status(), command, specs);
   auto cfg = LoadWithOverrides(flags, *overrides);
@@ -139,6 +152,7 @@ int RunTraining(const Flags& flags, const std::string& command, const std::vecto
   train::TrainOptions options;
   options.config = *cfg;
   options.worker = worker;
+  options.on_step = std::move(on_step);
   options.metrics_path = flags.String("metrics-out").value_or("");
   // One progress line per job: the first worker's.
   options.progress = !flags.Has("quiet") && worker.rank == 0;
@@ -184,6 +198,10 @@ int TrainCommand(const std::vector<std::string>& args) {
   return RunTraining(*flags, "train", TrainFlags(), train::WorkerOptions{});
 }
 
+namespace {
+int JoinAndTrain(const Flags& flags);  // below, with the coordinator commands
+}  // namespace
+
 int WorkerCommand(const std::vector<std::string>& args) {
   if (WantsHelp(args)) {
     std::printf(
@@ -196,6 +214,15 @@ int WorkerCommand(const std::vector<std::string>& args) {
   }
   auto flags = Flags::Parse("worker", WorkerFlags(), args);
   if (!flags.ok()) return UsageError(flags.status(), "worker", WorkerFlags());
+  if (flags->Has("coordinator")) {
+    if (flags->Has("rank") || flags->Has("world-size") || flags->Has("store")) {
+      return UsageError(absl::InvalidArgumentError(
+                            "with --coordinator the coordinator assigns ranks; drop --rank, "
+                            "--world-size and --store"),
+                        "worker", WorkerFlags());
+    }
+    return JoinAndTrain(*flags);
+  }
   auto world = flags->Int("world-size", 1, 4096);
   if (!world.ok()) return UsageError(world.status(), "worker", WorkerFlags());
   auto rank = flags->Int("rank", 0, 4095);
@@ -276,6 +303,243 @@ std::atomic<bool> g_stop{false};
 void OnSignal(int) { g_stop = true; }
 
 }  // namespace
+
+namespace {
+
+int JoinAndTrain(const Flags& flags) {
+  const std::string address = *flags.String("coordinator");
+  const std::string token = TokenFrom(flags);
+  if (token.empty()) {
+    return UsageError(
+        absl::InvalidArgumentError("give the job token with --token or $STRATA_JOB_TOKEN"),
+        "worker", WorkerFlags());
+  }
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  const std::string id = flags.String("id").value_or(absl::StrFormat("%s:%d", host, getpid()));
+  auto client = CoordinatorClient::Connect(address, token);
+  if (!client.ok()) return Fail(client.status());
+  coordinator::WorkerInfo info;
+  info.set_id(id);
+  info.set_host(flags.String("hostname").value_or("127.0.0.1"));
+  auto joined = (*client)->Join(info);
+  if (!joined.ok()) return Fail(joined.status());
+  // Wait for a generation that holds this worker (the first forms when enough have joined).
+  coordinator::Generation g;
+  int rank = -1;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
+  for (bool told = false; rank < 0;) {
+    auto hb = (*client)->Heartbeat(id);
+    if (!hb.ok()) return Fail(hb.status());
+    g = *hb;
+    for (int i = 0; i < g.workers_size(); ++i) {
+      if (g.workers(i).id() == id) rank = i;
+    }
+    if (rank >= 0) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      return Fail(absl::DeadlineExceededError(
+          absl::StrFormat("worker '%s' waited 10 minutes at %s for the job to start (%s)", id,
+                          address, g.reason())));
+    }
+    if (!told) {
+      STRATA_LOG(INFO) << "worker " << id << ": joined " << address << ", waiting for the job ("
+                       << g.reason() << ")";
+      told = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  train::WorkerOptions worker;
+  worker.rank = rank;
+  worker.world_size = g.workers_size();
+  worker.store = comm::MakePrefixStore((*client)->store(), comm::GenerationPrefix(g.number()));
+  worker.hostname = info.host();
+  // Heartbeats go on beside training; every step is reported in order.
+  std::atomic<bool> done{false};
+  std::thread heartbeats([&] {
+    while (!done.load()) {
+      (void)(*client)->Heartbeat(id);
+      for (int i = 0; i < 5 && !done.load(); ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+  });
+  const int64_t generation = g.number();
+  auto on_step = [&](const train::StepResult& r) -> Status {
+    ASSIGN_OR_RETURN(coordinator::Generation now,
+                     (*client)->ReportStep(id, generation, r.step, r.loss));
+    if (now.number() != generation) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "the job's membership changed to generation %d (%s) after step %d; this release does "
+          "not yet re-form a running job, so its workers stop here",
+          now.number(), now.reason(), r.step));
+    }
+    return absl::OkStatus();
+  };
+  const int rc = RunTraining(flags, "worker", WorkerFlags(), worker, on_step);
+  done = true;
+  heartbeats.join();
+  // A worker that finished stays listed: the job is over, not its membership changed.
+  return rc;
+}
+
+std::string RandomToken() {
+  unsigned char bytes[16] = {0};
+  std::FILE* f = std::fopen("/dev/urandom", "rb");
+  if (f != nullptr) {
+    if (std::fread(bytes, 1, sizeof(bytes), f) != sizeof(bytes)) bytes[0] ^= 1;
+    std::fclose(f);
+  }
+  std::string hex;
+  for (unsigned char b : bytes) hex += absl::StrFormat("%02x", b);
+  return hex;
+}
+
+const std::vector<FlagSpec>& LaunchFlags() {
+  static const std::vector<FlagSpec> specs = {
+      {"config", "job config in text format (.textproto); required"},
+      {"workers", "local workers to start; required"},
+      {"min-workers", "fewer than this and training waits (default: --workers)"},
+      {"max-workers", "more than this are refused (default: --workers)"},
+      {"listen", "the coordinator's HOST:PORT (default 127.0.0.1:0, a free port)"},
+      {"coordinator-dir", "folder of the coordinator's record (default: a temporary folder)"},
+      {"threads", "CPU threads per worker (overrides train.threads)"},
+      {"steps", "override train.steps"},
+      {"metrics-out", "each worker i writes FILE.i (JSONL)"},
+      {"quiet", "no status lines", false},
+  };
+  return specs;
+}
+
+}  // namespace
+
+int LaunchCommand(const std::vector<std::string>& args) {
+  if (WantsHelp(args)) {
+    std::printf("usage: strata launch --config FILE --workers N [flags]\n%s",
+                Flags::Usage(LaunchFlags()).c_str());
+    return 0;
+  }
+  auto flags = Flags::Parse("launch", LaunchFlags(), args);
+  if (!flags.ok()) return UsageError(flags.status(), "launch", LaunchFlags());
+  auto workers = flags->Int("workers", 1, 4096);
+  auto min_w = flags->Int("min-workers", 1, 4096);
+  auto max_w = flags->Int("max-workers", 1, 4096);
+  auto threads = flags->Int("threads", 0, 1024);
+  auto steps = flags->Int("steps", 1, 1'000'000'000);
+  for (const auto* v : {&workers, &min_w, &max_w, &threads, &steps}) {
+    if (!v->ok()) return UsageError(v->status(), "launch", LaunchFlags());
+  }
+  if (!flags->Has("config") || !*workers) {
+    return UsageError(absl::InvalidArgumentError("--config FILE and --workers N are required"),
+                      "launch", LaunchFlags());
+  }
+  const std::string config_path = *flags->String("config");
+  auto cfg = config::LoadJobConfig(config_path);
+  if (!cfg.ok()) return Fail(cfg.status());
+  const int n = static_cast<int>(**workers);
+  CoordinatorOptions o;
+  o.token = RandomToken();
+  o.initial_workers = n;
+  o.min_workers = static_cast<int>(min_w->value_or(n));
+  o.max_workers = static_cast<int>(max_w->value_or(n));
+  std::string temp_dir;
+  if (auto d = flags->String("coordinator-dir")) {
+    o.dir = *d;
+  } else {
+    const char* base = std::getenv("TMPDIR");
+    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/strata-coordinator-XXXXXX";
+    if (mkdtemp(tmpl.data()) == nullptr) {
+      return Fail(absl::PermissionDeniedError(
+          absl::StrFormat("cannot create a folder from '%s'; give --coordinator-dir", tmpl)));
+    }
+    temp_dir = o.dir = tmpl;
+  }
+  int rc = 0;
+  {
+    auto state = CoordinatorState::Open(o, config::ToText(*cfg), std::chrono::steady_clock::now());
+    if (!state.ok()) return Fail(state.status());
+    auto server =
+        CoordinatorServer::Start(state->get(), flags->String("listen").value_or("127.0.0.1:0"));
+    if (!server.ok()) return Fail(server.status());
+    const std::string address = (*server)->address();
+    const bool quiet = flags->Has("quiet");
+    if (!quiet) {
+      std::printf("[%s] coordinator on %s; starting %d workers\n", cfg->name().c_str(),
+                  address.c_str(), n);
+      std::fflush(stdout);
+    }
+    std::vector<pid_t> pids;
+    for (int i = 0; i < n; ++i) {
+      std::vector<std::string> argv = {
+          "strata",   "worker",    "--coordinator", address,
+          "--config", config_path, "--id",          absl::StrCat("worker-", i),
+          "--quiet"};
+      if (*threads) argv.insert(argv.end(), {"--threads", absl::StrCat(**threads)});
+      if (*steps) argv.insert(argv.end(), {"--steps", absl::StrCat(**steps)});
+      if (auto m = flags->String("metrics-out")) {
+        argv.insert(argv.end(), {"--metrics-out", absl::StrCat(*m, ".", i)});
+      }
+      pid_t pid = fork();
+      if (pid == 0) {
+        setenv("STRATA_JOB_TOKEN", o.token.c_str(), 1);
+        std::vector<char*> cargv;
+        for (auto& a : argv) cargv.push_back(a.data());
+        cargv.push_back(nullptr);
+        execv("/proc/self/exe", cargv.data());
+        _exit(127);
+      }
+      pids.push_back(pid);
+    }
+    // Status lines from the coordinator's record until every worker is gone.
+    const int64_t total = *steps ? **steps : cfg->train().steps();
+    const int every = std::max(1, cfg->train().log_every());
+    int64_t shown_step = -1, shown_generation = -1;
+    int alive = n;
+    std::vector<bool> exited(n, false);
+    while (alive > 0) {
+      for (int i = 0; i < n; ++i) {
+        if (exited[i]) continue;
+        int status = 0;
+        if (waitpid(pids[i], &status, WNOHANG) == pids[i]) {
+          exited[i] = true;
+          --alive;
+          const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+          if (code != 0) {
+            std::fprintf(stderr, "strata launch: worker-%d exited with %s %d\n", i,
+                         WIFEXITED(status) ? "code" : "signal",
+                         WIFEXITED(status) ? code : WTERMSIG(status));
+            rc = 1;
+          }
+        }
+      }
+      const auto r = (*state)->Snapshot();
+      const bool finished = shown_step >= total;
+      if (!quiet && !finished &&
+          (r.generation().number() != shown_generation ||
+           (r.step() != shown_step && (r.step() % every == 0 || r.step() == total)))) {
+        std::printf("[%s] step %lld/%lld | loss %.4f | %d workers | generation %lld (%s)\n",
+                    cfg->name().c_str(), static_cast<long long>(r.step()),
+                    static_cast<long long>(total), r.loss(), r.generation().workers_size(),
+                    static_cast<long long>(r.generation().number()),
+                    r.generation().reason().c_str());
+        std::fflush(stdout);
+        shown_step = r.step();
+        shown_generation = r.generation().number();
+      }
+      if (alive > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  if (!temp_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(temp_dir, ec);
+  }
+  if (!flags->Has("quiet")) {
+    std::printf(rc == 0
+                    ? "strata launch: all %d workers finished\n"
+                    : "strata launch: the job failed (%d workers started); see the errors above\n",
+                static_cast<int>(**workers));
+  }
+  return rc;
+}
 
 int CoordinatorCommand(const std::vector<std::string>& args) {
   if (WantsHelp(args)) {
@@ -426,6 +690,7 @@ int Main(int argc, char** argv) {
   if (cmd == "check") return CheckCommand(args);
   if (cmd == "ckpt") return CkptCommand(args);
   if (cmd == "coordinator") return CoordinatorCommand(args);
+  if (cmd == "launch") return LaunchCommand(args);
   if (cmd == "status") return StatusCommand(args);
   if (cmd == "version" || cmd == "--version") {
     std::printf(

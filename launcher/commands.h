@@ -21,6 +21,9 @@ int CkptCommand(const std::vector<std::string>& args);
 // [--min-workers M] [--max-workers X] [--tls-cert F --tls-key F]: serves a job's coordinator until
 // SIGINT/SIGTERM; a record already in DIR is resumed.
 int CoordinatorCommand(const std::vector<std::string>& args);
+// strata launch --config FILE --workers N [...]: a coordinator in this process and N local
+// `strata worker --coordinator` processes; status lines from the coordinator until they end.
+int LaunchCommand(const std::vector<std::string>& args);
 // strata status HOST:PORT [--token T]: a running coordinator's generation, members and step.
 int StatusCommand(const std::vector<std::string>& args);
 // strata [help|--help], strata version, and dispatch to the subcommands.

@@ -70,8 +70,8 @@ class CoordinatorServer::Service final : public coordinator::Coordinator::Servic
   }
   grpc::Status ReportStep(grpc::ServerContext* ctx, const coordinator::StepReport* req,
                           coordinator::Generation* resp) override {
-    auto r =
-        state_->ReportStep(TokenOf(ctx), req->id(), req->generation(), req->step(), Now::now());
+    auto r = state_->ReportStep(TokenOf(ctx), req->id(), req->generation(), req->step(), Now::now(),
+                                req->loss());
     if (!r.ok()) return ToGrpc(r.status());
     *resp = *r;
     return grpc::Status::OK;
@@ -270,13 +270,15 @@ StatusOr<coordinator::Generation> CoordinatorClient::Heartbeat(const std::string
 }
 
 StatusOr<coordinator::Generation> CoordinatorClient::ReportStep(const std::string& id,
-                                                                int64_t generation, int64_t step) {
+                                                                int64_t generation, int64_t step,
+                                                                double loss) {
   grpc::ClientContext ctx;
   Prepare(&ctx, token_, rpc_timeout);
   coordinator::StepReport req;
   req.set_id(id);
   req.set_generation(generation);
   req.set_step(step);
+  req.set_loss(loss);
   coordinator::Generation resp;
   RETURN_IF_ERROR(FromGrpc(stub_->s->ReportStep(&ctx, req, &resp), "ReportStep", address_));
   return resp;

@@ -63,7 +63,8 @@ class CoordinatorClient {
   [[nodiscard]] StatusOr<coordinator::JoinReply> Join(const coordinator::WorkerInfo& info);
   [[nodiscard]] StatusOr<coordinator::Generation> Heartbeat(const std::string& id);
   [[nodiscard]] StatusOr<coordinator::Generation> ReportStep(const std::string& id,
-                                                             int64_t generation, int64_t step);
+                                                             int64_t generation, int64_t step,
+                                                             double loss = 0);
   [[nodiscard]] Status Leave(const std::string& id);
   [[nodiscard]] StatusOr<coordinator::CoordinatorRecord> GetStatus();
   // The rendezvous store on the coordinator.

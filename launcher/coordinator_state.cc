@@ -207,7 +207,7 @@ StatusOr<coordinator::Generation> CoordinatorState::Heartbeat(const std::string&
 StatusOr<coordinator::Generation> CoordinatorState::ReportStep(const std::string& token,
                                                                const std::string& id,
                                                                int64_t generation, int64_t step,
-                                                               Time now) {
+                                                               Time now, double loss) {
   RETURN_IF_ERROR(CheckToken(token));
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t current = record_.generation().number();
@@ -235,6 +235,7 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStep(const std::string
   if (boundary > record_.step()) {
     coordinator::CoordinatorRecord before = record_;
     record_.set_step(boundary);
+    record_.set_loss(loss);
     if (record_.pending_size() > 0) {
       // A step boundary: the joiners come in after the current members, in join order.
       std::vector<coordinator::WorkerInfo> workers(record_.generation().workers().begin(),

@@ -70,7 +70,7 @@ class CoordinatorState {
   [[nodiscard]] StatusOr<coordinator::Generation> ReportStep(const std::string& token,
                                                              const std::string& id,
                                                              int64_t generation, int64_t step,
-                                                             Time now);
+                                                             Time now, double loss = 0);
   [[nodiscard]] Status Leave(const std::string& token, const std::string& id, Time now);
   // The worker's stream broke: it has failed (no token: this comes from the service itself).
   [[nodiscard]] Status StreamBroken(const std::string& id, Time now);

@@ -592,6 +592,7 @@ Status Trainer::RunLoop() {
       RETURN_IF_ERROR(metrics_->Write(j.str()));
     }
     if (options_.progress) PrintProgress(r, eval_due ? &eval : nullptr, r.step == steps);
+    if (options_.on_step) RETURN_IF_ERROR(options_.on_step(r));
     if (checkpoints_) {
       RETURN_IF_ERROR(checkpoints_->PollError());
       const int every = static_cast<int>(cfg.checkpoint().every());

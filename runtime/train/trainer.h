@@ -41,6 +41,8 @@ struct WorkerOptions {
   std::function<void()> after_rendezvous;
 };
 
+struct StepResult;
+
 struct TrainOptions {
   config::JobConfig config;  // loaded with config::LoadJobConfig (validated, paths resolved)
   std::string metrics_path;  // JSONL, one object per step; empty for none
@@ -60,6 +62,8 @@ struct TrainOptions {
   std::string trace_path;
   // Distributed training: the step's batch is split over the workers (see ParallelConfig).
   WorkerOptions worker;
+  // Called after every step (its metrics written); an error stops training with it.
+  std::function<Status(const StepResult&)> on_step;
   // When Run returns, every parameter this worker holds is written to DIR/<name>.f32 (raw
   // little-endian float32; dense parameters by rank 0 only, experts by the worker that holds
   // them — rank 0 of its expert replicas). Empty: nothing is written.
