@@ -348,6 +348,8 @@ int JoinAndTrain(const Flags& flags) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
+  // The coordinator watches this stream: if this process dies, it knows at once.
+  if (Status a = (*client)->Attach(id); !a.ok()) return Fail(a);
   train::WorkerOptions worker;
   worker.rank = rank;
   worker.world_size = g.workers_size();
@@ -379,6 +381,7 @@ int JoinAndTrain(const Flags& flags) {
   done = true;
   heartbeats.join();
   // A worker that finished stays listed: the job is over, not its membership changed.
+  (void)(*client)->Detach(/*finished=*/rc == 0);
   return rc;
 }
 

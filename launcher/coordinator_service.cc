@@ -80,6 +80,26 @@ class CoordinatorServer::Service final : public coordinator::Coordinator::Servic
                      coordinator::Empty*) override {
     return ToGrpc(state_->Leave(TokenOf(ctx), req->id(), Now::now()));
   }
+  grpc::Status Attach(grpc::ServerContext* ctx,
+                      grpc::ServerReader<coordinator::AttachMessage>* reader,
+                      coordinator::Empty*) override {
+    Status auth = state_->Authenticate(TokenOf(ctx));
+    if (!auth.ok()) return ToGrpc(auth);
+    coordinator::AttachMessage m;
+    if (!reader->Read(&m) || m.id().empty()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "Attach: the first message must name the worker");
+    }
+    const std::string id = m.id();
+    bool finished = m.finished();
+    while (!finished && reader->Read(&m)) finished = m.finished();
+    if (finished) {
+      state_->Finished(id);
+    } else {
+      (void)state_->StreamBroken(id, Now::now());
+    }
+    return grpc::Status::OK;
+  }
   grpc::Status KvSet(grpc::ServerContext* ctx, const coordinator::KeyValue* req,
                      coordinator::Empty*) override {
     return ToGrpc(state_->Set(TokenOf(ctx), req->key(), req->value()));
@@ -163,6 +183,14 @@ class CoordinatorClient::Stub {
  public:
   std::unique_ptr<coordinator::Coordinator::Stub> s;
 };
+
+class CoordinatorClient::Attachment {
+ public:
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::unique_ptr<grpc::ClientWriter<coordinator::AttachMessage>> writer;
+  coordinator::Empty reply;
+};
+
 
 namespace {
 
@@ -249,7 +277,12 @@ StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Connect(
   return c;
 }
 
-CoordinatorClient::~CoordinatorClient() = default;
+CoordinatorClient::~CoordinatorClient() {
+  if (attachment_) {
+    attachment_->ctx->TryCancel();  // not finished: the coordinator counts it as a failure
+    (void)attachment_->writer->Finish();
+  }
+}
 
 StatusOr<coordinator::JoinReply> CoordinatorClient::Join(const coordinator::WorkerInfo& info) {
   grpc::ClientContext ctx;
@@ -300,6 +333,32 @@ StatusOr<coordinator::CoordinatorRecord> CoordinatorClient::GetStatus() {
   coordinator::CoordinatorRecord resp;
   RETURN_IF_ERROR(FromGrpc(stub_->s->GetStatus(&ctx, req, &resp), "GetStatus", address_));
   return resp;
+}
+
+Status CoordinatorClient::Attach(const std::string& id) {
+  auto a = std::make_unique<Attachment>();
+  a->ctx = std::make_unique<grpc::ClientContext>();
+  a->ctx->AddMetadata(kTokenKey, token_);
+  a->writer = stub_->s->Attach(a->ctx.get(), &a->reply);
+  coordinator::AttachMessage m;
+  m.set_id(id);
+  if (!a->writer->Write(m)) {
+    return FromGrpc(a->writer->Finish(), "Attach", address_);
+  }
+  attachment_ = std::move(a);
+  return absl::OkStatus();
+}
+
+Status CoordinatorClient::Detach(bool finished) {
+  if (!attachment_) return absl::OkStatus();
+  auto a = std::move(attachment_);
+  if (finished) {
+    coordinator::AttachMessage m;
+    m.set_finished(true);
+    (void)a->writer->Write(m);
+  }
+  a->writer->WritesDone();
+  return FromGrpc(a->writer->Finish(), "Attach", address_);
 }
 
 std::shared_ptr<comm::Store> CoordinatorClient::store() {

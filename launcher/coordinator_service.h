@@ -66,6 +66,10 @@ class CoordinatorClient {
                                                              int64_t generation, int64_t step,
                                                              double loss = 0);
   [[nodiscard]] Status Leave(const std::string& id);
+  // Opens the stream the coordinator watches: if this process dies, the coordinator sees the
+  // worker fail at once. Detach(true) closes it as finished (not a failure).
+  [[nodiscard]] Status Attach(const std::string& id);
+  [[nodiscard]] Status Detach(bool finished);
   [[nodiscard]] StatusOr<coordinator::CoordinatorRecord> GetStatus();
   // The rendezvous store on the coordinator.
   std::shared_ptr<comm::Store> store();
@@ -77,6 +81,8 @@ class CoordinatorClient {
   CoordinatorClient() = default;
   class Stub;
   class Store;
+  class Attachment;
+  std::unique_ptr<Attachment> attachment_;
   std::string address_, token_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<Stub> stub_;

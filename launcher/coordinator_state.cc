@@ -290,6 +290,11 @@ Status CoordinatorState::StreamBroken(const std::string& id, Time now) {
   return RemoveLocked(id, "failure", now);
 }
 
+void CoordinatorState::Finished(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  last_seen_.erase(id);
+}
+
 StatusOr<int> CoordinatorState::Tick(Time now) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::string> late;

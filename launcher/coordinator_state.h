@@ -74,6 +74,9 @@ class CoordinatorState {
   [[nodiscard]] Status Leave(const std::string& token, const std::string& id, Time now);
   // The worker's stream broke: it has failed (no token: this comes from the service itself).
   [[nodiscard]] Status StreamBroken(const std::string& id, Time now);
+  // The worker finished the job: it stays listed in its generation but is no longer watched, so
+  // its exit is not a failure.
+  void Finished(const std::string& id);
   // Members whose last heartbeat is older than the timeout have failed. Returns how many.
   [[nodiscard]] StatusOr<int> Tick(Time now);
 

@@ -224,5 +224,66 @@ TEST_F(CoordinatorProcessTest, KilledAndRestartedItResumesTheJobFromItsRecord) {
   EXPECT_NE(bad.output.find("does not carry this job's token"), std::string::npos) << bad.output;
 }
 
+// A worker's Attach stream: SIGKILL it and the coordinator forms the next generation at once
+// (the heartbeat timeout here is 30 s); a worker that finishes closes it cleanly, no failure.
+TEST(CoordinatorAttachTest, AKilledWorkerFailsAtOnceAFinishedOneDoesNot) {
+  strata::testing::TempDir dir;
+  strata::testing::WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(30000));
+  auto config = [&](int steps) {
+    return "model { seq_len: 16 d_model: 32 n_layers: 2 n_heads: 2\n"
+           "        moe { num_experts: 4 top_k: 2 d_expert: 32 } }\n"
+           "data { path: \"text.txt\" }\n"
+           "train { steps: " +
+           std::to_string(steps) + " global_batch: 4 eval_every: 0 threads: 1 }\n";
+  };
+  for (const bool kill_it : {true, false}) {
+    strata::testing::WriteFile(dir.File("job.textproto"), config(kill_it ? 1000000 : 3));
+    CoordinatorOptions o;
+    o.dir = dir.File(kill_it ? "record-kill" : "record-finish");
+    o.token = kToken;
+    o.heartbeat_timeout = milliseconds(30000);
+    auto state = CoordinatorState::Open(o, "", std::chrono::steady_clock::now());
+    ASSERT_TRUE(state.ok()) << state.status();
+    auto server = CoordinatorServer::Start(state->get(), "127.0.0.1:0");
+    ASSERT_TRUE(server.ok()) << server.status();
+    const std::string log = dir.File("worker.log");
+    pid_t pid = fork();
+    if (pid == 0) {
+      const std::string cmd = "cd " + dir.path() + " && STRATA_JOB_TOKEN=" + kToken + " exec " +
+                              std::string(STRATA_BIN_DIR) + "/strata worker --coordinator " +
+                              (*server)->address() + " --config job.textproto --id w1 --quiet > " +
+                              log + " 2>&1";
+      execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while ((*state)->Snapshot().step() < (kill_it ? 2 : 3)) {
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << strata::testing::ReadFile(log);
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    if (kill_it) {
+      ASSERT_EQ(kill(pid, SIGKILL), 0);
+      const auto killed = std::chrono::steady_clock::now();
+      while ((*state)->Snapshot().generation().number() == 1) {
+        ASSERT_LT(std::chrono::steady_clock::now() - killed, std::chrono::seconds(10))
+            << "the coordinator did not notice the dead worker";
+        std::this_thread::sleep_for(milliseconds(5));
+      }
+      const auto seen = std::chrono::steady_clock::now() - killed;
+      EXPECT_LT(seen, milliseconds(2000)) << "noticed only after the heartbeat timeout";
+      EXPECT_NE((*state)->Snapshot().generation().reason().find("waiting for workers"),
+                std::string::npos);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!kill_it) {
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << strata::testing::ReadFile(log);
+      std::this_thread::sleep_for(milliseconds(300));
+      EXPECT_EQ((*state)->Snapshot().generation().number(), 1) << "a finished worker failed";
+      EXPECT_EQ((*state)->Snapshot().generation().workers_size(), 1);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace strata::launcher
