@@ -191,7 +191,6 @@ class CoordinatorClient::Attachment {
   coordinator::Empty reply;
 };
 
-
 namespace {
 
 void Prepare(grpc::ClientContext* ctx, const std::string& token, std::chrono::milliseconds t) {
