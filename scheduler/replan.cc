@@ -1,6 +1,7 @@
 #include "scheduler/replan.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <numeric>
 
@@ -124,6 +125,103 @@ ReplanResult Replan(const std::vector<int>& current, const std::vector<double>& 
   }
   r.max_load = *std::max_element(wload.begin(), wload.end());
   return r;
+}
+
+RangePlan ReplanRanges(const std::vector<int>& current_owner, const std::vector<double>& load,
+                       int workers, double tolerance) {
+  CHECK_GE(workers, 1) << "replanning ranges for no workers";
+  CHECK_EQ(current_owner.size(), load.size());
+  CHECK_GE(tolerance, 0.0);
+  const int E = static_cast<int>(current_owner.size());
+  const int W = workers;
+  const int cap = (E + W - 1) / W;  // ceil(E / W)
+  const int least = E >= W ? 1 : 0;
+  bool measured = false;
+  for (int e = 0; e < E; ++e) {
+    CHECK(load[e] >= 0.0) << "expert " << e << " has load " << load[e];
+    CHECK(current_owner[e] >= -1 && current_owner[e] < W)
+        << "expert " << e << " owned by rank " << current_owner[e] << " of " << W;
+    if (load[e] > 0.0) measured = true;
+  }
+  // Loads the plan balances: the measured ones, or 1 per expert when none was measured. Prefix
+  // sums of non-negative terms never decrease, so a range's load grows with its length.
+  std::vector<double> prefix(E + 1, 0.0);
+  for (int e = 0; e < E; ++e) prefix[e + 1] = prefix[e] + (measured ? load[e] : 1.0);
+  auto range_load = [&](int begin, int end) { return prefix[end] - prefix[begin]; };
+
+  // 1. L*: best[j] = the lowest heaviest range over partitions of experts [0, j) among the workers
+  // placed so far.
+  constexpr double kNone = std::numeric_limits<double>::infinity();
+  std::vector<double> best(E + 1, kNone), next(E + 1);
+  best[0] = 0.0;
+  for (int w = 0; w < W; ++w) {
+    std::fill(next.begin(), next.end(), kNone);
+    for (int j = 0; j <= E; ++j) {
+      if (best[j] == kNone) continue;
+      for (int c = least; c <= cap && j + c <= E; ++c) {
+        next[j + c] = std::min(next[j + c], std::max(best[j], range_load(j, j + c)));
+      }
+    }
+    best.swap(next);
+  }
+  CHECK(best[E] != kNone) << E << " experts do not fit " << W << " workers";
+  const double bound = best[E] * (1.0 + tolerance) + 1e-9 * prefix[E];
+
+  // 2. fewest[w][j]: the fewest moved experts among [j, E) placed on workers [w, W), every range
+  // within the bound.
+  constexpr int kNever = std::numeric_limits<int>::max();
+  std::vector<std::vector<int>> fewest(W + 1, std::vector<int>(E + 1, kNever));
+  fewest[W][E] = 0;
+  // Calls take(c, moved) for each count c worker w may take from expert j under the bound, in
+  // increasing c, `moved` being how many of those experts it does not own now; stops when take
+  // returns true.
+  auto for_each_count = [&](int w, int j, auto&& take) {
+    int moved = 0;
+    for (int c = 0; c <= cap && j + c <= E; ++c) {
+      if (c > 0 && current_owner[j + c - 1] != w) ++moved;
+      if (c < least) continue;
+      if (range_load(j, j + c) > bound) return;
+      if (take(c, moved)) return;
+    }
+  };
+  for (int w = W - 1; w >= 0; --w) {
+    for (int j = 0; j <= E; ++j) {
+      for_each_count(w, j, [&](int c, int moved) {
+        if (fewest[w + 1][j + c] != kNever) {
+          fewest[w][j] = std::min(fewest[w][j], moved + fewest[w + 1][j + c]);
+        }
+        return false;
+      });
+    }
+  }
+  CHECK(fewest[0][0] != kNever) << "no partition within the bound";
+
+  // 3. Walk forward taking the smallest count that still reaches the optimum.
+  RangePlan plan;
+  plan.moved = fewest[0][0];
+  plan.counts.reserve(W);
+  double total = 0.0;
+  for (int e = 0; e < E; ++e) total += load[e];
+  plan.mean_load = total / W;
+  int j = 0;
+  for (int w = 0; w < W; ++w) {
+    int pick = -1;
+    for_each_count(w, j, [&](int c, int moved) {
+      if (fewest[w + 1][j + c] == kNever || moved + fewest[w + 1][j + c] != fewest[w][j]) {
+        return false;
+      }
+      pick = c;
+      return true;
+    });
+    CHECK_GE(pick, 0);
+    double mine = 0.0;
+    for (int e = j; e < j + pick; ++e) mine += load[e];
+    plan.max_load = std::max(plan.max_load, mine);
+    plan.counts.push_back(pick);
+    j += pick;
+  }
+  CHECK_EQ(j, E);
+  return plan;
 }
 
 }  // namespace strata::scheduler
