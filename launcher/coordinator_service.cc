@@ -70,8 +70,13 @@ class CoordinatorServer::Service final : public coordinator::Coordinator::Servic
   }
   grpc::Status ReportStep(grpc::ServerContext* ctx, const coordinator::StepReport* req,
                           coordinator::Generation* resp) override {
-    auto r = state_->ReportStep(TokenOf(ctx), req->id(), req->generation(), req->step(), Now::now(),
-                                req->loss());
+    auto r =
+        req->start()
+            ? state_->ReportStart(
+                  TokenOf(ctx), req->id(), req->generation(), req->step(),
+                  {req->experts_per_worker().begin(), req->experts_per_worker().end()}, Now::now())
+            : state_->ReportStep(TokenOf(ctx), req->id(), req->generation(), req->step(),
+                                 Now::now(), req->loss());
     if (!r.ok()) return ToGrpc(r.status());
     *resp = *r;
     return grpc::Status::OK;
@@ -265,7 +270,13 @@ StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Connect(
     o.pem_root_certs = ca;
     creds = grpc::SslCredentials(o);
   }
-  c->channel_ = grpc::CreateChannel(address, creds);
+  // A coordinator that restarts must be found again within a heartbeat timeout: gRPC's default
+  // reconnect backoff grows to minutes, so cap it well below the timeout.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
+  c->channel_ = grpc::CreateCustomChannel(address, creds, args);
   if (!c->channel_->WaitForConnected(std::chrono::system_clock::now() + connect_timeout)) {
     return absl::UnavailableError(absl::StrFormat(
         "cannot reach the coordinator at %s within %d ms; is `strata coordinator` running there?",
@@ -304,13 +315,29 @@ StatusOr<coordinator::Generation> CoordinatorClient::Heartbeat(const std::string
 StatusOr<coordinator::Generation> CoordinatorClient::ReportStep(const std::string& id,
                                                                 int64_t generation, int64_t step,
                                                                 double loss) {
-  grpc::ClientContext ctx;
-  Prepare(&ctx, token_, rpc_timeout);
   coordinator::StepReport req;
   req.set_id(id);
   req.set_generation(generation);
   req.set_step(step);
   req.set_loss(loss);
+  return Report(req);
+}
+
+StatusOr<coordinator::Generation> CoordinatorClient::ReportStart(
+    const std::string& id, int64_t generation, int64_t step,
+    const std::vector<int64_t>& experts_per_worker) {
+  coordinator::StepReport req;
+  req.set_id(id);
+  req.set_generation(generation);
+  req.set_step(step);
+  req.set_start(true);
+  for (int64_t n : experts_per_worker) req.add_experts_per_worker(n);
+  return Report(req);
+}
+
+StatusOr<coordinator::Generation> CoordinatorClient::Report(const coordinator::StepReport& req) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, token_, rpc_timeout);
   coordinator::Generation resp;
   RETURN_IF_ERROR(FromGrpc(stub_->s->ReportStep(&ctx, req, &resp), "ReportStep", address_));
   return resp;

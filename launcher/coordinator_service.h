@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "launcher/coordinator_state.h"
 #include "proto/coordinator.pb.h"
@@ -65,6 +66,10 @@ class CoordinatorClient {
   [[nodiscard]] StatusOr<coordinator::Generation> ReportStep(const std::string& id,
                                                              int64_t generation, int64_t step,
                                                              double loss = 0);
+  // The worker begins `generation` at `step` (see CoordinatorState::ReportStart).
+  [[nodiscard]] StatusOr<coordinator::Generation> ReportStart(
+      const std::string& id, int64_t generation, int64_t step,
+      const std::vector<int64_t>& experts_per_worker = {});
   [[nodiscard]] Status Leave(const std::string& id);
   // Opens the stream the coordinator watches: if this process dies, the coordinator sees the
   // worker fail at once. Detach(true) closes it as finished (not a failure).
@@ -79,6 +84,7 @@ class CoordinatorClient {
 
  private:
   CoordinatorClient() = default;
+  [[nodiscard]] StatusOr<coordinator::Generation> Report(const coordinator::StepReport& req);
   class Stub;
   class Store;
   class Attachment;

@@ -5,6 +5,7 @@
 #include <rocksdb/write_batch.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -14,6 +15,9 @@
 namespace strata::launcher {
 
 namespace {
+
+// A member whose last step a restarted coordinator does not know yet.
+constexpr int64_t kUnknownStep = std::numeric_limits<int64_t>::min();
 
 Status FromRocks(const rocksdb::Status& s, const std::string& what, const std::string& dir) {
   if (s.ok()) return absl::OkStatus();
@@ -63,12 +67,15 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Open(
           "start the job afresh with an empty folder",
           options.dir));
     }
-    // Resumed: members and pending workers get a heartbeat timeout from now to reconnect.
+    // Resumed: members and pending workers get five heartbeat timeouts from now to reconnect,
+    // and a member's next step report is taken as it comes (it may have trained past the last
+    // boundary the record holds).
+    const Time grace = now + 4 * options.heartbeat_timeout;
     for (const auto& w : c->record_.generation().workers()) {
-      c->last_seen_[w.id()] = now;
-      c->reported_[w.id()] = c->record_.step();
+      c->last_seen_[w.id()] = grace;
+      c->reported_[w.id()] = kUnknownStep;
     }
-    for (const auto& w : c->record_.pending()) c->last_seen_[w.id()] = now;
+    for (const auto& w : c->record_.pending()) c->last_seen_[w.id()] = grace;
     return c;
   }
   if (!s.IsNotFound()) return FromRocks(s, "reading", options.dir);
@@ -134,6 +141,7 @@ Status CoordinatorState::NewGenerationLocked(std::vector<coordinator::WorkerInfo
     return s;
   }
   reported_.clear();
+  started_.clear();
   for (const auto& w : record_.generation().workers()) {
     reported_[w.id()] = record_.step();
     last_seen_[w.id()] = now;
@@ -204,23 +212,36 @@ StatusOr<coordinator::Generation> CoordinatorState::Heartbeat(const std::string&
   return record_.generation();
 }
 
+Status CoordinatorState::CheckReportLocked(const std::string& id, int64_t generation, int64_t step,
+                                           const char* what) const {
+  const int64_t current = record_.generation().number();
+  if (generation != current) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "worker '%s' %s %d of generation %d, but the job is in generation %d; it must re-form "
+        "its communicators for generation %d first",
+        id, what, step, generation, current, current));
+  }
+  if (reported_.find(id) == reported_.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("worker '%s' is not a member of generation %d", id, current));
+  }
+  return absl::OkStatus();
+}
+
 StatusOr<coordinator::Generation> CoordinatorState::ReportStep(const std::string& token,
                                                                const std::string& id,
                                                                int64_t generation, int64_t step,
                                                                Time now, double loss) {
   RETURN_IF_ERROR(CheckToken(token));
   std::lock_guard<std::mutex> lock(mu_);
-  const int64_t current = record_.generation().number();
-  if (generation != current) {
-    return absl::FailedPreconditionError(absl::StrFormat(
-        "worker '%s' reported step %d of generation %d, but the job is in generation %d; "
-        "it must re-form its communicators for generation %d first",
-        id, step, generation, current, current));
-  }
+  RETURN_IF_ERROR(CheckReportLocked(id, generation, step, "reported step"));
   auto it = reported_.find(id);
-  if (it == reported_.end()) {
-    return absl::FailedPreconditionError(
-        absl::StrFormat("worker '%s' is not a member of generation %d", id, current));
+  if (it->second == kUnknownStep && step >= record_.step()) {
+    it->second = step - 1;  // the first report to a restarted coordinator
+  }
+  if (step == it->second) {
+    last_seen_[id] = now;
+    return record_.generation();  // a retried report that was already counted
   }
   if (step != it->second + 1) {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -253,6 +274,48 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStep(const std::string
         return s;
       }
     }
+  }
+  return record_.generation();
+}
+
+StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
+    const std::string& token, const std::string& id, int64_t generation, int64_t step,
+    const std::vector<int64_t>& experts_per_worker, Time now) {
+  RETURN_IF_ERROR(CheckToken(token));
+  std::lock_guard<std::mutex> lock(mu_);
+  RETURN_IF_ERROR(CheckReportLocked(id, generation, step, "started at step"));
+  const int64_t current = record_.generation().number();
+  auto it = reported_.find(id);
+  if (step < record_.step() || step > record_.step() + 1) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "worker '%s' started generation %d at step %d, but the job's last step boundary is %d: a "
+        "generation starts there or one step later",
+        id, current, step, record_.step()));
+  }
+  for (const auto& [w, started] : started_) {
+    if (started && reported_.at(w) != step && w != id) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "worker '%s' started generation %d at step %d, but worker '%s' started it at step %d; "
+          "the members disagree on the state they re-formed on",
+          id, current, step, w, reported_.at(w)));
+    }
+  }
+  coordinator::CoordinatorRecord before = record_;
+  it->second = step;
+  started_[id] = true;
+  last_seen_[id] = now;
+  record_.mutable_generation()->set_first_step(step);
+  if (!experts_per_worker.empty()) {
+    record_.clear_experts_per_worker();
+    for (int64_t n : experts_per_worker) record_.add_experts_per_worker(n);
+  }
+  int64_t boundary = step;
+  for (const auto& [w, s] : reported_) boundary = std::min(boundary, s);
+  if (boundary > record_.step()) record_.set_step(boundary);
+  Status s = PersistLocked();
+  if (!s.ok()) {
+    record_ = before;
+    return s;
   }
   return record_.generation();
 }

@@ -71,6 +71,13 @@ class CoordinatorState {
                                                              const std::string& id,
                                                              int64_t generation, int64_t step,
                                                              Time now, double loss = 0);
+  // Worker `id` begins generation `generation` at `step`, the state it re-formed on: the
+  // generation's first step. It must lie within one step of the last boundary (a failure can cut
+  // the step after it short on some workers only) and agree with the other members' starts.
+  // Rank 0 also gives the experts each rank holds, for Status.
+  [[nodiscard]] StatusOr<coordinator::Generation> ReportStart(
+      const std::string& token, const std::string& id, int64_t generation, int64_t step,
+      const std::vector<int64_t>& experts_per_worker, Time now);
   [[nodiscard]] Status Leave(const std::string& token, const std::string& id, Time now);
   // The worker's stream broke: it has failed (no token: this comes from the service itself).
   [[nodiscard]] Status StreamBroken(const std::string& id, Time now);
@@ -101,6 +108,9 @@ class CoordinatorState {
   Status NewGenerationLocked(std::vector<coordinator::WorkerInfo> workers, const char* reason,
                              Time now);
   Status RemoveLocked(const std::string& id, const char* reason, Time now);
+  // A report (step or start) must come from a member of the current generation.
+  Status CheckReportLocked(const std::string& id, int64_t generation, int64_t step,
+                           const char* what) const;
   Status PersistLocked();
   bool IsMemberLocked(const std::string& id) const;
 
@@ -111,6 +121,7 @@ class CoordinatorState {
   coordinator::CoordinatorRecord record_;
   std::map<std::string, Time> last_seen_;    // members and pending workers
   std::map<std::string, int64_t> reported_;  // member -> last step reported
+  std::map<std::string, bool> started_;      // member -> sent its start report
   std::map<std::string, std::string> kv_;
 };
 

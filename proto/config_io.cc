@@ -269,6 +269,17 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
   v.Require(par.timeout_ms() >= 100, {"parallel", "timeout_ms"}, "timeout_ms must be at least 100");
   v.Require(par.local_size() >= 0 && par.local_size() <= 4096, {"parallel", "local_size"},
             "local_size must be in [0, 4096] (0: flat all-to-all)");
+  const ElasticConfig& el = c.elastic();
+  v.Require(el.min_workers() >= 0 && el.min_workers() <= 4096, {"elastic", "min_workers"},
+            "min_workers must be in [0, 4096] (0: the workers started)");
+  v.Require(el.max_workers() >= 0 && el.max_workers() <= 4096, {"elastic", "max_workers"},
+            "max_workers must be in [0, 4096] (0: the workers started)");
+  v.Require(el.max_workers() == 0 || el.min_workers() <= el.max_workers(),
+            {"elastic", "max_workers"}, "max_workers must be at least min_workers");
+  v.Require(el.heartbeat_timeout_ms() >= 100, {"elastic", "heartbeat_timeout_ms"},
+            "heartbeat_timeout_ms must be at least 100");
+  v.Require(el.replicas() >= 0 && el.replicas() <= 8, {"elastic", "replicas"},
+            "replicas must be in [0, 8] (0: no buddy copies)");
   if (par.experts_per_worker_size() > 0) {
     int64_t sum = 0;
     bool negative = false;

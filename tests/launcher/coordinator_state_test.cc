@@ -190,6 +190,74 @@ TEST_F(CoordinatorStateTest, AReopenedCoordinatorResumesTheJobFromItsRecord) {
   EXPECT_EQ((*c)->Get(kToken, "k").status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST_F(CoordinatorStateTest, AGenerationStartsWhereItsMembersReformedAndNowhereElse) {
+  auto c = Open(/*initial=*/3, /*min=*/2);
+  for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  AllReport(*c, 1, t0_);
+  AllReport(*c, 2, t0_);
+  // a finished step 3 before c died; b had not: the boundary is 2.
+  ASSERT_TRUE(c->ReportStep(kToken, "a", 1, 3, t0_).ok());
+  ASSERT_TRUE(c->StreamBroken("c", t0_).ok());
+  auto g = c->Snapshot().generation();
+  ASSERT_EQ(g.number(), 2);
+  EXPECT_EQ(g.first_step(), 2);
+  const std::string before = c->Snapshot().SerializeAsString();
+  // A start more than one step past the boundary, or before it, is refused and changes nothing.
+  auto far = c->ReportStart(kToken, "a", 2, 4, {}, t0_);
+  EXPECT_EQ(far.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(far.status().message().find("a generation starts there or one step later"),
+            std::string::npos)
+      << far.status();
+  EXPECT_EQ(c->ReportStart(kToken, "a", 2, 1, {}, t0_).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(c->ReportStart(kToken, "a", 1, 2, {}, t0_).status().code(),
+            absl::StatusCode::kFailedPrecondition);  // stale generation
+  EXPECT_EQ(c->Snapshot().SerializeAsString(), before);
+  // The members agree on step 3 (b's step-3 update came from a's copies); rank 0 gives the
+  // placement. A member that disagrees is refused.
+  ASSERT_TRUE(c->ReportStart(kToken, "a", 2, 3, {4, 4}, t0_).ok());
+  auto disagree = c->ReportStart(kToken, "b", 2, 2, {}, t0_);
+  EXPECT_EQ(disagree.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(disagree.status().message().find("disagree"), std::string::npos);
+  ASSERT_TRUE(c->ReportStart(kToken, "b", 2, 3, {}, t0_).ok());
+  auto r = c->Snapshot();
+  EXPECT_EQ(r.generation().first_step(), 3);
+  EXPECT_EQ(r.step(), 3);
+  EXPECT_EQ(std::vector<int64_t>(r.experts_per_worker().begin(), r.experts_per_worker().end()),
+            (std::vector<int64_t>{4, 4}));
+  // Steps go on from there; a retried report that was already counted is answered, not refused.
+  ASSERT_TRUE(c->ReportStep(kToken, "a", 2, 4, t0_).ok());
+  EXPECT_TRUE(c->ReportStep(kToken, "a", 2, 4, t0_).ok());
+  EXPECT_EQ(c->ReportStep(kToken, "a", 2, 6, t0_).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(CoordinatorStateTest, ARestartedCoordinatorTakesEachMembersNextReportAndWaitsForIt) {
+  {
+    auto c = Open(/*initial=*/2, /*min=*/2);
+    for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+    AllReport(*c, 1, t0_);
+    // a reported step 2 before the coordinator died; the record holds boundary 1.
+    ASSERT_TRUE(c->ReportStep(kToken, "a", 1, 2, t0_).ok());
+  }
+  auto c = Open(/*initial=*/2, /*min=*/2);
+  ASSERT_EQ(c->Snapshot().step(), 1);
+  // Members get more than a heartbeat timeout to reconnect: none has failed 3 s later.
+  const Time t1 = t0_ + milliseconds(3000);
+  auto failed = c->Tick(t1);
+  ASSERT_TRUE(failed.ok());
+  EXPECT_EQ(*failed, 0);
+  // Each member's next report is taken as it comes: a is at 3, b retries its step 2.
+  ASSERT_TRUE(c->ReportStep(kToken, "a", 1, 3, t1).ok());
+  ASSERT_TRUE(c->ReportStep(kToken, "b", 1, 2, t1).ok());
+  EXPECT_EQ(c->Snapshot().step(), 2);
+  EXPECT_EQ(c->Snapshot().generation().number(), 1);
+  // From then on the usual timeout applies.
+  failed = c->Tick(t1 + milliseconds(2500));
+  ASSERT_TRUE(failed.ok());
+  EXPECT_EQ(*failed, 2);
+}
+
 TEST_F(CoordinatorStateTest, ADamagedRecordIsAClearErrorNamingTheFolder) {
   { auto c = Open(); }
   for (const auto& f : std::filesystem::directory_iterator(dir_.File("coordinator"))) {
