@@ -1,5 +1,6 @@
 #include "launcher/commands.h"
 
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,6 +13,8 @@
 #include <ctime>
 #include <filesystem>
 #include <functional>
+#include <mutex>
+#include <numeric>
 #include <optional>
 #include <thread>
 
@@ -21,6 +24,7 @@
 #include "launcher/coordinator_service.h"
 #include "launcher/flags.h"
 #include "proto/config_io.h"
+#include "runtime/common/clock.h"
 #include "runtime/common/logging.h"
 #include "runtime/data/dataset.h"
 #include "runtime/device/device.h"
@@ -141,18 +145,24 @@ bool WantsHelp(const std::vector<std::string>& args) {
 
 namespace {
 
-// `strata train` and `strata worker` after their own flags: load the config and train.
-int RunTraining(const Flags& flags, const std::string& command, const std::vector<FlagSpec>& specs,
-                const train::WorkerOptions& worker,
-                std::function<Status(const train::StepResult&)> on_step = nullptr) {
+// `strata train` and `strata worker` after their own flags: the config with the flags'
+// overrides, as training options. On failure returns the exit code in *rc.
+std::optional<train::TrainOptions> TrainOptionsFrom(const Flags& flags, const std::string& command,
+                                                    const std::vector<FlagSpec>& specs,
+                                                    const train::WorkerOptions& worker, int* rc) {
   auto overrides = ParseOverrides(flags);
-  if (!overrides.ok()) return UsageError(overrides.status(), command, specs);
+  if (!overrides.ok()) {
+    *rc = UsageError(overrides.status(), command, specs);
+    return std::nullopt;
+  }
   auto cfg = LoadWithOverrides(flags, *overrides);
-  if (!cfg.ok()) return Fail(cfg.status());
+  if (!cfg.ok()) {
+    *rc = Fail(cfg.status());
+    return std::nullopt;
+  }
   train::TrainOptions options;
   options.config = *cfg;
   options.worker = worker;
-  options.on_step = std::move(on_step);
   options.metrics_path = flags.String("metrics-out").value_or("");
   // One progress line per job: the first worker's.
   options.progress = !flags.Has("quiet") && worker.rank == 0;
@@ -169,20 +179,29 @@ int RunTraining(const Flags& flags, const std::string& command, const std::vecto
   if (const char* n = std::getenv("STRATA_FAULT_CHECKPOINT_HOLD_AFTER")) {
     options.checkpoint_hold_after_step = std::atoll(n);
   }
-  auto trainer = train::Trainer::Create(options);
+  return options;
+}
+
+void PrintDone(const train::Trainer& trainer, int rank) {
+  if (trainer.evals().empty() || rank != 0) return;
+  const auto& [step, e] = trainer.evals().back();
+  std::string bpb = std::isfinite(e.bits_per_byte)
+                        ? absl::StrFormat(", %.3f bits per byte", e.bits_per_byte)
+                        : std::string();
+  std::printf("done: %d steps, held-out loss %.4f nats per token%s\n", static_cast<int>(step),
+              e.loss, bpb.c_str());
+}
+
+int RunTraining(const Flags& flags, const std::string& command, const std::vector<FlagSpec>& specs,
+                const train::WorkerOptions& worker) {
+  int rc = 0;
+  auto options = TrainOptionsFrom(flags, command, specs, worker, &rc);
+  if (!options) return rc;
+  auto trainer = train::Trainer::Create(*options);
   if (!trainer.ok()) return Fail(trainer.status());
   Status s = (*trainer)->Run();
   if (!s.ok()) return Fail(s);
-  if (!(*trainer)->evals().empty()) {
-    const auto& [step, e] = (*trainer)->evals().back();
-    std::string bpb = std::isfinite(e.bits_per_byte)
-                          ? absl::StrFormat(", %.3f bits per byte", e.bits_per_byte)
-                          : std::string();
-    if (worker.rank == 0) {
-      std::printf("done: %d steps, held-out loss %.4f nats per token%s\n", static_cast<int>(step),
-                  e.loss, bpb.c_str());
-    }
-  }
+  PrintDone(**trainer, worker.rank);
   return 0;
 }
 
@@ -285,8 +304,8 @@ const std::vector<FlagSpec>& CoordinatorFlags() {
       {"listen", "HOST:PORT to serve on (default 127.0.0.1:7777; port 0 picks a free one)"},
       {"token", "the job token (default: $STRATA_JOB_TOKEN); every call must carry it"},
       {"workers", "workers that form the first generation (default 1)"},
-      {"min-workers", "fewer than this and training waits (default 1)"},
-      {"max-workers", "more than this are refused (default 1024)"},
+      {"min-workers", "fewer than this and training waits (default: elastic.min_workers, or 1)"},
+      {"max-workers", "more than this are refused (default: elastic.max_workers, or --workers)"},
       {"tls-cert", "PEM certificate: serve with TLS (needs --tls-key)"},
       {"tls-key", "PEM private key of --tls-cert"},
   };
@@ -306,6 +325,30 @@ void OnSignal(int) { g_stop = true; }
 
 namespace {
 
+// Calls `rpc` until the coordinator answers (it may be restarting): UNAVAILABLE and
+// DEADLINE_EXCEEDED are retried for up to two minutes, other answers returned as they are.
+template <typename Rpc>
+auto Persist(const char* what, const std::string& address, Rpc rpc) -> decltype(rpc()) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  bool told = false;
+  while (true) {
+    auto r = rpc();
+    const absl::StatusCode code = r.status().code();
+    if (r.ok() ||
+        (code != absl::StatusCode::kUnavailable && code != absl::StatusCode::kDeadlineExceeded) ||
+        std::chrono::steady_clock::now() > deadline) {
+      return r;
+    }
+    if (!told) {
+      STRATA_LOG(WARNING) << what << ": the coordinator at " << address
+                          << " does not answer; retrying for up to 2 minutes ("
+                          << r.status().message() << ")";
+      told = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
 int JoinAndTrain(const Flags& flags) {
   const std::string address = *flags.String("coordinator");
   const std::string token = TokenFrom(flags);
@@ -317,72 +360,208 @@ int JoinAndTrain(const Flags& flags) {
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   const std::string id = flags.String("id").value_or(absl::StrFormat("%s:%d", host, getpid()));
-  auto client = CoordinatorClient::Connect(address, token);
-  if (!client.ok()) return Fail(client.status());
+  int rc = 0;
+  auto options = TrainOptionsFrom(flags, "worker", WorkerFlags(), train::WorkerOptions{}, &rc);
+  if (!options) return rc;
+  auto connected = CoordinatorClient::Connect(address, token);
+  if (!connected.ok()) return Fail(connected.status());
+  CoordinatorClient& client = **connected;
   coordinator::WorkerInfo info;
   info.set_id(id);
   info.set_host(flags.String("hostname").value_or("127.0.0.1"));
-  auto joined = (*client)->Join(info);
+  info.set_threads(options->config.train().threads());
+  auto joined = client.Join(info);
   if (!joined.ok()) return Fail(joined.status());
-  // Wait for a generation that holds this worker (the first forms when enough have joined).
-  coordinator::Generation g;
-  int rank = -1;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
-  for (bool told = false; rank < 0;) {
-    auto hb = (*client)->Heartbeat(id);
-    if (!hb.ok()) return Fail(hb.status());
-    g = *hb;
-    for (int i = 0; i < g.workers_size(); ++i) {
-      if (g.workers(i).id() == id) rank = i;
+
+  // Waits for a generation newer than `after` that holds this worker; its rank in *rank.
+  auto wait_generation = [&](int64_t after, int* rank) -> StatusOr<coordinator::Generation> {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
+    for (bool told = false;;) {
+      ASSIGN_OR_RETURN(coordinator::Generation g,
+                       Persist("heartbeat", address, [&] { return client.Heartbeat(id); }));
+      *rank = -1;
+      for (int i = 0; i < g.workers_size(); ++i) {
+        if (g.workers(i).id() == id) *rank = i;
+      }
+      if (*rank >= 0 && g.number() > after) return g;
+      if (std::chrono::steady_clock::now() > deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrFormat("worker '%s' waited 10 minutes at %s for a generation to train in (%s)",
+                            id, address, g.reason()));
+      }
+      if (!told) {
+        STRATA_LOG(INFO) << "worker " << id << ": waiting at " << address << " for the job ("
+                         << g.reason() << ")";
+        told = true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    if (rank >= 0) break;
-    if (std::chrono::steady_clock::now() > deadline) {
-      return Fail(absl::DeadlineExceededError(
-          absl::StrFormat("worker '%s' waited 10 minutes at %s for the job to start (%s)", id,
-                          address, g.reason())));
-    }
-    if (!told) {
-      STRATA_LOG(INFO) << "worker " << id << ": joined " << address << ", waiting for the job ("
-                       << g.reason() << ")";
-      told = true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  };
+
   // The coordinator watches this stream: if this process dies, it knows at once.
-  if (Status a = (*client)->Attach(id); !a.ok()) return Fail(a);
-  train::WorkerOptions worker;
-  worker.rank = rank;
-  worker.world_size = g.workers_size();
-  worker.store = comm::MakePrefixStore((*client)->store(), comm::GenerationPrefix(g.number()));
-  worker.hostname = info.host();
-  // Heartbeats go on beside training; every step is reported in order.
+  if (Status a = client.Attach(id); !a.ok()) return Fail(a);
+  // Heartbeats go on beside training. A newer generation aborts the collectives in flight, so the
+  // step ends at once and the worker re-forms; a coordinator that went away is reattached to when
+  // it is back.
+  std::mutex mu;
+  train::Trainer* active = nullptr;
+  std::atomic<int64_t> training_generation{-1};
   std::atomic<bool> done{false};
   std::thread heartbeats([&] {
+    bool reachable = true;
     while (!done.load()) {
-      (void)(*client)->Heartbeat(id);
-      for (int i = 0; i < 5 && !done.load(); ++i) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      auto hb = client.Heartbeat(id);
+      if (!hb.ok()) {
+        if (reachable) {
+          STRATA_LOG(WARNING) << "worker " << id << ": heartbeat to " << address
+                              << " failed (training goes on): " << hb.status().message();
+        }
+        reachable = false;
+      } else {
+        if (!reachable) {
+          Status a = client.Attach(id);
+          STRATA_LOG(INFO) << "worker " << id << ": the coordinator at " << address
+                           << " answers again" << (a.ok() ? "" : "; reattaching failed: ")
+                           << (a.ok() ? "" : a.message());
+          reachable = a.ok();
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        if (active != nullptr && hb->number() > training_generation.load()) {
+          active->AbortCollectives(
+              absl::StrFormat("generation %d formed (%s)", hb->number(), hb->reason()));
+        }
       }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   });
-  const int64_t generation = g.number();
-  auto on_step = [&](const train::StepResult& r) -> Status {
-    ASSIGN_OR_RETURN(coordinator::Generation now,
-                     (*client)->ReportStep(id, generation, r.step, r.loss));
-    if (now.number() != generation) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "the job's membership changed to generation %d (%s) after step %d; this release does "
-          "not yet re-form a running job, so its workers stop here",
-          now.number(), now.reason(), r.step));
+  auto finish = [&](int code) {
+    done = true;
+    heartbeats.join();
+    // A worker that finished stays listed: the job is over, not its membership changed.
+    (void)client.Detach(/*finished=*/code == 0);
+    return code;
+  };
+
+  std::unique_ptr<train::Trainer> trainer;
+  int64_t generation = 0;
+  const std::chrono::milliseconds heartbeat_timeout(
+      options->config.elastic().heartbeat_timeout_ms());
+  options->on_step = [&](const train::StepResult& r) -> Status {
+    auto now = Persist("step report", address,
+                       [&] { return client.ReportStep(id, generation, r.step, r.loss); });
+    if (!now.ok() && now.status().code() != absl::StatusCode::kFailedPrecondition)
+      return now.status();
+    if (!now.ok() || now->number() != generation) {
+      return absl::AbortedError(absl::StrFormat("the membership changed after step %d", r.step));
     }
     return absl::OkStatus();
   };
-  const int rc = RunTraining(flags, "worker", WorkerFlags(), worker, on_step);
-  done = true;
-  heartbeats.join();
-  // A worker that finished stays listed: the job is over, not its membership changed.
-  (void)(*client)->Detach(/*finished=*/rc == 0);
-  return rc;
+  int last_rank = -1;
+  while (true) {
+    int rank = -1;
+    auto g = wait_generation(generation, &rank);
+    last_rank = rank;
+    if (!g.ok()) return finish(Fail(g.status()));
+    generation = g->number();
+    training_generation = generation;
+    train::WorkerOptions w;
+    w.rank = rank;
+    w.world_size = g->workers_size();
+    w.store = comm::MakePrefixStore(client.store(), comm::GenerationPrefix(generation));
+    w.hostname = info.host();
+    w.elastic = true;
+    w.rejoin = generation > 1;
+    w.generation = generation;
+    Status s;
+    if (!trainer) {
+      options->worker = w;
+      options->progress = !flags.Has("quiet") && rank == 0;
+      auto created = train::Trainer::Create(*options);
+      if (created.ok()) {
+        std::lock_guard<std::mutex> lock(mu);
+        trainer = std::move(*created);
+        active = trainer.get();
+      } else {
+        s = created.status();
+      }
+    } else {
+      STRATA_LOG(INFO) << absl::StrFormat(
+          "worker %s: generation %d (%s): rank %d of %d, re-forming at step %d", id, generation,
+          g->reason(), rank, w.world_size, trainer->step());
+      s = trainer->Reform(w);
+    }
+    if (s.ok()) {
+      auto started = Persist("start report", address, [&] {
+        return client.ReportStart(
+            id, generation, trainer->step(),
+            rank == 0 ? trainer->experts_per_worker() : std::vector<int64_t>{});
+      });
+      s = started.status();
+      if (s.ok() && started->number() != generation) {
+        s = absl::AbortedError("the membership changed while re-forming");
+      }
+    }
+    if (s.ok()) {
+      s = trainer->Run();
+      if (s.ok()) break;
+    }
+    // A newer generation explains the failure: re-form for it. A peer's death can reach this
+    // worker (a broken connection) before the coordinator has formed the next generation, so a
+    // communication error waits for it up to the failure detector's bound; anything else (and
+    // no new generation) ends the worker.
+    const bool comm_error = s.code() == absl::StatusCode::kUnavailable ||
+                            s.code() == absl::StatusCode::kDeadlineExceeded ||
+                            s.code() == absl::StatusCode::kAborted;
+    const auto wait_until =
+        std::chrono::steady_clock::now() +
+        (comm_error ? 2 * heartbeat_timeout + std::chrono::seconds(1) : std::chrono::seconds(0));
+    bool newer = false;
+    while (true) {
+      auto now = Persist("heartbeat", address, [&] { return client.Heartbeat(id); });
+      newer = now.ok() && now->number() > generation;
+      if (newer || std::chrono::steady_clock::now() >= wait_until) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (newer) {
+      STRATA_LOG(INFO) << "worker " << id << ": generation " << generation << " ended ("
+                       << s.message() << ")";
+      continue;
+    }
+    return finish(Fail(s));
+  }
+  PrintDone(*trainer, last_rank);
+  return finish(0);
+}
+
+// The worker counts a job may run on, [min, max], checked against its config before anything
+// starts: every count must split the global batch evenly and hold at least one expert each.
+Status CheckWorkerRange(const config::JobConfig& cfg, int min, int max) {
+  if (min > max) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--min-workers %d is above --max-workers %d", min, max));
+  }
+  const int64_t B = cfg.train().global_batch();
+  int64_t lcm = 1;
+  std::vector<int> bad;
+  for (int w = min; w <= max; ++w) {
+    lcm = std::lcm(lcm, static_cast<int64_t>(w));
+    if (B % w != 0) bad.push_back(w);
+  }
+  if (!bad.empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "train.global_batch = %d does not split evenly over %s workers, which the job may run on "
+        "(between %d and %d workers); make it a multiple of %d, or narrow --min-workers / "
+        "--max-workers (elastic.min_workers / max_workers)",
+        B, absl::StrJoin(bad, ", "), min, max, lcm));
+  }
+  const int64_t E = cfg.model().moe().num_experts();
+  if (cfg.parallel().expert_parallel() == 0 && E < max) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "moe.num_experts = %d is fewer than the %d workers the job may grow to; lower "
+        "--max-workers to at most %d",
+        E, max, E));
+  }
+  return absl::OkStatus();
 }
 
 std::string RandomToken() {
@@ -401,8 +580,8 @@ const std::vector<FlagSpec>& LaunchFlags() {
   static const std::vector<FlagSpec> specs = {
       {"config", "job config in text format (.textproto); required"},
       {"workers", "local workers to start; required"},
-      {"min-workers", "fewer than this and training waits (default: --workers)"},
-      {"max-workers", "more than this are refused (default: --workers)"},
+      {"min-workers", "fewer than this and training waits (default: elastic.min_workers, or 1)"},
+      {"max-workers", "more than this are refused (default: elastic.max_workers, or --workers)"},
       {"listen", "the coordinator's HOST:PORT (default 127.0.0.1:0, a free port)"},
       {"coordinator-dir", "folder of the coordinator's record (default: a temporary folder)"},
       {"threads", "CPU threads per worker (overrides train.threads)"},
@@ -442,8 +621,19 @@ int LaunchCommand(const std::vector<std::string>& args) {
   CoordinatorOptions o;
   o.token = RandomToken();
   o.initial_workers = n;
-  o.min_workers = static_cast<int>(min_w->value_or(n));
-  o.max_workers = static_cast<int>(max_w->value_or(n));
+  const config::ElasticConfig& el = cfg->elastic();
+  o.min_workers = static_cast<int>(min_w->value_or(el.min_workers() > 0 ? el.min_workers() : 1));
+  o.max_workers = static_cast<int>(max_w->value_or(el.max_workers() > 0 ? el.max_workers() : n));
+  o.heartbeat_timeout = std::chrono::milliseconds(el.heartbeat_timeout_ms());
+  if (o.max_workers < n) {
+    return UsageError(absl::InvalidArgumentError(absl::StrFormat(
+                          "--workers %d is above --max-workers %d", n, o.max_workers)),
+                      "launch", LaunchFlags());
+  }
+  if (Status range = CheckWorkerRange(*cfg, std::min(o.min_workers, n), o.max_workers);
+      !range.ok()) {
+    return Fail(range);
+  }
   std::string temp_dir;
   if (auto d = flags->String("coordinator-dir")) {
     o.dir = *d;
@@ -465,9 +655,20 @@ int LaunchCommand(const std::vector<std::string>& args) {
     if (!server.ok()) return Fail(server.status());
     const std::string address = (*server)->address();
     const bool quiet = flags->Has("quiet");
+    // The token, for workers started by hand: readable by this user only.
+    const std::string token_file = o.dir + "/token";
+    if (std::FILE* f = std::fopen(token_file.c_str(), "w")) {
+      fchmod(fileno(f), 0600);
+      std::fputs(o.token.c_str(), f);
+      std::fclose(f);
+    }
     if (!quiet) {
-      std::printf("[%s] coordinator on %s; starting %d workers\n", cfg->name().c_str(),
-                  address.c_str(), n);
+      std::printf(
+          "[%s] coordinator on %s; starting %d workers (%d to %d may train)\n"
+          "[%s] add a worker: STRATA_JOB_TOKEN=$(cat %s) strata worker --coordinator %s "
+          "--config %s\n",
+          cfg->name().c_str(), address.c_str(), n, o.min_workers, o.max_workers,
+          cfg->name().c_str(), token_file.c_str(), address.c_str(), config_path.c_str());
       std::fflush(stdout);
     }
     std::vector<pid_t> pids;
@@ -496,6 +697,10 @@ int LaunchCommand(const std::vector<std::string>& args) {
     const int64_t total = *steps ? **steps : cfg->train().steps();
     const int every = std::max(1, cfg->train().log_every());
     int64_t shown_step = -1, shown_generation = -1;
+    const double tokens_per_step =
+        static_cast<double>(cfg->train().global_batch()) * cfg->model().seq_len();
+    double shown_at = 0;
+    int failed = 0;
     int alive = n;
     std::vector<bool> exited(n, false);
     while (alive > 0) {
@@ -507,10 +712,12 @@ int LaunchCommand(const std::vector<std::string>& args) {
           --alive;
           const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
           if (code != 0) {
+            // The others carry on without it (nothing is restarted); the job fails only if it
+            // does not reach its last step.
             std::fprintf(stderr, "strata launch: worker-%d exited with %s %d\n", i,
                          WIFEXITED(status) ? "code" : "signal",
                          WIFEXITED(status) ? code : WTERMSIG(status));
-            rc = 1;
+            ++failed;
           }
         }
       }
@@ -519,16 +726,32 @@ int LaunchCommand(const std::vector<std::string>& args) {
       if (!quiet && !finished &&
           (r.generation().number() != shown_generation ||
            (r.step() != shown_step && (r.step() % every == 0 || r.step() == total)))) {
-        std::printf("[%s] step %lld/%lld | loss %.4f | %d workers | generation %lld (%s)\n",
+        const double now = NowSeconds();
+        std::string rate;
+        if (shown_step >= 0 && r.step() > shown_step && now > shown_at) {
+          rate = absl::StrFormat(
+              " | %.0f tok/s",
+              tokens_per_step * static_cast<double>(r.step() - shown_step) / (now - shown_at));
+        }
+        std::printf("[%s] step %lld/%lld | loss %.4f%s | %d workers | generation %lld (%s)\n",
                     cfg->name().c_str(), static_cast<long long>(r.step()),
-                    static_cast<long long>(total), r.loss(), r.generation().workers_size(),
-                    static_cast<long long>(r.generation().number()),
+                    static_cast<long long>(total), r.loss(), rate.c_str(),
+                    r.generation().workers_size(), static_cast<long long>(r.generation().number()),
                     r.generation().reason().c_str());
         std::fflush(stdout);
         shown_step = r.step();
+        shown_at = now;
         shown_generation = r.generation().number();
       }
       if (alive > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    const int64_t reached = (*state)->Snapshot().step();
+    if (reached < total) {
+      std::fprintf(stderr, "strata launch: the job stopped at step %lld of %lld\n",
+                   static_cast<long long>(reached), static_cast<long long>(total));
+      rc = 1;
+    } else if (failed > 0 && !quiet) {
+      std::printf("strata launch: the job finished without the %d worker(s) that failed\n", failed);
     }
   }
   if (!temp_dir.empty()) {
@@ -537,7 +760,7 @@ int LaunchCommand(const std::vector<std::string>& args) {
   }
   if (!flags->Has("quiet")) {
     std::printf(rc == 0
-                    ? "strata launch: all %d workers finished\n"
+                    ? "strata launch: the job finished (%d workers started)\n"
                     : "strata launch: the job failed (%d workers started); see the errors above\n",
                 static_cast<int>(**workers));
   }
@@ -571,13 +794,26 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
         "coordinator", CoordinatorFlags());
   }
   o.initial_workers = static_cast<int>(workers->value_or(1));
-  o.min_workers = static_cast<int>(min_workers->value_or(1));
-  o.max_workers = static_cast<int>(max_workers->value_or(1024));
   std::string job_config;
+  std::optional<config::JobConfig> cfg;
   if (auto path = flags->String("config")) {
-    auto cfg = config::LoadJobConfig(*path);
-    if (!cfg.ok()) return Fail(cfg.status());
+    auto loaded = config::LoadJobConfig(*path);
+    if (!loaded.ok()) return Fail(loaded.status());
+    cfg = *loaded;
     job_config = config::ToText(*cfg);
+  }
+  const config::ElasticConfig el = cfg ? cfg->elastic() : config::ElasticConfig();
+  o.min_workers =
+      static_cast<int>(min_workers->value_or(el.min_workers() > 0 ? el.min_workers() : 1));
+  o.max_workers = static_cast<int>(
+      max_workers->value_or(el.max_workers() > 0 ? el.max_workers() : o.initial_workers));
+  o.heartbeat_timeout = std::chrono::milliseconds(el.heartbeat_timeout_ms());
+  if (cfg) {
+    if (Status range =
+            CheckWorkerRange(*cfg, std::min(o.min_workers, o.initial_workers), o.max_workers);
+        !range.ok()) {
+      return Fail(range);
+    }
   }
   auto state = CoordinatorState::Open(o, job_config, std::chrono::steady_clock::now());
   if (!state.ok()) return Fail(state.status());

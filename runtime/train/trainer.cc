@@ -244,6 +244,56 @@ double Trainer::LearningRate(const config::TrainConfig& t, int64_t s) {
   return min_lr + 0.5 * (1.0 + std::cos(M_PI * progress)) * (peak - min_lr);
 }
 
+Status Trainer::BuildModel(int64_t first, int64_t count) {
+  const config::JobConfig& cfg = options_.config;
+  const bool tiered = cfg.storage().mode() == config::StorageConfig::TIERED;
+  model::ModelOptions mo;
+  mo.config = cfg.model();
+  mo.seed = cfg.seed();
+  mo.max_batch = local_batch_;
+  mo.expert_factory = options_.expert_factory;
+  mo.unbound_experts = tiered;
+  mo.first_local_expert = first;
+  mo.num_local_experts = count;
+  ASSIGN_OR_RETURN(model_, model::MoeTransformer::Create(ctx_, mo));
+  const int64_t E = cfg.model().moe().num_experts();
+  first_expert_ = first;
+  num_experts_ = count < 0 ? E : count;
+  if (distributed()) {
+    if (ep_comm_) {
+      ASSIGN_OR_RETURN(scheduler::ExpertPlacement placement,
+                       scheduler::ExpertPlacement::FromCounts(experts_per_worker_));
+      scheduler::ExpertParallelOptions eo;
+      // The tiered store already overlaps loading with compute by handing experts to threads as
+      // they become resident; one pass per layer keeps its prefetch plan whole.
+      eo.chunks = tiered ? 1 : cfg.parallel().dispatch_chunks();
+      exchange_ = std::make_unique<scheduler::ExpertParallel>(ep_comm_.get(), placement, eo);
+    }
+    scheduler::DataParallelOptions dpo;
+    dpo.bucket_bytes = cfg.parallel().bucket_bytes();
+    comm::Communicator* replicas = ep_comm_ ? replica_comm_.get() : world_comm_.get();
+    data_parallel_ =
+        std::make_unique<scheduler::DataParallel>(*model_, world_comm_.get(), replicas, dpo);
+    model_->AttachParallel(exchange_.get(), data_parallel_.get(), data_parallel_.get());
+    dense_slices_ = std::make_unique<model::ParameterSlices>(model_->DenseParameters());
+    if (tracer_) {
+      data_parallel_->set_tracer(tracer_.get());
+      if (exchange_) exchange_->set_tracer(tracer_.get());
+    }
+  }
+  model::AdamWOptions ao;
+  ao.beta1 = cfg.train().beta1();
+  ao.beta2 = cfg.train().beta2();
+  ao.eps = cfg.train().adam_eps();
+  ao.weight_decay = cfg.train().weight_decay();
+  optimizer_ =
+      std::make_unique<model::AdamW>(tiered ? model_->DenseParameters() : model_->Parameters(), ao);
+  const int64_t n = local_batch_ * cfg.model().seq_len();
+  inputs_.resize(n);
+  targets_.resize(n);
+  return absl::OkStatus();
+}
+
 StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   std::unique_ptr<Trainer> tr(new Trainer);
   tr->options_ = options;
@@ -266,58 +316,37 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
 
   ASSIGN_OR_RETURN(tr->dataset_, data::TokenDataset::Open(cfg.data(), cfg.model().vocab_size(),
                                                           cfg.model().seq_len(), env));
-  model::ModelOptions mo;
-  mo.config = cfg.model();
-  mo.seed = cfg.seed();
-  mo.max_batch = cfg.train().global_batch();
-  mo.expert_factory = options.expert_factory;
   const bool tiered = cfg.storage().mode() == config::StorageConfig::TIERED;
-  mo.unbound_experts = tiered;
   tr->local_batch_ = cfg.train().global_batch();
-  std::optional<scheduler::ExpertPlacement> placement;
+  int64_t first = 0, count = -1;
+  std::optional<SyncedState> synced;
   if (tr->distributed()) {
     RETURN_IF_ERROR(tr->SetUpWorkers());
     const int W = options.worker.world_size, rank = options.worker.rank;
     tr->local_batch_ = cfg.train().global_batch() / W;
     tr->first_sequence_ = rank * tr->local_batch_;
-    mo.max_batch = tr->local_batch_;
     const int ep = tr->ep_comm_ ? tr->ep_comm_->world_size() : 1;
     const int64_t E = cfg.model().moe().num_experts();
-    if (cfg.parallel().experts_per_worker_size() > 0 && ep > 1) {
-      std::vector<int64_t> counts(cfg.parallel().experts_per_worker().begin(),
-                                  cfg.parallel().experts_per_worker().end());
-      ASSIGN_OR_RETURN(placement, scheduler::ExpertPlacement::FromCounts(counts));
+    if (options.worker.rejoin) {
+      // Joining a running job: the others hand over the state.
+      RETURN_IF_ERROR(tr->CheckElastic());
+      ASSIGN_OR_RETURN(synced, tr->SyncState());
+      tr->experts_per_worker_ = synced->counts;
+    } else if (cfg.parallel().experts_per_worker_size() > 0 && ep > 1) {
+      tr->experts_per_worker_.assign(cfg.parallel().experts_per_worker().begin(),
+                                     cfg.parallel().experts_per_worker().end());
     } else {
-      ASSIGN_OR_RETURN(placement, scheduler::ExpertPlacement::Even(E, ep));
+      ASSIGN_OR_RETURN(scheduler::ExpertPlacement even, scheduler::ExpertPlacement::Even(E, ep));
+      for (int g = 0; g < ep; ++g) tr->experts_per_worker_.push_back(even.count(g));
     }
-    const int group_rank = rank % ep;
-    mo.first_local_expert = placement->first(group_rank);
-    mo.num_local_experts = placement->count(group_rank);
+    ASSIGN_OR_RETURN(scheduler::ExpertPlacement placement,
+                     scheduler::ExpertPlacement::FromCounts(tr->experts_per_worker_));
+    first = placement.first(rank % ep);
+    count = placement.count(rank % ep);
     tr->expert_replica_leader_ = rank < ep;
   }
-  ASSIGN_OR_RETURN(tr->model_, model::MoeTransformer::Create(tr->ctx_, mo));
-  if (tr->distributed()) {
-    if (tr->ep_comm_) {
-      scheduler::ExpertParallelOptions eo;
-      // The tiered store already overlaps loading with compute by handing experts to threads as
-      // they become resident; one pass per layer keeps its prefetch plan whole.
-      eo.chunks = tiered ? 1 : cfg.parallel().dispatch_chunks();
-      tr->exchange_ =
-          std::make_unique<scheduler::ExpertParallel>(tr->ep_comm_.get(), *placement, eo);
-    }
-    scheduler::DataParallelOptions dpo;
-    dpo.bucket_bytes = cfg.parallel().bucket_bytes();
-    comm::Communicator* replicas = tr->ep_comm_ ? tr->replica_comm_.get() : tr->world_comm_.get();
-    tr->data_parallel_ = std::make_unique<scheduler::DataParallel>(
-        *tr->model_, tr->world_comm_.get(), replicas, dpo);
-    tr->model_->AttachParallel(tr->exchange_.get(), tr->data_parallel_.get(),
-                               tr->data_parallel_.get());
-    tr->dense_slices_ = std::make_unique<model::ParameterSlices>(tr->model_->DenseParameters());
-    if (tr->tracer_) {
-      tr->data_parallel_->set_tracer(tr->tracer_.get());
-      if (tr->exchange_) tr->exchange_->set_tracer(tr->tracer_.get());
-    }
-  }
+  RETURN_IF_ERROR(tr->BuildModel(first, count));
+  if (synced) RETURN_IF_ERROR(tr->ImportState(*synced));
   if (!cfg.checkpoint().dir().empty()) {
     CheckpointOptions co;
     co.dir = cfg.checkpoint().dir();
@@ -346,14 +375,6 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     tr->scheduler_->set_tracer(tr->tracer_.get());
   }
 
-  model::AdamWOptions ao;
-  ao.beta1 = cfg.train().beta1();
-  ao.beta2 = cfg.train().beta2();
-  ao.eps = cfg.train().adam_eps();
-  ao.weight_decay = cfg.train().weight_decay();
-  tr->optimizer_ = std::make_unique<model::AdamW>(
-      tiered ? tr->model_->DenseParameters() : tr->model_->Parameters(), ao);
-
   if (!options.metrics_path.empty()) {
     ASSIGN_OR_RETURN(tr->metrics_, MetricsWriter::Open(options.metrics_path, env));
   }
@@ -362,9 +383,8 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
                                                          tr->scheduler_.get(), tr->ctx_));
     tr->resumed_from_ = tr->step_;
   }
-  const int64_t n = tr->local_batch_ * cfg.model().seq_len();
-  tr->inputs_.resize(n);
-  tr->targets_.resize(n);
+  tr->live_version_ = tr->step_;
+  tr->elastic_steps_ = options.worker.elastic && tr->CheckElastic().ok();
   tr->tty_ = isatty(STDERR_FILENO);
   return tr;
 }
@@ -438,10 +458,13 @@ StatusOr<StepResult> Trainer::Step() {
   r.grad_norm = std::sqrt(sq);
   r.lr = LearningRate(cfg.train(), step_);
   const double scale = cpu::ClipScale(r.grad_norm, cfg.train().grad_clip());
+  const bool elastic = elastic_steps_ && distributed();
+  if (elastic) TakeRollbackCopy();
   {
     TraceScope span(ctx_.tracer, "dense optimizer", "optimizer");
     optimizer_->Step(ctx_, r.lr, scale);
   }
+  live_version_ = step_ + 1;
   if (scheduler_) {
     TraceScope span(ctx_.tracer, "expert optimizer", "optimizer");
     model::AdamWOptions ao;
@@ -469,6 +492,19 @@ StatusOr<StepResult> Trainer::Step() {
   if (!model_->moe_layers().empty()) {
     r.aux_loss /= static_cast<double>(model_->moe_layers().size());
     r.z_loss /= static_cast<double>(model_->moe_layers().size());
+  }
+  if (elastic) {
+    // Loads steer the placement of the next generation; every worker sees the batch-wide counts.
+    const int64_t E = cfg.model().moe().num_experts();
+    expert_load_.resize(E, 0.0);
+    for (double& l : expert_load_) l *= 0.9;
+    for (const model::MoeStats& m : r.moe) {
+      for (int64_t e = 0; e < E && e < static_cast<int64_t>(m.load.size()); ++e) {
+        expert_load_[e] += static_cast<double>(m.load[e]);
+      }
+    }
+    TraceScope span(ctx_.tracer, "buddy copies", "comm");
+    RETURN_IF_ERROR(RefreshBuddies());
   }
   if (data_parallel_) r.comm_seconds = data_parallel_->TakeCommSeconds();
   if (exchange_) r.comm_seconds += exchange_->TakeTimes().comm_seconds;
@@ -565,9 +601,16 @@ Status Trainer::RunLoop() {
           .Field("tokens", r.tokens)
           .Field("tokens_per_s", r.tokens / r.seconds)
           .Field("step_ms", 1e3 * r.seconds);
-      if (distributed()) {
+      if (distributed() || options_.worker.elastic) {
+        // The samples this worker trained on: the step's global sample indices
+        // [first_sample, first_sample + samples).
         j.Field("rank", options_.worker.rank)
             .Field("workers", options_.worker.world_size)
+            .Field("generation", options_.worker.generation)
+            .Field("first_sample",
+                   data::TokenDataset::FirstSample(r.step - 1, cfg.train().global_batch()) +
+                       first_sequence_)
+            .Field("samples", local_batch_)
             .Field("comm_ms", 1e3 * r.comm_seconds);
       }
       j.Key("moe").BeginArray();

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,16 @@ struct WorkerOptions {
   // Called on rank 0 once every worker has connected all its communicators (the store is no
   // longer needed): `strata worker` empties its rendezvous folder, so a later job can use it.
   std::function<void()> after_rendezvous;
+  // A job whose membership may change (`strata worker --coordinator`): every step keeps what a
+  // later generation needs to go on without this worker or with more — a copy of this worker's
+  // state from before the step's update, and buddy copies of other workers' experts
+  // (elastic.replicas). See elastic.cc.
+  bool elastic = false;
+  // This generation is not the job's first: the workers agree on the newest step whose whole state
+  // they still hold, re-place the experts, and move state to where it now lives (a worker that
+  // just joined gets all of its state this way).
+  bool rejoin = false;
+  int64_t generation = 0;  // the membership generation, for metrics
 };
 
 struct StepResult;
@@ -123,12 +134,44 @@ class Trainer {
   // The step a resumed run started from (0 for a fresh run).
   int64_t resumed_from() const { return resumed_from_; }
 
+  // Elastic jobs. Unblocks the collectives in flight with ABORTED (from any thread, e.g. when a
+  // new membership generation forms): the step fails and Run returns, so the caller can Reform.
+  void AbortCollectives(const std::string& why);
+  // Re-forms this worker, in place, for a new generation: new communicators under w.store, the
+  // state agreed on (see WorkerOptions::rejoin), the experts re-placed by measured load. On
+  // success Run goes on from step(), which may be one step back when a step was cut short.
+  [[nodiscard]] Status Reform(const WorkerOptions& w);
+  // Experts each rank of the current generation holds (contiguous ranges in rank order).
+  const std::vector<int64_t>& experts_per_worker() const { return experts_per_worker_; }
+
  private:
   Trainer() = default;
   void PrintProgress(const StepResult& r, const EvalResult* eval, bool final_line);
 
   [[nodiscard]] Status SetUpTiered();
   [[nodiscard]] Status SetUpWorkers();
+  // Builds model_ (with this worker's `first`, `count` experts when distributed), the exchange and
+  // the data-parallel reducer around it, and the optimizer.
+  [[nodiscard]] Status BuildModel(int64_t first, int64_t count);
+  // Elastic (elastic.cc): what a generation starts from.
+  struct SyncedState {
+    int64_t step = 0;
+    std::vector<int64_t> counts;  // experts per rank
+    std::vector<float> dense;     // this worker's dense parameters with moments
+    std::vector<float> experts;   // its experts' blobs, in expert order
+  };
+  [[nodiscard]] StatusOr<SyncedState> SyncState();
+  [[nodiscard]] Status ImportState(const SyncedState& s);
+  [[nodiscard]] Status CheckElastic() const;
+  // Blobs: every dense parameter's value, first and second moment, in DenseParameters() order;
+  // an expert's: for each MoE layer in order, each parameter's value and moments.
+  size_t DenseBlobFloats() const;
+  size_t ExpertBlobFloats() const;
+  void ReadDense(float* out) const;
+  void ReadExpert(int64_t e, float* out) const;
+  void TakeRollbackCopy();
+  [[nodiscard]] Status RefreshBuddies();
+  void ResetParallel();
   // Sum over all workers (identity for one process); fails the step on a communication error.
   [[nodiscard]] Status SumOverWorkers(double* data, size_t n);
   [[nodiscard]] Status ParallelStatus() const;
@@ -163,6 +206,23 @@ class Trainer {
   std::vector<int32_t> inputs_, targets_;
   int64_t step_ = 0;
   int64_t resumed_from_ = 0;
+  // Elastic state. comm_mu_ guards the communicators against AbortCollectives.
+  mutable std::mutex comm_mu_;
+  std::vector<int64_t> experts_per_worker_;
+  int64_t first_expert_ = 0, num_experts_ = 0;  // this worker's range
+  bool elastic_steps_ = false;                  // keep rollback and buddy copies every step
+  int64_t live_version_ = 0;                    // the step the model's state is the result of
+  struct Copy {
+    int64_t version = -1;
+    int64_t first = 0, count = 0;  // experts held
+    std::vector<float> dense, experts;
+  };
+  Copy rollback_;  // this worker's state before the latest update
+  struct Buddy {
+    Copy cur, prev;  // the source's experts after its latest two updates
+  };
+  std::vector<Buddy> buddies_;       // [elastic.replicas], from ranks rank-1, rank-2, ...
+  std::vector<double> expert_load_;  // rows routed to each expert, decayed over steps
   std::vector<StepResult> history_;
   std::vector<std::pair<int64_t, EvalResult>> evals_;
   double started_ = 0;

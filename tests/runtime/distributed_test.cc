@@ -245,7 +245,7 @@ TEST(LaunchTest, LaunchedWorkersMatchTheSingleProcessThroughTheCoordinator) {
                                    "m.jsonl"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("2 workers | generation 1 (start)"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("strata launch: all 2 workers finished"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("strata launch: the job finished"), std::string::npos) << r.output;
   const auto want = Losses(dir.File("single.jsonl"));
   ASSERT_EQ(want.size(), 8u);
   for (int i = 0; i < 2; ++i) {
@@ -255,7 +255,10 @@ TEST(LaunchTest, LaunchedWorkersMatchTheSingleProcessThroughTheCoordinator) {
   }
 }
 
-TEST(LaunchTest, AKilledWorkerFailsTheLaunchNamingIt) {
+// Below --min-workers nobody trains: with both of 2 workers required, a SIGKILLed one leaves the
+// other waiting (a status line says so); when that one dies too, the launch ends and names the
+// step the job stopped at.
+TEST(LaunchTest, AJobBelowItsMinimumStopsAndTheLaunchSaysWhere) {
   TempDir dir;
   WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(30000));
   WriteFile(dir.File("job.textproto"),
@@ -265,25 +268,31 @@ TEST(LaunchTest, AKilledWorkerFailsTheLaunchNamingIt) {
   if (pid == 0) {
     const std::string cmd =
         absl::StrCat("cd ", dir.path(), " && exec ", kStrata, " launch --config ",
-                     dir.File("job.textproto"), " --workers 2 > ", log, " 2>&1");
+                     dir.File("job.textproto"), " --workers 2 --min-workers 2 > ", log, " 2>&1");
     execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
-  // Once training runs, SIGKILL worker-1 (found by this test's own config path; "[w]" keeps
-  // pkill from matching its own shell).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (ReadFile(log).find("generation 1 (start)") == std::string::npos) {
     ASSERT_LT(std::chrono::steady_clock::now(), deadline) << ReadFile(log);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // "[w]" keeps pkill from matching its own shell.
   auto k = RunCommand(
       absl::StrCat("pkill -KILL -f -- '", dir.File("job.textproto"), " --id [w]orker-1'"));
   ASSERT_EQ(k.exit_code, 0) << "no worker-1 to kill: " << k.output << ReadFile(log);
+  while (ReadFile(log).find("waiting for workers (1 of at least 2)") == std::string::npos) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << ReadFile(log);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  k = RunCommand(
+      absl::StrCat("pkill -KILL -f -- '", dir.File("job.textproto"), " --id [w]orker-0'"));
+  ASSERT_EQ(k.exit_code, 0) << "no worker-0 to kill: " << k.output << ReadFile(log);
   EXPECT_EQ(WaitExit(pid), 1) << ReadFile(log);
   const std::string out = ReadFile(log);
   EXPECT_NE(out.find("worker-1 exited with signal 9"), std::string::npos) << out;
-  EXPECT_NE(out.find("the job failed"), std::string::npos) << out;
+  EXPECT_NE(out.find("the job stopped at step"), std::string::npos) << out;
 }
 
 TEST(DistributedConfigTest, LayoutErrorsNameTheFieldBeforeConnecting) {

@@ -1,0 +1,460 @@
+// Trainer across membership generations: what every step keeps so that a later generation can go
+// on without a worker (or with more), and how the workers of a new generation agree on a state
+// and move it to where it now lives.
+//
+// Versions. A worker's state (dense parameters, its experts, their Adam moments) after step s is
+// version s. Each step keeps:
+//   - live: the model itself, version live_version_;
+//   - rollback_: this worker's state from before the step's update (version live - 1), because a
+//     failure can cut a step short after some workers applied its update and before others did;
+//   - buddies_: the experts of the `elastic.replicas` previous ranks, after their latest two
+//     updates (two, for the same reason), refreshed by one all-to-all after every update.
+// A new generation all-gathers which versions of which state every worker holds, takes the newest
+// step s0 whose whole state (the dense part and every expert) is held somewhere, re-places the
+// experts in contiguous ranges balanced by measured load with as few moves as possible
+// (scheduler/replan.h), and moves each expert's blob from the lowest rank holding it at s0 to its
+// new owner (a worker that already holds it keeps it). Workers lacking the dense state at s0 get
+// it by broadcast. Training goes on from s0: a step cut short is redone, with the same samples.
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "runtime/common/logging.h"
+#include "runtime/train/trainer.h"
+#include "scheduler/replan.h"
+
+namespace strata::train {
+namespace {
+
+// Versions of one item (the dense state, or one expert) a worker can supply.
+constexpr int kSlots = 4;  // live, rollback, buddy (latest), buddy (previous)
+constexpr int kHeader = 2;
+
+std::string Ranges(const std::vector<int64_t>& counts) {
+  std::string out;
+  int64_t first = 0;
+  for (size_t w = 0; w < counts.size(); ++w) {
+    absl::StrAppendFormat(&out, "%sw%d:[%d,%d)", w ? " " : "", w, first, first + counts[w]);
+    first += counts[w];
+  }
+  return out;
+}
+
+}  // namespace
+
+void Trainer::AbortCollectives(const std::string& why) {
+  std::lock_guard<std::mutex> lock(comm_mu_);
+  for (comm::Communicator* c : {world_comm_.get(), ep_comm_.get(), replica_comm_.get()}) {
+    if (c != nullptr) c->Abort(why);
+  }
+}
+
+Status Trainer::CheckElastic() const {
+  const config::JobConfig& cfg = options_.config;
+  if (cfg.storage().mode() == config::StorageConfig::TIERED) {
+    return absl::UnimplementedError(
+        "re-forming a running job needs storage.mode: IN_MEMORY (a TIERED job's experts live in "
+        "each worker's own store); restart a TIERED job from its checkpoint on the new workers");
+  }
+  if (cfg.parallel().expert_parallel() != 0) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "re-forming a running job needs parallel.expert_parallel: 0 (one expert-parallel group of "
+        "all workers); it is %d",
+        cfg.parallel().expert_parallel()));
+  }
+  if (cfg.parallel().experts_per_worker_size() > 0) {
+    return absl::UnimplementedError(
+        "re-forming a running job places experts by measured load; leave "
+        "parallel.experts_per_worker empty");
+  }
+  return absl::OkStatus();
+}
+
+size_t Trainer::DenseBlobFloats() const {
+  return 3 * static_cast<size_t>(model::CountScalars(model_->DenseParameters()));
+}
+
+size_t Trainer::ExpertBlobFloats() const {
+  size_t n = 0;
+  for (const auto& ref : model_->moe_layers()) {
+    if (ref.layer->num_local_experts() == 0) return 0;
+    n += 3 * static_cast<size_t>(model::CountScalars(
+                 ref.layer->expert(ref.layer->first_local_expert()).Parameters()));
+  }
+  return n;
+}
+
+namespace {
+
+// value, first moment, second moment of each parameter, in order; `write` copies the other way.
+void CopyParams(const std::vector<model::Parameter*>& ps, const model::AdamW& opt,
+                const std::map<const model::Parameter*, size_t>& index, float* blob, bool write) {
+  for (model::Parameter* p : ps) {
+    const size_t n = static_cast<size_t>(p->value.numel());
+    const size_t i = index.at(p);
+    for (float* t : {p->value.f32(), opt.first_moment(i).f32(), opt.second_moment(i).f32()}) {
+      if (write) {
+        std::memcpy(t, blob, n * sizeof(float));
+      } else {
+        std::memcpy(blob, t, n * sizeof(float));
+      }
+      blob += n;
+    }
+  }
+}
+
+std::map<const model::Parameter*, size_t> IndexOf(const model::AdamW& opt) {
+  std::map<const model::Parameter*, size_t> index;
+  for (size_t i = 0; i < opt.params().size(); ++i) index[opt.params()[i]] = i;
+  return index;
+}
+
+}  // namespace
+
+void Trainer::ReadDense(float* out) const {
+  CopyParams(model_->DenseParameters(), *optimizer_, IndexOf(*optimizer_), out, false);
+}
+
+void Trainer::ReadExpert(int64_t e, float* out) const {
+  const auto index = IndexOf(*optimizer_);
+  for (const auto& ref : model_->moe_layers()) {
+    std::vector<model::Parameter*> ps = ref.layer->expert(e).Parameters();
+    CopyParams(ps, *optimizer_, index, out, false);
+    for (const model::Parameter* p : ps) out += 3 * static_cast<size_t>(p->value.numel());
+  }
+}
+
+void Trainer::TakeRollbackCopy() {
+  TraceScope span(ctx_.tracer, "rollback copy", "copy");
+  const size_t S = ExpertBlobFloats();
+  rollback_.version = step_;
+  rollback_.first = first_expert_;
+  rollback_.count = num_experts_;
+  rollback_.dense.resize(DenseBlobFloats());
+  ReadDense(rollback_.dense.data());
+  rollback_.experts.resize(S * static_cast<size_t>(num_experts_));
+  for (int64_t i = 0; i < num_experts_; ++i)
+    ReadExpert(first_expert_ + i, &rollback_.experts[i * S]);
+}
+
+Status Trainer::RefreshBuddies() {
+  const int W = options_.worker.world_size, rank = options_.worker.rank;
+  const int R = std::min(options_.config.elastic().replicas(), W - 1);
+  buddies_.resize(R);
+  if (R == 0) return absl::OkStatus();
+  const size_t S = ExpertBlobFloats();
+  std::vector<int64_t> firsts(W + 1, 0);
+  for (int w = 0; w < W; ++w) firsts[w + 1] = firsts[w] + experts_per_worker_[w];
+  // This worker's experts go to ranks rank+1 .. rank+R; the blobs of ranks rank-1 .. rank-R come
+  // back (R < W, so those are distinct).
+  std::vector<float> mine(S * static_cast<size_t>(num_experts_));
+  for (int64_t i = 0; i < num_experts_; ++i) ReadExpert(first_expert_ + i, &mine[i * S]);
+  std::vector<int64_t> send_counts(W, 0), recv_counts(W, 0);
+  for (int j = 1; j <= R; ++j) {
+    send_counts[(rank + j) % W] = static_cast<int64_t>(mine.size());
+    recv_counts[(rank - j + W) % W] = experts_per_worker_[(rank - j + W) % W] * S;
+  }
+  std::vector<float> send, recv;
+  for (int d = 0; d < W; ++d) {
+    if (send_counts[d] > 0) send.insert(send.end(), mine.begin(), mine.end());
+  }
+  int64_t total = 0;
+  for (int64_t c : recv_counts) total += c;
+  recv.resize(total);
+  Status s = world_comm_->AllToAllV(send.data(), send_counts, recv.data(), recv_counts);
+  if (!s.ok()) {
+    return Status(s.code(),
+                  absl::StrFormat("step %d: refreshing buddy copies: %s", step_ + 1, s.message()));
+  }
+  int64_t at = 0;
+  for (int src = 0; src < W; ++src) {
+    if (recv_counts[src] == 0) continue;
+    const int j = (rank - src + W) % W;  // src = rank - j
+    Buddy& b = buddies_[j - 1];
+    std::swap(b.prev, b.cur);
+    b.cur.version = live_version_;
+    b.cur.first = firsts[src];
+    b.cur.count = experts_per_worker_[src];
+    b.cur.experts.assign(recv.begin() + at, recv.begin() + at + recv_counts[src]);
+    at += recv_counts[src];
+  }
+  return absl::OkStatus();
+}
+
+StatusOr<Trainer::SyncedState> Trainer::SyncState() {
+  const config::JobConfig& cfg = options_.config;
+  const int W = options_.worker.world_size, rank = options_.worker.rank;
+  const int64_t E = cfg.model().moe().num_experts();
+  const size_t items = 1 + static_cast<size_t>(E);
+  const size_t row = kHeader + items * kSlots;
+  // What this worker holds: [dense floats, expert-blob floats], then per item its versions.
+  std::vector<int64_t> inv(row, -1);
+  auto slot = [&](std::vector<int64_t>& v, size_t item, int k) -> int64_t& {
+    return v[kHeader + item * kSlots + k];
+  };
+  const bool has_state = model_ != nullptr;
+  if (has_state) {
+    inv[0] = static_cast<int64_t>(DenseBlobFloats());
+    inv[1] = static_cast<int64_t>(ExpertBlobFloats());
+    slot(inv, 0, 0) = live_version_;
+    if (rollback_.version >= 0) slot(inv, 0, 1) = rollback_.version;
+    for (int64_t e = first_expert_; e < first_expert_ + num_experts_; ++e) {
+      slot(inv, 1 + e, 0) = live_version_;
+      if (rollback_.version >= 0 && e >= rollback_.first && e < rollback_.first + rollback_.count) {
+        slot(inv, 1 + e, 1) = rollback_.version;
+      }
+    }
+    for (const Buddy& b : buddies_) {
+      for (const Copy* c : {&b.cur, &b.prev}) {
+        if (c->version < 0) continue;
+        for (int64_t e = c->first; e < c->first + c->count; ++e) {
+          slot(inv, 1 + e, c == &b.cur ? 2 : 3) = c->version;
+        }
+      }
+    }
+  }
+  std::vector<int64_t> all = inv;  // a generation of one worker has only itself to ask
+  if (W > 1) {
+    all.resize(row * W);
+    RETURN_IF_ERROR(world_comm_->AllGather(inv.data(), row * sizeof(int64_t), all.data()));
+  }
+  auto at = [&](int w, size_t item, int k) { return all[w * row + kHeader + item * kSlots + k]; };
+  auto holds = [&](int w, size_t item, int64_t v) {
+    for (int k = 0; k < kSlots; ++k) {
+      if (at(w, item, k) == v) return true;
+    }
+    return false;
+  };
+  int64_t D = 0, S = 0;
+  std::vector<int64_t> versions;
+  for (int w = 0; w < W; ++w) {
+    D = std::max(D, all[w * row]);
+    S = std::max(S, all[w * row + 1]);
+    for (size_t i = 0; i < items; ++i) {
+      for (int k = 0; k < kSlots; ++k) {
+        if (at(w, i, k) >= 0) versions.push_back(at(w, i, k));
+      }
+    }
+  }
+  if (D == 0) {
+    return absl::FailedPreconditionError(
+        "no worker of the new generation holds the job's state (every worker that trained it is "
+        "gone); restart the job from its latest checkpoint");
+  }
+  std::sort(versions.rbegin(), versions.rend());
+  versions.erase(std::unique(versions.begin(), versions.end()), versions.end());
+  int64_t s0 = -1;
+  std::string missing;
+  for (int64_t v : versions) {
+    missing.clear();
+    for (size_t i = 0; i < items; ++i) {
+      bool found = false;
+      for (int w = 0; w < W && !found; ++w) found = holds(w, i, v);
+      if (!found) {
+        absl::StrAppend(
+            &missing, missing.empty() ? "" : ", ",
+            i == 0 ? std::string("the dense parameters") : absl::StrCat("expert ", i - 1));
+      }
+    }
+    if (missing.empty()) {
+      s0 = v;
+      break;
+    }
+  }
+  if (s0 < 0) {
+    return absl::DataLossError(absl::StrFormat(
+        "the job's state cannot be put together from the workers left: %s of step %d went with "
+        "the failed workers and their buddy copies; raise elastic.replicas, or restart the job "
+        "from its latest checkpoint",
+        missing, versions.empty() ? 0 : versions.front()));
+  }
+
+  // The new placement, from rank 0's measured loads (a joiner has none: equal loads).
+  std::vector<double> load(E, 0.0);
+  if (rank == 0 && static_cast<int64_t>(expert_load_.size()) == E) load = expert_load_;
+  if (W > 1) {
+    RETURN_IF_ERROR(world_comm_->Broadcast(load.data(), load.size() * sizeof(double), 0));
+  }
+  std::vector<int> current(E, -1);
+  for (int64_t e = 0; e < E; ++e) {
+    for (int w = 0; w < W && current[e] < 0; ++w) {
+      if (at(w, 1 + e, 0) >= 0 || at(w, 1 + e, 1) >= 0) current[e] = w;
+    }
+  }
+  const scheduler::RangePlan plan = scheduler::ReplanRanges(current, load, W);
+  std::vector<int> owner(E), source(E);
+  for (int w = 0, e = 0; w < W; ++w) {
+    for (int64_t i = 0; i < plan.counts[w]; ++i) owner[e++] = w;
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    source[e] = -1;
+    if (holds(owner[e], 1 + e, s0)) {
+      source[e] = owner[e];
+    } else {
+      for (int w = 0; w < W && source[e] < 0; ++w) {
+        if (holds(w, 1 + e, s0)) source[e] = w;
+      }
+    }
+  }
+
+  SyncedState out;
+  out.step = s0;
+  out.counts = plan.counts;
+  // Where this worker's copy of item `i` at s0 is (null: it has none).
+  auto local = [&](size_t i) -> const float* {
+    if (!has_state) return nullptr;
+    const int64_t e = static_cast<int64_t>(i) - 1;
+    if (i == 0) return rollback_.version == s0 ? rollback_.dense.data() : nullptr;
+    if (rollback_.version == s0 && e >= rollback_.first && e < rollback_.first + rollback_.count) {
+      return &rollback_.experts[(e - rollback_.first) * S];
+    }
+    for (const Buddy& b : buddies_) {
+      for (const Copy* c : {&b.cur, &b.prev}) {
+        if (c->version == s0 && e >= c->first && e < c->first + c->count) {
+          return &c->experts[(e - c->first) * S];
+        }
+      }
+    }
+    return nullptr;
+  };
+  auto read_item = [&](size_t i, float* dst) {
+    const int64_t e = static_cast<int64_t>(i) - 1;
+    const bool live =
+        live_version_ == s0 && (i == 0 || (e >= first_expert_ && e < first_expert_ + num_experts_));
+    if (live) {
+      if (i == 0) {
+        ReadDense(dst);
+      } else {
+        ReadExpert(e, dst);
+      }
+      return;
+    }
+    const float* src = local(i);
+    CHECK(src != nullptr) << "item " << i << " of step " << s0 << " is not held here";
+    std::memcpy(dst, src, (i == 0 ? D : S) * sizeof(float));
+  };
+
+  // Dense state: a broadcast from the lowest rank holding it, when anyone lacks it.
+  out.dense.resize(D);
+  int dense_root = -1;
+  bool anyone_lacks = false;
+  for (int w = 0; w < W; ++w) {
+    if (holds(w, 0, s0)) {
+      if (dense_root < 0) dense_root = w;
+    } else {
+      anyone_lacks = true;
+    }
+  }
+  if (holds(rank, 0, s0)) read_item(0, out.dense.data());
+  if (anyone_lacks) {
+    RETURN_IF_ERROR(world_comm_->Broadcast(out.dense.data(), D * sizeof(float), dense_root));
+  }
+
+  // Experts: one all-to-all from each expert's source to its new owner.
+  std::vector<int64_t> send_counts(W, 0), recv_counts(W, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    if (source[e] == owner[e]) continue;
+    if (source[e] == rank) send_counts[owner[e]] += S;
+    if (owner[e] == rank) recv_counts[source[e]] += S;
+  }
+  std::vector<float> send, recv;
+  for (int d = 0; d < W; ++d) {
+    for (int64_t e = 0; e < E; ++e) {
+      if (source[e] == rank && owner[e] == d && d != rank) {
+        send.resize(send.size() + S);
+        read_item(1 + e, &send[send.size() - S]);
+      }
+    }
+  }
+  int64_t incoming = 0;
+  for (int64_t c : recv_counts) incoming += c;
+  recv.resize(incoming);
+  if (W > 1) {
+    RETURN_IF_ERROR(world_comm_->AllToAllV(send.data(), send_counts, recv.data(), recv_counts));
+  }
+  std::vector<int64_t> offset(W, 0);
+  for (int w = 1; w < W; ++w) offset[w] = offset[w - 1] + recv_counts[w - 1];
+  int64_t moved = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (owner[e] != rank) continue;
+    out.experts.resize(out.experts.size() + S);
+    float* dst = &out.experts[out.experts.size() - S];
+    if (source[e] == rank) {
+      read_item(1 + e, dst);
+    } else {
+      std::memcpy(dst, &recv[offset[source[e]]], S * sizeof(float));
+      offset[source[e]] += S;
+    }
+  }
+  for (int64_t e = 0; e < E; ++e) moved += source[e] != owner[e];
+  if (rank == 0) {
+    STRATA_LOG(INFO) << absl::StrFormat(
+        "generation of %d workers starts from step %d (this worker was at step %d): experts "
+        "%s, %d moved (%d by the planner)",
+        W, s0, has_state ? live_version_ : -1, Ranges(plan.counts), moved, plan.moved);
+  }
+  return out;
+}
+
+Status Trainer::ImportState(const SyncedState& s) {
+  const size_t S = ExpertBlobFloats();
+  if (s.dense.size() != DenseBlobFloats() || s.experts.size() != S * num_experts_) {
+    return absl::InternalError(absl::StrFormat(
+        "state handed over for a different model: %d dense and %d expert floats, this model needs "
+        "%d and %d",
+        s.dense.size(), s.experts.size(), DenseBlobFloats(), S * num_experts_));
+  }
+  const auto index = IndexOf(*optimizer_);
+  CopyParams(model_->DenseParameters(), *optimizer_, index, const_cast<float*>(s.dense.data()),
+             true);
+  for (int64_t i = 0; i < num_experts_; ++i) {
+    const float* blob = &s.experts[i * S];
+    for (const auto& ref : model_->moe_layers()) {
+      std::vector<model::Parameter*> ps = ref.layer->expert(first_expert_ + i).Parameters();
+      CopyParams(ps, *optimizer_, index, const_cast<float*>(blob), true);
+      for (const model::Parameter* p : ps) blob += 3 * static_cast<size_t>(p->value.numel());
+    }
+  }
+  optimizer_->set_steps(s.step);
+  step_ = live_version_ = s.step;
+  rollback_ = Copy();
+  buddies_.clear();
+  while (!history_.empty() && history_.back().step > s.step) history_.pop_back();
+  // The new generation is protected from its first step on.
+  return RefreshBuddies();
+}
+
+void Trainer::ResetParallel() {
+  if (model_) model_->AttachParallel(nullptr, nullptr, nullptr);
+  exchange_.reset();
+  data_parallel_.reset();
+  std::lock_guard<std::mutex> lock(comm_mu_);
+  replica_comm_.reset();
+  ep_comm_.reset();
+  world_comm_.reset();
+}
+
+Status Trainer::Reform(const WorkerOptions& w) {
+  RETURN_IF_ERROR(CheckElastic());
+  // The previous generation's communicators are finished (aborted or failed); their threads stop.
+  AbortCollectives("a new generation forms");
+  ResetParallel();
+  options_.worker = w;
+  options_.worker.rejoin = true;
+  if (distributed()) RETURN_IF_ERROR(SetUpWorkers());
+  ASSIGN_OR_RETURN(SyncedState s, SyncState());
+  experts_per_worker_ = s.counts;
+  ASSIGN_OR_RETURN(scheduler::ExpertPlacement placement,
+                   scheduler::ExpertPlacement::FromCounts(experts_per_worker_));
+  local_batch_ = options_.config.train().global_batch() / w.world_size;
+  first_sequence_ = w.rank * local_batch_;
+  optimizer_.reset();
+  dense_slices_.reset();
+  model_.reset();
+  RETURN_IF_ERROR(BuildModel(placement.first(w.rank), placement.count(w.rank)));
+  return ImportState(s);
+}
+
+}  // namespace strata::train

@@ -1,0 +1,281 @@
+// Elastic training with real processes on loopback: `strata launch` (gRPC coordinator + workers),
+// a worker SIGKILLed mid-run, a new worker joining, the coordinator itself killed and restarted.
+//
+// What is compared. The reference is `strata train` (one process) on the same config: the global
+// batch is fixed and every step's samples are a function of the step alone, so however the workers
+// change, step s trains on the same samples with the same state as the single process, and the
+// losses agree within the distributed tolerance of tests/runtime/distributed_test.cc (1e-5; the
+// measured difference is ~1e-6). A step cut short by a failure is redone by the next generation,
+// so a metrics file may list a step twice: the line of the highest generation is the one that
+// counted. The samples: each line names the global sample range its worker trained on; per step,
+// the ranges of the generation that counted must tile [s * B, (s + 1) * B) exactly — no sample
+// lost or seen twice.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "tests/test_util.h"
+
+namespace strata {
+namespace {
+
+using strata::testing::ReadFile;
+using strata::testing::RunCommand;
+using strata::testing::TempDir;
+using strata::testing::WriteFile;
+
+const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
+constexpr int kBatch = 12;  // splits evenly over 1, 2, 3 and 4 workers
+
+std::string Config(int steps, const std::string& extra = "") {
+  return absl::StrCat(
+      "seed: 5\n"
+      "model { seq_len: 16 d_model: 32 n_layers: 2 n_heads: 2\n"
+      "        moe { num_experts: 8 top_k: 2 d_expert: 32 gate { capacity_factor_train: 0 } } }\n"
+      "data { path: \"text.txt\" }\n"
+      "train { steps: ",
+      steps, " global_batch: ", kBatch,
+      " lr: 0.004 warmup_steps: 2 eval_every: 0 eval_batches: 2 threads: 1 log_every: 5 }\n"
+      "parallel { expert_parallel: 0 timeout_ms: 20000 }\n",
+      extra);
+}
+
+int64_t IntField(const std::string& line, const std::string& key) {
+  const size_t at = line.find("\"" + key + "\":");
+  if (at == std::string::npos) return -1;
+  return std::stoll(line.substr(at + key.size() + 3));
+}
+
+double DoubleField(const std::string& line, const std::string& key) {
+  const size_t at = line.find("\"" + key + "\":");
+  return std::stod(line.substr(at + key.size() + 3));
+}
+
+// What a job's metrics files say, per step: the loss and the sample ranges of the generation that
+// counted (the highest one that finished the step).
+struct Trajectory {
+  std::map<int64_t, int64_t> generation;                               // step -> generation
+  std::map<int64_t, double> loss;                                      // step -> loss
+  std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> ranges;  // step -> [first, count)
+  std::set<int64_t> generations;
+  std::map<int64_t, int> workers;  // generation -> workers
+};
+
+Trajectory Read(const std::vector<std::string>& files) {
+  Trajectory t;
+  std::map<std::pair<int64_t, int64_t>, std::vector<std::pair<int64_t, int64_t>>> by_gen;
+  std::map<std::pair<int64_t, int64_t>, double> loss_by_gen;
+  for (const std::string& f : files) {
+    for (const auto& l : absl::StrSplit(ReadFile(f), '\n', absl::SkipEmpty())) {
+      const std::string line(l);
+      const int64_t step = IntField(line, "step"), gen = IntField(line, "generation");
+      by_gen[{step, gen}].emplace_back(IntField(line, "first_sample"), IntField(line, "samples"));
+      loss_by_gen[{step, gen}] = DoubleField(line, "loss");
+      t.generations.insert(gen);
+      t.workers[gen] = static_cast<int>(IntField(line, "workers"));
+      if (!t.generation.count(step) || t.generation[step] < gen) t.generation[step] = gen;
+    }
+  }
+  for (const auto& [step, gen] : t.generation) {
+    t.loss[step] = loss_by_gen[{step, gen}];
+    t.ranges[step] = by_gen[{step, gen}];
+  }
+  return t;
+}
+
+std::map<int64_t, double> SingleLosses(const std::string& path) {
+  std::map<int64_t, double> out;
+  for (const auto& l : absl::StrSplit(ReadFile(path), '\n', absl::SkipEmpty())) {
+    const std::string line(l);
+    out[IntField(line, "step")] = DoubleField(line, "loss");
+  }
+  return out;
+}
+
+// Every step 1..steps trained exactly the step's samples, and its loss matches the single process.
+void ExpectMatchesSingle(const Trajectory& t, const std::map<int64_t, double>& single, int steps) {
+  ASSERT_EQ(static_cast<int>(single.size()), steps);
+  ASSERT_EQ(static_cast<int>(t.loss.size()), steps) << "steps missing from the metrics";
+  for (int64_t s = 1; s <= steps; ++s) {
+    EXPECT_NEAR(t.loss.at(s), single.at(s), 1e-5) << "step " << s;
+    auto r = t.ranges.at(s);
+    std::sort(r.begin(), r.end());
+    int64_t next = (s - 1) * kBatch;
+    for (const auto& [first, count] : r) {
+      EXPECT_EQ(first, next) << "step " << s << ": samples lost or seen twice";
+      next = first + count;
+    }
+    EXPECT_EQ(next, s * kBatch) << "step " << s;
+  }
+}
+
+pid_t Spawn(const std::string& cmd) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return pid;
+}
+
+int WaitExit(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// The last step in a metrics file (0 when none yet).
+int64_t LastStep(const std::string& path) {
+  int64_t last = 0;
+  for (const auto& l : absl::StrSplit(ReadFile(path), '\n', absl::SkipEmpty())) {
+    last = std::max(last, IntField(std::string(l), "step"));
+  }
+  return last;
+}
+
+template <typename Pred>
+void WaitFor(Pred pred, const std::string& what, const std::string& log, int seconds = 120) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  while (!pred()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "waiting for " << what << "\n"
+                                                          << ReadFile(log);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+std::string Between(const std::string& s, const std::string& before, const std::string& after) {
+  const size_t a = s.find(before);
+  if (a == std::string::npos) return "";
+  const size_t b = s.find(after, a + before.size());
+  return s.substr(a + before.size(),
+                  b == std::string::npos ? std::string::npos : b - a - before.size());
+}
+
+class ElasticTest : public ::testing::Test {
+ protected:
+  void SetUp() override { WriteFile(dir_.File("text.txt"), strata::testing::SyntheticText(30000)); }
+  std::map<int64_t, double> Single() {
+    auto r = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
+                                     " train --config job.textproto --quiet --metrics-out "
+                                     "single.jsonl"));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return SingleLosses(dir_.File("single.jsonl"));
+  }
+  TempDir dir_;
+};
+
+TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess) {
+  constexpr int kSteps = 140;
+  WriteFile(dir_.File("job.textproto"), Config(kSteps));
+  const auto single = Single();
+  const std::string log = dir_.File("launch.log");
+  const pid_t launch = Spawn(absl::StrCat("cd ", dir_.path(), " && exec ", kStrata,
+                                          " launch --config ", dir_.File("job.textproto"),
+                                          " --workers 4 --min-workers 2 --max-workers 4 "
+                                          "--coordinator-dir coord --metrics-out m.jsonl > ",
+                                          log, " 2>&1"));
+  // SIGKILL worker-2 once it has trained 30 steps.
+  WaitFor([&] { return LastStep(dir_.File("m.jsonl.2")) >= 30; }, "step 30", log);
+  auto k = RunCommand(
+      absl::StrCat("pkill -KILL -f -- '", dir_.File("job.textproto"), " --id [w]orker-2'"));
+  ASSERT_EQ(k.exit_code, 0) << "no worker-2 to kill: " << k.output;
+  // Three workers go on; once they trained 20 steps together, a new worker joins.
+  const auto three = [&] {
+    const Trajectory t =
+        Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"), dir_.File("m.jsonl.3")});
+    int n = 0;
+    for (const auto& [step, gen] : t.generation) n += t.workers.at(gen) == 3;
+    return n >= 20;
+  };
+  WaitFor(three, "20 steps on 3 workers", log);
+  const std::string out = ReadFile(log);
+  const std::string address = Between(out, "--coordinator ", " ");
+  ASSERT_FALSE(address.empty()) << out;
+  const pid_t joiner = Spawn(absl::StrCat(
+      "cd ", dir_.path(), " && STRATA_JOB_TOKEN=$(cat coord/token) exec ", kStrata,
+      " worker --coordinator ", address,
+      " --config job.textproto --id joiner --quiet --metrics-out joiner.jsonl > joiner.log 2>&1"));
+  EXPECT_EQ(WaitExit(joiner), 0) << ReadFile(dir_.File("joiner.log"));
+  EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
+  const std::string launched = ReadFile(log);
+  EXPECT_NE(launched.find("worker-2 exited with signal 9"), std::string::npos) << launched;
+  EXPECT_NE(launched.find("3 workers | generation 2 (failure)"), std::string::npos) << launched;
+  EXPECT_NE(launched.find("4 workers | generation 3 (join)"), std::string::npos) << launched;
+
+  const Trajectory t = Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"), dir_.File("m.jsonl.2"),
+                             dir_.File("m.jsonl.3"), dir_.File("joiner.jsonl")});
+  EXPECT_EQ(t.generations, (std::set<int64_t>{1, 2, 3}));
+  EXPECT_EQ(t.workers.at(1), 4);
+  EXPECT_EQ(t.workers.at(2), 3);
+  EXPECT_EQ(t.workers.at(3), 4);
+  ExpectMatchesSingle(t, single, kSteps);
+  // The joiner trained to the end, from the step its generation began.
+  EXPECT_EQ(LastStep(dir_.File("joiner.jsonl")), kSteps);
+}
+
+TEST_F(ElasticTest, AJobRidesThroughItsCoordinatorBeingKilledAndRestarted) {
+  constexpr int kSteps = 120;
+  WriteFile(dir_.File("job.textproto"), Config(kSteps));
+  const auto single = Single();
+  const std::string clog = dir_.File("coordinator.log");
+  const std::string coordinator_cmd =
+      absl::StrCat("cd ", dir_.path(), " && STRATA_JOB_TOKEN=secret exec ", kStrata,
+                   " coordinator --dir record --config job.textproto --workers 2 --listen ");
+  pid_t coordinator = Spawn(absl::StrCat(coordinator_cmd, "127.0.0.1:0 > ", clog, " 2>&1"));
+  WaitFor([&] { return ReadFile(clog).find("listening on ") != std::string::npos; },
+          "the coordinator", clog);
+  const std::string address = Between(ReadFile(clog), "listening on ", " ");
+  std::vector<pid_t> workers;
+  for (int i = 0; i < 2; ++i) {
+    workers.push_back(
+        Spawn(absl::StrCat("cd ", dir_.path(), " && STRATA_JOB_TOKEN=secret exec ", kStrata,
+                           " worker --coordinator ", address, " --config job.textproto --id w", i,
+                           " --quiet --metrics-out m", i, ".jsonl > w", i, ".log 2>&1")));
+  }
+  WaitFor([&] { return LastStep(dir_.File("m0.jsonl")) >= 20; }, "step 20", clog);
+  kill(coordinator, SIGKILL);
+  EXPECT_EQ(WaitExit(coordinator), 128 + SIGKILL);
+  // Down for a second (longer than the workers' heartbeat period); then back on the same port,
+  // from the same record.
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  coordinator = Spawn(absl::StrCat(coordinator_cmd, address, " > ", clog, ".2 2>&1"));
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(WaitExit(workers[i]), 0) << ReadFile(dir_.File(absl::StrCat("w", i, ".log")));
+  }
+  const std::string restarted = ReadFile(clog + ".2");
+  EXPECT_NE(restarted.find("generation 1"), std::string::npos) << restarted;
+  auto status = RunCommand(absl::StrCat("STRATA_JOB_TOKEN=secret ", kStrata, " status ", address));
+  EXPECT_NE(status.output.find(absl::StrCat("step ", kSteps)), std::string::npos) << status.output;
+  kill(coordinator, SIGTERM);
+  WaitExit(coordinator);
+  const Trajectory t = Read({dir_.File("m0.jsonl"), dir_.File("m1.jsonl")});
+  EXPECT_EQ(t.generations, (std::set<int64_t>{1}));  // nothing re-formed: no worker changed
+  ExpectMatchesSingle(t, single, kSteps);
+  EXPECT_NE(ReadFile(dir_.File("w0.log")).find("answers again"), std::string::npos)
+      << ReadFile(dir_.File("w0.log"));
+}
+
+TEST_F(ElasticTest, ABatchThatCannotSplitOverTheWorkerRangeIsRefusedUpFront) {
+  WriteFile(dir_.File("job.textproto"), Config(10));
+  auto r = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
+                                   " launch --config job.textproto --workers 4 --min-workers 2 "
+                                   "--max-workers 5"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("train.global_batch = 12 does not split evenly over 5 workers"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("make it a multiple of 60"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace strata
