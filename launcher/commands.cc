@@ -447,8 +447,10 @@ int JoinAndTrain(const Flags& flags) {
   const std::chrono::milliseconds heartbeat_timeout(
       options->config.elastic().heartbeat_timeout_ms());
   options->on_step = [&](const train::StepResult& r) -> Status {
-    auto now = Persist("step report", address,
-                       [&] { return client.ReportStep(id, generation, r.step, r.loss); });
+    auto now = Persist("step report", address, [&] {
+      return client.ReportStep(id, generation, r.step, r.loss,
+                               r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0);
+    });
     if (!now.ok() && now.status().code() != absl::StatusCode::kFailedPrecondition)
       return now.status();
     if (!now.ok() || now->number() != generation) {
@@ -457,6 +459,14 @@ int JoinAndTrain(const Flags& flags) {
     return absl::OkStatus();
   };
   int last_rank = -1;
+  // Rank 0 keeps the coordinator's checkpoint catalog: a generation may go back to one of them.
+  options->on_checkpoint = [&](int64_t step, bool committed) {
+    Status c = client.Checkpoint(id, generation, step, committed);
+    if (!c.ok()) {
+      STRATA_LOG(WARNING) << "worker " << id << ": telling the coordinator about checkpoint "
+                          << step << " failed: " << c.message();
+    }
+  };
   while (true) {
     int rank = -1;
     auto g = wait_generation(generation, &rank);
@@ -587,6 +597,12 @@ const std::vector<FlagSpec>& LaunchFlags() {
       {"threads", "CPU threads per worker (overrides train.threads)"},
       {"steps", "override train.steps"},
       {"metrics-out", "each worker i writes FILE.i (JSONL)"},
+      {"checkpoint-dir", "folder of checkpoints (overrides checkpoint.dir)"},
+      {"checkpoint-every", "checkpoint every N steps (overrides checkpoint.every)"},
+      {"resume",
+       "continue from the newest checkpoint (written by any number of workers; the experts are "
+       "placed over these)",
+       false},
       {"quiet", "no status lines", false},
   };
   return specs;
@@ -682,6 +698,10 @@ int LaunchCommand(const std::vector<std::string>& args) {
       if (auto m = flags->String("metrics-out")) {
         argv.insert(argv.end(), {"--metrics-out", absl::StrCat(*m, ".", i)});
       }
+      for (const char* f : {"checkpoint-dir", "checkpoint-every"}) {
+        if (auto v = flags->String(f)) argv.insert(argv.end(), {absl::StrCat("--", f), *v});
+      }
+      if (flags->Has("resume")) argv.push_back("--resume");
       pid_t pid = fork();
       if (pid == 0) {
         setenv("STRATA_JOB_TOKEN", o.token.c_str(), 1);
@@ -860,6 +880,16 @@ int StatusCommand(const std::vector<std::string>& args) {
   }
   for (const auto& w : r->pending()) {
     std::printf("  pending  %s  %s\n", w.id().c_str(), w.host().c_str());
+  }
+  if (r->tokens_per_s() > 0) std::printf("throughput %.0f tokens/s\n", r->tokens_per_s());
+  if (r->experts_per_worker_size() > 0) {
+    std::printf("experts per rank: %s\n", absl::StrJoin(r->experts_per_worker(), " ").c_str());
+  }
+  if (r->checkpoints_size() > 0 || r->checkpoint_pending() > 0) {
+    std::printf("checkpoints: %s%s\n", absl::StrJoin(r->checkpoints(), " ").c_str(),
+                r->checkpoint_pending() > 0
+                    ? absl::StrFormat(" (writing %d)", r->checkpoint_pending()).c_str()
+                    : "");
   }
   return 0;
 }

@@ -76,10 +76,15 @@ class CoordinatorServer::Service final : public coordinator::Coordinator::Servic
                   TokenOf(ctx), req->id(), req->generation(), req->step(),
                   {req->experts_per_worker().begin(), req->experts_per_worker().end()}, Now::now())
             : state_->ReportStep(TokenOf(ctx), req->id(), req->generation(), req->step(),
-                                 Now::now(), req->loss());
+                                 Now::now(), req->loss(), req->tokens_per_s());
     if (!r.ok()) return ToGrpc(r.status());
     *resp = *r;
     return grpc::Status::OK;
+  }
+  grpc::Status Checkpoint(grpc::ServerContext* ctx, const coordinator::CheckpointReport* req,
+                          coordinator::Empty*) override {
+    return ToGrpc(
+        state_->Checkpoint(TokenOf(ctx), req->id(), req->generation(), req->step(), req->commit()));
   }
   grpc::Status Leave(grpc::ServerContext* ctx, const coordinator::WorkerId* req,
                      coordinator::Empty*) override {
@@ -314,12 +319,13 @@ StatusOr<coordinator::Generation> CoordinatorClient::Heartbeat(const std::string
 
 StatusOr<coordinator::Generation> CoordinatorClient::ReportStep(const std::string& id,
                                                                 int64_t generation, int64_t step,
-                                                                double loss) {
+                                                                double loss, double tokens_per_s) {
   coordinator::StepReport req;
   req.set_id(id);
   req.set_generation(generation);
   req.set_step(step);
   req.set_loss(loss);
+  if (tokens_per_s > 0) req.set_tokens_per_s(tokens_per_s);
   return Report(req);
 }
 
@@ -341,6 +347,19 @@ StatusOr<coordinator::Generation> CoordinatorClient::Report(const coordinator::S
   coordinator::Generation resp;
   RETURN_IF_ERROR(FromGrpc(stub_->s->ReportStep(&ctx, req, &resp), "ReportStep", address_));
   return resp;
+}
+
+Status CoordinatorClient::Checkpoint(const std::string& id, int64_t generation, int64_t step,
+                                     bool commit) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx, token_, rpc_timeout);
+  coordinator::CheckpointReport req;
+  req.set_id(id);
+  req.set_generation(generation);
+  req.set_step(step);
+  req.set_commit(commit);
+  coordinator::Empty resp;
+  return FromGrpc(stub_->s->Checkpoint(&ctx, req, &resp), "Checkpoint", address_);
 }
 
 Status CoordinatorClient::Leave(const std::string& id) {

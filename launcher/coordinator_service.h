@@ -65,7 +65,11 @@ class CoordinatorClient {
   [[nodiscard]] StatusOr<coordinator::Generation> Heartbeat(const std::string& id);
   [[nodiscard]] StatusOr<coordinator::Generation> ReportStep(const std::string& id,
                                                              int64_t generation, int64_t step,
-                                                             double loss = 0);
+                                                             double loss = 0,
+                                                             double tokens_per_s = 0);
+  // Rank 0: checkpoint `step` is being written (commit false) or is durable (commit true).
+  [[nodiscard]] Status Checkpoint(const std::string& id, int64_t generation, int64_t step,
+                                  bool commit);
   // The worker begins `generation` at `step` (see CoordinatorState::ReportStart).
   [[nodiscard]] StatusOr<coordinator::Generation> ReportStart(
       const std::string& id, int64_t generation, int64_t step,

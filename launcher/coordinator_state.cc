@@ -231,7 +231,8 @@ Status CoordinatorState::CheckReportLocked(const std::string& id, int64_t genera
 StatusOr<coordinator::Generation> CoordinatorState::ReportStep(const std::string& token,
                                                                const std::string& id,
                                                                int64_t generation, int64_t step,
-                                                               Time now, double loss) {
+                                                               Time now, double loss,
+                                                               double tokens_per_s) {
   RETURN_IF_ERROR(CheckToken(token));
   std::lock_guard<std::mutex> lock(mu_);
   RETURN_IF_ERROR(CheckReportLocked(id, generation, step, "reported step"));
@@ -257,6 +258,7 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStep(const std::string
     coordinator::CoordinatorRecord before = record_;
     record_.set_step(boundary);
     record_.set_loss(loss);
+    if (tokens_per_s > 0) record_.set_tokens_per_s(tokens_per_s);
     if (record_.pending_size() > 0) {
       // A step boundary: the joiners come in after the current members, in join order.
       std::vector<coordinator::WorkerInfo> workers(record_.generation().workers().begin(),
@@ -286,10 +288,15 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
   RETURN_IF_ERROR(CheckReportLocked(id, generation, step, "started at step"));
   const int64_t current = record_.generation().number();
   auto it = reported_.find(id);
-  if (step < record_.step() || step > record_.step() + 1) {
+  // The job's first generation may start anywhere: its workers resumed from a checkpoint.
+  const bool first = current == 1 && record_.step() == 0;
+  const bool catalogued = std::find(record_.checkpoints().begin(), record_.checkpoints().end(),
+                                    step) != record_.checkpoints().end();
+  if (!first && !(catalogued && step <= record_.step()) &&
+      (step < record_.step() || step > record_.step() + 1)) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "worker '%s' started generation %d at step %d, but the job's last step boundary is %d: a "
-        "generation starts there or one step later",
+        "generation starts there, one step later, or at a committed checkpoint",
         id, current, step, record_.step()));
   }
   for (const auto& [w, started] : started_) {
@@ -311,13 +318,47 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
   }
   int64_t boundary = step;
   for (const auto& [w, s] : reported_) boundary = std::min(boundary, s);
-  if (boundary > record_.step()) record_.set_step(boundary);
+  if (boundary > record_.step() || step < record_.step())
+    record_.set_step(std::min(boundary, step));
   Status s = PersistLocked();
   if (!s.ok()) {
     record_ = before;
     return s;
   }
   return record_.generation();
+}
+
+Status CoordinatorState::Checkpoint(const std::string& token, const std::string& id,
+                                    int64_t generation, int64_t step, bool commit) {
+  RETURN_IF_ERROR(CheckToken(token));
+  std::lock_guard<std::mutex> lock(mu_);
+  RETURN_IF_ERROR(CheckReportLocked(id, generation, step,
+                                    commit ? "committed checkpoint" : "prepared checkpoint"));
+  const auto& g = record_.generation();
+  if (g.workers_size() == 0 || g.workers(0).id() != id) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "worker '%s' reported a checkpoint, but rank 0 of generation %d writes them", id,
+        g.number()));
+  }
+  if (step <= 0) {
+    return absl::InvalidArgumentError(absl::StrFormat("checkpoint step %d must be positive", step));
+  }
+  coordinator::CoordinatorRecord before = record_;
+  if (commit) {
+    std::vector<int64_t> steps(record_.checkpoints().begin(), record_.checkpoints().end());
+    steps.push_back(step);
+    std::sort(steps.begin(), steps.end());
+    steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
+    if (steps.size() > 16) steps.erase(steps.begin(), steps.end() - 16);
+    record_.clear_checkpoints();
+    for (int64_t st : steps) record_.add_checkpoints(st);
+    if (record_.checkpoint_pending() == step) record_.set_checkpoint_pending(0);
+  } else {
+    record_.set_checkpoint_pending(step);
+  }
+  Status s = PersistLocked();
+  if (!s.ok()) record_ = before;
+  return s;
 }
 
 Status CoordinatorState::RemoveLocked(const std::string& id, const char* reason, Time now) {

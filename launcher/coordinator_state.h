@@ -70,14 +70,20 @@ class CoordinatorState {
   [[nodiscard]] StatusOr<coordinator::Generation> ReportStep(const std::string& token,
                                                              const std::string& id,
                                                              int64_t generation, int64_t step,
-                                                             Time now, double loss = 0);
+                                                             Time now, double loss = 0,
+                                                             double tokens_per_s = 0);
   // Worker `id` begins generation `generation` at `step`, the state it re-formed on: the
   // generation's first step. It must lie within one step of the last boundary (a failure can cut
-  // the step after it short on some workers only) and agree with the other members' starts.
+  // the step after it short on some workers only) or be a committed checkpoint of the catalog
+  // (the state was lost and the job goes back) — in the job's first generation, anywhere its
+  // workers resumed from — and agree with the other members'.
   // Rank 0 also gives the experts each rank holds, for Status.
   [[nodiscard]] StatusOr<coordinator::Generation> ReportStart(
       const std::string& token, const std::string& id, int64_t generation, int64_t step,
       const std::vector<int64_t>& experts_per_worker, Time now);
+  // Rank 0 of the current generation prepares (commit false) or commits checkpoint `step`.
+  [[nodiscard]] Status Checkpoint(const std::string& token, const std::string& id,
+                                  int64_t generation, int64_t step, bool commit);
   [[nodiscard]] Status Leave(const std::string& token, const std::string& id, Time now);
   // The worker's stream broke: it has failed (no token: this comes from the service itself).
   [[nodiscard]] Status StreamBroken(const std::string& id, Time now);

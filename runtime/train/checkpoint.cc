@@ -521,6 +521,11 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
   return absl::OkStatus();
 }
 
+int64_t CheckpointManager::NewestCommitted() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return manifests_.empty() ? 0 : manifests_.back().step();
+}
+
 void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
   CheckpointManifest& m = p->manifest;
   const double started = NowSeconds();

@@ -87,6 +87,8 @@ class CheckpointManager {
   [[nodiscard]] Status Save(int64_t step, const config::JobConfig& config,
                             model::MoeTransformer& model, model::AdamW& optimizer,
                             scheduler::TieredExpertScheduler* tiered, ops::Context& ctx);
+  // The step of the newest committed checkpoint (0: none); safe while a persist runs.
+  int64_t NewestCommitted();
   // Waits for the persist in flight; returns its error, if any.
   [[nodiscard]] Status Wait();
   // The error of a persist that already finished (OK while one runs or none failed).

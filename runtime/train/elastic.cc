@@ -111,6 +111,17 @@ std::map<const model::Parameter*, size_t> IndexOf(const model::AdamW& opt) {
   return index;
 }
 
+// An expert's blob from (write: into) a model and its optimizer.
+void CopyExpert(model::MoeTransformer& model, const model::AdamW& opt, int64_t e, float* blob,
+                bool write) {
+  const auto index = IndexOf(opt);
+  for (const auto& ref : model.moe_layers()) {
+    std::vector<model::Parameter*> ps = ref.layer->expert(e).Parameters();
+    CopyParams(ps, opt, index, blob, write);
+    for (const model::Parameter* p : ps) blob += 3 * static_cast<size_t>(p->value.numel());
+  }
+}
+
 }  // namespace
 
 void Trainer::ReadDense(float* out) const {
@@ -118,12 +129,7 @@ void Trainer::ReadDense(float* out) const {
 }
 
 void Trainer::ReadExpert(int64_t e, float* out) const {
-  const auto index = IndexOf(*optimizer_);
-  for (const auto& ref : model_->moe_layers()) {
-    std::vector<model::Parameter*> ps = ref.layer->expert(e).Parameters();
-    CopyParams(ps, *optimizer_, index, out, false);
-    for (const model::Parameter* p : ps) out += 3 * static_cast<size_t>(p->value.numel());
-  }
+  CopyExpert(*model_, *optimizer_, e, out, false);
 }
 
 void Trainer::TakeRollbackCopy() {
@@ -183,7 +189,7 @@ Status Trainer::RefreshBuddies() {
   return absl::OkStatus();
 }
 
-StatusOr<Trainer::SyncedState> Trainer::SyncState() {
+StatusOr<Trainer::SyncedState> Trainer::SyncState(bool from_checkpoint) {
   const config::JobConfig& cfg = options_.config;
   const int W = options_.worker.world_size, rank = options_.worker.rank;
   const int64_t E = cfg.model().moe().num_experts();
@@ -202,7 +208,9 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState() {
     if (rollback_.version >= 0) slot(inv, 0, 1) = rollback_.version;
     for (int64_t e = first_expert_; e < first_expert_ + num_experts_; ++e) {
       slot(inv, 1 + e, 0) = live_version_;
-      if (rollback_.version >= 0 && e >= rollback_.first && e < rollback_.first + rollback_.count) {
+    }
+    if (rollback_.version >= 0) {
+      for (int64_t e = rollback_.first; e < rollback_.first + rollback_.count; ++e) {
         slot(inv, 1 + e, 1) = rollback_.version;
       }
     }
@@ -263,11 +271,24 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState() {
       break;
     }
   }
+  if (s0 < 0 && !from_checkpoint && !cfg.checkpoint().dir().empty()) {
+    // Lost with the failed workers and their buddy copies: every worker goes back to the latest
+    // checkpoint, which rank 0 reads and offers as its copy of the whole state.
+    if (rank == 0) {
+      STRATA_LOG(WARNING) << absl::StrFormat(
+          "%s went with the failed workers and their buddy copies; going back to the latest "
+          "checkpoint in %s",
+          missing, cfg.checkpoint().dir());
+      if (!checkpoints_) RETURN_IF_ERROR(OpenCheckpoints(/*continuing=*/true));
+      RETURN_IF_ERROR(LoadCheckpointAsCopy());
+    }
+    return SyncState(/*from_checkpoint=*/true);
+  }
   if (s0 < 0) {
     return absl::DataLossError(absl::StrFormat(
         "the job's state cannot be put together from the workers left: %s of step %d went with "
-        "the failed workers and their buddy copies; raise elastic.replicas, or restart the job "
-        "from its latest checkpoint",
+        "the failed workers and their buddy copies, and there is no checkpoint to go back to; "
+        "raise elastic.replicas or set checkpoint.dir and checkpoint.every",
         missing, versions.empty() ? 0 : versions.front()));
   }
 
@@ -410,12 +431,8 @@ Status Trainer::ImportState(const SyncedState& s) {
   CopyParams(model_->DenseParameters(), *optimizer_, index, const_cast<float*>(s.dense.data()),
              true);
   for (int64_t i = 0; i < num_experts_; ++i) {
-    const float* blob = &s.experts[i * S];
-    for (const auto& ref : model_->moe_layers()) {
-      std::vector<model::Parameter*> ps = ref.layer->expert(first_expert_ + i).Parameters();
-      CopyParams(ps, *optimizer_, index, const_cast<float*>(blob), true);
-      for (const model::Parameter* p : ps) blob += 3 * static_cast<size_t>(p->value.numel());
-    }
+    CopyExpert(*model_, *optimizer_, first_expert_ + i, const_cast<float*>(&s.experts[i * S]),
+               true);
   }
   optimizer_->set_steps(s.step);
   step_ = live_version_ = s.step;
@@ -444,17 +461,115 @@ Status Trainer::Reform(const WorkerOptions& w) {
   options_.worker = w;
   options_.worker.rejoin = true;
   if (distributed()) RETURN_IF_ERROR(SetUpWorkers());
+  // The lowest surviving rank becomes rank 0, the checkpoint writer (the folder's lock went with
+  // the process that held it).
+  if (w.rank == 0 && !checkpoints_ && !options_.config.checkpoint().dir().empty()) {
+    RETURN_IF_ERROR(OpenCheckpoints(/*continuing=*/true));
+  }
   ASSIGN_OR_RETURN(SyncedState s, SyncState());
-  experts_per_worker_ = s.counts;
-  ASSIGN_OR_RETURN(scheduler::ExpertPlacement placement,
-                   scheduler::ExpertPlacement::FromCounts(experts_per_worker_));
   local_batch_ = options_.config.train().global_batch() / w.world_size;
   first_sequence_ = w.rank * local_batch_;
-  optimizer_.reset();
-  dense_slices_.reset();
-  model_.reset();
-  RETURN_IF_ERROR(BuildModel(placement.first(w.rank), placement.count(w.rank)));
+  return AdoptState(s, /*rebuild=*/true);
+}
+
+Status Trainer::AdoptState(const SyncedState& s, bool rebuild) {
+  if (rebuild || s.counts != experts_per_worker_ || !model_) {
+    experts_per_worker_ = s.counts;
+    ASSIGN_OR_RETURN(scheduler::ExpertPlacement placement,
+                     scheduler::ExpertPlacement::FromCounts(experts_per_worker_));
+    const int rank = options_.worker.rank;
+    optimizer_.reset();
+    dense_slices_.reset();
+    if (model_) model_->AttachParallel(nullptr, nullptr, nullptr);
+    exchange_.reset();
+    data_parallel_.reset();
+    model_.reset();
+    RETURN_IF_ERROR(BuildModel(placement.first(rank), placement.count(rank)));
+  }
   return ImportState(s);
+}
+
+Status Trainer::EnsureFullModel() {
+  if (full_model_) return absl::OkStatus();
+  model::ModelOptions mo;
+  mo.config = options_.config.model();
+  mo.seed = options_.config.seed();
+  mo.max_batch = 1;  // never runs: it only holds values for checkpoints
+  mo.expert_factory = options_.expert_factory;
+  ASSIGN_OR_RETURN(full_model_, model::MoeTransformer::Create(ctx_, mo));
+  model::AdamWOptions ao;
+  full_optimizer_ = std::make_unique<model::AdamW>(full_model_->Parameters(), ao);
+  return absl::OkStatus();
+}
+
+Status Trainer::SaveDistributed(int64_t step) {
+  const int W = options_.worker.world_size, rank = options_.worker.rank;
+  const size_t S = ExpertBlobFloats();
+  std::vector<float> mine(S * static_cast<size_t>(num_experts_));
+  for (int64_t i = 0; i < num_experts_; ++i) ReadExpert(first_expert_ + i, &mine[i * S]);
+  std::vector<int64_t> send_counts(W, 0), recv_counts(W, 0);
+  if (rank != 0) send_counts[0] = static_cast<int64_t>(mine.size());
+  int64_t total = 0;
+  if (rank == 0) {
+    for (int w = 1; w < W; ++w) total += recv_counts[w] = experts_per_worker_[w] * S;
+  }
+  std::vector<float> recv(total);
+  {
+    TraceScope span(ctx_.tracer, "checkpoint gather", "comm", static_cast<int>(step));
+    Status s = world_comm_->AllToAllV(mine.data(), send_counts, recv.data(), recv_counts);
+    if (!s.ok()) {
+      return Status(s.code(), absl::StrFormat("checkpoint %d: handing experts to rank 0: %s", step,
+                                              s.message()));
+    }
+  }
+  if (rank != 0) return absl::OkStatus();
+  RETURN_IF_ERROR(EnsureFullModel());
+  std::vector<float> dense(DenseBlobFloats());
+  ReadDense(dense.data());
+  CopyParams(full_model_->DenseParameters(), *full_optimizer_, IndexOf(*full_optimizer_),
+             dense.data(), true);
+  for (int64_t e = 0; e < num_experts_; ++e) {
+    CopyExpert(*full_model_, *full_optimizer_, first_expert_ + e, &mine[e * S], true);
+  }
+  int64_t at = 0, first = experts_per_worker_[0];
+  for (int w = 1; w < W; ++w) {
+    for (int64_t i = 0; i < experts_per_worker_[w]; ++i, at += S) {
+      CopyExpert(*full_model_, *full_optimizer_, first + i, &recv[at], true);
+    }
+    first += experts_per_worker_[w];
+  }
+  full_optimizer_->set_steps(optimizer_->steps());
+  return checkpoints_->Save(step, options_.config, *full_model_, *full_optimizer_, nullptr, ctx_);
+}
+
+Status Trainer::LoadCheckpointAsCopy() {
+  // The checkpoint, read into a model holding every expert, becomes rank 0's copy of the whole
+  // state at its step; placing it over the workers is what a new generation does.
+  const int64_t E = options_.config.model().moe().num_experts();
+  RETURN_IF_ERROR(EnsureFullModel());
+  RETURN_IF_ERROR(checkpoints_->Wait());  // a checkpoint being written counts once committed
+  ASSIGN_OR_RETURN(int64_t step, checkpoints_->Resume(options_.config, *full_model_,
+                                                      *full_optimizer_, nullptr, ctx_));
+  const size_t S = ExpertBlobFloats();
+  rollback_.version = step;
+  rollback_.first = 0;
+  rollback_.count = E;
+  rollback_.dense.resize(DenseBlobFloats());
+  CopyParams(full_model_->DenseParameters(), *full_optimizer_, IndexOf(*full_optimizer_),
+             rollback_.dense.data(), false);
+  rollback_.experts.resize(S * static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    CopyExpert(*full_model_, *full_optimizer_, e, &rollback_.experts[e * S], false);
+  }
+  return absl::OkStatus();
+}
+
+Status Trainer::ResumeDistributed() {
+  if (options_.worker.rank == 0) RETURN_IF_ERROR(LoadCheckpointAsCopy());
+  ASSIGN_OR_RETURN(SyncedState s, SyncState(/*from_checkpoint=*/true));
+  RETURN_IF_ERROR(AdoptState(s, /*rebuild=*/false));
+  resumed_from_ = step_;
+  return absl::OkStatus();
 }
 
 }  // namespace strata::train

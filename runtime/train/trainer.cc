@@ -127,9 +127,11 @@ Status Trainer::SetUpWorkers() {
         "of %d workers gives every expert %d copies; set expert_parallel: 0 or use IN_MEMORY",
         par.expert_parallel(), W, W / ep));
   }
-  if (!cfg.checkpoint().dir().empty() || options_.resume) {
-    return absl::UnimplementedError(
-        "checkpoints are not available to distributed workers yet; leave checkpoint.dir empty");
+  if ((!cfg.checkpoint().dir().empty() || options_.resume) && !CheckElastic().ok()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "distributed checkpoints gather every expert to rank 0, which needs the layout a job can "
+        "also re-form on: ",
+        CheckElastic().message(), "; or leave checkpoint.dir empty"));
   }
   comm::CommOptions co;
   co.timeout = std::chrono::milliseconds(par.timeout_ms());
@@ -244,6 +246,30 @@ double Trainer::LearningRate(const config::TrainConfig& t, int64_t s) {
   return min_lr + 0.5 * (1.0 + std::cos(M_PI * progress)) * (peak - min_lr);
 }
 
+Status Trainer::OpenCheckpoints(bool continuing) {
+  const config::JobConfig& cfg = options_.config;
+  const bool resume = options_.resume;
+  CheckpointOptions co;
+  co.dir = cfg.checkpoint().dir();
+  co.keep = cfg.checkpoint().keep();
+  co.io.queue_depth = cfg.storage().io_queue_depth();
+  co.io.block_bytes = cfg.storage().io_block_bytes();
+  co.file_bytes = cfg.storage().ssd_file_bytes();
+  co.capacity_bytes = cfg.storage().ssd_capacity_bytes();
+  co.wrap_io = options_.wrap_io;
+  co.commit_delay_ms = options_.checkpoint_commit_delay_ms;
+  co.hold_after_step = options_.checkpoint_hold_after_step;
+  ASSIGN_OR_RETURN(checkpoints_, CheckpointManager::Open(co, resume && !continuing));
+  if (resume || continuing) RETURN_IF_ERROR(checkpoints_->CheckCompatible(cfg));
+  if (!resume && !continuing && !checkpoints_->checkpoints().empty()) {
+    return absl::AlreadyExistsError(absl::StrFormat(
+        "checkpoint folder '%s' already holds checkpoints (the newest of step %d); pass "
+        "--resume to continue from it, or choose an empty folder",
+        co.dir, checkpoints_->checkpoints().back().step()));
+  }
+  return absl::OkStatus();
+}
+
 Status Trainer::BuildModel(int64_t first, int64_t count) {
   const config::JobConfig& cfg = options_.config;
   const bool tiered = cfg.storage().mode() == config::StorageConfig::TIERED;
@@ -347,25 +373,11 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   }
   RETURN_IF_ERROR(tr->BuildModel(first, count));
   if (synced) RETURN_IF_ERROR(tr->ImportState(*synced));
-  if (!cfg.checkpoint().dir().empty()) {
-    CheckpointOptions co;
-    co.dir = cfg.checkpoint().dir();
-    co.keep = cfg.checkpoint().keep();
-    co.io.queue_depth = cfg.storage().io_queue_depth();
-    co.io.block_bytes = cfg.storage().io_block_bytes();
-    co.file_bytes = cfg.storage().ssd_file_bytes();
-    co.capacity_bytes = cfg.storage().ssd_capacity_bytes();
-    co.wrap_io = options.wrap_io;
-    co.commit_delay_ms = options.checkpoint_commit_delay_ms;
-    co.hold_after_step = options.checkpoint_hold_after_step;
-    ASSIGN_OR_RETURN(tr->checkpoints_, CheckpointManager::Open(co, options.resume));
-    if (options.resume) RETURN_IF_ERROR(tr->checkpoints_->CheckCompatible(cfg));
-    if (!options.resume && !tr->checkpoints_->checkpoints().empty()) {
-      return absl::AlreadyExistsError(absl::StrFormat(
-          "checkpoint folder '%s' already holds checkpoints (the newest of step %d); pass "
-          "--resume to continue from it, or choose an empty folder",
-          co.dir, tr->checkpoints_->checkpoints().back().step()));
-    }
+  // Distributed: rank 0 alone writes the checkpoints (the others hand it their experts).
+  if (tr->distributed() && options.worker.rank != 0) {
+    // Nothing to open.
+  } else if (!cfg.checkpoint().dir().empty()) {
+    RETURN_IF_ERROR(tr->OpenCheckpoints(/*continuing=*/false));
   } else if (options.resume) {
     return absl::InvalidArgumentError(
         "--resume needs a checkpoint folder: pass --checkpoint-dir or set checkpoint.dir");
@@ -378,7 +390,9 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   if (!options.metrics_path.empty()) {
     ASSIGN_OR_RETURN(tr->metrics_, MetricsWriter::Open(options.metrics_path, env));
   }
-  if (options.resume) {
+  if (options.resume && tr->distributed()) {
+    RETURN_IF_ERROR(tr->ResumeDistributed());
+  } else if (options.resume) {
     ASSIGN_OR_RETURN(tr->step_, tr->checkpoints_->Resume(cfg, *tr->model_, *tr->optimizer_,
                                                          tr->scheduler_.get(), tr->ctx_));
     tr->resumed_from_ = tr->step_;
@@ -636,18 +650,34 @@ Status Trainer::RunLoop() {
     }
     if (options_.progress) PrintProgress(r, eval_due ? &eval : nullptr, r.step == steps);
     if (options_.on_step) RETURN_IF_ERROR(options_.on_step(r));
-    if (checkpoints_) {
-      RETURN_IF_ERROR(checkpoints_->PollError());
-      const int every = static_cast<int>(cfg.checkpoint().every());
-      if (every > 0 && r.step % every == 0) {
-        RETURN_IF_ERROR(
-            checkpoints_->Save(r.step, cfg, *model_, *optimizer_, scheduler_.get(), ctx_));
-      }
+    const int ckpt_every = static_cast<int>(cfg.checkpoint().every());
+    const bool checkpoint_due =
+        !cfg.checkpoint().dir().empty() && ckpt_every > 0 && r.step % ckpt_every == 0;
+    if (checkpoints_) RETURN_IF_ERROR(checkpoints_->PollError());
+    ReportCommittedCheckpoint();
+    if (checkpoint_due && checkpoints_ && options_.on_checkpoint) {
+      options_.on_checkpoint(r.step, false);
+    }
+    if (checkpoint_due && distributed()) {
+      RETURN_IF_ERROR(SaveDistributed(r.step));
+    } else if (checkpoint_due) {
+      RETURN_IF_ERROR(
+          checkpoints_->Save(r.step, cfg, *model_, *optimizer_, scheduler_.get(), ctx_));
     }
   }
   if (scheduler_) RETURN_IF_ERROR(scheduler_->FinishExpertStep());
   if (checkpoints_) RETURN_IF_ERROR(checkpoints_->Wait());
+  ReportCommittedCheckpoint();
   return absl::OkStatus();
+}
+
+void Trainer::ReportCommittedCheckpoint() {
+  if (!checkpoints_ || !options_.on_checkpoint) return;
+  const int64_t newest = checkpoints_->NewestCommitted();
+  if (newest > reported_checkpoint_) {
+    reported_checkpoint_ = newest;
+    options_.on_checkpoint(newest, true);
+  }
 }
 
 void Trainer::WriteStepMetrics(JsonWriter& j, const StepResult& r) const {

@@ -75,6 +75,9 @@ struct TrainOptions {
   WorkerOptions worker;
   // Called after every step (its metrics written); an error stops training with it.
   std::function<Status(const StepResult&)> on_step;
+  // The checkpoint writer (rank 0) calls it when it starts writing checkpoint `step` (committed
+  // false) and once it finds the checkpoint committed (true).
+  std::function<void(int64_t step, bool committed)> on_checkpoint;
   // When Run returns, every parameter this worker holds is written to DIR/<name>.f32 (raw
   // little-endian float32; dense parameters by rank 0 only, experts by the worker that holds
   // them — rank 0 of its expert replicas). Empty: nothing is written.
@@ -160,9 +163,21 @@ class Trainer {
     std::vector<float> dense;     // this worker's dense parameters with moments
     std::vector<float> experts;   // its experts' blobs, in expert order
   };
-  [[nodiscard]] StatusOr<SyncedState> SyncState();
+  // from_checkpoint: rank 0 already offers the latest checkpoint; no second fallback.
+  [[nodiscard]] StatusOr<SyncedState> SyncState(bool from_checkpoint = false);
   [[nodiscard]] Status ImportState(const SyncedState& s);
   [[nodiscard]] Status CheckElastic() const;
+  // Opens config.checkpoint.dir (`continuing`: a worker that became rank 0 of a running job).
+  [[nodiscard]] Status OpenCheckpoints(bool continuing);
+  // Distributed checkpoints: every worker hands its experts to rank 0, which writes them with the
+  // dense state through a model holding every expert; resuming, rank 0 reads the checkpoint into
+  // that model and the state is placed over however many workers there are now.
+  [[nodiscard]] Status SaveDistributed(int64_t step);
+  [[nodiscard]] Status ResumeDistributed();
+  [[nodiscard]] Status LoadCheckpointAsCopy();
+  [[nodiscard]] Status EnsureFullModel();
+  // Adopts a synced state: the placement (rebuilding the model if it changes) and the values.
+  [[nodiscard]] Status AdoptState(const SyncedState& s, bool rebuild);
   // Blobs: every dense parameter's value, first and second moment, in DenseParameters() order;
   // an expert's: for each MoE layer in order, each parameter's value and moments.
   size_t DenseBlobFloats() const;
@@ -206,6 +221,8 @@ class Trainer {
   std::vector<int32_t> inputs_, targets_;
   int64_t step_ = 0;
   int64_t resumed_from_ = 0;
+  int64_t reported_checkpoint_ = 0;  // the newest committed checkpoint told to on_checkpoint
+  void ReportCommittedCheckpoint();
   // Elastic state. comm_mu_ guards the communicators against AbortCollectives.
   mutable std::mutex comm_mu_;
   std::vector<int64_t> experts_per_worker_;
@@ -223,6 +240,9 @@ class Trainer {
   };
   std::vector<Buddy> buddies_;       // [elastic.replicas], from ranks rank-1, rank-2, ...
   std::vector<double> expert_load_;  // rows routed to each expert, decayed over steps
+  // Rank 0 of a distributed job with checkpoints: every expert, for writing and reading them.
+  std::unique_ptr<model::MoeTransformer> full_model_;
+  std::unique_ptr<model::AdamW> full_optimizer_;
   std::vector<StepResult> history_;
   std::vector<std::pair<int64_t, EvalResult>> evals_;
   double started_ = 0;

@@ -205,7 +205,7 @@ TEST_F(CoordinatorStateTest, AGenerationStartsWhereItsMembersReformedAndNowhereE
   // A start more than one step past the boundary, or before it, is refused and changes nothing.
   auto far = c->ReportStart(kToken, "a", 2, 4, {}, t0_);
   EXPECT_EQ(far.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(far.status().message().find("a generation starts there or one step later"),
+  EXPECT_NE(far.status().message().find("there, one step later, or at a committed checkpoint"),
             std::string::npos)
       << far.status();
   EXPECT_EQ(c->ReportStart(kToken, "a", 2, 1, {}, t0_).status().code(),
@@ -230,6 +230,32 @@ TEST_F(CoordinatorStateTest, AGenerationStartsWhereItsMembersReformedAndNowhereE
   EXPECT_TRUE(c->ReportStep(kToken, "a", 2, 4, t0_).ok());
   EXPECT_EQ(c->ReportStep(kToken, "a", 2, 6, t0_).status().code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(CoordinatorStateTest, RankZeroKeepsTheCheckpointCatalogAGenerationMayGoBackTo) {
+  auto c = Open(/*initial=*/3, /*min=*/2);
+  for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  for (int step = 1; step <= 12; ++step) AllReport(*c, step, t0_);
+  // Only rank 0 ("a") of the current generation writes checkpoints.
+  EXPECT_EQ(c->Checkpoint(kToken, "b", 1, 10, true).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(c->Checkpoint(kToken, "a", 0, 10, true).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(c->Checkpoint("nope", "a", 1, 10, true).code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_TRUE(c->Snapshot().checkpoints().empty());
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 10, false).ok());
+  EXPECT_EQ(c->Snapshot().checkpoint_pending(), 10);
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 10, true).ok());
+  EXPECT_EQ(c->Snapshot().checkpoint_pending(), 0);
+  ASSERT_EQ(c->Snapshot().checkpoints_size(), 1);
+  // c fails with the state of step 12 lost: the survivors go back to checkpoint 10 (and not to
+  // step 9, which is no checkpoint).
+  ASSERT_TRUE(c->StreamBroken("c", t0_).ok());
+  EXPECT_EQ(c->ReportStart(kToken, "a", 2, 9, {}, t0_).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(c->ReportStart(kToken, "a", 2, 10, {}, t0_).ok());
+  ASSERT_TRUE(c->ReportStart(kToken, "b", 2, 10, {}, t0_).ok());
+  EXPECT_EQ(c->Snapshot().step(), 10);
+  EXPECT_EQ(c->Snapshot().generation().first_step(), 10);
+  EXPECT_TRUE(c->ReportStep(kToken, "a", 2, 11, t0_).ok());
 }
 
 TEST_F(CoordinatorStateTest, ARestartedCoordinatorTakesEachMembersNextReportAndWaitsForIt) {

@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "tests/test_util.h"
@@ -223,6 +224,47 @@ TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess)
   EXPECT_EQ(LastStep(dir_.File("joiner.jsonl")), kSteps);
 }
 
+TEST_F(ElasticTest, WithoutBuddyCopiesAFailureGoesBackToTheLatestCheckpoint) {
+  constexpr int kSteps = 100;
+  WriteFile(dir_.File("job.textproto"),
+            Config(kSteps, "elastic { replicas: 0 }\ncheckpoint { every: 10 dir: \"ckpt\" }\n"));
+  auto single_run = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
+                                            " train --config job.textproto --quiet "
+                                            "--checkpoint-dir single-ckpt --metrics-out "
+                                            "single.jsonl"));
+  ASSERT_EQ(single_run.exit_code, 0) << single_run.output;
+  const auto single = SingleLosses(dir_.File("single.jsonl"));
+  const std::string log = dir_.File("launch.log");
+  const pid_t launch = Spawn(absl::StrCat(
+      "cd ", dir_.path(), " && exec ", kStrata, " launch --config ", dir_.File("job.textproto"),
+      " --workers 3 --min-workers 2 --coordinator-dir coord --metrics-out m.jsonl > ", log,
+      " 2>&1"));
+  // Past checkpoint 30 and before 40 is committed... or a little later: either way some steps
+  // after the newest checkpoint are redone.
+  WaitFor([&] { return LastStep(dir_.File("m.jsonl.1")) >= 34; }, "step 34", log);
+  auto k = RunCommand(
+      absl::StrCat("pkill -KILL -f -- '", dir_.File("job.textproto"), " --id [w]orker-1'"));
+  ASSERT_EQ(k.exit_code, 0) << "no worker-1 to kill: " << k.output;
+  EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
+  const std::string out = ReadFile(log);
+  EXPECT_NE(out.find("going back to the latest checkpoint"), std::string::npos) << out;
+  const Trajectory t =
+      Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"), dir_.File("m.jsonl.2")});
+  EXPECT_EQ(t.generations, (std::set<int64_t>{1, 2}));
+  EXPECT_EQ(t.workers.at(2), 2);
+  // Generation 2 began at a checkpoint (a multiple of 10) at or before the failure.
+  int64_t first_of_2 = kSteps + 1, last_of_1 = 0;
+  for (const auto& [step, gen] : t.generation) {
+    if (gen == 2) first_of_2 = std::min(first_of_2, step);
+  }
+  for (const auto& l : absl::StrSplit(ReadFile(dir_.File("m.jsonl.1")), '\n', absl::SkipEmpty())) {
+    last_of_1 = std::max(last_of_1, IntField(std::string(l), "step"));
+  }
+  EXPECT_EQ((first_of_2 - 1) % 10, 0) << first_of_2;
+  EXPECT_LE(first_of_2 - 1, last_of_1);
+  ExpectMatchesSingle(t, single, kSteps);
+}
+
 TEST_F(ElasticTest, AJobRidesThroughItsCoordinatorBeingKilledAndRestarted) {
   constexpr int kSteps = 120;
   WriteFile(dir_.File("job.textproto"), Config(kSteps));
@@ -263,6 +305,41 @@ TEST_F(ElasticTest, AJobRidesThroughItsCoordinatorBeingKilledAndRestarted) {
   ExpectMatchesSingle(t, single, kSteps);
   EXPECT_NE(ReadFile(dir_.File("w0.log")).find("answers again"), std::string::npos)
       << ReadFile(dir_.File("w0.log"));
+}
+
+TEST_F(ElasticTest, AFourWorkerCheckpointResumesOnTwoWorkers) {
+  // A constant learning rate after warm-up, so that stopping at step 20 (--steps 20) trains the
+  // same first 20 steps as the 40-step reference.
+  constexpr int kSteps = 40;
+  WriteFile(dir_.File("job.textproto"),
+            absl::StrReplaceAll(Config(kSteps, "checkpoint { every: 10 dir: \"ckpt\" }\n"),
+                                {{"log_every: 5", "log_every: 5 schedule: CONSTANT"}}));
+  auto single = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
+                                        " train --config job.textproto --quiet --checkpoint-dir "
+                                        "single-ckpt --metrics-out single.jsonl"));
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  auto first = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
+                                       " launch --config job.textproto --workers 4 --steps 20 "
+                                       "--quiet --metrics-out four.jsonl"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto list = RunCommand(absl::StrCat(kStrata, " ckpt ls ", dir_.File("ckpt")));
+  ASSERT_EQ(list.exit_code, 0) << list.output;
+  EXPECT_NE(list.output.find("20"), std::string::npos) << list.output;
+  auto second = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
+                                        " launch --config job.textproto --workers 2 --resume "
+                                        "--quiet --metrics-out two.jsonl"));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("resumed from checkpoint 20"), std::string::npos) << second.output;
+  const auto want = SingleLosses(dir_.File("single.jsonl"));
+  const Trajectory t = Read({dir_.File("two.jsonl.0"), dir_.File("two.jsonl.1")});
+  ASSERT_EQ(t.loss.size(), 20u) << "the two workers train steps 21..40 only";
+  EXPECT_EQ(t.loss.begin()->first, 21);
+  EXPECT_EQ(t.workers.at(1), 2);
+  for (const auto& [step, loss] : t.loss) EXPECT_NEAR(loss, want.at(step), 1e-5) << step;
+  for (const auto& [step, ranges] : t.ranges) {
+    ASSERT_EQ(ranges.size(), 2u);
+    EXPECT_EQ(ranges[0].second + ranges[1].second, kBatch) << step;
+  }
 }
 
 TEST_F(ElasticTest, ABatchThatCannotSplitOverTheWorkerRangeIsRefusedUpFront) {
