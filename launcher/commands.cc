@@ -544,31 +544,24 @@ int JoinAndTrain(const Flags& flags) {
 }
 
 // The worker counts a job may run on, [min, max], checked against its config before anything
-// starts: every count must split the global batch evenly and hold at least one expert each.
+// starts: every worker needs at least one sequence of the batch and one expert.
 Status CheckWorkerRange(const config::JobConfig& cfg, int min, int max) {
   if (min > max) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--min-workers %d is above --max-workers %d", min, max));
   }
   const int64_t B = cfg.train().global_batch();
-  int64_t lcm = 1;
-  std::vector<int> bad;
-  for (int w = min; w <= max; ++w) {
-    lcm = std::lcm(lcm, static_cast<int64_t>(w));
-    if (B % w != 0) bad.push_back(w);
-  }
-  if (!bad.empty()) {
+  if (B < max) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "train.global_batch = %d does not split evenly over %s workers, which the job may run on "
-        "(between %d and %d workers); make it a multiple of %d, or narrow --min-workers / "
-        "--max-workers (elastic.min_workers / max_workers)",
-        B, absl::StrJoin(bad, ", "), min, max, lcm));
+        "train.global_batch = %d gives the %d workers the job may grow to less than one sequence "
+        "each; raise it or lower --max-workers (elastic.max_workers) to at most %d",
+        B, max, B));
   }
   const int64_t E = cfg.model().moe().num_experts();
   if (cfg.parallel().expert_parallel() == 0 && E < max) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "moe.num_experts = %d is fewer than the %d workers the job may grow to; lower "
-        "--max-workers to at most %d",
+        "--max-workers (elastic.max_workers) to at most %d",
         E, max, E));
   }
   return absl::OkStatus();

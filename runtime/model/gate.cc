@@ -61,6 +61,7 @@ void SoftmaxGate::Forward(ops::Context& ctx, const Tensor& x, const GateCall& ca
   last_tokens_ = T;
   last_step_ = call.step;
   last_first_token_ = call.first_token;
+  last_loss_scale_ = call.loss_scale;
   last_jitter_ =
       call.training && cfg_.type() == config::GateConfig::SWITCH && cfg_.jitter_eps() > 0;
   last_noise_ = call.training && cfg_.type() == config::GateConfig::NOISY_TOP_K;
@@ -127,11 +128,12 @@ void SoftmaxGate::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dwe
   // The kernel's aux gradient is coef * E * count_e / T^2 for local T. With batch-wide counts,
   // scaling coef by T / T_batch makes it coef * E * count_e / (T * T_batch): the batch
   // gradient times the number of workers, which the gradient average divides back out.
-  const double aux_coef =
-      cfg_.aux_loss_coef() * static_cast<double>(T) / std::max(1.0, last_batch_tokens_);
+  const double aux_coef = last_loss_scale_ * cfg_.aux_loss_coef() * static_cast<double>(T) /
+                          std::max(1.0, last_batch_tokens_);
   ops::MoeRouterBackward(ctx, dlogits, dweight, probs_.Rows(0, T), lse_.Rows(0, T),
                          expert_.Rows(0, T), top1_counts_, renormalize(),
-                         static_cast<float>(aux_coef), cfg_.z_loss_coef());
+                         static_cast<float>(aux_coef),
+                         static_cast<float>(last_loss_scale_ * cfg_.z_loss_coef()));
   // With jitter the router saw xj, and its input gradient is scaled back onto x.
   Tensor router_in = last_jitter_ ? xj_.Rows(0, T) : x;
   Tensor drouter_in = last_jitter_ ? dxj_.Rows(0, T) : dx;

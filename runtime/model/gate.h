@@ -33,6 +33,10 @@ struct GateCall {
   // Index of this call's first token within the whole batch (a data-parallel worker's share
   // starts past the others'), so random draws match a single process's.
   int64_t first_token = 0;
+  // Multiplies every loss gradient of the call (cross-entropy, aux and z): a data-parallel worker
+  // whose share of the batch is not 1 / workers weighs its tokens by workers * share, so that
+  // the average over workers is the whole batch's gradient.
+  double loss_scale = 1.0;
 };
 
 struct Routing {
@@ -120,6 +124,7 @@ class SoftmaxGate : public Gate {
   int64_t last_tokens_ = 0;
   int64_t last_first_token_ = 0;
   double last_batch_tokens_ = 0;  // tokens of the whole batch the aux loss averaged over
+  double last_loss_scale_ = 1.0;
   bool last_jitter_ = false, last_noise_ = false;
   uint64_t last_step_ = 0;
 };

@@ -329,7 +329,7 @@ double MoeTransformer::Forward(ops::Context& ctx, const int32_t* tokens, const i
   const Parameter& head = lm_head_ ? *lm_head_ : *wte_;
   ops::LinearForward(ctx, logits, lnf_out, head.value, Tensor());
   // When training, the logits are replaced by dLoss/dlogits of the mean loss in the same pass.
-  const float scale = 1.0f / static_cast<float>(N);
+  const float scale = static_cast<float>(call.loss_scale / static_cast<double>(N));
   double sum = ops::CrossEntropy(ctx, call.training ? logits : Tensor(), logits, tgt, scale);
   return sum / static_cast<double>(N);
 }

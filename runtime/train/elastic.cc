@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -467,8 +468,8 @@ Status Trainer::Reform(const WorkerOptions& w) {
     RETURN_IF_ERROR(OpenCheckpoints(/*continuing=*/true));
   }
   ASSIGN_OR_RETURN(SyncedState s, SyncState());
-  local_batch_ = options_.config.train().global_batch() / w.world_size;
-  first_sequence_ = w.rank * local_batch_;
+  std::tie(first_sequence_, local_batch_) =
+      BatchShare(options_.config.train().global_batch(), w.world_size, w.rank);
   return AdoptState(s, /*rebuild=*/true);
 }
 

@@ -10,6 +10,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -99,9 +100,10 @@ Status Trainer::SetUpWorkers() {
         "(or 0 for all workers)",
         ep, W, W));
   }
-  if (cfg.train().global_batch() % W != 0) {
+  if (cfg.train().global_batch() < W) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "train.global_batch = %d does not split evenly over %d workers; make it a multiple of %d",
+        "train.global_batch = %d gives %d workers less than one sequence each; raise it to at "
+        "least %d",
         cfg.train().global_batch(), W, W));
   }
   if (ep > 1 && par.experts_per_worker_size() > 0 && par.experts_per_worker_size() != ep) {
@@ -183,14 +185,20 @@ Status Trainer::SetUpWorkers() {
   }
   if (w.rank == 0 && w.after_rendezvous) w.after_rendezvous();
   STRATA_LOG(INFO) << absl::StrFormat(
-      "worker %d of %d: expert-parallel groups of %d%s, %d copies of each expert, %d sequences "
-      "per step, %d dispatch chunks",
+      "worker %d of %d: expert-parallel groups of %d%s, %d copies of each expert, %d of the %d "
+      "sequences of every step, %d dispatch chunks",
       w.rank, W, ep,
       par.local_size() > 0 && par.local_size() < ep
           ? absl::StrFormat(" (two-level all-to-all, %d per node)", par.local_size())
           : "",
-      W / ep, cfg.train().global_batch() / W, par.dispatch_chunks());
+      W / ep, BatchShare(cfg.train().global_batch(), W, w.rank).second, cfg.train().global_batch(),
+      par.dispatch_chunks());
   return absl::OkStatus();
+}
+
+std::pair<int64_t, int64_t> BatchShare(int64_t global_batch, int workers, int rank) {
+  const int64_t first = global_batch * rank / workers;
+  return {first, global_batch * (rank + 1) / workers - first};
 }
 
 Status Trainer::SumOverWorkers(double* data, size_t n) {
@@ -349,8 +357,8 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   if (tr->distributed()) {
     RETURN_IF_ERROR(tr->SetUpWorkers());
     const int W = options.worker.world_size, rank = options.worker.rank;
-    tr->local_batch_ = cfg.train().global_batch() / W;
-    tr->first_sequence_ = rank * tr->local_batch_;
+    std::tie(tr->first_sequence_, tr->local_batch_) =
+        BatchShare(cfg.train().global_batch(), W, rank);
     const int ep = tr->ep_comm_ ? tr->ep_comm_->world_size() : 1;
     const int64_t E = cfg.model().moe().num_experts();
     if (options.worker.rejoin) {
@@ -413,6 +421,10 @@ StatusOr<StepResult> Trainer::Step() {
                        inputs_.data(), targets_.data());
   optimizer_->ZeroGrad(ctx_);
   model::GateCall call{true, static_cast<uint64_t>(step_), first_sequence_ * cfg.model().seq_len()};
+  // A share other than 1 / workers weighs this worker's tokens by workers * share.
+  call.loss_scale = distributed() ? static_cast<double>(options_.worker.world_size) *
+                                        static_cast<double>(b) / static_cast<double>(B)
+                                  : 1.0;
   StepResult r;
   {
     TraceScope span(ctx_.tracer, "forward", "compute");
@@ -445,10 +457,12 @@ StatusOr<StepResult> Trainer::Step() {
     }
     double z = 0;
     for (const auto& ref : model_->moe_layers()) z += ref.layer->stats().z_loss;
-    double sums[3] = {r.loss, z, expert_sq};
+    // Means over this worker's tokens, weighed by its share of the batch.
+    const double share = static_cast<double>(b) / static_cast<double>(B);
+    double sums[3] = {r.loss * share, z * share, expert_sq};
     RETURN_IF_ERROR(SumOverWorkers(sums, 3));
-    r.loss = sums[0] / W;
-    r.z_loss = sums[1] / W;
+    r.loss = sums[0];
+    r.z_loss = sums[1];
     expert_sq = sums[2];
   }
   if (!std::isfinite(r.loss)) {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "proto/config.pb.h"
@@ -53,6 +54,11 @@ struct WorkerOptions {
 };
 
 struct StepResult;
+
+// A worker's share of a step's global batch: its first sequence and how many. Every step's
+// samples are split over the workers from the step alone (rank r of W takes sequences
+// [B r / W, B (r + 1) / W)), so any membership sees each sample of a step exactly once.
+std::pair<int64_t, int64_t> BatchShare(int64_t global_batch, int workers, int rank);
 
 struct TrainOptions {
   config::JobConfig config;  // loaded with config::LoadJobConfig (validated, paths resolved)

@@ -342,16 +342,21 @@ TEST_F(ElasticTest, AFourWorkerCheckpointResumesOnTwoWorkers) {
   }
 }
 
-TEST_F(ElasticTest, ABatchThatCannotSplitOverTheWorkerRangeIsRefusedUpFront) {
+TEST_F(ElasticTest, AWorkerRangeTheBatchOrTheExpertsCannotCoverIsRefusedUpFront) {
   WriteFile(dir_.File("job.textproto"), Config(10));
+  // 12 sequences for up to 13 workers.
   auto r = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
-                                   " launch --config job.textproto --workers 4 --min-workers 2 "
-                                   "--max-workers 5"));
+                                   " launch --config job.textproto --workers 4 --max-workers 13"));
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.output.find("train.global_batch = 12 does not split evenly over 5 workers"),
-            std::string::npos)
+  EXPECT_NE(r.output.find("train.global_batch = 12 gives the 13 workers"), std::string::npos)
       << r.output;
-  EXPECT_NE(r.output.find("make it a multiple of 60"), std::string::npos) << r.output;
+  // 8 experts for up to 9 workers.
+  r = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
+                              " launch --config job.textproto --workers 4 --max-workers 9"));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("moe.num_experts = 8 is fewer than the 9 workers"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("at most 8"), std::string::npos) << r.output;
 }
 
 }  // namespace

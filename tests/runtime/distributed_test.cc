@@ -10,7 +10,8 @@
 // within 1e-4 relative at every step, |parameter difference| <= 1e-4 after 10 steps. Checked by
 // breaking things on purpose: every worker taking the same samples fails all layouts, a wrong
 // aux-loss gradient scale fails all, gradients left unaveraged fail all (through the norm; Adam
-// and clipping hide a constant factor from the losses). With storage.mode TIERED every worker keeps
+// and clipping hide a constant factor from the losses), and dropping the loss weight of a worker
+// with an uneven share of the batch (8 sequences over 3 workers: 2, 3, 3) fails that layout. With storage.mode TIERED every worker keeps
 // its own experts in its own tiers (a temporary SSD folder each, small budgets so experts do go to
 // the SSD) and is compared with a tiered single process.
 #include <gtest/gtest.h>
@@ -180,8 +181,8 @@ INSTANTIATE_TEST_SUITE_P(
     Layouts, DistributedTest,
     ::testing::Values(Layout{"ep2", 2, 0, 2, ""}, Layout{"dp2", 2, 1, 2, ""},
                       Layout{"ep2_uneven_3chunks", 2, 2, 3, "experts_per_worker: [3, 5]"},
-                      Layout{"ep4", 4, 0, 2, ""}, Layout{"dp4", 4, 1, 1, ""},
-                      Layout{"ep2xdp2_noisy", 4, 2, 2, ""},
+                      Layout{"ep3_uneven_batch", 3, 0, 2, ""}, Layout{"ep4", 4, 0, 2, ""},
+                      Layout{"dp4", 4, 1, 1, ""}, Layout{"ep2xdp2_noisy", 4, 2, 2, ""},
                       Layout{"ep4_two_level_2x2", 4, 0, 2, "local_size: 2"},
                       Layout{"ep2_tiered", 2, 0, 2, "", true}),
     [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
@@ -298,13 +299,13 @@ TEST(LaunchTest, AJobBelowItsMinimumStopsAndTheLaunchSaysWhere) {
 TEST(DistributedConfigTest, LayoutErrorsNameTheFieldBeforeConnecting) {
   TempDir dir;
   WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(30000));
-  // global_batch 8 over 3 workers.
-  WriteFile(dir.File("job.textproto"), Config(Layout{"", 3, 0, 2, ""}));
+  // global_batch 8 over 9 workers.
+  WriteFile(dir.File("job.textproto"), Config(Layout{"", 9, 0, 2, ""}));
   auto r = RunCommand(absl::StrCat("cd ", dir.path(), " && ", kStrata,
-                                   " worker --config job.textproto --rank 0 --world-size 3 "
+                                   " worker --config job.textproto --rank 0 --world-size 9 "
                                    "--store store"));
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.output.find("train.global_batch = 8 does not split evenly over 3 workers"),
+  EXPECT_NE(r.output.find("train.global_batch = 8 gives 9 workers less than one sequence each"),
             std::string::npos)
       << r.output;
   // expert_parallel 3 of 4 workers.
