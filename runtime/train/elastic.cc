@@ -74,12 +74,14 @@ Status Trainer::CheckElastic() const {
 }
 
 size_t Trainer::DenseBlobFloats() const {
-  return 3 * static_cast<size_t>(model::CountScalars(model_->DenseParameters()));
+  const model::MoeTransformer& m = model_ ? *model_ : *full_model_;
+  return 3 * static_cast<size_t>(model::CountScalars(m.DenseParameters()));
 }
 
 size_t Trainer::ExpertBlobFloats() const {
+  const model::MoeTransformer& m = model_ ? *model_ : *full_model_;
   size_t n = 0;
-  for (const auto& ref : model_->moe_layers()) {
+  for (const auto& ref : m.moe_layers()) {
     if (ref.layer->num_local_experts() == 0) return 0;
     n += 3 * static_cast<size_t>(model::CountScalars(
                  ref.layer->expert(ref.layer->first_local_expert()).Parameters()));
@@ -201,26 +203,29 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState(bool from_checkpoint) {
   auto slot = [&](std::vector<int64_t>& v, size_t item, int k) -> int64_t& {
     return v[kHeader + item * kSlots + k];
   };
-  const bool has_state = model_ != nullptr;
+  // A worker that just joined holds nothing, unless it is rank 0 offering a checkpoint.
+  const bool has_state = model_ != nullptr || rollback_.version >= 0;
   if (has_state) {
     inv[0] = static_cast<int64_t>(DenseBlobFloats());
     inv[1] = static_cast<int64_t>(ExpertBlobFloats());
-    slot(inv, 0, 0) = live_version_;
     if (rollback_.version >= 0) slot(inv, 0, 1) = rollback_.version;
+  }
+  if (model_) {
+    slot(inv, 0, 0) = live_version_;
     for (int64_t e = first_expert_; e < first_expert_ + num_experts_; ++e) {
       slot(inv, 1 + e, 0) = live_version_;
     }
-    if (rollback_.version >= 0) {
-      for (int64_t e = rollback_.first; e < rollback_.first + rollback_.count; ++e) {
-        slot(inv, 1 + e, 1) = rollback_.version;
-      }
+  }
+  if (rollback_.version >= 0) {
+    for (int64_t e = rollback_.first; e < rollback_.first + rollback_.count; ++e) {
+      slot(inv, 1 + e, 1) = rollback_.version;
     }
-    for (const Buddy& b : buddies_) {
-      for (const Copy* c : {&b.cur, &b.prev}) {
-        if (c->version < 0) continue;
-        for (int64_t e = c->first; e < c->first + c->count; ++e) {
-          slot(inv, 1 + e, c == &b.cur ? 2 : 3) = c->version;
-        }
+  }
+  for (const Buddy& b : buddies_) {
+    for (const Copy* c : {&b.cur, &b.prev}) {
+      if (c->version < 0) continue;
+      for (int64_t e = c->first; e < c->first + c->count; ++e) {
+        slot(inv, 1 + e, c == &b.cur ? 2 : 3) = c->version;
       }
     }
   }
@@ -247,11 +252,6 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState(bool from_checkpoint) {
       }
     }
   }
-  if (D == 0) {
-    return absl::FailedPreconditionError(
-        "no worker of the new generation holds the job's state (every worker that trained it is "
-        "gone); restart the job from its latest checkpoint");
-  }
   std::sort(versions.rbegin(), versions.rend());
   versions.erase(std::unique(versions.begin(), versions.end()), versions.end());
   int64_t s0 = -1;
@@ -272,14 +272,17 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState(bool from_checkpoint) {
       break;
     }
   }
+  const std::string lost =
+      D == 0 ? std::string(
+                   "no worker of this generation holds any of the job's state (every worker "
+                   "that trained it is gone)")
+             : absl::StrCat(missing, " went with the failed workers and their buddy copies");
   if (s0 < 0 && !from_checkpoint && !cfg.checkpoint().dir().empty()) {
     // Lost with the failed workers and their buddy copies: every worker goes back to the latest
     // checkpoint, which rank 0 reads and offers as its copy of the whole state.
     if (rank == 0) {
-      STRATA_LOG(WARNING) << absl::StrFormat(
-          "%s went with the failed workers and their buddy copies; going back to the latest "
-          "checkpoint in %s",
-          missing, cfg.checkpoint().dir());
+      STRATA_LOG(WARNING) << absl::StrFormat("%s; going back to the latest checkpoint in %s", lost,
+                                             cfg.checkpoint().dir());
       if (!checkpoints_) RETURN_IF_ERROR(OpenCheckpoints(/*continuing=*/true));
       RETURN_IF_ERROR(LoadCheckpointAsCopy());
     }
@@ -287,10 +290,10 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState(bool from_checkpoint) {
   }
   if (s0 < 0) {
     return absl::DataLossError(absl::StrFormat(
-        "the job's state cannot be put together from the workers left: %s of step %d went with "
-        "the failed workers and their buddy copies, and there is no checkpoint to go back to; "
-        "raise elastic.replicas or set checkpoint.dir and checkpoint.every",
-        missing, versions.empty() ? 0 : versions.front()));
+        "the job's state cannot be put together from the workers left: %s (newest step %d), and "
+        "there is no checkpoint to go back to; raise elastic.replicas or set checkpoint.dir and "
+        "checkpoint.every",
+        lost, versions.empty() ? 0 : versions.front()));
   }
 
   // The new placement, from rank 0's measured loads (a joiner has none: equal loads).
@@ -343,8 +346,8 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState(bool from_checkpoint) {
   };
   auto read_item = [&](size_t i, float* dst) {
     const int64_t e = static_cast<int64_t>(i) - 1;
-    const bool live =
-        live_version_ == s0 && (i == 0 || (e >= first_expert_ && e < first_expert_ + num_experts_));
+    const bool live = model_ && live_version_ == s0 &&
+                      (i == 0 || (e >= first_expert_ && e < first_expert_ + num_experts_));
     if (live) {
       if (i == 0) {
         ReadDense(dst);
@@ -415,7 +418,7 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState(bool from_checkpoint) {
     STRATA_LOG(INFO) << absl::StrFormat(
         "generation of %d workers starts from step %d (this worker was at step %d): experts "
         "%s, %d moved (%d by the planner)",
-        W, s0, has_state ? live_version_ : -1, Ranges(plan.counts), moved, plan.moved);
+        W, s0, model_ ? live_version_ : -1, Ranges(plan.counts), moved, plan.moved);
   }
   return out;
 }

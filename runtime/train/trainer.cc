@@ -378,14 +378,20 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     first = placement.first(rank % ep);
     count = placement.count(rank % ep);
     tr->expert_replica_leader_ = rank < ep;
+  } else if (options.worker.rejoin) {
+    // Joining a running job alone: its only source is the latest checkpoint.
+    RETURN_IF_ERROR(tr->CheckElastic());
+    ASSIGN_OR_RETURN(synced, tr->SyncState());
+    tr->experts_per_worker_ = synced->counts;
   }
   RETURN_IF_ERROR(tr->BuildModel(first, count));
   if (synced) RETURN_IF_ERROR(tr->ImportState(*synced));
-  // Distributed: rank 0 alone writes the checkpoints (the others hand it their experts).
-  if (tr->distributed() && options.worker.rank != 0) {
-    // Nothing to open.
+  // Distributed: rank 0 alone writes the checkpoints (the others hand it their experts). A
+  // worker joining a running job may have opened them already, to go back to one.
+  if ((tr->distributed() && options.worker.rank != 0) || tr->checkpoints_) {
+    // Nothing (more) to open.
   } else if (!cfg.checkpoint().dir().empty()) {
-    RETURN_IF_ERROR(tr->OpenCheckpoints(/*continuing=*/false));
+    RETURN_IF_ERROR(tr->OpenCheckpoints(/*continuing=*/options.worker.rejoin));
   } else if (options.resume) {
     return absl::InvalidArgumentError(
         "--resume needs a checkpoint folder: pass --checkpoint-dir or set checkpoint.dir");
