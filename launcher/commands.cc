@@ -328,7 +328,7 @@ namespace {
 // Calls `rpc` until the coordinator answers (it may be restarting): UNAVAILABLE and
 // DEADLINE_EXCEEDED are retried for up to two minutes, other answers returned as they are.
 template <typename Rpc>
-auto Persist(const char* what, const std::string& address, Rpc rpc) -> decltype(rpc()) {
+auto Retrying(const char* what, const std::string& address, Rpc rpc) -> decltype(rpc()) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
   bool told = false;
   while (true) {
@@ -378,7 +378,7 @@ int JoinAndTrain(const Flags& flags) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
     for (bool told = false;;) {
       ASSIGN_OR_RETURN(coordinator::Generation g,
-                       Persist("heartbeat", address, [&] { return client.Heartbeat(id); }));
+                       Retrying("heartbeat", address, [&] { return client.Heartbeat(id); }));
       *rank = -1;
       for (int i = 0; i < g.workers_size(); ++i) {
         if (g.workers(i).id() == id) *rank = i;
@@ -447,7 +447,7 @@ int JoinAndTrain(const Flags& flags) {
   const std::chrono::milliseconds heartbeat_timeout(
       options->config.elastic().heartbeat_timeout_ms());
   options->on_step = [&](const train::StepResult& r) -> Status {
-    auto now = Persist("step report", address, [&] {
+    auto now = Retrying("step report", address, [&] {
       return client.ReportStep(id, generation, r.step, r.loss,
                                r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0);
     });
@@ -501,7 +501,7 @@ int JoinAndTrain(const Flags& flags) {
       s = trainer->Reform(w);
     }
     if (s.ok()) {
-      auto started = Persist("start report", address, [&] {
+      auto started = Retrying("start report", address, [&] {
         return client.ReportStart(
             id, generation, trainer->step(),
             rank == 0 ? trainer->experts_per_worker() : std::vector<int64_t>{});
@@ -527,7 +527,7 @@ int JoinAndTrain(const Flags& flags) {
         (comm_error ? 2 * heartbeat_timeout + std::chrono::seconds(1) : std::chrono::seconds(0));
     bool newer = false;
     while (true) {
-      auto now = Persist("heartbeat", address, [&] { return client.Heartbeat(id); });
+      auto now = Retrying("heartbeat", address, [&] { return client.Heartbeat(id); });
       newer = now.ok() && now->number() > generation;
       if (newer || std::chrono::steady_clock::now() >= wait_until) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -712,7 +712,9 @@ int LaunchCommand(const std::vector<std::string>& args) {
     int64_t shown_step = -1, shown_generation = -1;
     const double tokens_per_step =
         static_cast<double>(cfg->train().global_batch()) * cfg->model().seq_len();
-    double shown_at = 0;
+    const bool tty = isatty(STDOUT_FILENO);
+    double rate = 0, rate_at = 0;
+    int64_t rate_step = 0;
     int failed = 0;
     int alive = n;
     std::vector<bool> exited(n, false);
@@ -736,28 +738,44 @@ int LaunchCommand(const std::vector<std::string>& args) {
       }
       const auto r = (*state)->Snapshot();
       const bool finished = shown_step >= total;
-      if (!quiet && !finished &&
-          (r.generation().number() != shown_generation ||
-           (r.step() != shown_step && (r.step() % every == 0 || r.step() == total)))) {
-        const double now = NowSeconds();
-        std::string rate;
-        if (shown_step >= 0 && r.step() > shown_step && now > shown_at) {
-          rate = absl::StrFormat(
-              " | %.0f tok/s",
-              tokens_per_step * static_cast<double>(r.step() - shown_step) / (now - shown_at));
+      const double now = NowSeconds();
+      if (rate_at == 0 || r.step() < rate_step) {
+        rate_at = now;
+        rate_step = r.step();
+      } else if (now - rate_at >= 1.0) {
+        rate = tokens_per_step * static_cast<double>(r.step() - rate_step) / (now - rate_at);
+        rate_at = now;
+        rate_step = r.step();
+      }
+      const bool new_generation = r.generation().number() != shown_generation;
+      // On a terminal one line is kept up to date (a new one per generation); otherwise a line
+      // every log_every steps and at every generation.
+      const bool due = tty ? r.step() != shown_step
+                           : r.step() != shown_step && (r.step() % every == 0 || r.step() == total);
+      if (!quiet && !finished && (new_generation || due)) {
+        std::string line = absl::StrFormat("[%s] step %d/%d", cfg->name(), r.step(), total);
+        if (r.generation().workers_size() == 0) {
+          absl::StrAppend(&line, " | no workers training");
+        } else {
+          if (r.step() > 0) absl::StrAppendFormat(&line, " | loss %.4f", r.loss());
+          if (rate > 0) absl::StrAppendFormat(&line, " | %.0f tok/s", rate);
+          absl::StrAppendFormat(&line, " | %d workers", r.generation().workers_size());
         }
-        std::printf("[%s] step %lld/%lld | loss %.4f%s | %d workers | generation %lld (%s)\n",
-                    cfg->name().c_str(), static_cast<long long>(r.step()),
-                    static_cast<long long>(total), r.loss(), rate.c_str(),
-                    r.generation().workers_size(), static_cast<long long>(r.generation().number()),
-                    r.generation().reason().c_str());
+        absl::StrAppendFormat(&line, " | generation %d (%s)", r.generation().number(),
+                              r.generation().reason());
+        if (tty) {
+          std::printf("%s\r\033[K%s", new_generation && shown_generation >= 0 ? "\n" : "",
+                      line.c_str());
+        } else {
+          std::printf("%s\n", line.c_str());
+        }
         std::fflush(stdout);
         shown_step = r.step();
-        shown_at = now;
         shown_generation = r.generation().number();
       }
       if (alive > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
+    if (tty && !quiet && shown_generation >= 0) std::printf("\n");
     const int64_t reached = (*state)->Snapshot().step();
     if (reached < total) {
       std::fprintf(stderr, "strata launch: the job stopped at step %lld of %lld\n",
