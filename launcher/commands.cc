@@ -742,8 +742,12 @@ int LaunchCommand(const std::vector<std::string>& args) {
       if (rate_at == 0 || r.step() < rate_step) {
         rate_at = now;
         rate_step = r.step();
-      } else if (now - rate_at >= 1.0) {
-        rate = tokens_per_step * static_cast<double>(r.step() - rate_step) / (now - rate_at);
+      } else if (now - rate_at >= 1.0 && r.step() > rate_step) {
+        // Smoothed over windows of at least a second with progress (a step count in a window is
+        // coarse; an evaluation is a window without progress).
+        const double sample =
+            tokens_per_step * static_cast<double>(r.step() - rate_step) / (now - rate_at);
+        rate = rate == 0 ? sample : 0.7 * rate + 0.3 * sample;
         rate_at = now;
         rate_step = r.step();
       }
