@@ -63,6 +63,7 @@ const std::vector<FlagSpec>& WorkerFlags() {
          "--rank/--world-size/--store"},
         {"id", "this worker's id at the coordinator (default HOSTNAME:PID)"},
         {"token", "the job token for --coordinator (default: $STRATA_JOB_TOKEN)"},
+        {"tls-ca", "PEM CA certificate: reach a coordinator that serves TLS"},
     };
     for (const FlagSpec& f : TrainFlags()) v.push_back(f);
     return v;
@@ -363,7 +364,7 @@ int JoinAndTrain(const Flags& flags) {
   int rc = 0;
   auto options = TrainOptionsFrom(flags, "worker", WorkerFlags(), train::WorkerOptions{}, &rc);
   if (!options) return rc;
-  auto connected = CoordinatorClient::Connect(address, token);
+  auto connected = CoordinatorClient::Connect(address, token, flags.String("tls-ca").value_or(""));
   if (!connected.ok()) return Fail(connected.status());
   CoordinatorClient& client = **connected;
   coordinator::WorkerInfo info;
@@ -875,14 +876,17 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
 int StatusCommand(const std::vector<std::string>& args) {
   static const std::vector<FlagSpec> specs = {
       {"token", "the job token (default: $STRATA_JOB_TOKEN)"},
+      {"tls-ca", "PEM CA certificate: reach a coordinator that serves TLS"},
   };
   if (args.empty() || WantsHelp(args)) {
-    std::fprintf(args.empty() ? stderr : stdout, "usage: strata status HOST:PORT [--token T]\n");
+    std::fprintf(args.empty() ? stderr : stdout,
+                 "usage: strata status HOST:PORT [--token T] [--tls-ca FILE]\n");
     return args.empty() ? 2 : 0;
   }
   auto flags = Flags::Parse("status", specs, {args.begin() + 1, args.end()});
   if (!flags.ok()) return UsageError(flags.status(), "status", specs);
-  auto client = CoordinatorClient::Connect(args[0], TokenFrom(*flags));
+  auto client =
+      CoordinatorClient::Connect(args[0], TokenFrom(*flags), flags->String("tls-ca").value_or(""));
   if (!client.ok()) return Fail(client.status());
   auto r = (*client)->GetStatus();
   if (!r.ok()) return Fail(r.status());

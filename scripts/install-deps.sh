@@ -18,6 +18,7 @@ packages=(
   libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   fortunes              # corpus of the default example (examples/moe_lm)
+  openssl               # the coordinator's TLS test makes its certificate with it
   python3
 )
 

@@ -1,7 +1,7 @@
 // The coordinator over real gRPC on loopback: joins and status through the client, the token on
 // every call, the rendezvous store over the network used by two real Gloo communicators, a clear
-// error when no coordinator is listening, and the `strata coordinator` process killed with
-// SIGKILL and restarted on its RocksDB record.
+// error when no coordinator is listening, TLS with a certificate made for the test, and the
+// `strata coordinator` process killed with SIGKILL and restarted on its RocksDB record.
 #include "launcher/coordinator_service.h"
 
 #include <gtest/gtest.h>
@@ -14,6 +14,7 @@
 #include <regex>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "runtime/comm/communicator.h"
 #include "tests/test_util.h"
 
@@ -54,6 +55,46 @@ coordinator::WorkerInfo Worker(const std::string& id) {
   w.set_id(id);
   w.set_host("127.0.0.1");
   return w;
+}
+
+TEST(CoordinatorTlsTest, WithCertificatesOnlyTlsClientsThatTrustThemGetIn) {
+  // A self-signed certificate for 127.0.0.1, made by openssl for this test.
+  strata::testing::TempDir dir;
+  auto made = strata::testing::RunCommand(
+      absl::StrCat("openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=127.0.0.1 -addext "
+                   "subjectAltName=IP:127.0.0.1 -keyout ",
+                   dir.File("key.pem"), " -out ", dir.File("cert.pem"), " 2>&1"));
+  ASSERT_EQ(made.exit_code, 0) << made.output;
+  CoordinatorOptions o;
+  o.dir = dir.File("coordinator");
+  o.token = kToken;
+  auto state = CoordinatorState::Open(o, "name: \"job\"\n", std::chrono::steady_clock::now());
+  ASSERT_TRUE(state.ok()) << state.status();
+  TlsFiles tls{dir.File("cert.pem"), dir.File("key.pem"), ""};
+  auto server = CoordinatorServer::Start(state->get(), "127.0.0.1:0", tls);
+  ASSERT_TRUE(server.ok()) << server.status();
+  // A client trusting the certificate gets in (and still needs the token).
+  auto trusted = CoordinatorClient::Connect((*server)->address(), kToken, dir.File("cert.pem"),
+                                            milliseconds(5000));
+  ASSERT_TRUE(trusted.ok()) << trusted.status();
+  auto st = (*trusted)->GetStatus();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->job_config(), "name: \"job\"\n");
+  auto wrong_token = CoordinatorClient::Connect((*server)->address(), "nope", dir.File("cert.pem"),
+                                                milliseconds(5000));
+  ASSERT_TRUE(wrong_token.ok()) << wrong_token.status();
+  EXPECT_EQ((*wrong_token)->GetStatus().status().code(), absl::StatusCode::kUnauthenticated);
+  // A plaintext client does not get through the TLS handshake.
+  auto plain = CoordinatorClient::Connect((*server)->address(), kToken, "", milliseconds(1500));
+  if (plain.ok()) {
+    EXPECT_FALSE((*plain)->GetStatus().ok());
+  } else {
+    EXPECT_EQ(plain.status().code(), absl::StatusCode::kUnavailable) << plain.status();
+  }
+  // A CA file that is not there is a clear error naming it.
+  auto missing = CoordinatorClient::Connect((*server)->address(), kToken, dir.File("none.pem"));
+  EXPECT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("none.pem"), std::string::npos) << missing.status();
 }
 
 TEST_F(CoordinatorServiceTest, WorkersJoinReportAndSeeTheirGenerationOverGrpc) {
