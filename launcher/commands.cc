@@ -672,13 +672,16 @@ int LaunchCommand(const std::vector<std::string>& args) {
       std::fputs(o.token.c_str(), f);
       std::fclose(f);
     }
+    std::error_code ec;
+    const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
     if (!quiet) {
       std::printf(
           "[%s] coordinator on %s; starting %d workers (%d to %d may train)\n"
-          "[%s] add a worker: STRATA_JOB_TOKEN=$(cat %s) strata worker --coordinator %s "
+          "[%s] add a worker: STRATA_JOB_TOKEN=$(cat %s) %s worker --coordinator %s "
           "--config %s\n",
           cfg->name().c_str(), address.c_str(), n, o.min_workers, o.max_workers,
-          cfg->name().c_str(), token_file.c_str(), address.c_str(), config_path.c_str());
+          cfg->name().c_str(), token_file.c_str(), self.c_str(), address.c_str(),
+          std::filesystem::absolute(config_path).string().c_str());
       std::fflush(stdout);
     }
     std::vector<pid_t> pids;
