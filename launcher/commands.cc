@@ -407,6 +407,7 @@ int JoinAndTrain(const Flags& flags) {
   std::mutex mu;
   train::Trainer* active = nullptr;
   std::atomic<int64_t> training_generation{-1};
+  std::atomic<int64_t> latest_generation{-1};  // the newest the heartbeats have seen
   std::atomic<bool> done{false};
   std::thread heartbeats([&] {
     bool reachable = true;
@@ -426,6 +427,7 @@ int JoinAndTrain(const Flags& flags) {
                            << (a.ok() ? "" : a.message());
           reachable = a.ok();
         }
+        latest_generation = std::max(latest_generation.load(), hb->number());
         std::lock_guard<std::mutex> lock(mu);
         if (active != nullptr && hb->number() > training_generation.load()) {
           active->AbortCollectives(
@@ -478,7 +480,11 @@ int JoinAndTrain(const Flags& flags) {
     train::WorkerOptions w;
     w.rank = rank;
     w.world_size = g->workers_size();
-    w.store = comm::MakePrefixStore(client.store(), comm::GenerationPrefix(generation));
+    // A newer generation (another failure while this one connects) ends the rendezvous at once.
+    w.store = comm::MakeCancellableStore(
+        comm::MakePrefixStore(client.store(), comm::GenerationPrefix(generation)),
+        [&latest_generation, generation] { return latest_generation.load() > generation; },
+        absl::StrFormat("generation %d was superseded while its workers connected", generation));
     w.hostname = info.host();
     w.elastic = true;
     w.rejoin = generation > 1;

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -214,6 +215,35 @@ class PrefixStore : public Store {
   std::string prefix_;
 };
 
+class CancellableStore : public Store {
+ public:
+  CancellableStore(std::shared_ptr<Store> base, std::function<bool()> cancelled, std::string why)
+      : base_(std::move(base)), cancelled_(std::move(cancelled)), why_(std::move(why)) {}
+  Status Set(const std::string& key, const std::string& value) override {
+    return base_->Set(key, value);
+  }
+  StatusOr<std::string> Get(const std::string& key) override { return base_->Get(key); }
+  Status Wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    constexpr std::chrono::milliseconds kSlice(100);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (true) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      Status s = base_->Wait(keys, std::max(std::chrono::milliseconds(0), std::min(left, kSlice)));
+      if (s.ok() || s.code() != absl::StatusCode::kDeadlineExceeded || left <= kSlice) return s;
+      if (cancelled_()) return absl::AbortedError(why_);
+    }
+  }
+  StatusOr<int64_t> Add(const std::string& key, int64_t delta) override {
+    return base_->Add(key, delta);
+  }
+
+ private:
+  std::shared_ptr<Store> base_;
+  std::function<bool()> cancelled_;
+  std::string why_;
+};
+
 }  // namespace
 
 StatusOr<std::string> Store::WaitGet(const std::string& key, std::chrono::milliseconds timeout) {
@@ -236,6 +266,11 @@ StatusOr<std::shared_ptr<Store>> MakeFileStore(const std::string& dir) {
 
 std::shared_ptr<Store> MakePrefixStore(std::shared_ptr<Store> base, std::string prefix) {
   return std::make_shared<PrefixStore>(std::move(base), std::move(prefix));
+}
+
+std::shared_ptr<Store> MakeCancellableStore(std::shared_ptr<Store> base,
+                                            std::function<bool()> cancelled, std::string why) {
+  return std::make_shared<CancellableStore>(std::move(base), std::move(cancelled), std::move(why));
 }
 
 std::string GenerationPrefix(int64_t generation) { return absl::StrCat("gen/", generation, "/"); }

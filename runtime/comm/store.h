@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,6 +50,12 @@ std::shared_ptr<Store> MakeInMemoryStore();
 
 // Every key of `base` under `prefix` (e.g. "gen/3/").
 std::shared_ptr<Store> MakePrefixStore(std::shared_ptr<Store> base, std::string prefix);
+
+// Waits of `base` give up with ABORTED (saying `why`) as soon as `cancelled()` holds, checked
+// every 100 ms: a rendezvous that a newer membership generation made pointless ends at once
+// instead of at its timeout.
+std::shared_ptr<Store> MakeCancellableStore(std::shared_ptr<Store> base,
+                                            std::function<bool()> cancelled, std::string why);
 
 // The prefix of a membership generation: "gen/<g>/".
 std::string GenerationPrefix(int64_t generation);

@@ -83,6 +83,34 @@ TEST(StoreTest, FileStoreAndPrefixesKeepGenerationsApart) {
   EXPECT_EQ(*(*other)->Add("counter", 1), 151);
 }
 
+TEST(StoreTest, ACancelledWaitEndsAtOnceAndOtherwiseBehavesLikeItsBase) {
+  auto base = MakeInMemoryStore();
+  std::atomic<bool> cancelled{false};
+  auto s = MakeCancellableStore(
+      base, [&] { return cancelled.load(); }, "generation 3 superseded");
+  ExerciseStore(*s);
+  // Not cancelled: a missing key is the base's deadline.
+  EXPECT_TRUE(absl::IsDeadlineExceeded(s->Wait({"missing"}, 150ms)));
+  // A key set meanwhile ends the wait.
+  std::thread setter([&] {
+    std::this_thread::sleep_for(250ms);
+    ASSERT_TRUE(base->Set("late", "v").ok());
+  });
+  EXPECT_TRUE(s->Wait({"late"}, 10000ms).ok());
+  setter.join();
+  // Cancelled while waiting: ABORTED with the reason, long before the 10 s timeout.
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(200ms);
+    cancelled = true;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  Status w = s->Wait({"never"}, 10000ms);
+  canceller.join();
+  EXPECT_TRUE(absl::IsAborted(w)) << w;
+  EXPECT_NE(w.message().find("generation 3 superseded"), std::string::npos) << w;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2000ms);
+}
+
 TEST(StoreTest, FileStoreInAFileIsAClearError) {
   TempDir dir;
   strata::testing::WriteFile(dir.File("plain"), "x");
