@@ -407,7 +407,9 @@ int JoinAndTrain(const Flags& flags) {
   std::mutex mu;
   train::Trainer* active = nullptr;
   std::atomic<int64_t> training_generation{-1};
-  std::atomic<int64_t> latest_generation{-1};  // the newest the heartbeats have seen
+  // The newest generation the heartbeats have seen (shared: a connect left behind on its own
+  // thread may still ask after this function returns).
+  auto latest_generation = std::make_shared<std::atomic<int64_t>>(-1);
   std::atomic<bool> done{false};
   std::thread heartbeats([&] {
     bool reachable = true;
@@ -427,7 +429,7 @@ int JoinAndTrain(const Flags& flags) {
                            << (a.ok() ? "" : a.message());
           reachable = a.ok();
         }
-        latest_generation = std::max(latest_generation.load(), hb->number());
+        *latest_generation = std::max(latest_generation->load(), hb->number());
         std::lock_guard<std::mutex> lock(mu);
         if (active != nullptr && hb->number() > training_generation.load()) {
           active->AbortCollectives(
@@ -480,10 +482,13 @@ int JoinAndTrain(const Flags& flags) {
     train::WorkerOptions w;
     w.rank = rank;
     w.world_size = g->workers_size();
-    // A newer generation (another failure while this one connects) ends the rendezvous at once.
+    // A newer generation (another failure while this one connects) ends the rendezvous and the
+    // connecting at once.
+    w.superseded = [latest_generation, generation] {
+      return latest_generation->load() > generation;
+    };
     w.store = comm::MakeCancellableStore(
-        comm::MakePrefixStore(client.store(), comm::GenerationPrefix(generation)),
-        [&latest_generation, generation] { return latest_generation.load() > generation; },
+        comm::MakePrefixStore(client.store(), comm::GenerationPrefix(generation)), w.superseded,
         absl::StrFormat("generation %d was superseded while its workers connected", generation));
     w.hostname = info.host();
     w.elastic = true;

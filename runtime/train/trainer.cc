@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <optional>
 #include <set>
 #include <thread>
@@ -83,6 +84,25 @@ Status Trainer::SetUpTiered() {
   return absl::OkStatus();
 }
 
+StatusOr<std::unique_ptr<comm::Communicator>> Trainer::ConnectUnlessSuperseded(
+    std::function<StatusOr<std::unique_ptr<comm::Communicator>>()> connect) const {
+  const auto& superseded = options_.worker.superseded;
+  if (!superseded) return connect();
+  // Gloo's TCP connect to a peer that published its address and then died retries until the
+  // timeout, and nothing can interrupt it: connect on a thread of its own, and leave it behind
+  // (it ends at that timeout and drops what it made) when a newer generation makes it moot.
+  using Result = StatusOr<std::unique_ptr<comm::Communicator>>;
+  auto task = std::make_shared<std::packaged_task<Result()>>(std::move(connect));
+  std::future<Result> done = task->get_future();
+  std::thread([task] { (*task)(); }).detach();
+  while (done.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
+    if (superseded()) {
+      return absl::AbortedError("a newer generation formed while this one's workers connected");
+    }
+  }
+  return done.get();
+}
+
 Status Trainer::SetUpWorkers() {
   const config::JobConfig& cfg = options_.config;
   const WorkerOptions& w = options_.worker;
@@ -145,7 +165,9 @@ Status Trainer::SetUpWorkers() {
     comm::CommOptions o = co;
     o.rank = rank;
     o.world_size = size;
-    auto c = comm::ConnectGloo(comm::MakePrefixStore(w.store, prefix), o);
+    auto c = ConnectUnlessSuperseded([store = comm::MakePrefixStore(w.store, prefix), o] {
+      return comm::ConnectGloo(store, o);
+    });
     if (!c.ok()) {
       return Status(c.status().code(),
                     absl::StrCat("connecting the ", prefix, " group: ", c.status().message()));
@@ -162,8 +184,10 @@ Status Trainer::SetUpWorkers() {
       comm::CommOptions o = co;
       o.rank = w.rank % ep;
       o.world_size = ep;
-      auto c = comm::ConnectHierarchicalGloo(comm::MakePrefixStore(w.store, ep_prefix), o,
-                                             par.local_size());
+      auto c = ConnectUnlessSuperseded(
+          [store = comm::MakePrefixStore(w.store, ep_prefix), o, local = par.local_size()] {
+            return comm::ConnectHierarchicalGloo(store, o, local);
+          });
       if (!c.ok()) {
         return Status(c.status().code(),
                       absl::StrCat("connecting the ", ep_prefix,

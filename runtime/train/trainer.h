@@ -51,6 +51,8 @@ struct WorkerOptions {
   // just joined gets all of its state this way).
   bool rejoin = false;
   int64_t generation = 0;  // the membership generation, for metrics
+  // True once a newer generation has formed: connecting this one's communicators gives up.
+  std::function<bool()> superseded;
 };
 
 struct StepResult;
@@ -159,6 +161,9 @@ class Trainer {
 
   [[nodiscard]] Status SetUpTiered();
   [[nodiscard]] Status SetUpWorkers();
+  // Runs `connect` (a Connect*Gloo call) so that WorkerOptions::superseded can abandon it.
+  [[nodiscard]] StatusOr<std::unique_ptr<comm::Communicator>> ConnectUnlessSuperseded(
+      std::function<StatusOr<std::unique_ptr<comm::Communicator>>()> connect) const;
   // Builds model_ (with this worker's `first`, `count` experts when distributed), the exchange and
   // the data-parallel reducer around it, and the optimizer.
   [[nodiscard]] Status BuildModel(int64_t first, int64_t count);

@@ -224,6 +224,92 @@ TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess)
   EXPECT_EQ(LastStep(dir_.File("joiner.jsonl")), kSteps);
 }
 
+// The rank a launched worker has in generation 1, from its metrics file.
+int RankOf(const std::string& metrics) {
+  for (const auto& l : absl::StrSplit(ReadFile(metrics), '\n', absl::SkipEmpty())) {
+    return static_cast<int>(IntField(std::string(l), "rank"));
+  }
+  return -1;
+}
+
+TEST_F(ElasticTest, ASecondFailureWhileTheOthersReformIsRiddenThrough) {
+  // Ranks 1 and 3 of 4 die 40 ms apart: the second death lands while the survivors re-form
+  // without the first (their rendezvous must end at once, not at timeout_ms = 20 s). Their
+  // experts live on: rank 1's buddy is rank 2, rank 3's is rank 0.
+  constexpr int kSteps = 120;
+  WriteFile(dir_.File("job.textproto"), Config(kSteps));
+  const auto single = Single();
+  const std::string log = dir_.File("launch.log");
+  const pid_t launch = Spawn(absl::StrCat(
+      "cd ", dir_.path(), " && exec ", kStrata, " launch --config ", dir_.File("job.textproto"),
+      " --workers 4 --min-workers 2 --coordinator-dir coord --metrics-out m.jsonl > ", log,
+      " 2>&1"));
+  WaitFor([&] { return LastStep(dir_.File("m.jsonl.0")) >= 30; }, "step 30", log);
+  std::map<int, int> worker_of;  // rank -> launch's worker index
+  for (int i = 0; i < 4; ++i) worker_of[RankOf(dir_.File(absl::StrCat("m.jsonl.", i)))] = i;
+  ASSERT_EQ(worker_of.size(), 4u);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int rank : {1, 3}) {
+    auto k = RunCommand(absl::StrCat("pkill -KILL -f -- '", dir_.File("job.textproto"),
+                                     " --id [w]orker-", worker_of.at(rank), "'"));
+    ASSERT_EQ(k.exit_code, 0) << "no worker of rank " << rank << " to kill: " << k.output;
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  }
+  // Training goes on with 2 within a few seconds.
+  const std::vector<std::string> survivors = {dir_.File(absl::StrCat("m.jsonl.", worker_of.at(0))),
+                                              dir_.File(absl::StrCat("m.jsonl.", worker_of.at(2)))};
+  WaitFor(
+      [&] {
+        const Trajectory t = Read(survivors);
+        for (const auto& [gen, n] : t.workers) {
+          if (n == 2) return true;
+        }
+        return false;
+      },
+      "a step on 2 workers", log);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10)) << ReadFile(log);
+  EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
+  std::vector<std::string> files;
+  for (int i = 0; i < 4; ++i) files.push_back(dir_.File(absl::StrCat("m.jsonl.", i)));
+  ExpectMatchesSingle(Read(files), single, kSteps);
+}
+
+TEST_F(ElasticTest, DownToOneWorkerAndBackToTwo) {
+  constexpr int kSteps = 140;
+  WriteFile(dir_.File("job.textproto"), Config(kSteps));
+  const auto single = Single();
+  const std::string log = dir_.File("launch.log");
+  const pid_t launch = Spawn(absl::StrCat(
+      "cd ", dir_.path(), " && exec ", kStrata, " launch --config ", dir_.File("job.textproto"),
+      " --workers 2 --coordinator-dir coord --metrics-out m.jsonl > ", log, " 2>&1"));
+  WaitFor([&] { return LastStep(dir_.File("m.jsonl.1")) >= 30; }, "step 30", log);
+  auto k = RunCommand(
+      absl::StrCat("pkill -KILL -f -- '", dir_.File("job.textproto"), " --id [w]orker-1'"));
+  ASSERT_EQ(k.exit_code, 0) << "no worker-1 to kill: " << k.output;
+  // The survivor trains alone (no collectives at all), then a joiner brings it back to two.
+  WaitFor(
+      [&] {
+        const Trajectory t = Read({dir_.File("m.jsonl.0")});
+        int n = 0;
+        for (const auto& [step, gen] : t.generation) n += t.workers.at(gen) == 1;
+        return n >= 15;
+      },
+      "15 steps on 1 worker", log);
+  const std::string address = Between(ReadFile(log), "--coordinator ", " ");
+  const pid_t joiner = Spawn(absl::StrCat(
+      "cd ", dir_.path(), " && STRATA_JOB_TOKEN=$(cat coord/token) exec ", kStrata,
+      " worker --coordinator ", address,
+      " --config job.textproto --id joiner --quiet --metrics-out joiner.jsonl > joiner.log 2>&1"));
+  EXPECT_EQ(WaitExit(joiner), 0) << ReadFile(dir_.File("joiner.log"));
+  EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
+  const Trajectory t =
+      Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"), dir_.File("joiner.jsonl")});
+  EXPECT_EQ(t.generations, (std::set<int64_t>{1, 2, 3}));
+  EXPECT_EQ(t.workers.at(2), 1);
+  EXPECT_EQ(t.workers.at(3), 2);
+  ExpectMatchesSingle(t, single, kSteps);
+}
+
 TEST_F(ElasticTest, WithoutBuddyCopiesAFailureGoesBackToTheLatestCheckpoint) {
   constexpr int kSteps = 100;
   WriteFile(dir_.File("job.textproto"),
