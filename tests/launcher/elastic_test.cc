@@ -172,6 +172,13 @@ class ElasticTest : public ::testing::Test {
     EXPECT_EQ(r.exit_code, 0) << r.output;
     return SingleLosses(dir_.File("single.jsonl"));
   }
+  // `strata launch` of the job with these flags, its coordinator's folder "coord", metrics
+  // m.jsonl.<i>, output to `log`.
+  pid_t Launch(const std::string& flags, const std::string& log) {
+    return Spawn(absl::StrCat("cd ", dir_.path(), " && exec ", kStrata, " launch --config ",
+                              dir_.File("job.textproto"), " ", flags,
+                              " --coordinator-dir coord --metrics-out m.jsonl > ", log, " 2>&1"));
+  }
   TempDir dir_;
 };
 
@@ -180,11 +187,7 @@ TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess)
   WriteFile(dir_.File("job.textproto"), Config(kSteps));
   const auto single = Single();
   const std::string log = dir_.File("launch.log");
-  const pid_t launch = Spawn(absl::StrCat("cd ", dir_.path(), " && exec ", kStrata,
-                                          " launch --config ", dir_.File("job.textproto"),
-                                          " --workers 4 --min-workers 2 --max-workers 4 "
-                                          "--coordinator-dir coord --metrics-out m.jsonl > ",
-                                          log, " 2>&1"));
+  const pid_t launch = Launch("--workers 4 --min-workers 2 --max-workers 4", log);
   // SIGKILL worker-2 once it has trained 30 steps.
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.2")) >= 30; }, "step 30", log);
   auto k = RunCommand(
@@ -240,10 +243,7 @@ TEST_F(ElasticTest, ASecondFailureWhileTheOthersReformIsRiddenThrough) {
   WriteFile(dir_.File("job.textproto"), Config(kSteps));
   const auto single = Single();
   const std::string log = dir_.File("launch.log");
-  const pid_t launch = Spawn(absl::StrCat(
-      "cd ", dir_.path(), " && exec ", kStrata, " launch --config ", dir_.File("job.textproto"),
-      " --workers 4 --min-workers 2 --coordinator-dir coord --metrics-out m.jsonl > ", log,
-      " 2>&1"));
+  const pid_t launch = Launch("--workers 4 --min-workers 2", log);
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.0")) >= 30; }, "step 30", log);
   std::map<int, int> worker_of;  // rank -> launch's worker index
   for (int i = 0; i < 4; ++i) worker_of[RankOf(dir_.File(absl::StrCat("m.jsonl.", i)))] = i;
@@ -279,9 +279,7 @@ TEST_F(ElasticTest, DownToOneWorkerAndBackToTwo) {
   WriteFile(dir_.File("job.textproto"), Config(kSteps));
   const auto single = Single();
   const std::string log = dir_.File("launch.log");
-  const pid_t launch = Spawn(absl::StrCat(
-      "cd ", dir_.path(), " && exec ", kStrata, " launch --config ", dir_.File("job.textproto"),
-      " --workers 2 --coordinator-dir coord --metrics-out m.jsonl > ", log, " 2>&1"));
+  const pid_t launch = Launch("--workers 2", log);
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.1")) >= 30; }, "step 30", log);
   auto k = RunCommand(
       absl::StrCat("pkill -KILL -f -- '", dir_.File("job.textproto"), " --id [w]orker-1'"));
@@ -321,10 +319,7 @@ TEST_F(ElasticTest, WithoutBuddyCopiesAFailureGoesBackToTheLatestCheckpoint) {
   ASSERT_EQ(single_run.exit_code, 0) << single_run.output;
   const auto single = SingleLosses(dir_.File("single.jsonl"));
   const std::string log = dir_.File("launch.log");
-  const pid_t launch = Spawn(absl::StrCat(
-      "cd ", dir_.path(), " && exec ", kStrata, " launch --config ", dir_.File("job.textproto"),
-      " --workers 3 --min-workers 2 --coordinator-dir coord --metrics-out m.jsonl > ", log,
-      " 2>&1"));
+  const pid_t launch = Launch("--workers 3 --min-workers 2", log);
   // Past checkpoint 30 and before 40 is committed... or a little later: either way some steps
   // after the newest checkpoint are redone.
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.1")) >= 34; }, "step 34", log);
