@@ -1,15 +1,26 @@
 // Elastic training with real processes on loopback: `strata launch` (gRPC coordinator + workers),
 // a worker SIGKILLed mid-run, a new worker joining, the coordinator itself killed and restarted.
 //
-// What is compared. The reference is `strata train` (one process) on the same config: the global
-// batch is fixed and every step's samples are a function of the step alone, so however the workers
-// change, step s trains on the same samples with the same state as the single process, and the
-// losses agree within the distributed tolerance of tests/runtime/distributed_test.cc (1e-5; the
-// measured difference is ~1e-6). A step cut short by a failure is redone by the next generation,
-// so a metrics file may list a step twice: the line of the highest generation is the one that
-// counted. The samples: each line names the global sample range its worker trained on; per step,
-// the ranges of the generation that counted must tile [s * B, (s + 1) * B) exactly — no sample
-// lost or seen twice.
+// What is compared. The global batch is fixed and every step's samples are a function of the
+// step alone; so each step's per-worker sample ranges must tile [s * B, (s + 1) * B) exactly (no
+// sample lost or seen twice), and each step computes what an uninterrupted job computes with the
+// same workers. The reference is such a job, replayed without failures: one `strata launch` per
+// membership of the elastic run (the same worker count over the same steps), each resuming the
+// previous one's checkpoint (checkpoints are exact, and the schedule is CONSTANT so that stopping
+// early does not change the learning rate). The losses must agree within the distributed
+// tolerance, 1e-5 (measured: equal to the printed digits). A replayed segment loads its state
+// through the same import as a re-formed generation, so the import itself is checked against
+// `strata train` by AFourWorkerCheckpointResumesOnTwoWorkers (dropping the imported experts fails
+// it), and what the replay cannot share with the elastic run — which copy each expert comes from
+// (previous owner, buddy, rollback) — is checked here (labelling buddy copies one step off fails
+// the first test).
+//
+// Why not `strata train`: a job's float reductions depend on its worker count (sums of partial
+// sums), and this small MoE model amplifies such 1e-7 differences once a token's top-2 choice
+// flips on a near tie: uninterrupted 2- and 3-worker runs of this config depart from the single
+// process by up to 8.6e-4 within 48 steps (measured), while a 4-worker one stays at 1e-7. A step
+// cut short by a failure is redone by the next generation, so a metrics file may list a step
+// twice: the line of the highest generation is the one that counted.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -22,7 +33,6 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "tests/test_util.h"
@@ -46,7 +56,8 @@ std::string Config(int steps, const std::string& extra = "") {
       "data { path: \"text.txt\" }\n"
       "train { steps: ",
       steps, " global_batch: ", kBatch,
-      " lr: 0.004 warmup_steps: 2 eval_every: 0 eval_batches: 2 threads: 1 log_every: 5 }\n"
+      " lr: 0.004 warmup_steps: 2 schedule: CONSTANT eval_every: 0 eval_batches: 2 threads: 1 "
+      "log_every: 5 }\n"
       "parallel { expert_parallel: 0 timeout_ms: 20000 }\n",
       extra);
 }
@@ -103,12 +114,12 @@ std::map<int64_t, double> SingleLosses(const std::string& path) {
   return out;
 }
 
-// Every step 1..steps trained exactly the step's samples, and its loss matches the single process.
-void ExpectMatchesSingle(const Trajectory& t, const std::map<int64_t, double>& single, int steps) {
-  ASSERT_EQ(static_cast<int>(single.size()), steps);
+// Every step 1..steps trained exactly the step's samples, and its loss matches the reference.
+void ExpectMatches(const Trajectory& t, const std::map<int64_t, double>& reference, int steps) {
+  ASSERT_EQ(static_cast<int>(reference.size()), steps);
   ASSERT_EQ(static_cast<int>(t.loss.size()), steps) << "steps missing from the metrics";
   for (int64_t s = 1; s <= steps; ++s) {
-    EXPECT_NEAR(t.loss.at(s), single.at(s), 1e-5) << "step " << s;
+    EXPECT_NEAR(t.loss.at(s), reference.at(s), 1e-5) << "step " << s;
     auto r = t.ranges.at(s);
     std::sort(r.begin(), r.end());
     int64_t next = (s - 1) * kBatch;
@@ -118,6 +129,21 @@ void ExpectMatchesSingle(const Trajectory& t, const std::map<int64_t, double>& s
     }
     EXPECT_EQ(next, s * kBatch) << "step " << s;
   }
+}
+
+// The memberships of an elastic run as (workers, last step): each generation that trained, up to
+// the step the next one started from.
+std::vector<std::pair<int, int64_t>> Memberships(const Trajectory& t, int steps) {
+  std::map<int64_t, int64_t> first;  // generation -> its first counted step
+  for (const auto& [step, gen] : t.generation) {
+    if (!first.count(gen) || step < first[gen]) first[gen] = step;
+  }
+  std::vector<std::pair<int, int64_t>> out;
+  for (auto it = first.begin(); it != first.end(); ++it) {
+    auto next = std::next(it);
+    out.emplace_back(t.workers.at(it->first), next == first.end() ? steps : next->second - 1);
+  }
+  return out;
 }
 
 pid_t Spawn(const std::string& cmd) {
@@ -165,12 +191,23 @@ std::string Between(const std::string& s, const std::string& before, const std::
 class ElasticTest : public ::testing::Test {
  protected:
   void SetUp() override { WriteFile(dir_.File("text.txt"), strata::testing::SyntheticText(30000)); }
-  std::map<int64_t, double> Single() {
-    auto r = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
-                                     " train --config job.textproto --quiet --metrics-out "
-                                     "single.jsonl"));
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    return SingleLosses(dir_.File("single.jsonl"));
+  // The reference: the memberships replayed without failures, each a `strata launch` resuming
+  // the previous one's checkpoint.
+  std::map<int64_t, double> Replay(const std::vector<std::pair<int, int64_t>>& memberships) {
+    std::map<int64_t, double> out;
+    for (size_t i = 0; i < memberships.size(); ++i) {
+      const auto [workers, last] = memberships[i];
+      if (i > 0 && last <= memberships[i - 1].second) continue;  // it trained no step
+      const std::string metrics = absl::StrCat("replay", i, ".jsonl");
+      auto r = RunCommand(
+          absl::StrCat("cd ", dir_.path(), " && ", kStrata,
+                       " launch --config job.textproto --quiet --workers ", workers, " --steps ",
+                       last, " --checkpoint-dir replay-ckpt --checkpoint-every 1 --metrics-out ",
+                       metrics, i > 0 ? " --resume" : ""));
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+      for (const auto& [step, loss] : SingleLosses(dir_.File(metrics + ".0"))) out[step] = loss;
+    }
+    return out;
   }
   // `strata launch` of the job with these flags, its coordinator's folder "coord", metrics
   // m.jsonl.<i>, output to `log`.
@@ -183,25 +220,24 @@ class ElasticTest : public ::testing::Test {
 };
 
 TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess) {
-  constexpr int kSteps = 140;
+  constexpr int kSteps = 80;
   WriteFile(dir_.File("job.textproto"), Config(kSteps));
-  const auto single = Single();
   const std::string log = dir_.File("launch.log");
   const pid_t launch = Launch("--workers 4 --min-workers 2 --max-workers 4", log);
-  // SIGKILL worker-2 once it has trained 30 steps.
-  WaitFor([&] { return LastStep(dir_.File("m.jsonl.2")) >= 30; }, "step 30", log);
+  // SIGKILL worker-2 once it has trained 15 steps.
+  WaitFor([&] { return LastStep(dir_.File("m.jsonl.2")) >= 15; }, "step 15", log);
   auto k = RunCommand(
       absl::StrCat("pkill -KILL -f -- '", dir_.File("job.textproto"), " --id [w]orker-2'"));
   ASSERT_EQ(k.exit_code, 0) << "no worker-2 to kill: " << k.output;
-  // Three workers go on; once they trained 20 steps together, a new worker joins.
+  // Three workers go on; once they trained 15 steps together, a new worker joins.
   const auto three = [&] {
     const Trajectory t =
         Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"), dir_.File("m.jsonl.3")});
     int n = 0;
     for (const auto& [step, gen] : t.generation) n += t.workers.at(gen) == 3;
-    return n >= 20;
+    return n >= 15;
   };
-  WaitFor(three, "20 steps on 3 workers", log);
+  WaitFor(three, "15 steps on 3 workers", log);
   const std::string out = ReadFile(log);
   const std::string address = Between(out, "--coordinator ", " ");
   ASSERT_FALSE(address.empty()) << out;
@@ -222,7 +258,7 @@ TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess)
   EXPECT_EQ(t.workers.at(1), 4);
   EXPECT_EQ(t.workers.at(2), 3);
   EXPECT_EQ(t.workers.at(3), 4);
-  ExpectMatchesSingle(t, single, kSteps);
+  ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
   // The joiner trained to the end, from the step its generation began.
   EXPECT_EQ(LastStep(dir_.File("joiner.jsonl")), kSteps);
 }
@@ -239,12 +275,11 @@ TEST_F(ElasticTest, ASecondFailureWhileTheOthersReformIsRiddenThrough) {
   // Ranks 1 and 3 of 4 die 40 ms apart: the second death lands while the survivors re-form
   // without the first (their rendezvous must end at once, not at timeout_ms = 20 s). Their
   // experts live on: rank 1's buddy is rank 2, rank 3's is rank 0.
-  constexpr int kSteps = 120;
+  constexpr int kSteps = 80;
   WriteFile(dir_.File("job.textproto"), Config(kSteps));
-  const auto single = Single();
   const std::string log = dir_.File("launch.log");
   const pid_t launch = Launch("--workers 4 --min-workers 2", log);
-  WaitFor([&] { return LastStep(dir_.File("m.jsonl.0")) >= 30; }, "step 30", log);
+  WaitFor([&] { return LastStep(dir_.File("m.jsonl.0")) >= 20; }, "step 20", log);
   std::map<int, int> worker_of;  // rank -> launch's worker index
   for (int i = 0; i < 4; ++i) worker_of[RankOf(dir_.File(absl::StrCat("m.jsonl.", i)))] = i;
   ASSERT_EQ(worker_of.size(), 4u);
@@ -271,13 +306,13 @@ TEST_F(ElasticTest, ASecondFailureWhileTheOthersReformIsRiddenThrough) {
   EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
   std::vector<std::string> files;
   for (int i = 0; i < 4; ++i) files.push_back(dir_.File(absl::StrCat("m.jsonl.", i)));
-  ExpectMatchesSingle(Read(files), single, kSteps);
+  const Trajectory t = Read(files);
+  ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
 }
 
 TEST_F(ElasticTest, DownToOneWorkerAndBackToTwo) {
-  constexpr int kSteps = 140;
+  constexpr int kSteps = 80;
   WriteFile(dir_.File("job.textproto"), Config(kSteps));
-  const auto single = Single();
   const std::string log = dir_.File("launch.log");
   const pid_t launch = Launch("--workers 2", log);
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.1")) >= 30; }, "step 30", log);
@@ -305,21 +340,16 @@ TEST_F(ElasticTest, DownToOneWorkerAndBackToTwo) {
   EXPECT_EQ(t.generations, (std::set<int64_t>{1, 2, 3}));
   EXPECT_EQ(t.workers.at(2), 1);
   EXPECT_EQ(t.workers.at(3), 2);
-  ExpectMatchesSingle(t, single, kSteps);
+  ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
 }
 
 TEST_F(ElasticTest, WithoutBuddyCopiesAFailureGoesBackToTheLatestCheckpoint) {
   constexpr int kSteps = 100;
   WriteFile(dir_.File("job.textproto"),
             Config(kSteps, "elastic { replicas: 0 }\ncheckpoint { every: 10 dir: \"ckpt\" }\n"));
-  auto single_run = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
-                                            " train --config job.textproto --quiet "
-                                            "--checkpoint-dir single-ckpt --metrics-out "
-                                            "single.jsonl"));
-  ASSERT_EQ(single_run.exit_code, 0) << single_run.output;
-  const auto single = SingleLosses(dir_.File("single.jsonl"));
   const std::string log = dir_.File("launch.log");
-  const pid_t launch = Launch("--workers 3 --min-workers 2", log);
+  // Two workers without buddy copies: the survivor alone cannot hold the dead one's experts.
+  const pid_t launch = Launch("--workers 2", log);
   // Past checkpoint 30 and before 40 is committed... or a little later: either way some steps
   // after the newest checkpoint are redone.
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.1")) >= 34; }, "step 34", log);
@@ -329,10 +359,9 @@ TEST_F(ElasticTest, WithoutBuddyCopiesAFailureGoesBackToTheLatestCheckpoint) {
   EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
   const std::string out = ReadFile(log);
   EXPECT_NE(out.find("going back to the latest checkpoint"), std::string::npos) << out;
-  const Trajectory t =
-      Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"), dir_.File("m.jsonl.2")});
+  const Trajectory t = Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1")});
   EXPECT_EQ(t.generations, (std::set<int64_t>{1, 2}));
-  EXPECT_EQ(t.workers.at(2), 2);
+  EXPECT_EQ(t.workers.at(2), 1);
   // Generation 2 began at a checkpoint (a multiple of 10) at or before the failure.
   int64_t first_of_2 = kSteps + 1, last_of_1 = 0;
   for (const auto& [step, gen] : t.generation) {
@@ -343,13 +372,12 @@ TEST_F(ElasticTest, WithoutBuddyCopiesAFailureGoesBackToTheLatestCheckpoint) {
   }
   EXPECT_EQ((first_of_2 - 1) % 10, 0) << first_of_2;
   EXPECT_LE(first_of_2 - 1, last_of_1);
-  ExpectMatchesSingle(t, single, kSteps);
+  ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
 }
 
 TEST_F(ElasticTest, AJobRidesThroughItsCoordinatorBeingKilledAndRestarted) {
-  constexpr int kSteps = 120;
+  constexpr int kSteps = 80;
   WriteFile(dir_.File("job.textproto"), Config(kSteps));
-  const auto single = Single();
   const std::string clog = dir_.File("coordinator.log");
   const std::string coordinator_cmd =
       absl::StrCat("cd ", dir_.path(), " && STRATA_JOB_TOKEN=secret exec ", kStrata,
@@ -383,18 +411,17 @@ TEST_F(ElasticTest, AJobRidesThroughItsCoordinatorBeingKilledAndRestarted) {
   WaitExit(coordinator);
   const Trajectory t = Read({dir_.File("m0.jsonl"), dir_.File("m1.jsonl")});
   EXPECT_EQ(t.generations, (std::set<int64_t>{1}));  // nothing re-formed: no worker changed
-  ExpectMatchesSingle(t, single, kSteps);
+  ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
   EXPECT_NE(ReadFile(dir_.File("w0.log")).find("answers again"), std::string::npos)
       << ReadFile(dir_.File("w0.log"));
 }
 
 TEST_F(ElasticTest, AFourWorkerCheckpointResumesOnTwoWorkers) {
-  // A constant learning rate after warm-up, so that stopping at step 20 (--steps 20) trains the
-  // same first 20 steps as the 40-step reference.
+  // The schedule is constant after warm-up, so stopping at step 20 (--steps 20) trains the same
+  // first 20 steps as the 40-step single process, the reference here (4 workers compute what it
+  // does to 1e-7, and 20 steps on 2 stay within the tolerance: measured 1e-7).
   constexpr int kSteps = 40;
-  WriteFile(dir_.File("job.textproto"),
-            absl::StrReplaceAll(Config(kSteps, "checkpoint { every: 10 dir: \"ckpt\" }\n"),
-                                {{"log_every: 5", "log_every: 5 schedule: CONSTANT"}}));
+  WriteFile(dir_.File("job.textproto"), Config(kSteps, "checkpoint { every: 10 dir: \"ckpt\" }\n"));
   auto single = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
                                         " train --config job.textproto --quiet --checkpoint-dir "
                                         "single-ckpt --metrics-out single.jsonl"));
