@@ -11,9 +11,10 @@
 // breaking things on purpose: every worker taking the same samples fails all layouts, a wrong
 // aux-loss gradient scale fails all, gradients left unaveraged fail all (through the norm; Adam
 // and clipping hide a constant factor from the losses), and dropping the loss weight of a worker
-// with an uneven share of the batch (8 sequences over 3 workers: 2, 3, 3) fails that layout. With storage.mode TIERED every worker keeps
-// its own experts in its own tiers (a temporary SSD folder each, small budgets so experts do go to
-// the SSD) and is compared with a tiered single process.
+// with an uneven share of the batch (8 sequences over 3 workers: 2, 3, 3) fails that layout.
+// With storage.mode TIERED every worker keeps its own experts in its own tiers (a temporary SSD
+// folder each, small budgets so experts do go to the SSD) and is compared with a tiered single
+// process.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
