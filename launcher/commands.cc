@@ -537,6 +537,12 @@ int JoinAndTrain(const Flags& flags) {
     const auto wait_until =
         std::chrono::steady_clock::now() +
         (comm_error ? 2 * heartbeat_timeout + std::chrono::seconds(1) : std::chrono::seconds(0));
+    // A worker that finished the job's last step ended it: this one's failed step is moot.
+    if (auto st = client.GetStatus(); st.ok() && st->finished()) {
+      STRATA_LOG(INFO) << "worker " << id << ": the job finished on its other workers ("
+                       << s.message() << ")";
+      return finish(0);
+    }
     bool newer = false;
     while (true) {
       auto now = Retrying("heartbeat", address, [&] { return client.Heartbeat(id); });
@@ -795,8 +801,9 @@ int LaunchCommand(const std::vector<std::string>& args) {
       if (alive > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     if (tty && !quiet && shown_generation >= 0) std::printf("\n");
-    const int64_t reached = (*state)->Snapshot().step();
-    if (reached < total) {
+    const auto last = (*state)->Snapshot();
+    const int64_t reached = last.step();
+    if (reached < total && !last.finished()) {
       std::fprintf(stderr, "strata launch: the job stopped at step %lld of %lld\n",
                    static_cast<long long>(reached), static_cast<long long>(total));
       rc = 1;

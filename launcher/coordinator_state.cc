@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "runtime/common/logging.h"
 
 namespace strata::launcher {
 
@@ -115,6 +116,7 @@ Status CoordinatorState::PersistLocked() {
 
 Status CoordinatorState::NewGenerationLocked(std::vector<coordinator::WorkerInfo> workers,
                                              const char* reason, Time now) {
+  if (record_.finished()) return absl::OkStatus();  // the job is done: nobody re-forms
   coordinator::CoordinatorRecord next = record_;
   coordinator::Generation* g = next.mutable_generation();
   g->set_number(record_.generation().number() + 1);
@@ -397,6 +399,13 @@ Status CoordinatorState::StreamBroken(const std::string& id, Time now) {
 void CoordinatorState::Finished(const std::string& id) {
   std::lock_guard<std::mutex> lock(mu_);
   last_seen_.erase(id);
+  if (!IsMemberLocked(id) || record_.finished()) return;
+  record_.set_finished(true);
+  Status s = PersistLocked();
+  if (!s.ok()) {
+    record_.set_finished(false);
+    STRATA_LOG(ERROR) << "recording that the job finished: " << s.message();
+  }
 }
 
 StatusOr<int> CoordinatorState::Tick(Time now) {

@@ -284,6 +284,21 @@ TEST_F(CoordinatorStateTest, ARestartedCoordinatorTakesEachMembersNextReportAndW
   EXPECT_EQ(*failed, 2);
 }
 
+TEST_F(CoordinatorStateTest, OnceAWorkerFinishedTheJobNoGenerationForms) {
+  auto c = Open(/*initial=*/3, /*min=*/1);
+  for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  AllReport(*c, 1, t0_);
+  // a finished the last step; c dies before finishing it: b is not asked to re-form with a
+  // worker that has left.
+  c->Finished("a");
+  EXPECT_TRUE(c->Snapshot().finished());
+  ASSERT_TRUE(c->StreamBroken("c", t0_).ok());
+  EXPECT_EQ(c->Snapshot().generation().number(), 1);
+  auto failed = c->Tick(t0_ + milliseconds(5000));
+  ASSERT_TRUE(failed.ok());
+  EXPECT_EQ(c->Snapshot().generation().number(), 1);
+}
+
 TEST_F(CoordinatorStateTest, ADamagedRecordIsAClearErrorNamingTheFolder) {
   { auto c = Open(); }
   for (const auto& f : std::filesystem::directory_iterator(dir_.File("coordinator"))) {
