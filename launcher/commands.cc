@@ -921,6 +921,7 @@ int StatusCommand(const std::vector<std::string>& args) {
   for (const auto& w : r->pending()) {
     std::printf("  pending  %s  %s\n", w.id().c_str(), w.host().c_str());
   }
+  if (r->finished()) std::printf("the job finished\n");
   if (r->tokens_per_s() > 0) std::printf("throughput %.0f tokens/s\n", r->tokens_per_s());
   if (r->experts_per_worker_size() > 0) {
     std::printf("experts per rank: %s\n", absl::StrJoin(r->experts_per_worker(), " ").c_str());

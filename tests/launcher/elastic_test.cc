@@ -407,6 +407,7 @@ TEST_F(ElasticTest, AJobRidesThroughItsCoordinatorBeingKilledAndRestarted) {
   EXPECT_NE(restarted.find("generation 1"), std::string::npos) << restarted;
   auto status = RunCommand(absl::StrCat("STRATA_JOB_TOKEN=secret ", kStrata, " status ", address));
   EXPECT_NE(status.output.find(absl::StrCat("step ", kSteps)), std::string::npos) << status.output;
+  EXPECT_NE(status.output.find("the job finished"), std::string::npos) << status.output;
   kill(coordinator, SIGTERM);
   WaitExit(coordinator);
   const Trajectory t = Read({dir_.File("m0.jsonl"), dir_.File("m1.jsonl")});
