@@ -209,6 +209,20 @@ class ElasticTest : public ::testing::Test {
     }
     return out;
   }
+  // SIGKILLs the launch's worker-<i> of this test's job.
+  ::testing::AssertionResult KillWorker(int i) {
+    auto k = RunCommand(
+        absl::StrCat("pkill -KILL -f -- '", dir_.File("job.textproto"), " --id [w]orker-", i, "'"));
+    if (k.exit_code == 0) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << "no worker-" << i << " to kill: " << k.output;
+  }
+  // `strata worker --coordinator address` joining the launched job, metrics to joiner.jsonl.
+  pid_t StartJoiner(const std::string& address) {
+    return Spawn(absl::StrCat("cd ", dir_.path(), " && STRATA_JOB_TOKEN=$(cat coord/token) exec ",
+                              kStrata, " worker --coordinator ", address,
+                              " --config job.textproto --id joiner --quiet --metrics-out "
+                              "joiner.jsonl > joiner.log 2>&1"));
+  }
   // `strata launch` of the job with these flags, its coordinator's folder "coord", metrics
   // m.jsonl.<i>, output to `log`.
   pid_t Launch(const std::string& flags, const std::string& log) {
@@ -226,9 +240,7 @@ TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess)
   const pid_t launch = Launch("--workers 4 --min-workers 2 --max-workers 4", log);
   // SIGKILL worker-2 once it has trained 15 steps.
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.2")) >= 15; }, "step 15", log);
-  auto k = RunCommand(
-      absl::StrCat("pkill -KILL -f -- '", dir_.File("job.textproto"), " --id [w]orker-2'"));
-  ASSERT_EQ(k.exit_code, 0) << "no worker-2 to kill: " << k.output;
+  ASSERT_TRUE(KillWorker(2));
   // Three workers go on; once they trained 15 steps together, a new worker joins.
   const auto three = [&] {
     const Trajectory t =
@@ -241,10 +253,7 @@ TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess)
   const std::string out = ReadFile(log);
   const std::string address = Between(out, "--coordinator ", " ");
   ASSERT_FALSE(address.empty()) << out;
-  const pid_t joiner = Spawn(absl::StrCat(
-      "cd ", dir_.path(), " && STRATA_JOB_TOKEN=$(cat coord/token) exec ", kStrata,
-      " worker --coordinator ", address,
-      " --config job.textproto --id joiner --quiet --metrics-out joiner.jsonl > joiner.log 2>&1"));
+  const pid_t joiner = StartJoiner(address);
   EXPECT_EQ(WaitExit(joiner), 0) << ReadFile(dir_.File("joiner.log"));
   EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
   const std::string launched = ReadFile(log);
@@ -285,9 +294,7 @@ TEST_F(ElasticTest, ASecondFailureWhileTheOthersReformIsRiddenThrough) {
   ASSERT_EQ(worker_of.size(), 4u);
   const auto t0 = std::chrono::steady_clock::now();
   for (int rank : {1, 3}) {
-    auto k = RunCommand(absl::StrCat("pkill -KILL -f -- '", dir_.File("job.textproto"),
-                                     " --id [w]orker-", worker_of.at(rank), "'"));
-    ASSERT_EQ(k.exit_code, 0) << "no worker of rank " << rank << " to kill: " << k.output;
+    ASSERT_TRUE(KillWorker(worker_of.at(rank))) << "rank " << rank;
     std::this_thread::sleep_for(std::chrono::milliseconds(40));
   }
   // Training goes on with 2 within a few seconds.
@@ -318,9 +325,7 @@ TEST_F(ElasticTest, DownToOneWorkerAndBackToTwo) {
   const std::string log = dir_.File("launch.log");
   const pid_t launch = Launch("--workers 2", log);
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.1")) >= 30; }, "step 30", log);
-  auto k = RunCommand(
-      absl::StrCat("pkill -KILL -f -- '", dir_.File("job.textproto"), " --id [w]orker-1'"));
-  ASSERT_EQ(k.exit_code, 0) << "no worker-1 to kill: " << k.output;
+  ASSERT_TRUE(KillWorker(1));
   // The survivor trains alone (no collectives at all); once it has, a joiner brings it back to
   // two (joining earlier, while the coordinator still counts two members, would be refused: the
   // job's maximum is the 2 workers it started with).
@@ -334,10 +339,7 @@ TEST_F(ElasticTest, DownToOneWorkerAndBackToTwo) {
       },
       "a step on 1 worker", log);
   const std::string address = Between(ReadFile(log), "--coordinator ", " ");
-  const pid_t joiner = Spawn(absl::StrCat(
-      "cd ", dir_.path(), " && STRATA_JOB_TOKEN=$(cat coord/token) exec ", kStrata,
-      " worker --coordinator ", address,
-      " --config job.textproto --id joiner --quiet --metrics-out joiner.jsonl > joiner.log 2>&1"));
+  const pid_t joiner = StartJoiner(address);
   EXPECT_EQ(WaitExit(joiner), 0) << ReadFile(dir_.File("joiner.log"));
   EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
   const Trajectory t =
@@ -358,9 +360,7 @@ TEST_F(ElasticTest, WithoutBuddyCopiesAFailureGoesBackToTheLatestCheckpoint) {
   // Past checkpoint 30 and before 40 is committed... or a little later: either way some steps
   // after the newest checkpoint are redone.
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.1")) >= 34; }, "step 34", log);
-  auto k = RunCommand(
-      absl::StrCat("pkill -KILL -f -- '", dir_.File("job.textproto"), " --id [w]orker-1'"));
-  ASSERT_EQ(k.exit_code, 0) << "no worker-1 to kill: " << k.output;
+  ASSERT_TRUE(KillWorker(1));
   EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
   const std::string out = ReadFile(log);
   EXPECT_NE(out.find("going back to the latest checkpoint"), std::string::npos) << out;
