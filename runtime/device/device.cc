@@ -4,11 +4,56 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
+#include "runtime/device/cuda_internal.h"
 
 namespace strata {
 
 #ifndef STRATA_WITH_CUDA
 int CudaDeviceCount() { return 0; }
+std::string CudaDeviceDescription(int) { return "no CUDA device (strata built without CUDA)"; }
+StatusOr<bool> PinHostMemory(void*, size_t) { return false; }
+void UnpinHostMemory(void*) {}
+void CopyBytes(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+}
+
+StatusOr<std::unique_ptr<CopyStream>> CopyStream::Create(Device device) {
+  if (!device.is_cpu()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a copy stream on ", device.ToString(), " needs strata built with CUDA (STRATA_CUDA=ON)"));
+  }
+  return std::unique_ptr<CopyStream>(new CopyStream(device, nullptr));
+}
+CopyStream::~CopyStream() = default;
+Status CopyStream::CopyAsync(void* dst, const void* src, size_t bytes) {
+  CopyBytes(dst, src, bytes);
+  return absl::OkStatus();
+}
+Status CopyStream::Record(CopyEvent*) { return absl::OkStatus(); }
+Status CopyStream::Wait(const CopyEvent&) { return absl::OkStatus(); }
+Status CopyStream::WaitForDeviceWork() { return absl::OkStatus(); }
+Status CopyStream::Synchronize() { return absl::OkStatus(); }
+CopyEvent::~CopyEvent() = default;
+bool CopyEvent::Done() const { return true; }
+Status CopyEvent::Synchronize() const { return absl::OkStatus(); }
+
+namespace internal {
+Status CudaMalloc(int device, size_t, void** out) {
+  *out = nullptr;
+  return absl::FailedPreconditionError(
+      absl::StrCat("cuda:", device,
+                   " requested but strata was built without CUDA; rebuild with nvcc on PATH "
+                   "(STRATA_CUDA=AUTO or ON) or use the CPU device"));
+}
+void CudaFree(int, void*) {}
+Status CudaHostAlloc(size_t, void** out) {
+  *out = nullptr;
+  return absl::OkStatus();
+}
+void CudaFreeHost(void*) {}
+void CudaCopy(void* dst, const void* src, size_t bytes) { CopyBytes(dst, src, bytes); }
+void CudaZero(int, void*, size_t) { CHECK(false) << "no CUDA memory in a build without CUDA"; }
+}  // namespace internal
 #endif
 
 std::string Device::ToString() const {
@@ -38,11 +83,16 @@ void MemoryBudget::Release(size_t bytes) { used_.fetch_sub(bytes); }
 
 StatusOr<std::shared_ptr<Buffer>> Buffer::Allocate(Device device, size_t bytes,
                                                    MemoryBudget* budget) {
-  if (!device.is_cpu()) {
-    return absl::UnimplementedError(
-        absl::StrCat("allocation on ", device.ToString(), " needs the CUDA backend"));
-  }
   if (budget != nullptr) RETURN_IF_ERROR(budget->Reserve(bytes));
+  if (!device.is_cpu()) {
+    void* data = nullptr;
+    Status s = internal::CudaMalloc(device.index, bytes, &data);
+    if (!s.ok()) {
+      if (budget != nullptr) budget->Release(bytes);
+      return s;
+    }
+    return std::shared_ptr<Buffer>(new Buffer(device, data, bytes, budget, Kind::kCuda));
+  }
   size_t rounded = (bytes + 63) / 64 * 64;
   void* data = rounded == 0 ? nullptr : std::aligned_alloc(64, rounded);
   if (rounded != 0 && data == nullptr) {
@@ -50,16 +100,42 @@ StatusOr<std::shared_ptr<Buffer>> Buffer::Allocate(Device device, size_t bytes,
     return absl::ResourceExhaustedError(
         absl::StrCat("out of host memory allocating ", bytes, " bytes"));
   }
-  return std::shared_ptr<Buffer>(new Buffer(device, data, bytes, budget));
+  return std::shared_ptr<Buffer>(new Buffer(device, data, bytes, budget, Kind::kHost));
+}
+
+StatusOr<std::shared_ptr<Buffer>> Buffer::AllocatePinned(size_t bytes, MemoryBudget* budget) {
+  if (budget != nullptr) RETURN_IF_ERROR(budget->Reserve(bytes));
+  void* data = nullptr;
+  Status s = internal::CudaHostAlloc(bytes, &data);
+  if (!s.ok()) {
+    if (budget != nullptr) budget->Release(bytes);
+    return s;
+  }
+  if (data != nullptr) {
+    return std::shared_ptr<Buffer>(new Buffer(Device::Cpu(), data, bytes, budget, Kind::kPinned));
+  }
+  if (budget != nullptr) budget->Release(bytes);
+  return Allocate(Device::Cpu(), bytes, budget);  // no GPU: nothing to pin for
 }
 
 std::shared_ptr<Buffer> Buffer::Wrap(Device device, void* data, size_t bytes) {
-  return std::shared_ptr<Buffer>(new Buffer(device, data, bytes, nullptr, /*owned=*/false));
+  return std::shared_ptr<Buffer>(new Buffer(device, data, bytes, nullptr, Kind::kWrapped));
 }
 
 Buffer::~Buffer() {
-  if (!owned_) return;
-  std::free(data_);
+  switch (kind_) {
+    case Kind::kWrapped:
+      return;
+    case Kind::kHost:
+      std::free(data_);
+      break;
+    case Kind::kPinned:
+      internal::CudaFreeHost(data_);
+      break;
+    case Kind::kCuda:
+      internal::CudaFree(device_.index, data_);
+      break;
+  }
   if (budget_ != nullptr) budget_->Release(bytes_);
 }
 
@@ -168,14 +244,35 @@ Tensor Tensor::Rows(int64_t begin, int64_t end) const {
   return t;
 }
 
+void ZeroBytes(Device device, void* data, size_t bytes) {
+  if (bytes == 0) return;
+  if (device.is_cpu()) {
+    std::memset(data, 0, bytes);
+  } else {
+    internal::CudaZero(device.index, data, bytes);
+  }
+}
+
 void Tensor::SetZero() {
-  if (defined() && bytes() > 0) std::memset(raw_data(), 0, bytes());
+  if (defined()) ZeroBytes(device(), raw_data(), bytes());
 }
 
 void Tensor::CopyFrom(const Tensor& src) {
   CHECK(src.shape_ == shape_ && src.dtype_ == dtype_)
       << src.ShapeString() << " -> " << ShapeString();
-  if (bytes() > 0) std::memcpy(raw_data(), src.raw_data(), bytes());
+  if (bytes() == 0) return;
+  if (device().is_cpu() && src.device().is_cpu()) {
+    std::memcpy(raw_data(), src.raw_data(), bytes());
+  } else {
+    internal::CudaCopy(raw_data(), src.raw_data(), bytes());
+  }
+}
+
+Tensor Tensor::To(Device device) const {
+  if (!defined() || this->device() == device) return *this;
+  Tensor t = Empty(shape_, dtype_, device);
+  t.CopyFrom(*this);
+  return t;
 }
 
 }  // namespace strata

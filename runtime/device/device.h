@@ -41,6 +41,74 @@ struct Device {
 // when no GPU is present. Never fails.
 int CudaDeviceCount();
 
+// The GPU's name, driver and runtime versions ("NVIDIA H100 80GB HBM3, driver 13.0, runtime
+// 13.0"), or why there is none. For logs and benchmark headers.
+std::string CudaDeviceDescription(int index = 0);
+
+// Page-locks host memory [data, data + bytes) for the GPU (cudaHostRegister) so copies from and
+// to it run at full bus speed and asynchronously. Returns false and does nothing where there is
+// no GPU; an error if the driver refuses. Undo with UnpinHostMemory before freeing the memory.
+[[nodiscard]] StatusOr<bool> PinHostMemory(void* data, size_t bytes);
+void UnpinHostMemory(void* data);
+
+// Copies `bytes` between any two of host and device memory (cudaMemcpy with unified addressing;
+// memcpy for host to host). Synchronous.
+void CopyBytes(void* dst, const void* src, size_t bytes);
+// Zeroes `bytes` at `data` on `device` (memset, or cudaMemset ordered before later work).
+void ZeroBytes(Device device, void* data, size_t bytes);
+
+// An ordered queue of copies between host and device memory (a CUDA stream on `device`'s GPU),
+// with events to order it against other queues. On the CPU device the copies run at once and the
+// events are always complete, so callers have one code path.
+class CopyEvent;
+class CopyStream {
+ public:
+  [[nodiscard]] static StatusOr<std::unique_ptr<CopyStream>> Create(Device device);
+  ~CopyStream();
+  CopyStream(const CopyStream&) = delete;
+  CopyStream& operator=(const CopyStream&) = delete;
+
+  // Enqueues a copy (any direction). Host memory should be pinned (PinHostMemory) for the copy
+  // to be asynchronous; with pageable memory CUDA stages it and the call may block.
+  [[nodiscard]] Status CopyAsync(void* dst, const void* src, size_t bytes);
+  // Marks everything enqueued so far; `event` can then be waited on by this or another stream.
+  [[nodiscard]] Status Record(CopyEvent* event);
+  // Work enqueued after this call starts once `event` has completed.
+  [[nodiscard]] Status Wait(const CopyEvent& event);
+  // Work enqueued after this call starts once all work already enqueued on the GPU's other
+  // blocking streams (the compute stream, and memsets and copies on the default stream) has
+  // completed: an event recorded on the legacy default stream, which waits for them. Call it
+  // before copying out of memory that kernels may still be writing, or into memory they may
+  // still be reading.
+  [[nodiscard]] Status WaitForDeviceWork();
+  // Waits for everything enqueued so far; returns the first copy's error, if any.
+  [[nodiscard]] Status Synchronize();
+  Device device() const { return device_; }
+  void* native() const { return stream_; }  // cudaStream_t, or null on the CPU
+
+ private:
+  CopyStream(Device device, void* stream) : device_(device), stream_(stream) {}
+  Device device_;
+  void* stream_;
+  void* fence_ = nullptr;  // cudaEvent_t of WaitForDeviceWork
+};
+
+class CopyEvent {
+ public:
+  CopyEvent() = default;
+  ~CopyEvent();
+  CopyEvent(const CopyEvent&) = delete;
+  CopyEvent& operator=(const CopyEvent&) = delete;
+  // True once the work it marks has completed (or when it was never recorded).
+  bool Done() const;
+  [[nodiscard]] Status Synchronize() const;
+
+ private:
+  friend class CopyStream;
+  void* event_ = nullptr;  // cudaEvent_t, created on first Record
+  int device_ = -1;
+};
+
 // Thread-safe byte accounting with an optional hard limit.
 class MemoryBudget {
  public:
@@ -66,14 +134,19 @@ class MemoryBudget {
   std::atomic<size_t> peak_{0};
 };
 
-// One allocation on a device (64-byte aligned host memory on the CPU). Frees itself and returns
-// its bytes to the budget on destruction.
+// One allocation on a device (64-byte aligned host memory on the CPU, cudaMalloc memory on a GPU).
+// Frees itself and returns its bytes to the budget on destruction.
 class Buffer {
  public:
   [[nodiscard]] static StatusOr<std::shared_ptr<Buffer>> Allocate(Device device, size_t bytes,
                                                                   MemoryBudget* budget = nullptr);
   // A buffer over memory someone else owns (a tier's slot); destroying it frees nothing.
   static std::shared_ptr<Buffer> Wrap(Device device, void* data, size_t bytes);
+  // Page-locked host memory (cudaHostAlloc) when a GPU is present, so copies to and from the GPU
+  // run asynchronously at full bus speed; ordinary aligned host memory otherwise. A CPU buffer
+  // either way.
+  [[nodiscard]] static StatusOr<std::shared_ptr<Buffer>> AllocatePinned(
+      size_t bytes, MemoryBudget* budget = nullptr);
   ~Buffer();
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -81,15 +154,17 @@ class Buffer {
   void* data() const { return data_; }
   size_t bytes() const { return bytes_; }
   Device device() const { return device_; }
+  bool pinned() const { return kind_ == Kind::kPinned; }
 
  private:
-  Buffer(Device device, void* data, size_t bytes, MemoryBudget* budget, bool owned = true)
-      : device_(device), data_(data), bytes_(bytes), budget_(budget), owned_(owned) {}
+  enum class Kind { kHost, kPinned, kCuda, kWrapped };
+  Buffer(Device device, void* data, size_t bytes, MemoryBudget* budget, Kind kind)
+      : device_(device), data_(data), bytes_(bytes), budget_(budget), kind_(kind) {}
   Device device_;
   void* data_;
   size_t bytes_;
   MemoryBudget* budget_;
-  bool owned_;
+  Kind kind_;
 };
 
 enum class DType { kF32 = 0, kF64 = 1, kI32 = 2 };
@@ -172,10 +247,12 @@ class Tensor {
   Tensor View(int64_t offset, Shape shape) const;
   // Rows [begin, end) along the first dimension.
   Tensor Rows(int64_t begin, int64_t end) const;
-  // Sets every element to zero (host memset on the CPU).
+  // Sets every element to zero (memset on the CPU, cudaMemset on a GPU; synchronous).
   void SetZero();
-  // Element-wise copy from a tensor of the same shape and dtype.
+  // Element-wise copy from a tensor of the same shape and dtype, on any device (synchronous).
   void CopyFrom(const Tensor& src);
+  // A copy of this tensor on `device` (a new buffer; this tensor's own if already there).
+  Tensor To(Device device) const;
 
  private:
   Shape shape_;

@@ -6,6 +6,7 @@
 #include <set>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "runtime/common/clock.h"
 #include "runtime/common/json.h"
 #include "runtime/common/rng.h"
@@ -117,6 +118,56 @@ TEST(MemoryBudgetTest, HardLimitIsAnError) {
   *a = Tensor();
   EXPECT_EQ(budget.used(), 0u);
   EXPECT_EQ(budget.peak(), 400u);
+}
+
+TEST(TensorTest, ToAndCopyFromMakeIndependentCopies) {
+  Tensor a = Tensor::Empty({2, 3});
+  for (int i = 0; i < 6; ++i) a.f32()[i] = static_cast<float>(i) * 1.5f;
+  Tensor same = a.To(Device::Cpu());
+  EXPECT_EQ(same.f32(), a.f32());  // already there: the same storage
+  Tensor b = Tensor::Zeros({2, 3});
+  b.CopyFrom(a);
+  a.f32()[4] = -1;
+  EXPECT_EQ(b.f32()[4], 6.0f);
+  b.SetZero();
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(b.f32()[i], 0.0f);
+}
+
+TEST(BufferTest, PinnedHostMemoryIsHostMemoryUnderTheBudget) {
+  MemoryBudget budget("host", 1 << 20);
+  auto buf = Buffer::AllocatePinned(4096, &budget);
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  EXPECT_TRUE((*buf)->device().is_cpu());
+  EXPECT_EQ((*buf)->pinned(), CudaDeviceCount() > 0);  // page-locked only where a GPU can use it
+  EXPECT_EQ(budget.used(), 4096u);
+  static_cast<char*>((*buf)->data())[4095] = 7;  // it is ordinary, writable host memory
+  EXPECT_FALSE(Buffer::AllocatePinned(2 << 20, &budget).ok());
+  buf->reset();
+  EXPECT_EQ(budget.used(), 0u);
+}
+
+TEST(BufferTest, AGpuThatIsNotThereIsAClearErrorAndChargesNothing) {
+  const int gpus = CudaDeviceCount();
+  MemoryBudget budget("device", 1 << 20);
+  auto t = Tensor::TryEmpty({16}, DType::kF32, Device::Cuda(gpus), &budget);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find(absl::StrCat("cuda:", gpus)), std::string::npos)
+      << t.status();
+  EXPECT_EQ(budget.used(), 0u);
+}
+
+TEST(CopyStreamTest, OnTheCpuCopiesAreDoneWhenEnqueued) {
+  auto stream = CopyStream::Create(Device::Cpu());
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  std::vector<int32_t> src(1000), dst(1000, 0);
+  for (int i = 0; i < 1000; ++i) src[i] = i * 7 - 3;
+  ASSERT_TRUE((*stream)->CopyAsync(dst.data(), src.data(), src.size() * 4).ok());
+  CopyEvent done;
+  ASSERT_TRUE((*stream)->Record(&done).ok());
+  EXPECT_TRUE(done.Done());
+  ASSERT_TRUE((*stream)->Wait(done).ok());
+  ASSERT_TRUE((*stream)->Synchronize().ok());
+  EXPECT_EQ(dst, src);
 }
 
 }  // namespace

@@ -1,0 +1,20 @@
+// The CUDA runtime calls behind device.h, in one place. Defined in cuda_device.cc when strata is
+// built with CUDA; device.cc defines the CPU-only versions (which report that no GPU exists).
+#pragma once
+
+#include <cstddef>
+
+#include "runtime/common/status.h"
+
+namespace strata::internal {
+
+[[nodiscard]] Status CudaMalloc(int device, size_t bytes, void** out);
+void CudaFree(int device, void* data);
+// Pinned host memory; *out is null (and the status OK) when there is no GPU to pin it for.
+[[nodiscard]] Status CudaHostAlloc(size_t bytes, void** out);
+void CudaFreeHost(void* data);
+// Synchronous; any direction (unified addressing).
+void CudaCopy(void* dst, const void* src, size_t bytes);
+void CudaZero(int device, void* data, size_t bytes);
+
+}  // namespace strata::internal
