@@ -27,10 +27,16 @@ namespace strata::ops {
 using cpu::Activation;
 using cpu::AdamWHyper;
 
-// Where and with what an op runs. One per trainer; later backends add their stream and handles.
+// Where and with what an op runs. One per trainer. CPU ops run on `pool`; ops on CUDA tensors run
+// on that GPU's compute stream (kernels/cuda/cuda_ops.h) and return without waiting for it, except
+// those that return a host value (losses, sums, dispatch plans).
 struct Context {
   ThreadPool* pool = nullptr;
   Tracer* tracer = nullptr;  // spans of compute for --trace; null when not tracing
+  // Expert GEMMs (GroupedLinear*) with inputs and weights rounded to bfloat16 and fp32
+  // accumulation; the fp32 master weights and everything else stay fp32. Off by default (parity
+  // with the fp32 reference); the CPU emulates the rounding so both backends compute the same.
+  bool bf16_experts = false;
 };
 
 enum class NormKind { kLayerNorm = 0, kRmsNorm = 1 };
@@ -85,6 +91,19 @@ void Accumulate(Context& ctx, const Tensor& out, const Tensor& a);
 double CrossEntropy(Context& ctx, const Tensor& dlogits, const Tensor& logits,
                     const Tensor& targets, float grad_scale);
 
+// Grouped GEMM for the experts: G = weights.size() groups over row blocks; rows
+// [offsets[g], offsets[g + 1]) of inp [R, IC] times weights[g]^T ([OC, IC]) into the same rows of
+// out [R, OC]. offsets has G + 1 entries, offsets[0] = 0 and offsets[G] = R. One cuBLAS grouped
+// GEMM on a GPU; one GEMM per non-empty group on the CPU.
+void GroupedLinearForward(Context& ctx, const Tensor& out, const Tensor& inp,
+                          const std::vector<Tensor>& weights, const std::vector<int64_t>& offsets);
+// dinp (may be undefined) = dout W per group, or += when accumulate_dinp; dweights[g] (entries may
+// be undefined; no two the same tensor) += dout_g^T inp_g. With bf16_experts, dout is rounded too.
+void GroupedLinearBackward(Context& ctx, const Tensor& dinp, const std::vector<Tensor>& dweights,
+                           const Tensor& dout, const Tensor& inp,
+                           const std::vector<Tensor>& weights, const std::vector<int64_t>& offsets,
+                           bool accumulate_dinp);
+
 // ---- Optimizer
 // -----------------------------------------------------------------------------------
 void AdamW(Context& ctx, const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
@@ -135,6 +154,7 @@ void MoeRandomRouting(Context& ctx, std::vector<uint8_t>* eligible, const Tensor
                       uint64_t key, int64_t first_token = 0);
 void MoeJitterForward(Context& ctx, const Tensor& xj, const Tensor& x, uint64_t key, double eps,
                       int64_t first_token = 0);
+// Accumulates into dx (it already holds the experts' part of the input gradient).
 void MoeJitterBackward(Context& ctx, const Tensor& dx, const Tensor& dxj, uint64_t key, double eps,
                        int64_t first_token = 0);
 void MoeNoisyLogitsForward(Context& ctx, const Tensor& h, const Tensor& clean,

@@ -1,0 +1,147 @@
+// The CUDA backend's kernels, on raw device pointers. kernels/ops.cc calls these when an op's
+// tensors live on a CUDA device; each function mirrors the CPU kernel of the same name in
+// kernels/cpu (same arguments, same conventions: gradients of parameters accumulate, input
+// gradients are overwritten unless stated) so that kernels/cpu is the reference it is tested
+// against.
+//
+// Every function enqueues its work on the Backend's stream and returns without waiting, except
+// those that return a host value (a loss, a sum, a dispatch plan): they wait for that value.
+// Results are deterministic run to run (no float atomics on any output), so two runs on the same
+// GPU give the same bits.
+//
+// This header includes no CUDA header, so host-only translation units (kernels/ops.cc) can
+// include it; kernels/cuda/backend.h has the Backend's definition for the .cu files.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/optimizer.h"
+
+namespace strata::cuda {
+
+using cpu::Activation;
+using cpu::AdamWHyper;
+
+// Execution resources on one GPU: the GPU's compute stream (one per GPU, shared by every thread,
+// so work is ordered by when threads enqueue it), a cuBLAS handle bound to it, and grow-only
+// scratch (device and pinned host) for reductions and plans. One per thread per device.
+struct Backend;
+
+// The calling thread's Backend for GPU `device` (created on first use, lives until the thread
+// ends).
+Backend& ThreadBackend(int device);
+// Waits for everything enqueued on the backend's stream; CHECK-fails with the CUDA error if a
+// kernel failed.
+void Synchronize(Backend& b);
+
+// ---- Dense layers (see the kernels/cpu headers of the same names) ------------------------------
+void EmbeddingForward(Backend& b, float* out, const int32_t* tokens, const float* wte,
+                      const float* wpe, int64_t B, int64_t T, int64_t C);
+// Accumulates into dwte and dwpe (deterministically: no atomics on floats).
+void EmbeddingBackward(Backend& b, float* dwte, float* dwpe, const float* dout,
+                       const int32_t* tokens, int64_t B, int64_t T, int64_t C, int64_t V);
+
+void LayerNormForward(Backend& b, float* out, float* mean, float* rstd, const float* inp,
+                      const float* weight, const float* bias, int64_t N, int64_t C, float eps);
+// Accumulates into dinp, dweight, dbias (dbias may be null).
+void LayerNormBackward(Backend& b, float* dinp, float* dweight, float* dbias, const float* dout,
+                       const float* inp, const float* weight, const float* mean, const float* rstd,
+                       int64_t N, int64_t C);
+void RmsNormForward(Backend& b, float* out, float* rstd, const float* inp, const float* weight,
+                    int64_t N, int64_t C, float eps);
+void RmsNormBackward(Backend& b, float* dinp, float* dweight, const float* dout, const float* inp,
+                     const float* weight, const float* rstd, int64_t N, int64_t C);
+
+// out [N, OC] = inp [N, IC] W^T + bias (bias may be null), through cuBLAS.
+void LinearForward(Backend& b, float* out, const float* inp, const float* weight, const float* bias,
+                   int64_t N, int64_t IC, int64_t OC);
+// dweight += dout^T inp, dbias += column sums of dout (either may be null); dinp (may be null)
+// = dout W, or += when accumulate_dinp.
+void LinearBackward(Backend& b, float* dinp, float* dweight, float* dbias, const float* dout,
+                    const float* inp, const float* weight, int64_t N, int64_t IC, int64_t OC,
+                    bool accumulate_dinp);
+
+// Causal multi-head attention; att [B, NH, T, T] saves the softmax probabilities for backward.
+void AttentionForward(Backend& b, float* out, float* att, const float* qkv, int64_t B, int64_t T,
+                      int64_t C, int64_t NH);
+void AttentionBackward(Backend& b, float* dqkv, const float* dout, const float* qkv,
+                       const float* att, int64_t B, int64_t T, int64_t C, int64_t NH);
+
+void ActivationForward(Backend& b, Activation act, float* out, const float* inp, int64_t N,
+                       int64_t H);
+void BiasActivationForward(Backend& b, Activation act, float* out, float* pre, const float* bias,
+                           int64_t N, int64_t H);
+// dinp may alias inp; dbias (may be null) accumulates the column sums of dinp.
+void ActivationBackward(Backend& b, Activation act, float* dinp, const float* dout,
+                        const float* inp, int64_t N, int64_t H, float* dbias);
+
+void Add(Backend& b, float* out, const float* a, const float* bb, int64_t n);
+void Accumulate(Backend& b, float* out, const float* a, int64_t n);
+
+// Returns the sum of per-row losses (accumulated in double); dlogits (may be null, may alias
+// logits) gets (softmax - onehot) * grad_scale.
+double CrossEntropy(Backend& b, float* dlogits, const float* logits, const int32_t* targets,
+                    int64_t N, int64_t V, float grad_scale);
+
+void AdamW(Backend& b, float* param, const float* grad, float* m, float* v, int64_t n,
+           const AdamWHyper& h);
+// Sum of squares accumulated in double.
+double SumSquares(Backend& b, const float* x, int64_t n);
+
+// ---- Mixture of Experts (see kernels/cpu/moe.h) ------------------------------------------------
+// The fused gate: softmax, logsumexp and top-k in one pass over each token's logits.
+void MoeRouterForward(Backend& b, float* probs, float* lse, int32_t* topk_expert,
+                      float* topk_weight, const float* logits, int64_t T, int64_t E, int k,
+                      bool renormalize);
+// Fills top1_counts [E] (host) and returns the load-balancing loss.
+double MoeAuxLoss(Backend& b, const float* probs, const int32_t* topk_expert, int64_t* top1_counts,
+                  int64_t T, int64_t E, int k);
+double MoeZLoss(Backend& b, const float* lse, int64_t T);
+// top1_counts is a host array [E].
+void MoeRouterBackward(Backend& b, float* dlogits, const float* dweight, const float* probs,
+                       const float* lse, const int32_t* topk_expert, const int64_t* top1_counts,
+                       int64_t T, int64_t E, int k, bool renormalize, float aux_coef, float z_coef);
+// The dispatch plan on the device, in the CPU's priority order (all first choices before any
+// second choice, then by token), deterministic. eligible is a HOST array [T, k] or null. Writes
+// slot [T, k] and row_token [R] on the device, counts [E] and offsets [E + 1] on the host, returns
+// R and sets *dropped.
+int64_t MoePlanDispatch(Backend& b, const int32_t* topk_expert, const uint8_t* eligible, int64_t T,
+                        int k, int64_t E, int64_t capacity, int32_t* slot, int64_t* counts,
+                        int64_t* offsets, int32_t* row_token, int64_t* dropped);
+void MoePermuteForward(Backend& b, float* xp, const float* x, const int32_t* row_token, int64_t R,
+                       int64_t C);
+void MoePermuteBackward(Backend& b, float* dx, const float* dxp, const int32_t* slot, int64_t T,
+                        int k, int64_t C, bool accumulate);
+void MoeCombineForward(Backend& b, float* y, const float* yp, const float* weight,
+                       const int32_t* slot, int64_t T, int k, int64_t C);
+// dyp may alias yp.
+void MoeCombineBackward(Backend& b, float* dyp, float* dweight, const float* dy, const float* yp,
+                        const float* weight, const int32_t* slot, int64_t T, int k, int64_t C);
+// eligible is a HOST array [T, 2]; topk_weight is on the device.
+void MoeRandomRouting(Backend& b, uint8_t* eligible, const float* topk_weight, uint64_t key,
+                      int64_t T, int64_t first_token);
+void MoeJitterForward(Backend& b, float* xj, const float* x, uint64_t key, int64_t T, int64_t C,
+                      double eps, int64_t first_token);
+void MoeJitterBackward(Backend& b, float* dx, const float* dxj, uint64_t key, int64_t T, int64_t C,
+                       double eps, int64_t first_token);
+void MoeNoisyLogitsForward(Backend& b, float* h, const float* clean, const float* raw_noise,
+                           uint64_t key, int64_t T, int64_t E, int64_t first_token);
+void MoeNoisyLogitsBackward(Backend& b, float* draw_noise, const float* dh, const float* raw_noise,
+                            uint64_t key, int64_t T, int64_t E, int64_t first_token);
+
+// ---- Grouped GEMM for the experts --------------------------------------------------------------
+// G groups over contiguous row blocks: rows [offsets[g], offsets[g+1]) of inp [R, IC] times
+// weights[g]^T ([OC, IC] each, device pointers in a HOST array) into the same rows of out [R, OC].
+// One cuBLAS grouped GEMM call for all groups. With bf16, inputs and weights are rounded to
+// bfloat16 and multiplied with fp32 accumulation (fp32 master weights stay untouched).
+void GroupedLinearForward(Backend& b, float* out, const float* inp, const float* const* weights,
+                          const int64_t* offsets, int64_t G, int64_t IC, int64_t OC, bool bf16);
+// dinp (may be null) = dout W per group (=, or += when accumulate_dinp); dweights[g] (device
+// pointers in a HOST array, entries may be null) += dout_g^T inp_g.
+void GroupedLinearBackward(Backend& b, float* dinp, float* const* dweights, const float* dout,
+                           const float* inp, const float* const* weights, const int64_t* offsets,
+                           int64_t G, int64_t IC, int64_t OC, bool accumulate_dinp, bool bf16);
+
+}  // namespace strata::cuda

@@ -1,0 +1,121 @@
+// Fully connected layer on the GPU: the GEMMs through cuBLAS in fp32 (CUBLAS_COMPUTE_32F, no
+// TF32, so results stay close to the fp32 CPU reference), bias add and bias gradient by small
+// kernels here.
+//
+// Tensors are row-major; cuBLAS is column-major. A row-major [R, C] matrix read as column-major
+// is its transpose [C, R] with leading dimension C, so each product is computed transposed:
+// row-major Y = A B is column-major Y^T = B^T A^T, with no copies.
+#include <algorithm>
+#include <climits>
+
+#include "kernels/cuda/backend.h"
+
+namespace strata::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// C (m x n, column-major) = alpha op(A) op(B) + beta C in fp32, all dimensions checked to fit
+// cuBLAS's int.
+void Gemm(Backend& b, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k,
+          float alpha, const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
+          float* C, int64_t ldc) {
+  for (int64_t d : {m, n, k, lda, ldb, ldc}) CHECK_LE(d, static_cast<int64_t>(INT_MAX));
+  STRATA_CUBLAS_CHECK(cublasGemmEx(
+      b.cublas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha, A,
+      CUDA_R_32F, static_cast<int>(lda), B, CUDA_R_32F, static_cast<int>(ldb), &beta, C, CUDA_R_32F,
+      static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+__global__ void AddBiasKernel(float* out, const float* bias, int64_t N, int64_t C) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N * C;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] += bias[i % C];
+}
+
+// dbias in two deterministic passes over fixed row chunks (a function of N and C only, so the
+// order of additions never changes between runs). Pass 1: partial[chunk][c] = the chunk's rows
+// summed in order, one thread per column (coalesced along a row).
+__global__ void ColumnPartialKernel(float* partial, const float* x, int64_t N, int64_t C,
+                                    int64_t rows_per_chunk) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
+  const int64_t r1 = r0 + rows_per_chunk < N ? r0 + rows_per_chunk : N;
+  float acc = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) acc += x[r * C + c];
+  partial[static_cast<int64_t>(blockIdx.y) * C + c] = acc;
+}
+
+// Pass 2: out[c] += each chunk's partial, in chunk order.
+__global__ void ColumnFinishKernel(float* out, const float* partial, int64_t chunks, int64_t C) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float acc = out[c];
+  for (int64_t p = 0; p < chunks; ++p) acc += partial[p * C + c];
+  out[c] = acc;
+}
+
+// out[c] += sum over the N rows of x [N, C].
+void AccumulateColumnSums(Backend& b, float* out, const float* x, int64_t N, int64_t C) {
+  if (N == 0 || C == 0) return;
+  // Enough chunks to keep the GPU busy, each at least 32 rows.
+  const int64_t want = std::max<int64_t>(1, (int64_t{1} << 20) / C);
+  const int64_t k = std::max<int64_t>(1, std::min<int64_t>({want, (N + 31) / 32, 4096}));
+  const int64_t rows = (N + k - 1) / k;
+  const int64_t chunks = (N + rows - 1) / rows;
+  float* partial = static_cast<float*>(
+      b.DeviceScratch(static_cast<size_t>(chunks) * static_cast<size_t>(C) * sizeof(float)));
+  const dim3 grid(CeilDiv(C, kThreads), static_cast<unsigned>(chunks));
+  ColumnPartialKernel<<<grid, kThreads, 0, b.stream>>>(partial, x, N, C, rows);
+  STRATA_CUDA_LAUNCH_CHECK();
+  ColumnFinishKernel<<<CeilDiv(C, kThreads), kThreads, 0, b.stream>>>(out, partial, chunks, C);
+  STRATA_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void LinearForward(Backend& b, float* out, const float* inp, const float* weight, const float* bias,
+                   int64_t N, int64_t IC, int64_t OC) {
+  if (N == 0 || OC == 0) return;
+  if (IC == 0) {
+    // An empty inner dimension: the product is zero (not left to cuBLAS's k = 0 handling).
+    STRATA_CUDA_CHECK(
+        cudaMemsetAsync(out, 0, static_cast<size_t>(N * OC) * sizeof(float), b.stream));
+  } else {
+    // out^T [OC, N] = W [OC, IC] inp^T [IC, N]; W read column-major is W^T, so op(W) = T.
+    Gemm(b, CUBLAS_OP_T, CUBLAS_OP_N, OC, N, IC, 1.0f, weight, IC, inp, IC, 0.0f, out, OC);
+  }
+  if (bias != nullptr) {
+    const int64_t blocks = std::min<int64_t>((N * OC + kThreads - 1) / kThreads, int64_t{1} << 20);
+    AddBiasKernel<<<static_cast<unsigned>(blocks), kThreads, 0, b.stream>>>(out, bias, N, OC);
+    STRATA_CUDA_LAUNCH_CHECK();
+  }
+}
+
+void LinearBackward(Backend& b, float* dinp, float* dweight, float* dbias, const float* dout,
+                    const float* inp, const float* weight, int64_t N, int64_t IC, int64_t OC,
+                    bool accumulate_dinp) {
+  if (N == 0) return;  // every output is empty or gets nothing added
+  // Parameter gradients first: they read inp, which dinp may alias (stream order keeps them
+  // before the dinp GEMM).
+  if (dweight != nullptr && IC > 0 && OC > 0) {
+    // dweight^T [IC, OC] += inp^T [IC, N] dout [N, OC]; dout read column-major is dout^T.
+    Gemm(b, CUBLAS_OP_N, CUBLAS_OP_T, IC, OC, N, 1.0f, inp, IC, dout, OC, 1.0f, dweight, IC);
+  }
+  if (dbias != nullptr) AccumulateColumnSums(b, dbias, dout, N, OC);
+  if (dinp != nullptr && IC > 0) {
+    if (OC == 0) {
+      if (!accumulate_dinp) {
+        STRATA_CUDA_CHECK(
+            cudaMemsetAsync(dinp, 0, static_cast<size_t>(N * IC) * sizeof(float), b.stream));
+      }
+    } else {
+      // dinp^T [IC, N] (+)= W^T [IC, OC] dout^T [OC, N]; both read column-major as they are.
+      Gemm(b, CUBLAS_OP_N, CUBLAS_OP_N, IC, N, OC, 1.0f, weight, IC, dout, OC,
+           accumulate_dinp ? 1.0f : 0.0f, dinp, IC);
+    }
+  }
+}
+
+}  // namespace strata::cuda
