@@ -7,8 +7,9 @@ namespace strata::model {
 AdamW::AdamW(std::vector<Parameter*> params, const AdamWOptions& options)
     : slices_(std::move(params)), options_(options) {
   for (Parameter* p : slices_.params()) {
-    m_.push_back(Tensor::Zeros(p->value.shape()));
-    v_.push_back(Tensor::Zeros(p->value.shape()));
+    // The moments live with the parameter (on its GPU when the model is on one).
+    m_.push_back(Tensor::Zeros(p->value.shape(), DType::kF32, p->value.device()));
+    v_.push_back(Tensor::Zeros(p->value.shape(), DType::kF32, p->value.device()));
   }
 }
 

@@ -4,11 +4,13 @@ namespace strata::model {
 
 FfnExpert::FfnExpert(const std::string& prefix, const FfnOptions& o)
     : options_(o), in_width_(cpu::ActivationInputWidth(o.activation, o.d_hidden)) {
-  w1_ = MakeParameter(prefix + ".w1", {in_width_, o.d_model}, Init::kNormal, o.init_std, true);
-  w2_ = MakeParameter(prefix + ".w2", {o.d_model, o.d_hidden}, Init::kNormal, o.out_std, true);
+  w1_ = MakeParameter(prefix + ".w1", {in_width_, o.d_model}, Init::kNormal, o.init_std, true,
+                      o.device);
+  w2_ = MakeParameter(prefix + ".w2", {o.d_model, o.d_hidden}, Init::kNormal, o.out_std, true,
+                      o.device);
   if (o.bias) {
-    b1_ = MakeParameter(prefix + ".b1", {in_width_}, Init::kZeros, 0, false);
-    b2_ = MakeParameter(prefix + ".b2", {o.d_model}, Init::kZeros, 0, false);
+    b1_ = MakeParameter(prefix + ".b1", {in_width_}, Init::kZeros, 0, false, o.device);
+    b2_ = MakeParameter(prefix + ".b2", {o.d_model}, Init::kZeros, 0, false, o.device);
   }
 }
 

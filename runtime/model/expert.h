@@ -52,8 +52,9 @@ struct FfnOptions {
   int64_t d_hidden = 0;
   ops::Activation activation = ops::Activation::kGelu;
   bool bias = true;
-  float init_std = 0.02f;  // first matrix
-  float out_std = 0.02f;   // second matrix (scaled down for deep residual stacks)
+  float init_std = 0.02f;         // first matrix
+  float out_std = 0.02f;          // second matrix (scaled down for deep residual stacks)
+  Device device = Device::Cpu();  // where its parameters live
 };
 
 // y = act(x W1^T + b1) W2^T + b2. W1 is [in_width, C] with in_width = 2 * d_hidden for SwiGLU

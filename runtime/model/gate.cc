@@ -22,23 +22,24 @@ uint64_t SoftmaxGate::RoutingKey(uint64_t seed, uint64_t step, int layer) {
 
 SoftmaxGate::SoftmaxGate(const std::string& prefix, const SoftmaxGateOptions& o)
     : cfg_(o.config), C_(o.d_model), E_(o.num_experts), k_(o.k), seed_(o.seed), layer_(o.layer) {
-  w_gate_ = MakeParameter(prefix + ".router", {E_, C_}, Init::kNormal, o.init_std, true);
+  w_gate_ = MakeParameter(prefix + ".router", {E_, C_}, Init::kNormal, o.init_std, true, o.device);
   const int64_t T = o.max_tokens;
   if (cfg_.type() == config::GateConfig::NOISY_TOP_K) {
-    w_noise_ = MakeParameter(prefix + ".noise_router", {E_, C_}, Init::kNormal, o.init_std, true);
-    raw_noise_ = Tensor::Empty({T, E_});
-    draw_noise_ = Tensor::Empty({T, E_});
+    w_noise_ = MakeParameter(prefix + ".noise_router", {E_, C_}, Init::kNormal, o.init_std, true,
+                             o.device);
+    raw_noise_ = Tensor::Empty({T, E_}, DType::kF32, o.device);
+    draw_noise_ = Tensor::Empty({T, E_}, DType::kF32, o.device);
   }
   if (cfg_.type() == config::GateConfig::SWITCH) {
-    xj_ = Tensor::Empty({T, C_});
-    dxj_ = Tensor::Empty({T, C_});
+    xj_ = Tensor::Empty({T, C_}, DType::kF32, o.device);
+    dxj_ = Tensor::Empty({T, C_}, DType::kF32, o.device);
   }
-  logits_ = Tensor::Empty({T, E_});
-  probs_ = Tensor::Empty({T, E_});
-  lse_ = Tensor::Empty({T});
-  dlogits_ = Tensor::Empty({T, E_});
-  expert_ = Tensor::Empty({T, k_}, DType::kI32);
-  weight_ = Tensor::Empty({T, k_});
+  logits_ = Tensor::Empty({T, E_}, DType::kF32, o.device);
+  probs_ = Tensor::Empty({T, E_}, DType::kF32, o.device);
+  lse_ = Tensor::Empty({T}, DType::kF32, o.device);
+  dlogits_ = Tensor::Empty({T, E_}, DType::kF32, o.device);
+  expert_ = Tensor::Empty({T, k_}, DType::kI32, o.device);
+  weight_ = Tensor::Empty({T, k_}, DType::kF32, o.device);
 }
 
 bool SoftmaxGate::renormalize() const {
@@ -101,7 +102,8 @@ void SoftmaxGate::Forward(ops::Context& ctx, const Tensor& x, const GateCall& ca
   if (reducer_ != nullptr && reducer_->parts() > 1) {
     // aux = E * sum_e (count_e / T) * (sum_t p_te / T) over the whole batch.
     batch_stats_.assign(2 * E_ + 1, 0.0);
-    const float* p = probs.f32();
+    const Tensor host_probs = probs.To(Device::Cpu());
+    const float* p = host_probs.f32();
     for (int64_t e = 0; e < E_; ++e) batch_stats_[e] = static_cast<double>(top1_counts_[e]);
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t e = 0; e < E_; ++e) batch_stats_[E_ + e] += static_cast<double>(p[t * E_ + e]);

@@ -79,6 +79,7 @@ struct SoftmaxGateOptions {
   uint64_t seed = 0;
   int layer = 0;
   float init_std = 0.02f;
+  Device device = Device::Cpu();  // where its parameters and buffers live
 };
 
 class SoftmaxGate : public Gate {

@@ -7,8 +7,10 @@
 namespace strata::model {
 
 MoeLayer::MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> gate,
-                   std::vector<std::unique_ptr<Expert>> experts, int64_t first_expert)
+                   std::vector<std::unique_ptr<Expert>> experts, int64_t first_expert,
+                   Device device)
     : C_(d_model),
+      device_(device),
       gate_(std::move(gate)),
       experts_(std::move(experts)),
       first_local_(first_expert) {
@@ -18,13 +20,13 @@ MoeLayer::MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> ga
   saved_stride_ = 0;
   for (auto& e : experts_) saved_stride_ = std::max(saved_stride_, e->SavedPerRow());
   const int64_t rows = max_tokens * gate_->k();
-  slot_ = Tensor::Empty({rows}, DType::kI32);
-  row_token_ = Tensor::Empty({rows}, DType::kI32);
-  xp_ = Tensor::Empty({rows, C_});
-  yp_ = Tensor::Empty({rows, C_});
-  dxp_ = Tensor::Empty({rows, C_});
-  saved_ = Tensor::Empty({std::max<int64_t>(1, rows * saved_stride_)});
-  dweight_ = Tensor::Empty({max_tokens, gate_->k()});
+  slot_ = Tensor::Empty({rows}, DType::kI32, device);
+  row_token_ = Tensor::Empty({rows}, DType::kI32, device);
+  xp_ = Tensor::Empty({rows, C_}, DType::kF32, device);
+  yp_ = Tensor::Empty({rows, C_}, DType::kF32, device);
+  dxp_ = Tensor::Empty({rows, C_}, DType::kF32, device);
+  saved_ = Tensor::Empty({std::max<int64_t>(1, rows * saved_stride_)}, DType::kF32, device);
+  dweight_ = Tensor::Empty({max_tokens, gate_->k()}, DType::kF32, device);
 }
 
 std::vector<Parameter*> MoeLayer::Parameters() {  // gate, then the local experts
@@ -79,6 +81,15 @@ template <typename Fn>
 void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
                           const std::vector<int64_t>& offsets, Fn&& fn) {
   CHECK_EQ(static_cast<int64_t>(offsets.size()), num_local_experts() + 1);
+  if (!device_.is_cpu()) {
+    // One stream orders the experts after the permutation and before the combine; fanning them
+    // out to pool threads would put them on other threads' streams, unordered.
+    CHECK(residency_ == nullptr) << "the tiered store's experts run on the CPU device only";
+    for (int64_t e = 0; e < num_local_experts(); ++e) {
+      if (offsets[e + 1] > offsets[e]) fn(e);
+    }
+    return;
+  }
   if (residency_ == nullptr) {
     // Backward keeps the groups of the matching forward (same rows per expert).
     if (pass == ExpertResidency::Pass::kForward) PlanExpertGroups(ctx.pool->num_threads(), offsets);
@@ -144,7 +155,8 @@ void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, cons
   stats_.capacity = capacity;
   stats_.aux_loss = routing_.aux_loss;
   stats_.z_loss = routing_.z_loss;
-  const int32_t* s = slot.i32();
+  const Tensor host_slot = slot.To(Device::Cpu());
+  const int32_t* s = host_slot.i32();
   int64_t lost = 0;
   for (int64_t t = 0; t < T; ++t) {
     bool any = false;

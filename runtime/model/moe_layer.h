@@ -54,9 +54,12 @@ struct MoeStats {
 class MoeLayer {
  public:
   // `experts` are experts [first_expert, first_expert + experts.size()) of the gate's
-  // num_experts(); all of them unless an ExpertExchange is attached before Forward.
+  // num_experts(); all of them unless an ExpertExchange is attached before Forward. The layer's
+  // buffers live on `device` (the gate's and experts' parameters must live there too). On a GPU
+  // the experts run one after another on the calling thread's stream.
   MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> gate,
-           std::vector<std::unique_ptr<Expert>> experts, int64_t first_expert = 0);
+           std::vector<std::unique_ptr<Expert>> experts, int64_t first_expert = 0,
+           Device device = Device::Cpu());
 
   // y [T, C] from x [T, C], T <= max_tokens.
   void Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, const GateCall& call);
@@ -109,6 +112,7 @@ class MoeLayer {
 
  private:
   int64_t C_;
+  Device device_;
   std::unique_ptr<Gate> gate_;
   std::vector<std::unique_ptr<Expert>> experts_;  // local ones, from first_local_
   int64_t first_local_ = 0;

@@ -14,12 +14,12 @@ uint64_t NameHash(const std::string& name) {
 }
 
 std::unique_ptr<Parameter> MakeParameter(std::string name, Shape shape, Init init, float init_std,
-                                         bool decay) {
+                                         bool decay, Device device) {
   auto p = std::make_unique<Parameter>();
   p->name = std::move(name);
   p->shape = shape;
-  p->value = Tensor::Empty(shape);
-  p->grad = Tensor::Zeros(shape);
+  p->value = Tensor::Empty(shape, DType::kF32, device);
+  p->grad = Tensor::Zeros(shape, DType::kF32, device);
   p->init = init;
   p->init_std = init_std;
   p->decay = decay;
@@ -47,10 +47,13 @@ void InitRange(const Parameter& p, uint64_t key, float* v, int64_t i0, int64_t i
 
 void Initialize(ops::Context& ctx, Parameter& p, uint64_t seed) {
   if (!p.value.defined()) return;  // unbound: its store generates the values when first used
-  float* v = p.value.f32();
+  // On a GPU the values are drawn on the host and copied: the same values on every device.
+  Tensor host = p.value.device().is_cpu() ? p.value : Tensor::Empty(p.value.shape());
+  float* v = host.f32();
   const uint64_t key = rng::Key(seed, NameHash(p.name));
   ctx.pool->ParallelFor(p.value.numel(), 4096,
                         [&](int64_t i0, int64_t i1) { InitRange(p, key, v, i0, i1); });
+  if (!p.value.device().is_cpu()) p.value.CopyFrom(host);
 }
 
 void InitialValues(const Parameter& p, uint64_t seed, float* dst) {

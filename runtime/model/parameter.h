@@ -31,9 +31,9 @@ struct Parameter {
   float init_std = 0.0f;
 };
 
-// Allocates value and grad (grad zeroed). The caller fills value with Initialize.
+// Allocates value and grad (grad zeroed) on `device`. The caller fills value with Initialize.
 std::unique_ptr<Parameter> MakeParameter(std::string name, Shape shape, Init init, float init_std,
-                                         bool decay);
+                                         bool decay, Device device = Device::Cpu());
 
 // Writes the parameter's initial value for `seed`.
 void Initialize(ops::Context& ctx, Parameter& p, uint64_t seed);

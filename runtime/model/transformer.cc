@@ -34,7 +34,7 @@ class Block {
  public:
   Block(int index, const config::ModelConfig& cfg, int64_t max_batch, ops::NormKind norm,
         uint64_t seed, const ExpertFactory& factory, bool unbound_experts, int64_t first_expert,
-        int64_t local_experts)
+        int64_t local_experts, Device device)
       : index_(index),
         norm_(norm),
         C_(cfg.d_model()),
@@ -46,14 +46,15 @@ class Block {
     const float std = cfg.init_std();
     const float out_std = std / std::sqrt(2.0f * static_cast<float>(cfg.n_layers()));
     const bool ln = norm == ops::NormKind::kLayerNorm;
-    ln1_w_ = MakeParameter(p + ".ln1.weight", {C_}, Init::kOnes, 0, false);
-    if (ln) ln1_b_ = MakeParameter(p + ".ln1.bias", {C_}, Init::kZeros, 0, false);
-    qkv_w_ = MakeParameter(p + ".attn.qkv.weight", {3 * C_, C_}, Init::kNormal, std, true);
-    qkv_b_ = MakeParameter(p + ".attn.qkv.bias", {3 * C_}, Init::kZeros, 0, false);
-    proj_w_ = MakeParameter(p + ".attn.proj.weight", {C_, C_}, Init::kNormal, out_std, true);
-    proj_b_ = MakeParameter(p + ".attn.proj.bias", {C_}, Init::kZeros, 0, false);
-    ln2_w_ = MakeParameter(p + ".ln2.weight", {C_}, Init::kOnes, 0, false);
-    if (ln) ln2_b_ = MakeParameter(p + ".ln2.bias", {C_}, Init::kZeros, 0, false);
+    ln1_w_ = MakeParameter(p + ".ln1.weight", {C_}, Init::kOnes, 0, false, device);
+    if (ln) ln1_b_ = MakeParameter(p + ".ln1.bias", {C_}, Init::kZeros, 0, false, device);
+    qkv_w_ = MakeParameter(p + ".attn.qkv.weight", {3 * C_, C_}, Init::kNormal, std, true, device);
+    qkv_b_ = MakeParameter(p + ".attn.qkv.bias", {3 * C_}, Init::kZeros, 0, false, device);
+    proj_w_ =
+        MakeParameter(p + ".attn.proj.weight", {C_, C_}, Init::kNormal, out_std, true, device);
+    proj_b_ = MakeParameter(p + ".attn.proj.bias", {C_}, Init::kZeros, 0, false, device);
+    ln2_w_ = MakeParameter(p + ".ln2.weight", {C_}, Init::kOnes, 0, false, device);
+    if (ln) ln2_b_ = MakeParameter(p + ".ln2.bias", {C_}, Init::kZeros, 0, false, device);
 
     const ops::Activation act = ToActivation(cfg.activation());
     if (config::IsMoeLayer(cfg, index)) {
@@ -67,6 +68,7 @@ class Block {
       g.seed = seed;
       g.layer = index;
       g.init_std = std;
+      g.device = device;
       std::vector<std::unique_ptr<Expert>> experts;
       if (local_experts < 0) local_experts = m.num_experts() - first_expert;
       for (int64_t e = first_expert; e < first_expert + local_experts; ++e) {
@@ -75,6 +77,7 @@ class Block {
           experts.push_back(factory(index, static_cast<int>(e), ep));
         } else {
           FfnOptions f{C_, m.d_expert(), act, m.expert_bias(), std, out_std};
+          f.device = device;
           experts.push_back(std::make_unique<FfnExpert>(ep, f));
         }
         if (unbound_experts) {
@@ -82,24 +85,25 @@ class Block {
         }
       }
       moe_ = std::make_unique<MoeLayer>(C_, N, MakeGate(p + ".moe.gate", g), std::move(experts),
-                                        first_expert);
+                                        first_expert, device);
     } else {
       FfnOptions f{C_, cfg.d_ff(), act, true, std, out_std};
+      f.device = device;
       ffn_ = std::make_unique<FfnExpert>(p + ".ffn", f);
-      ffn_saved_ = Tensor::Empty({N, ffn_->SavedPerRow()});
+      ffn_saved_ = Tensor::Empty({N, ffn_->SavedPerRow()}, DType::kF32, device);
     }
 
-    ln1_out_ = Tensor::Empty({N, C_});
-    ln1_mean_ = Tensor::Empty({N});
-    ln1_rstd_ = Tensor::Empty({N});
-    qkv_ = Tensor::Empty({N, 3 * C_});
-    att_ = Tensor::Empty({max_batch, NH_, T_, T_});
-    att_out_ = Tensor::Empty({N, C_});
-    x_mid_ = Tensor::Empty({N, C_});
-    ln2_out_ = Tensor::Empty({N, C_});
-    ln2_mean_ = Tensor::Empty({N});
-    ln2_rstd_ = Tensor::Empty({N});
-    ffn_out_ = Tensor::Empty({N, C_});
+    ln1_out_ = Tensor::Empty({N, C_}, DType::kF32, device);
+    ln1_mean_ = Tensor::Empty({N}, DType::kF32, device);
+    ln1_rstd_ = Tensor::Empty({N}, DType::kF32, device);
+    qkv_ = Tensor::Empty({N, 3 * C_}, DType::kF32, device);
+    att_ = Tensor::Empty({max_batch, NH_, T_, T_}, DType::kF32, device);
+    att_out_ = Tensor::Empty({N, C_}, DType::kF32, device);
+    x_mid_ = Tensor::Empty({N, C_}, DType::kF32, device);
+    ln2_out_ = Tensor::Empty({N, C_}, DType::kF32, device);
+    ln2_mean_ = Tensor::Empty({N}, DType::kF32, device);
+    ln2_rstd_ = Tensor::Empty({N}, DType::kF32, device);
+    ffn_out_ = Tensor::Empty({N, C_}, DType::kF32, device);
   }
 
   std::vector<Parameter*> Parameters() {
@@ -210,6 +214,19 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
                         options.first_local_expert, options.num_local_experts, E));
   }
 
+  if (!options.device.is_cpu()) {
+    if (options.device.index < 0 || options.device.index >= CudaDeviceCount()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "model on %s, but %s; train on the CPU device or on a machine with an NVIDIA GPU",
+          options.device.ToString(), CudaDeviceDescription(options.device.index)));
+    }
+    if (options.unbound_experts || options.expert_factory || options.num_local_experts >= 0) {
+      return absl::UnimplementedError(absl::StrFormat(
+          "a model on %s runs every expert itself from the config: the tiered store, expert "
+          "parallelism and custom experts need the CPU device for now",
+          options.device.ToString()));
+    }
+  }
   std::unique_ptr<MoeTransformer> m(new MoeTransformer);
   m->cfg_ = probe.model();
   const config::ModelConfig& cfg = m->cfg_;
@@ -219,24 +236,26 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
   const int64_t C = cfg.d_model(), V = cfg.vocab_size(), T = cfg.seq_len();
   const int64_t N = options.max_batch * T;
 
-  m->wte_ = MakeParameter("wte", {V, C}, Init::kNormal, cfg.init_std(), true);
-  m->wpe_ = MakeParameter("wpe", {T, C}, Init::kNormal, cfg.init_std(), true);
+  m->wte_ = MakeParameter("wte", {V, C}, Init::kNormal, cfg.init_std(), true, options.device);
+  m->wpe_ = MakeParameter("wpe", {T, C}, Init::kNormal, cfg.init_std(), true, options.device);
   m->params_ = {m->wte_.get(), m->wpe_.get()};
   for (int l = 0; l < cfg.n_layers(); ++l) {
     m->blocks_.push_back(std::make_unique<Block>(
         l, cfg, options.max_batch, m->norm_kind_, options.seed, options.expert_factory,
-        options.unbound_experts, options.first_local_expert, options.num_local_experts));
+        options.unbound_experts, options.first_local_expert, options.num_local_experts,
+        options.device));
     for (Parameter* p : m->blocks_.back()->Parameters()) m->params_.push_back(p);
     if (m->blocks_.back()->moe()) m->moe_layers_.push_back({l, m->blocks_.back()->moe()});
   }
-  m->lnf_w_ = MakeParameter("lnf.weight", {C}, Init::kOnes, 0, false);
+  m->lnf_w_ = MakeParameter("lnf.weight", {C}, Init::kOnes, 0, false, options.device);
   m->params_.push_back(m->lnf_w_.get());
   if (m->norm_kind_ == ops::NormKind::kLayerNorm) {
-    m->lnf_b_ = MakeParameter("lnf.bias", {C}, Init::kZeros, 0, false);
+    m->lnf_b_ = MakeParameter("lnf.bias", {C}, Init::kZeros, 0, false, options.device);
     m->params_.push_back(m->lnf_b_.get());
   }
   if (!cfg.tie_embeddings()) {
-    m->lm_head_ = MakeParameter("lm_head", {V, C}, Init::kNormal, cfg.init_std(), true);
+    m->lm_head_ =
+        MakeParameter("lm_head", {V, C}, Init::kNormal, cfg.init_std(), true, options.device);
     m->params_.push_back(m->lm_head_.get());
   }
   for (Parameter* p : m->params_) Initialize(ctx, *p, options.seed);
@@ -249,17 +268,18 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
   }
   m->dense_params_ = dense;
 
-  m->tokens_ = Tensor::Empty({N}, DType::kI32);
-  m->targets_ = Tensor::Empty({N}, DType::kI32);
-  for (int l = 0; l <= cfg.n_layers(); ++l) m->residual_.push_back(Tensor::Empty({N, C}));
-  m->lnf_out_ = Tensor::Empty({N, C});
-  m->lnf_mean_ = Tensor::Empty({N});
-  m->lnf_rstd_ = Tensor::Empty({N});
-  m->logits_ = Tensor::Empty({N, V});
-  m->dres_ = Tensor::Empty({N, C});
-  m->dln_ = Tensor::Empty({N, C});
-  m->datt_ = Tensor::Empty({N, C});
-  m->dqkv_ = Tensor::Empty({N, 3 * C});
+  m->tokens_ = Tensor::Empty({N}, DType::kI32, options.device);
+  m->targets_ = Tensor::Empty({N}, DType::kI32, options.device);
+  for (int l = 0; l <= cfg.n_layers(); ++l)
+    m->residual_.push_back(Tensor::Empty({N, C}, DType::kF32, options.device));
+  m->lnf_out_ = Tensor::Empty({N, C}, DType::kF32, options.device);
+  m->lnf_mean_ = Tensor::Empty({N}, DType::kF32, options.device);
+  m->lnf_rstd_ = Tensor::Empty({N}, DType::kF32, options.device);
+  m->logits_ = Tensor::Empty({N, V}, DType::kF32, options.device);
+  m->dres_ = Tensor::Empty({N, C}, DType::kF32, options.device);
+  m->dln_ = Tensor::Empty({N, C}, DType::kF32, options.device);
+  m->datt_ = Tensor::Empty({N, C}, DType::kF32, options.device);
+  m->dqkv_ = Tensor::Empty({N, 3 * C}, DType::kF32, options.device);
   return m;
 }
 
@@ -311,8 +331,8 @@ double MoeTransformer::Forward(ops::Context& ctx, const int32_t* tokens, const i
   CHECK(B >= 1 && B <= max_batch_) << "batch " << B << " > max_batch " << max_batch_;
   const int64_t T = cfg_.seq_len(), N = B * T;
   Tensor tok = tokens_.Rows(0, N), tgt = targets_.Rows(0, N);
-  std::copy_n(tokens, N, tok.i32());
-  std::copy_n(targets, N, tgt.i32());
+  CopyBytes(tok.raw_data(), tokens, static_cast<size_t>(N) * sizeof(int32_t));
+  CopyBytes(tgt.raw_data(), targets, static_cast<size_t>(N) * sizeof(int32_t));
   last_B_ = B;
   last_training_ = call.training;
 
