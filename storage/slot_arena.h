@@ -7,6 +7,11 @@
 // MemoryBudget and registered with io_uring for fixed-buffer transfers. Without one it grows a
 // slot at a time.
 //
+// On a GPU (device = cuda:N) the arena is cudaMalloc memory under the same budget, one block or
+// one buffer per slot as above. A host arena can be page-locked for the GPU (`pin`): its block is
+// then both registered with io_uring and pinned with cudaHostRegister, so the SSD reads into it
+// directly and the GPU copies out of it by DMA, at full speed and asynchronously.
+//
 // Not thread-safe: the store calls it under its lock.
 #pragma once
 
@@ -27,10 +32,9 @@ class SlotArena {
  public:
   // slot_bytes is rounded up to 4 KiB. budget_bytes == 0: unlimited (grow on demand). The arena
   // charges its memory to `budget` (may be null).
-  [[nodiscard]] static StatusOr<std::unique_ptr<SlotArena>> Create(std::string name,
-                                                                   uint64_t slot_bytes,
-                                                                   uint64_t budget_bytes,
-                                                                   MemoryBudget* budget);
+  [[nodiscard]] static StatusOr<std::unique_ptr<SlotArena>> Create(
+      std::string name, uint64_t slot_bytes, uint64_t budget_bytes, MemoryBudget* budget,
+      Device device = Device::Cpu(), bool pin = false);
   ~SlotArena();
 
   // A free slot index, or -1 when all are taken (limited arenas only).
@@ -44,7 +48,10 @@ class SlotArena {
   uint64_t slot_bytes() const { return slot_bytes_; }
   uint64_t bytes_in_use() const { return static_cast<uint64_t>(in_use_) * slot_bytes_; }
   const std::string& name() const { return name_; }
-  // The one block of a limited arena, for io_uring registration (empty when unlimited).
+  Device device() const { return device_; }
+  bool pinned() const { return pinned_; }
+  // The one block of a limited host arena, for io_uring registration (empty when unlimited or on
+  // a GPU).
   std::vector<iovec> Regions() const;
 
  private:
@@ -55,6 +62,10 @@ class SlotArena {
   IoBuffer block_;  // limited: every slot
   uint64_t block_bytes_ = 0;
   std::vector<IoBuffer> grown_;  // unlimited: one buffer per slot
+  Device device_;
+  bool pin_ = false;                          // page-lock host memory for the GPU
+  bool pinned_ = false;                       // the block is page-locked (pin_ and a GPU present)
+  std::vector<std::shared_ptr<Buffer>> gpu_;  // on a GPU: the block, or one buffer per slot
   MemoryBudget* budget_ = nullptr;
   std::vector<char*> ptrs_;
   std::vector<int> free_;

@@ -52,11 +52,14 @@ StatusOr<std::unique_ptr<TieredExpertStore>> TieredExpertStore::Create(
     if (options.wrap_io) io = options.wrap_io(std::move(io));
     ASSIGN_OR_RETURN(s->ssd_, SsdTier::Open(options.ssd, std::move(io)));
   }
-  ASSIGN_OR_RETURN(s->host_, SlotArena::Create("host", options.tensor_bytes,
-                                               options.host_budget_bytes, options.host_budget));
+  const bool gpu = !options.device.is_cpu();
+  ASSIGN_OR_RETURN(s->host_,
+                   SlotArena::Create("host", options.tensor_bytes, options.host_budget_bytes,
+                                     options.host_budget, Device::Cpu(), /*pin=*/gpu));
   ASSIGN_OR_RETURN(s->device_,
                    SlotArena::Create("device", options.tensor_bytes, options.device_budget_bytes,
-                                     options.device_budget));
+                                     options.device_budget, options.device));
+  ASSIGN_OR_RETURN(s->copy_, CopyStream::Create(options.device));
   const uint64_t slot = s->host_->slot_bytes();
   if (s->device_->limited() && s->device_->capacity() < options.MinDeviceSlots()) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -176,7 +179,7 @@ StatusOr<float*> TieredExpertStore::AcquireDevice(const TensorKey& key, bool zer
     e.generation++;
     float* p = device_->data(e.dev_slot);
     lock.unlock();
-    std::memset(p, 0, options_.tensor_bytes);
+    ZeroBytes(options_.device, p, options_.tensor_bytes);
     return p;
   }
   if (e.dev == DevState::kReady) {
@@ -601,9 +604,22 @@ Status TieredExpertStore::LoadDevice(const TensorKey& key) {
   const float* src = host_->data(e.host_slot);
   lock.unlock();
   const double t0 = NowSeconds();
-  std::memcpy(dst, src, options_.tensor_bytes);  // cudaMemcpyAsync on a copy stream with CUDA
+  // After the kernels that last read this slot (h2d) or wrote this gradient (d2h).
+  Status copied = copy_->WaitForDeviceWork();
+  if (copied.ok()) copied = copy_->CopyAsync(dst, src, options_.tensor_bytes);
+  if (copied.ok()) copied = copy_->Synchronize();
   Span("h2d_copy", kCopyStage, t0, key);
   lock.lock();
+  if (!copied.ok()) {
+    e.host_pins--;
+    e.host_readers--;
+    device_->Free(slot);
+    e.dev_slot = -1;
+    e.dev = DevState::kAbsent;
+    e.error = copied;
+    cv_.notify_all();
+    return copied;
+  }
   e.host_pins--;
   e.host_readers--;
   e.dev = DevState::kReady;
@@ -639,10 +655,21 @@ Status TieredExpertStore::DoWriteBack(const TensorKey& key) {
   const float* src = device_->data(e.dev_slot);
   lock.unlock();
   const double t0 = NowSeconds();
-  std::memcpy(dst, src, options_.tensor_bytes);
+  // After the kernels that last read this slot (h2d) or wrote this gradient (d2h).
+  Status copied = copy_->WaitForDeviceWork();
+  if (copied.ok()) copied = copy_->CopyAsync(dst, src, options_.tensor_bytes);
+  if (copied.ok()) copied = copy_->Synchronize();
   Span("d2h_copy", kCopyStage, t0, key);
   lock.lock();
   e.dev_pins--;
+  if (!copied.ok()) {  // the gradient is still on the device: keep it there, report the error
+    host_->Free(e.host_slot);
+    e.host_slot = -1;
+    e.host = HostState::kAbsent;
+    e.write_back_queued = false;
+    cv_.notify_all();
+    return copied;
+  }
   DropDeviceLocked(e);
   e.host = HostState::kReady;
   e.host_dirty = true;

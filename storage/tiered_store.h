@@ -86,7 +86,13 @@ struct TensorKeyHash {
 };
 
 struct StoreOptions {
-  uint64_t tensor_bytes = 0;              // bytes of every tensor (multiple of 4)
+  uint64_t tensor_bytes = 0;  // bytes of every tensor (multiple of 4)
+  // Where the device tier lives. On a GPU (cuda:N) device slots are cudaMalloc memory, host slots
+  // are page-locked (so SSD reads land in memory the GPU copies from by DMA), and host<->device
+  // copies run on the copy stage's own CUDA stream, off the compute stream. On the CPU device the
+  // device tier is host memory under its budget, so out-of-core behaviour is the same everywhere.
+  // AcquireDevice returns pointers on this device.
+  Device device = Device::Cpu();
   uint64_t device_budget_bytes = 0;       // device slots; 0 = unlimited
   uint64_t host_budget_bytes = 0;         // host slots; 0 = unlimited
   MemoryBudget* device_budget = nullptr;  // charged for device slots (shared with dense state)
@@ -284,6 +290,9 @@ class TieredExpertStore {
   StoreOptions options_;
   std::shared_ptr<SsdTier> ssd_;
   std::unique_ptr<SlotArena> host_, device_;
+  // Host<->device copies of the copy stage (a CUDA stream on a GPU; immediate on the CPU). Only
+  // the copy stage thread uses it.
+  std::unique_ptr<CopyStream> copy_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;       // entries changed state
