@@ -426,13 +426,7 @@ int Main(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "bench_comm: %s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
+    auto value = [&] { return FlagValue("bench_comm", argc, argv, &i); };
     if (a == "--json") {
       o.json = true;
     } else if (a == "--small") {

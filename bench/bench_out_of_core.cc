@@ -159,13 +159,7 @@ int Main(int argc, char** argv) {
   o.dir = tmp != nullptr && *tmp ? tmp : "/tmp";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "bench_out_of_core: %s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
+    auto value = [&] { return FlagValue("bench_out_of_core", argc, argv, &i); };
     int n = 0;
     if (a == "--json") {
       o.json = true;

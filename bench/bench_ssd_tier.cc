@@ -78,13 +78,7 @@ int Main(int argc, char** argv) {
   o.dir = tmp != nullptr && *tmp ? tmp : "/tmp";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "bench_ssd_tier: %s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
+    auto value = [&] { return FlagValue("bench_ssd_tier", argc, argv, &i); };
     if (a == "--json") {
       o.json = true;
     } else if (a == "--small") {

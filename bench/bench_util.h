@@ -113,6 +113,16 @@ inline double MedianOf(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
+// The value after the flag argv[*i] (advancing *i); exits with status 2 naming the flag when the
+// command line ends there.
+inline std::string FlagValue(const char* bench, int argc, char** argv, int* i) {
+  if (*i + 1 >= argc) {
+    std::fprintf(stderr, "%s: %s needs a value\n", bench, argv[*i]);
+    std::exit(2);
+  }
+  return argv[++*i];
+}
+
 // fio, for the storage benchmarks' baseline: false (with a message naming `bench`) when missing.
 inline bool FioAvailable(const char* bench, const char* without) {
   int status = 0;

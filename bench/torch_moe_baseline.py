@@ -6,8 +6,14 @@ then a Python loop over experts, each with its own weight tensors, gathering its
 index_select and scattering its weighted output back with index_add. Autograd does backward.
 Prints one JSON object: {"ms": median milliseconds per iteration, "peak_rss_mb": ..., "threads": ...}.
 
+--device cuda (bench_moe_gpu's baseline) runs the same layer on the GPU, timing each iteration
+between torch.cuda.synchronize() calls, and adds "device", "gpu" and "peak_cuda_mb" (the most GPU
+memory torch held, MiB). --bf16 runs the forward under torch.autocast to bfloat16 (the GEMMs take
+bfloat16 inputs). When the layer cannot run (torch missing, no CUDA), the object is {"error": ...}.
+
 """
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -22,6 +28,9 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--bf16", action="store_true",
+                    help="forward under torch.autocast(dtype=torch.bfloat16)")
     args = ap.parse_args()
     try:
         import torch
@@ -29,6 +38,13 @@ def main():
         print(json.dumps({"error": "python3-torch is not installed "
                                    "(scripts/install-deps.sh --with-torch installs it)"}), flush=True)
         return 0
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        why = ("torch %s was built without CUDA" % torch.__version__
+               if torch.version.cuda is None else "torch sees no CUDA device")
+        print(json.dumps({"error": why}), flush=True)
+        return 0
+    dev = torch.device(args.device)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     T, C, H, E, k = args.tokens, args.d_model, args.d_hidden, args.experts, args.k
@@ -37,8 +53,23 @@ def main():
     w2 = [torch.nn.Linear(H, C) for _ in range(E)]
     x = torch.randn(T, C, requires_grad=True)
     dy = torch.randn(T, C)
+    if cuda:
+        gate = gate.to(dev)
+        w1 = [m.to(dev) for m in w1]
+        w2 = [m.to(dev) for m in w2]
+        x = x.detach().to(dev).requires_grad_(True)
+        dy = dy.to(dev)
 
-    def step():
+    def autocast():
+        if not args.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=args.device, dtype=torch.bfloat16)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def forward():
         probs = torch.softmax(gate(x), dim=-1)
         weights, experts = torch.topk(probs, k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -46,28 +77,43 @@ def main():
         flat_x = x.repeat_interleave(k, dim=0)
         flat_e = experts.reshape(-1)
         flat_w = weights.reshape(-1, 1)
-        token_of = torch.arange(T).repeat_interleave(k)
+        token_of = torch.arange(T, device=dev).repeat_interleave(k)
         for e in range(E):
             rows = (flat_e == e).nonzero(as_tuple=True)[0]
             if rows.numel() == 0:
                 continue
             xe = flat_x.index_select(0, rows)
             ye = w2[e](torch.nn.functional.gelu(w1[e](xe), approximate="tanh"))
-            out = out.index_add(0, token_of.index_select(0, rows), ye * flat_w.index_select(0, rows))
+            out = out.index_add(0, token_of.index_select(0, rows),
+                                (ye * flat_w.index_select(0, rows)).to(out.dtype))
+        return out
+
+    def step():
+        with autocast():
+            out = forward()
         out.backward(dy)
 
     for _ in range(args.warmup):
         step()
+    sync()
 
     times = []
     for _ in range(args.iters):
+        sync()
         start = time.perf_counter()
         step()
+        sync()
         times.append((time.perf_counter() - start) * 1e3)
     ms = statistics.median(times)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    print(json.dumps({"ms": ms, "peak_rss_mb": peak_mb, "threads": torch.get_num_threads(),
-                      "torch": torch.__version__}))
+    result = {"ms": ms, "peak_rss_mb": peak_mb, "threads": torch.get_num_threads(),
+              "torch": torch.__version__}
+    if cuda:
+        result.update({"device": "cuda", "gpu": torch.cuda.get_device_name(),
+                       "peak_cuda_mb": torch.cuda.max_memory_allocated() / 2**20})
+    if args.bf16:
+        result["bf16"] = True
+    print(json.dumps(result))
     return 0
 
 
