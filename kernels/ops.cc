@@ -35,7 +35,7 @@ int DeviceOf(std::initializer_list<const Tensor*> ts, const char* op) {
   if (first == nullptr || first->device().is_cpu()) return -1;
 #ifndef STRATA_WITH_CUDA
   CHECK(false) << op << ": tensor on " << first->device().ToString()
-             << " but strata was built without CUDA";
+               << " but strata was built without CUDA";
 #endif
   return first->device().index;
 }
@@ -227,6 +227,8 @@ void GroupedLinearBackward(Context& ctx, const Tensor& dinp, const std::vector<T
   std::vector<const float*> w(G);
   std::vector<float*> dw(G);
   for (int64_t g = 0; g < G; ++g) {
+    CHECK(weights[g].device() == inp.device())
+        << "expert weight " << g << " on " << weights[g].device().ToString();
     w[g] = weights[g].f32();
     dw[g] = F(dweights[g]);
     CHECK(!dweights[g].defined() ||

@@ -98,7 +98,8 @@ double CrossEntropy(Context& ctx, const Tensor& dlogits, const Tensor& logits,
 void GroupedLinearForward(Context& ctx, const Tensor& out, const Tensor& inp,
                           const std::vector<Tensor>& weights, const std::vector<int64_t>& offsets);
 // dinp (may be undefined) = dout W per group, or += when accumulate_dinp; dweights[g] (entries may
-// be undefined; no two the same tensor) += dout_g^T inp_g. With bf16_experts, dout is rounded too.
+// be undefined; no two the same tensor) += dout_g^T inp_g. dinp may be inp (in place). With
+// bf16_experts, dout is rounded too.
 void GroupedLinearBackward(Context& ctx, const Tensor& dinp, const std::vector<Tensor>& dweights,
                            const Tensor& dout, const Tensor& inp,
                            const std::vector<Tensor>& weights, const std::vector<int64_t>& offsets,

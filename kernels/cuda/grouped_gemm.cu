@@ -184,15 +184,21 @@ void GroupedLinearBackward(Backend& b, float* dinp, float* const* dweights, cons
   const float dinp_beta = accumulate_dinp ? 1.f : 0.f;
 
   if (!bf16) {
-    Problems p;
+    // The problems of one grouped call run in no particular order. When dinp overlaps inp (a
+    // layer computing its input gradient in place, as the CPU kernel allows), every dW problem
+    // must read inp before any dinp problem writes it: two calls, dW first, ordered by the stream.
+    const int64_t R = offsets[G];
+    const bool alias = dinp != nullptr && dinp < inp + R * IC && inp < dinp + R * IC;
+    Problems p, dinp_after;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t rows = GroupRows(offsets, g);
       if (rows == 0) continue;
       const int r = ToInt(rows, "rows");
       const float* dout_g = dout + offsets[g] * OC;
       if (dinp != nullptr) {
+        Problems& q = alias ? dinp_after : p;
         // dinp_g^T [IC, rows] = W_g^T [IC, OC] x dout_g^T [OC, rows].
-        p.Add(CUBLAS_OP_N, CUBLAS_OP_N, ic, r, oc, weights[g], ic, dout_g, oc, dinp_beta,
+        q.Add(CUBLAS_OP_N, CUBLAS_OP_N, ic, r, oc, weights[g], ic, dout_g, oc, dinp_beta,
               dinp + offsets[g] * IC, ic);
       }
       if (dweights != nullptr && dweights[g] != nullptr) {
@@ -202,6 +208,7 @@ void GroupedLinearBackward(Backend& b, float* dinp, float* const* dweights, cons
       }
     }
     RunGroupedFp32(b, p);
+    RunGroupedFp32(b, dinp_after);
     return;
   }
 

@@ -403,11 +403,17 @@ __global__ void CombineBackwardKernel(float* dyp, float* dweight, const float* d
 // Counters are base + i with base = first_token * width, exactly the CPU's, and the factors are
 // computed in double and then rounded, as the CPU does.
 
+// (1 - eps) + (2 eps) u, rounded step by step like the CPU's expression: nvcc would otherwise fuse
+// the multiply and the add into one FMA and differ from the CPU in the last bit.
+__device__ inline double JitterFactor(double eps, double u) {
+  return __dadd_rn(1.0 - eps, __dmul_rn(2.0 * eps, u));
+}
+
 __global__ void JitterForwardKernel(float* xj, const float* x, uint64_t key, int64_t n,
                                     int64_t base, double eps) {
   for (int64_t i = GlobalThread(); i < n; i += GridThreads()) {
     const double u = RngUniform(key, static_cast<uint64_t>(base + i));
-    xj[i] = x[i] * static_cast<float>(1.0 - eps + 2.0 * eps * u);
+    xj[i] = x[i] * static_cast<float>(JitterFactor(eps, u));
   }
 }
 
@@ -415,7 +421,7 @@ __global__ void JitterBackwardKernel(float* dx, const float* dxj, uint64_t key, 
                                      int64_t base, double eps) {
   for (int64_t i = GlobalThread(); i < n; i += GridThreads()) {
     const double u = RngUniform(key, static_cast<uint64_t>(base + i));
-    dx[i] += dxj[i] * static_cast<float>(1.0 - eps + 2.0 * eps * u);
+    dx[i] += dxj[i] * static_cast<float>(JitterFactor(eps, u));
   }
 }
 

@@ -227,12 +227,27 @@ void CudaFreeHost(void* data) {
   if (data != nullptr) cudaFreeHost(data);
 }
 
+// The GPU that owns `p`, or -1 for host memory.
+int DeviceOfPointer(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged ? a.device : -1;
+}
+
 void CudaCopy(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
   if (CudaDeviceCount() == 0) {  // no GPU: both sides are host memory
     std::memcpy(dst, src, bytes);
     return;
   }
+  // On the GPU that owns the device side: the legacy default stream of that device is what
+  // orders this copy after (and before) the work of its compute stream.
+  int device = DeviceOfPointer(dst);
+  if (device < 0) device = DeviceOfPointer(src);
+  DeviceGuard guard(device < 0 ? 0 : device);
   const cudaError_t err = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
   CHECK(err == cudaSuccess) << "cudaMemcpy of " << bytes << " bytes: " << cudaGetErrorName(err)
                             << " (" << cudaGetErrorString(err) << ")";

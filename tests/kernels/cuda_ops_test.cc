@@ -406,6 +406,7 @@ TEST_F(CudaOpsTest, GroupedLinearForwardAndBackward) {
       {{13, 0, 40, 1, 27}, 100, 72, 3},
       {{0, 17, 33, 0}, 64, 130, 2},
       {{128, 0, 300, 77}, 768, 256, 0},
+      {{50, 90, 0, 31}, 96, 96, -1},  // IC == OC: also in place
   };
   for (const Case& cs : cases) {
     const int64_t G = static_cast<int64_t>(cs.rows.size());
@@ -462,6 +463,17 @@ TEST_F(CudaOpsTest, GroupedLinearForwardAndBackward) {
         if (mode != kNoDinp) ExpectClose(dinp_g, dinp_c, bound, "dinp");
         // Empty groups' dweights must come back unchanged (+= nothing).
         ExpectClose(dw_g, dw_c, bound, "dweights (accumulated)");
+      }
+      if (IC == OC) {
+        // In place, as a layer reusing its input buffer for the input gradient: every dW must
+        // read inp before any dinp overwrites it.
+        SCOPED_TRACE("dinp aliasing inp");
+        Tensor io_c = Clone(inp), io_g = Up(inp);
+        std::vector<Tensor> dw_c = Clone(dw0), dw_g = Up(dw0);
+        ops::GroupedLinearBackward(c, io_c, dw_c, dout, io_c, w, offsets, false);
+        ops::GroupedLinearBackward(c, io_g, dw_g, dout_g, io_g, w_g, offsets, false);
+        ExpectClose(io_g, io_c, bound, "dinp (in place)");
+        ExpectClose(dw_g, dw_c, bound, "dweights (in place)");
       }
     }
   }

@@ -78,6 +78,27 @@ TEST_F(OpsTest, GroupedLinearMatchesAReferenceLoopPerGroup) {
   }
 }
 
+TEST_F(OpsTest, GroupedLinearBackwardInPlaceEqualsOutOfPlace) {
+  const int64_t C = 6;
+  const std::vector<int64_t> offsets = {0, 4, 4, 11};
+  const int64_t R = offsets.back();
+  std::vector<Tensor> w, dw_a, dw_b;
+  for (int g = 0; g < 3; ++g) {
+    w.push_back(RandomTensor({C, C}, 60 + g));
+    dw_a.push_back(Tensor::Zeros({C, C}));
+    dw_b.push_back(Tensor::Zeros({C, C}));
+  }
+  Tensor x = RandomTensor({R, C}, 70), dy = RandomTensor({R, C}, 71);
+  Tensor dx = Tensor::Empty({R, C}), io = Tensor::Empty({R, C});
+  io.CopyFrom(x);
+  GroupedLinearBackward(ctx, dx, dw_a, dy, x, w, offsets, false);
+  GroupedLinearBackward(ctx, io, dw_b, dy, io, w, offsets, false);  // dinp is inp
+  for (int64_t i = 0; i < R * C; ++i) EXPECT_EQ(io.f32()[i], dx.f32()[i]) << i;
+  for (int g = 0; g < 3; ++g) {
+    for (int64_t i = 0; i < C * C; ++i) EXPECT_EQ(dw_b[g].f32()[i], dw_a[g].f32()[i]) << g;
+  }
+}
+
 // bfloat16 keeps 7 mantissa bits: between 1 and 2 its step is 2^-7. Values halfway between two
 // steps round to the even one.
 TEST_F(OpsTest, Bf16ExpertsRoundInputsAndWeightsToNearestEven) {
