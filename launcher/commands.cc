@@ -38,6 +38,7 @@ const std::vector<FlagSpec>& TrainFlags() {
       {"config", "job config in text format (.textproto); required"},
       {"steps", "override train.steps"},
       {"threads", "override train.threads (CPU threads; 0 = every core)"},
+      {"device", "override train.device: cpu, cuda or cuda:N (an NVIDIA GPU)"},
       {"metrics-out", "write one JSON object per step to this file (JSONL)"},
       {"checkpoint-dir", "folder of checkpoints (overrides checkpoint.dir)"},
       {"checkpoint-every", "checkpoint every N steps (overrides checkpoint.every)"},
@@ -91,6 +92,7 @@ int Fail(const Status& s) {
 
 struct Overrides {
   std::optional<int64_t> steps, threads, checkpoint_every;
+  std::optional<std::string> device;
 };
 
 // The numeric flags, checked before anything is loaded so that a typo is a usage error.
@@ -100,14 +102,21 @@ StatusOr<Overrides> ParseOverrides(const Flags& flags) {
   ASSIGN_OR_RETURN(o.steps, flags.Int("steps", 1, 1'000'000'000));
   ASSIGN_OR_RETURN(o.threads, flags.Int("threads", 0, 1024));
   ASSIGN_OR_RETURN(o.checkpoint_every, flags.Int("checkpoint-every", 0, 1'000'000'000));
+  if (auto device = flags.String("device")) {
+    auto parsed = Device::Parse(*device);
+    if (!parsed.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--device: ", parsed.status().message()));
+    o.device = *device;
+  }
   return o;
 }
 
-// Loads --config and applies --steps / --threads.
+// Loads --config and applies --steps / --threads / --device.
 StatusOr<config::JobConfig> LoadWithOverrides(const Flags& flags, const Overrides& o) {
   ASSIGN_OR_RETURN(config::JobConfig cfg, config::LoadJobConfig(*flags.String("config")));
   if (o.steps) cfg.mutable_train()->set_steps(static_cast<int>(*o.steps));
   if (o.threads) cfg.mutable_train()->set_threads(static_cast<int>(*o.threads));
+  if (o.device) cfg.mutable_train()->set_device(*o.device);
   if (o.checkpoint_every) {
     cfg.mutable_checkpoint()->set_every(static_cast<uint32_t>(*o.checkpoint_every));
   }

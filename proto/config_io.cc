@@ -1,5 +1,6 @@
 #include "proto/config_io.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -8,6 +9,7 @@
 #include <sstream>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -238,6 +240,16 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
   v.Require(t.log_every() >= 1, {"train", "log_every"}, "log_every must be at least 1");
   v.Require(t.threads() >= 0 && t.threads() <= 1024, {"train", "threads"},
             "threads must be in [0, 1024] (0 uses every core)");
+  const std::string& dev = t.device();
+  const bool cuda_n =
+      absl::StartsWith(dev, "cuda:") && dev.size() > 5 && dev.size() <= 8 &&
+      std::all_of(dev.begin() + 5, dev.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+  const bool gpu = dev == "cuda" || cuda_n;
+  v.Require(dev == "cpu" || gpu, {"train", "device"},
+            absl::StrCat("unknown device '", dev, "'; use \"cpu\", \"cuda\" or \"cuda:N\""));
+  v.Require(!gpu || c.storage().mode() != StorageConfig::TIERED, {"train", "device"},
+            "a model on a GPU trains with storage.mode IN_MEMORY for now; set train.device "
+            "\"cpu\" for the tiered store");
 
   const StorageConfig& s = c.storage();
   const bool tiered = s.mode() == StorageConfig::TIERED;

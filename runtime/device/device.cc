@@ -1,8 +1,11 @@
 #include "runtime/device/device.h"
 
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "runtime/device/cuda_internal.h"
 
@@ -55,6 +58,18 @@ void CudaCopy(void* dst, const void* src, size_t bytes) { CopyBytes(dst, src, by
 void CudaZero(int, void*, size_t) { CHECK(false) << "no CUDA memory in a build without CUDA"; }
 }  // namespace internal
 #endif
+
+StatusOr<Device> Device::Parse(const std::string& text) {
+  if (text == "cpu") return Cpu();
+  if (text == "cuda") return Cuda(0);
+  int index = -1;
+  if (absl::StartsWith(text, "cuda:") && absl::SimpleAtoi(text.substr(5), &index) && index >= 0 &&
+      text.size() > 5 && std::isdigit(static_cast<unsigned char>(text[5]))) {
+    return Cuda(index);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown device '", text, "'; use cpu, cuda or cuda:N (N = GPU index)"));
+}
 
 std::string Device::ToString() const {
   return type == DeviceType::kCpu ? std::string("cpu") : absl::StrCat("cuda:", index);
@@ -265,6 +280,24 @@ void Tensor::CopyFrom(const Tensor& src) {
     std::memcpy(raw_data(), src.raw_data(), bytes());
   } else {
     internal::CudaCopy(raw_data(), src.raw_data(), bytes());
+  }
+}
+
+void Tensor::CopyToHost(void* dst) const {
+  if (!defined() || bytes() == 0) return;
+  if (device().is_cpu()) {
+    std::memcpy(dst, raw_data(), bytes());
+  } else {
+    internal::CudaCopy(dst, raw_data(), bytes());
+  }
+}
+
+void Tensor::CopyFromHost(const void* src) const {
+  if (!defined() || bytes() == 0) return;
+  if (device().is_cpu()) {
+    std::memcpy(raw_data(), src, bytes());
+  } else {
+    internal::CudaCopy(raw_data(), src, bytes());
   }
 }
 

@@ -31,6 +31,9 @@ struct Device {
   int index = 0;
 
   static Device Cpu() { return Device{}; }
+  // "cpu", "cuda" (GPU 0) or "cuda:N"; an error naming the text otherwise. Whether that GPU
+  // exists is not checked here.
+  [[nodiscard]] static StatusOr<Device> Parse(const std::string& text);
   static Device Cuda(int index) { return Device{DeviceType::kCuda, index}; }
   bool is_cpu() const { return type == DeviceType::kCpu; }
   std::string ToString() const;
@@ -253,6 +256,9 @@ class Tensor {
   void CopyFrom(const Tensor& src);
   // A copy of this tensor on `device` (a new buffer; this tensor's own if already there).
   Tensor To(Device device) const;
+  // Its bytes to / from host memory (memcpy on the CPU, cudaMemcpy from a GPU; synchronous).
+  void CopyToHost(void* dst) const;
+  void CopyFromHost(const void* src) const;
 
  private:
   Shape shape_;

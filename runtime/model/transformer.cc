@@ -331,8 +331,8 @@ double MoeTransformer::Forward(ops::Context& ctx, const int32_t* tokens, const i
   CHECK(B >= 1 && B <= max_batch_) << "batch " << B << " > max_batch " << max_batch_;
   const int64_t T = cfg_.seq_len(), N = B * T;
   Tensor tok = tokens_.Rows(0, N), tgt = targets_.Rows(0, N);
-  CopyBytes(tok.raw_data(), tokens, static_cast<size_t>(N) * sizeof(int32_t));
-  CopyBytes(tgt.raw_data(), targets, static_cast<size_t>(N) * sizeof(int32_t));
+  tok.CopyFromHost(tokens);
+  tgt.CopyFromHost(targets);
   last_B_ = B;
   last_training_ = call.training;
 

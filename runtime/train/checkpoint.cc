@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_format.h"
@@ -330,10 +331,16 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
     model::Parameter* p = dense[r.layer()];
     const uint64_t bytes = static_cast<uint64_t>(p->shape.numel()) * sizeof(float);
     const size_t oi = opt_index.at(p);
-    float* dst = r.kind() == 0   ? p->value.f32()
-                 : r.kind() == 2 ? optimizer.first_moment(oi).f32()
-                                 : optimizer.second_moment(oi).f32();
-    RETURN_IF_ERROR(read_into(r, dst, bytes));
+    const Tensor& dst = r.kind() == 0   ? p->value
+                        : r.kind() == 2 ? optimizer.first_moment(oi)
+                                        : optimizer.second_moment(oi);
+    if (dst.device().is_cpu()) {
+      RETURN_IF_ERROR(read_into(r, dst.f32(), bytes));
+    } else {  // a model on a GPU: through host memory
+      std::vector<float> host(static_cast<size_t>(p->shape.numel()));
+      RETURN_IF_ERROR(read_into(r, host.data(), bytes));
+      dst.CopyFromHost(host.data());
+    }
   }
   // Experts.
   for (const TensorRef& r : m.tensors()) {
@@ -371,10 +378,10 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
     uint64_t off = 0;
     for (auto* p : ps) {
       const size_t oi = opt_index.at(p);
-      float* dst = r.kind() == 0   ? p->value.f32()
-                   : r.kind() == 2 ? optimizer.first_moment(oi).f32()
-                                   : optimizer.second_moment(oi).f32();
-      std::memcpy(dst, blob.data() + off, p->shape.numel() * sizeof(float));
+      const Tensor& dst = r.kind() == 0   ? p->value
+                          : r.kind() == 2 ? optimizer.first_moment(oi)
+                                          : optimizer.second_moment(oi);
+      dst.CopyFromHost(blob.data() + off);
       off += static_cast<uint64_t>(p->shape.numel());
     }
   }
@@ -429,12 +436,13 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
   auto next_version = [&](int32_t layer, int32_t expert, int32_t kind) {
     return ++next_version_[{layer, expert, kind}];
   };
-  auto add_copy = [&](TensorRef ref, const float* src, uint64_t bytes) {
+  // `fill` writes the tensor's bytes into the copy's buffer.
+  auto add_copy = [&](TensorRef ref, uint64_t bytes, const std::function<void(void*)>& fill) {
     Pending::Copy c;
     c.ref = std::move(ref);
     c.buffer = std::make_unique<AlignedBuffer>(bytes);
     c.bytes = bytes;
-    std::memcpy(c.buffer->data, src, bytes);
+    fill(c.buffer->data);
     p->copies.push_back(std::move(c));
   };
   std::map<const model::Parameter*, size_t> opt_index;
@@ -453,10 +461,10 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
       r.set_kind(kind);
       r.set_name(prm->name);
       r.set_version(next_version(r.layer(), -1, kind));
-      const float* src = kind == 0   ? prm->value.f32()
-                         : kind == 2 ? optimizer.first_moment(oi).f32()
-                                     : optimizer.second_moment(oi).f32();
-      add_copy(std::move(r), src, bytes);
+      const Tensor& src = kind == 0   ? prm->value
+                          : kind == 2 ? optimizer.first_moment(oi)
+                                      : optimizer.second_moment(oi);
+      add_copy(std::move(r), bytes, [&](void* dst) { src.CopyToHost(dst); });
     }
   }
 
@@ -502,14 +510,15 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
         uint64_t off = 0;
         for (auto* prm : ps) {
           const size_t oi = opt_index.at(prm);
-          const float* src = kind == 0   ? prm->value.f32()
-                             : kind == 2 ? optimizer.first_moment(oi).f32()
-                                         : optimizer.second_moment(oi).f32();
-          std::memcpy(blob.data() + off, src, prm->shape.numel() * sizeof(float));
+          const Tensor& src = kind == 0   ? prm->value
+                              : kind == 2 ? optimizer.first_moment(oi)
+                                          : optimizer.second_moment(oi);
+          src.CopyToHost(blob.data() + off);
           off += static_cast<uint64_t>(prm->shape.numel());
         }
         r.set_version(next_version(ref.block, e, kind));
-        add_copy(std::move(r), blob.data(), floats * sizeof(float));
+        const uint64_t bytes = floats * sizeof(float);
+        add_copy(std::move(r), bytes, [&](void* dst) { std::memcpy(dst, blob.data(), bytes); });
       }
     }
   }

@@ -260,7 +260,8 @@ Status Trainer::ExportParameters() const {
           absl::StrFormat("cannot write '%s': %s", path, std::strerror(errno)));
     }
     const size_t n = static_cast<size_t>(p->value.numel());
-    const bool ok = std::fwrite(p->value.f32(), sizeof(float), n, f) == n;
+    const Tensor host = p->value.To(Device::Cpu());  // itself on the CPU
+    const bool ok = std::fwrite(host.f32(), sizeof(float), n, f) == n;
     if (std::fclose(f) != 0 || !ok) {
       return absl::DataLossError(absl::StrFormat("writing '%s' failed", path));
     }
@@ -313,6 +314,7 @@ Status Trainer::BuildModel(int64_t first, int64_t count) {
   mo.unbound_experts = tiered;
   mo.first_local_expert = first;
   mo.num_local_experts = count;
+  mo.device = device_;
   ASSIGN_OR_RETURN(model_, model::MoeTransformer::Create(ctx_, mo));
   const int64_t E = cfg.model().moe().num_experts();
   first_expert_ = first;
@@ -358,6 +360,13 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   const config::JobConfig& cfg = tr->options_.config;
   RETURN_IF_ERROR(config::ValidateJobConfig(cfg, "job config"));
   storage::Env* env = options.env ? options.env : storage::Env::Default();
+  ASSIGN_OR_RETURN(tr->device_, Device::Parse(cfg.train().device()));
+  if (!tr->device_.is_cpu() && (options.worker.world_size > 1 || options.worker.elastic)) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "train.device %s: a model on a GPU trains in one process (strata train) for now; "
+        "workers train on the CPU (train.device \"cpu\")",
+        cfg.train().device()));
+  }
 
   int threads = cfg.train().threads();
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());

@@ -238,6 +238,7 @@ class Trainer {
   mutable std::mutex comm_mu_;
   std::vector<int64_t> experts_per_worker_;
   int64_t first_expert_ = 0, num_experts_ = 0;  // this worker's range
+  Device device_;                               // where the model lives (train.device)
   bool elastic_steps_ = false;                  // keep rollback and buddy copies every step
   int64_t live_version_ = 0;                    // the step the model's state is the result of
   struct Copy {
