@@ -4,10 +4,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -85,6 +87,28 @@ inline std::string SyntheticText(size_t bytes, unsigned seed = 7) {
   }
   s.resize(bytes);
   return s;
+}
+
+// A field of one JSON line of a metrics file ({"step":12,"loss":3.4,...}); -1 / NaN when absent.
+inline int64_t IntField(const std::string& line, const std::string& key) {
+  const size_t at = line.find("\"" + key + "\":");
+  if (at == std::string::npos) return -1;
+  return std::stoll(line.substr(at + key.size() + 3));
+}
+inline double DoubleField(const std::string& line, const std::string& key) {
+  const size_t at = line.find("\"" + key + "\":");
+  if (at == std::string::npos) return std::nan("");
+  return std::stod(line.substr(at + key.size() + 3));
+}
+
+// step -> loss of a metrics file (JSONL) written by --metrics-out.
+inline std::map<int64_t, double> StepLosses(const std::string& path) {
+  std::map<int64_t, double> out;
+  std::istringstream in(ReadFile(path));
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty()) out[IntField(line, "step")] = DoubleField(line, "loss");
+  }
+  return out;
 }
 
 }  // namespace strata::testing

@@ -87,6 +87,19 @@ TEST_F(CliTest, TrainsWritesMetricsAndReportsHeldOutLoss) {
   EXPECT_NE(c.output.find("d_expert: 16"), std::string::npos) << c.output;
 }
 
+TEST_F(CliTest, AGpuDeviceThatIsNotThereIsAClearErrorBeforeTraining) {
+  const std::string metrics = dir_.File("m.jsonl");
+  auto r = RunCommand(kStrata + " train --config " + dir_.File("ok.textproto") +
+                      " --device cuda:999 --metrics-out " + metrics);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("model on cuda:999"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("train on the CPU device"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(metrics)) << "training started on a missing GPU";
+  auto u = RunCommand(kStrata + " train --config " + dir_.File("ok.textproto") + " --device gpu");
+  EXPECT_EQ(u.exit_code, 2) << u.output;
+  EXPECT_NE(u.output.find("--device: unknown device 'gpu'"), std::string::npos) << u.output;
+}
+
 TEST_F(CliTest, MissingDataFileSaysHowToMakeIt) {
   WriteFile(dir_.File("nodata.textproto"), "data { path: \"absent.txt\" }\n");
   auto r = RunCommand(kStrata + " train --config " + dir_.File("nodata.textproto"));

@@ -40,8 +40,11 @@
 namespace strata {
 namespace {
 
+using strata::testing::DoubleField;
+using strata::testing::IntField;
 using strata::testing::ReadFile;
 using strata::testing::RunCommand;
+using strata::testing::StepLosses;
 using strata::testing::TempDir;
 using strata::testing::WriteFile;
 
@@ -60,17 +63,6 @@ std::string Config(int steps, const std::string& extra = "") {
       "log_every: 5 }\n"
       "parallel { expert_parallel: 0 timeout_ms: 20000 }\n",
       extra);
-}
-
-int64_t IntField(const std::string& line, const std::string& key) {
-  const size_t at = line.find("\"" + key + "\":");
-  if (at == std::string::npos) return -1;
-  return std::stoll(line.substr(at + key.size() + 3));
-}
-
-double DoubleField(const std::string& line, const std::string& key) {
-  const size_t at = line.find("\"" + key + "\":");
-  return std::stod(line.substr(at + key.size() + 3));
 }
 
 // What a job's metrics files say, per step: the loss and the sample ranges of the generation that
@@ -103,15 +95,6 @@ Trajectory Read(const std::vector<std::string>& files) {
     t.ranges[step] = by_gen[{step, gen}];
   }
   return t;
-}
-
-std::map<int64_t, double> SingleLosses(const std::string& path) {
-  std::map<int64_t, double> out;
-  for (const auto& l : absl::StrSplit(ReadFile(path), '\n', absl::SkipEmpty())) {
-    const std::string line(l);
-    out[IntField(line, "step")] = DoubleField(line, "loss");
-  }
-  return out;
 }
 
 // Every step 1..steps trained exactly the step's samples, and its loss matches the reference.
@@ -205,7 +188,7 @@ class ElasticTest : public ::testing::Test {
                        last, " --checkpoint-dir replay-ckpt --checkpoint-every 1 --metrics-out ",
                        metrics, i > 0 ? " --resume" : ""));
       EXPECT_EQ(r.exit_code, 0) << r.output;
-      for (const auto& [step, loss] : SingleLosses(dir_.File(metrics + ".0"))) out[step] = loss;
+      for (const auto& [step, loss] : StepLosses(dir_.File(metrics + ".0"))) out[step] = loss;
     }
     return out;
   }
@@ -444,7 +427,7 @@ TEST_F(ElasticTest, AFourWorkerCheckpointResumesOnTwoWorkers) {
                                         "--quiet --metrics-out two.jsonl"));
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("resumed from checkpoint 20"), std::string::npos) << second.output;
-  const auto want = SingleLosses(dir_.File("single.jsonl"));
+  const auto want = StepLosses(dir_.File("single.jsonl"));
   const Trajectory t = Read({dir_.File("two.jsonl.0"), dir_.File("two.jsonl.1")});
   ASSERT_EQ(t.loss.size(), 20u) << "the two workers train steps 21..40 only";
   EXPECT_EQ(t.loss.begin()->first, 21);

@@ -2,6 +2,7 @@
 // line and field.
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "proto/config_io.h"
 #include "tests/test_util.h"
 
@@ -44,6 +45,30 @@ TEST(ConfigTest, StorageConcurrencyOutOfRangeNamesTheField) {
   EXPECT_NE(msg.find("job.textproto:4:3: field storage.ssd_threads"), std::string::npos) << msg;
   EXPECT_NE(msg.find("ssd_threads must be in [1, 64]"), std::string::npos) << msg;
   EXPECT_NE(msg.find("storage.io_queue_depth"), std::string::npos) << msg;
+}
+
+TEST(ConfigTest, TrainDeviceIsCpuOrCudaAndNamesTheField) {
+  auto c = ParseJobConfig("data { path: \"d\" }", "job.textproto", "/base");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->train().device(), "cpu");
+  for (const char* ok : {"cpu", "cuda", "cuda:0", "cuda:12"}) {
+    auto g = ParseJobConfig(absl::StrCat("data { path: \"d\" } train { device: \"", ok, "\" }"),
+                            "job.textproto", "/base");
+    EXPECT_TRUE(g.ok()) << ok << ": " << g.status();
+  }
+  for (const char* bad : {"gpu", "cuda:", "cuda:-1", "cuda:1x", "CUDA", "cuda:0 "}) {
+    const std::string msg =
+        Error(absl::StrCat("data { path: \"d\" }\ntrain {\n  device: \"", bad, "\"\n}\n"));
+    EXPECT_NE(msg.find("job.textproto:3:3: field train.device: unknown device"), std::string::npos)
+        << bad << ": " << msg;
+  }
+  const std::string tiered = Error(
+      "data { path: \"d\" }\n"
+      "train { device: \"cuda\" }\n"
+      "storage { mode: TIERED }\n");
+  EXPECT_NE(tiered.find("field train.device: a model on a GPU trains with storage.mode IN_MEMORY"),
+            std::string::npos)
+      << tiered;
 }
 
 TEST(ConfigTest, TopKFollowsGateTypeUnlessSet) {
