@@ -148,6 +148,30 @@ void LinearBackward(Context& ctx, const Tensor& dinp, const Tensor& dweight, con
                               weight.f32(), N, IC, OC, accumulate_dinp);
 }
 
+void AddBias(Context& ctx, const Tensor& out, const Tensor& bias) {
+  const int dev = DeviceOf({&out, &bias}, "AddBias");
+  const int64_t C = bias.numel(), N = C == 0 ? 0 : out.numel() / C;
+  CHECK(out.dim(-1) == C) << "out " << out.ShapeString() << " bias " << bias.ShapeString();
+  ON_GPU(return cuda::AddBias(gpu, out.f32(), bias.f32(), N, C));
+  cpu::add_bias<float>(Pool(ctx), out.f32(), bias.f32(), N, C);
+}
+
+void BiasGrad(Context& ctx, const Tensor& dbias, const Tensor& dout) {
+  const int dev = DeviceOf({&dbias, &dout}, "BiasGrad");
+  const int64_t C = dbias.numel(), N = C == 0 ? 0 : dout.numel() / C;
+  CHECK(dout.dim(-1) == C) << "dout " << dout.ShapeString() << " dbias " << dbias.ShapeString();
+  ON_GPU(return cuda::BiasGrad(gpu, dbias.f32(), dout.f32(), N, C));
+  (void)ctx;
+  // Per column, rows in order, in double: deterministic and independent of the thread count.
+  const float* g = dout.f32();
+  float* db = dbias.f32();
+  for (int64_t c = 0; c < C; ++c) {
+    double s = 0;
+    for (int64_t r = 0; r < N; ++r) s += g[r * C + c];
+    db[c] += static_cast<float>(s);
+  }
+}
+
 namespace {
 
 // Round to the nearest bfloat16 (ties to even), as __float2bfloat16_rn does; NaN stays NaN.

@@ -91,6 +91,11 @@ void Accumulate(Context& ctx, const Tensor& out, const Tensor& a);
 double CrossEntropy(Context& ctx, const Tensor& dlogits, const Tensor& logits,
                     const Tensor& targets, float grad_scale);
 
+// out [N, C] += bias [C] on every row; dbias [C] += column sums of dout [N, C] (a bias's
+// gradient). For layers that add a bias apart from their GEMM (the grouped experts).
+void AddBias(Context& ctx, const Tensor& out, const Tensor& bias);
+void BiasGrad(Context& ctx, const Tensor& dbias, const Tensor& dout);
+
 // Grouped GEMM for the experts: G = weights.size() groups over row blocks; rows
 // [offsets[g], offsets[g + 1]) of inp [R, IC] times weights[g]^T ([OC, IC]) into the same rows of
 // out [R, OC]. offsets has G + 1 entries, offsets[0] = 0 and offsets[G] = R. One cuBLAS grouped

@@ -63,6 +63,10 @@ void LinearBackward(Backend& b, float* dinp, float* dweight, float* dbias, const
                     const float* inp, const float* weight, int64_t N, int64_t IC, int64_t OC,
                     bool accumulate_dinp);
 
+// out [N, C] += bias [C] on every row; dbias [C] += column sums of dout [N, C].
+void AddBias(Backend& b, float* out, const float* bias, int64_t N, int64_t C);
+void BiasGrad(Backend& b, float* dbias, const float* dout, int64_t N, int64_t C);
+
 // Causal multi-head attention; att [B, NH, T, T] saves the softmax probabilities for backward.
 void AttentionForward(Backend& b, float* out, float* att, const float* qkv, int64_t B, int64_t T,
                       int64_t C, int64_t NH);

@@ -86,11 +86,18 @@ void LinearForward(Backend& b, float* out, const float* inp, const float* weight
     // out^T [OC, N] = W [OC, IC] inp^T [IC, N]; W read column-major is W^T, so op(W) = T.
     Gemm(b, CUBLAS_OP_T, CUBLAS_OP_N, OC, N, IC, 1.0f, weight, IC, inp, IC, 0.0f, out, OC);
   }
-  if (bias != nullptr) {
-    const int64_t blocks = std::min<int64_t>((N * OC + kThreads - 1) / kThreads, int64_t{1} << 20);
-    AddBiasKernel<<<static_cast<unsigned>(blocks), kThreads, 0, b.stream>>>(out, bias, N, OC);
-    STRATA_CUDA_LAUNCH_CHECK();
-  }
+  if (bias != nullptr) AddBias(b, out, bias, N, OC);
+}
+
+void AddBias(Backend& b, float* out, const float* bias, int64_t N, int64_t C) {
+  if (N == 0 || C == 0) return;
+  const int64_t blocks = std::min<int64_t>((N * C + kThreads - 1) / kThreads, int64_t{1} << 20);
+  AddBiasKernel<<<static_cast<unsigned>(blocks), kThreads, 0, b.stream>>>(out, bias, N, C);
+  STRATA_CUDA_LAUNCH_CHECK();
+}
+
+void BiasGrad(Backend& b, float* dbias, const float* dout, int64_t N, int64_t C) {
+  AccumulateColumnSums(b, dbias, dout, N, C);
 }
 
 void LinearBackward(Backend& b, float* dinp, float* dweight, float* dbias, const float* dout,

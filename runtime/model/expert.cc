@@ -51,4 +51,86 @@ void FfnExpert::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, c
   ops::LinearBackward(ctx, dx, w1_->grad, none, pre, x, w1_->value, false);
 }
 
+bool FfnExpert::SameShape(const std::vector<FfnExpert*>& experts) {
+  if (experts.empty()) return false;
+  const FfnOptions& a = experts[0]->options_;
+  for (const FfnExpert* e : experts) {
+    const FfnOptions& b = e->options_;
+    if (b.d_model != a.d_model || b.d_hidden != a.d_hidden || b.activation != a.activation ||
+        b.bias != a.bias) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void FfnExpert::GroupForward(ops::Context& ctx, const std::vector<FfnExpert*>& experts,
+                             const std::vector<int64_t>& offsets, const Tensor& x, const Tensor& y,
+                             const Tensor& saved) {
+  const int64_t R = offsets.back(), G = static_cast<int64_t>(experts.size());
+  if (R == 0) return;
+  const FfnOptions& o = experts[0]->options_;
+  const int64_t W = experts[0]->in_width_;
+  Tensor pre = saved.View(0, {R, W}), act = saved.View(R * W, {R, o.d_hidden});
+  std::vector<Tensor> w1(G), w2(G);
+  for (int64_t e = 0; e < G; ++e) {
+    w1[e] = experts[e]->w1_->value;
+    w2[e] = experts[e]->w2_->value;
+  }
+  ops::GroupedLinearForward(ctx, pre, x, w1, offsets);
+  if (o.bias) {  // each expert its own bias: one fused bias + activation per expert
+    for (int64_t e = 0; e < G; ++e) {
+      const int64_t r0 = offsets[e], r1 = offsets[e + 1];
+      if (r1 > r0) {
+        ops::BiasActivationForward(ctx, o.activation, act.Rows(r0, r1), pre.Rows(r0, r1),
+                                   experts[e]->b1_->value);
+      }
+    }
+  } else {
+    ops::ActivationForward(ctx, o.activation, act, pre);
+  }
+  ops::GroupedLinearForward(ctx, y, act, w2, offsets);
+  if (o.bias) {
+    for (int64_t e = 0; e < G; ++e) {
+      const int64_t r0 = offsets[e], r1 = offsets[e + 1];
+      if (r1 > r0) ops::AddBias(ctx, y.Rows(r0, r1), experts[e]->b2_->value);
+    }
+  }
+}
+
+void FfnExpert::GroupBackward(ops::Context& ctx, const std::vector<FfnExpert*>& experts,
+                              const std::vector<int64_t>& offsets, const Tensor& x,
+                              const Tensor& dy, const Tensor& dx, const Tensor& saved) {
+  const int64_t R = offsets.back(), G = static_cast<int64_t>(experts.size());
+  if (R == 0) return;
+  const FfnOptions& o = experts[0]->options_;
+  const int64_t W = experts[0]->in_width_;
+  Tensor pre = saved.View(0, {R, W}), act = saved.View(R * W, {R, o.d_hidden});
+  std::vector<Tensor> w1(G), w2(G), dw1(G), dw2(G);
+  for (int64_t e = 0; e < G; ++e) {
+    w1[e] = experts[e]->w1_->value;
+    w2[e] = experts[e]->w2_->value;
+    dw1[e] = experts[e]->w1_->grad;
+    dw2[e] = experts[e]->w2_->grad;
+    if (o.bias && offsets[e + 1] > offsets[e]) {
+      ops::BiasGrad(ctx, experts[e]->b2_->grad, dy.Rows(offsets[e], offsets[e + 1]));
+    }
+  }
+  // dW2 += dy^T act, then d(act) overwrites act (in place, as the per-expert path does).
+  ops::GroupedLinearBackward(ctx, act, dw2, dy, act, w2, offsets, false);
+  // d(pre) overwrites pre; each expert's b1 gradient is summed in the same pass.
+  if (o.bias) {
+    for (int64_t e = 0; e < G; ++e) {
+      const int64_t r0 = offsets[e], r1 = offsets[e + 1];
+      if (r1 > r0) {
+        ops::ActivationBackward(ctx, o.activation, pre.Rows(r0, r1), act.Rows(r0, r1),
+                                pre.Rows(r0, r1), experts[e]->b1_->grad);
+      }
+    }
+  } else {
+    ops::ActivationBackward(ctx, o.activation, pre, act, pre);
+  }
+  ops::GroupedLinearBackward(ctx, dx, dw1, pre, x, w1, offsets, false);
+}
+
 }  // namespace strata::model

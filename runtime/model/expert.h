@@ -77,6 +77,21 @@ class FfnExpert : public Expert {
   Parameter* b1() { return b1_.get(); }
   Parameter* b2() { return b2_.get(); }
 
+  // Whether `experts` can run as one group: every one an FfnExpert with the same shape,
+  // activation and biases.
+  static bool SameShape(const std::vector<FfnExpert*>& experts);
+  // The experts of a layer as grouped GEMMs (one cuBLAS grouped call per matrix on a GPU instead
+  // of one GEMM per expert): expert i takes rows [offsets[i], offsets[i + 1]) of x, offsets[0] = 0.
+  // saved holds the pre-activations [R, in_width] of all R rows, then their activations
+  // [R, d_hidden]. The same results as each expert's Forward/Backward on its rows, up to the order
+  // of float additions.
+  static void GroupForward(ops::Context& ctx, const std::vector<FfnExpert*>& experts,
+                           const std::vector<int64_t>& offsets, const Tensor& x, const Tensor& y,
+                           const Tensor& saved);
+  static void GroupBackward(ops::Context& ctx, const std::vector<FfnExpert*>& experts,
+                            const std::vector<int64_t>& offsets, const Tensor& x, const Tensor& dy,
+                            const Tensor& dx, const Tensor& saved);
+
  private:
   FfnOptions options_;
   int64_t in_width_;

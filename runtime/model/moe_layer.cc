@@ -27,6 +27,22 @@ MoeLayer::MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> ga
   dxp_ = Tensor::Empty({rows, C_}, DType::kF32, device);
   saved_ = Tensor::Empty({std::max<int64_t>(1, rows * saved_stride_)}, DType::kF32, device);
   dweight_ = Tensor::Empty({max_tokens, gate_->k()}, DType::kF32, device);
+  for (auto& e : experts_) {
+    auto* ffn = dynamic_cast<FfnExpert*>(e.get());
+    if (ffn == nullptr) {
+      ffn_experts_.clear();
+      break;
+    }
+    ffn_experts_.push_back(ffn);
+  }
+  if (!FfnExpert::SameShape(ffn_experts_)) ffn_experts_.clear();
+  grouped_gemm_ = !device_.is_cpu() && !ffn_experts_.empty();
+}
+
+void MoeLayer::set_grouped_gemm(bool on) {
+  CHECK(!on || !ffn_experts_.empty())
+      << "a grouped GEMM needs every local expert to be an FfnExpert of one shape";
+  grouped_gemm_ = on;
 }
 
 std::vector<Parameter*> MoeLayer::Parameters() {  // gate, then the local experts
@@ -112,6 +128,15 @@ void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
 
 void MoeLayer::RunLocalForward(ops::Context& ctx, const std::vector<int64_t>& offsets,
                                const Tensor& x, const Tensor& y, const Tensor& saved) {
+  if (grouped_gemm_ && residency_ == nullptr) {
+    const int64_t r0 = offsets.front(), r1 = offsets.back();
+    group_offsets_.clear();
+    for (int64_t o : offsets) group_offsets_.push_back(o - r0);
+    group_begin_.clear();
+    FfnExpert::GroupForward(ctx, ffn_experts_, group_offsets_, x.Rows(r0, r1), y.Rows(r0, r1),
+                            saved.View(r0 * saved_stride_, {(r1 - r0) * saved_stride_}));
+    return;
+  }
   RunExperts(ctx, ExpertResidency::Pass::kForward, offsets, [&](int64_t e) {
     const int64_t r0 = offsets[e], r1 = offsets[e + 1];
     experts_[e]->Forward(ctx, x.Rows(r0, r1), y.Rows(r0, r1),
@@ -122,6 +147,15 @@ void MoeLayer::RunLocalForward(ops::Context& ctx, const std::vector<int64_t>& of
 void MoeLayer::RunLocalBackward(ops::Context& ctx, const std::vector<int64_t>& offsets,
                                 const Tensor& x, const Tensor& dy, const Tensor& dx,
                                 const Tensor& saved) {
+  if (grouped_gemm_ && residency_ == nullptr) {
+    const int64_t r0 = offsets.front(), r1 = offsets.back();
+    group_offsets_.clear();
+    for (int64_t o : offsets) group_offsets_.push_back(o - r0);
+    FfnExpert::GroupBackward(ctx, ffn_experts_, group_offsets_, x.Rows(r0, r1), dy.Rows(r0, r1),
+                             dx.Rows(r0, r1),
+                             saved.View(r0 * saved_stride_, {(r1 - r0) * saved_stride_}));
+    return;
+  }
   RunExperts(ctx, ExpertResidency::Pass::kBackward, offsets, [&](int64_t e) {
     const int64_t r0 = offsets[e], r1 = offsets[e + 1];
     experts_[e]->Backward(ctx, x.Rows(r0, r1), dy.Rows(r0, r1), dx.Rows(r0, r1),

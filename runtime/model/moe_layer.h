@@ -56,7 +56,8 @@ class MoeLayer {
   // `experts` are experts [first_expert, first_expert + experts.size()) of the gate's
   // num_experts(); all of them unless an ExpertExchange is attached before Forward. The layer's
   // buffers live on `device` (the gate's and experts' parameters must live there too). On a GPU
-  // the experts run one after another on the calling thread's stream.
+  // the experts run on the GPU's stream as grouped GEMMs (see set_grouped_gemm) or one after
+  // another.
   MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> gate,
            std::vector<std::unique_ptr<Expert>> experts, int64_t first_expert = 0,
            Device device = Device::Cpu());
@@ -99,6 +100,11 @@ class MoeLayer {
 
   // Whether the last Forward ran the experts in per-thread groups (see the file comment).
   bool last_run_grouped() const { return !group_begin_.empty(); }
+  // Run the local experts as grouped GEMMs (FfnExpert::GroupForward): on by default on a GPU when
+  // every local expert is an FfnExpert of one shape; off on the CPU, where per-thread expert
+  // groups are faster. Turning it on needs such experts and no residency.
+  void set_grouped_gemm(bool on);
+  bool grouped_gemm() const { return grouped_gemm_; }
   Gate& gate() { return *gate_; }
   // Expert `e` by its global id, which must be local.
   Expert& expert(int64_t e) {
@@ -116,7 +122,10 @@ class MoeLayer {
   std::unique_ptr<Gate> gate_;
   std::vector<std::unique_ptr<Expert>> experts_;  // local ones, from first_local_
   int64_t first_local_ = 0;
-  int64_t saved_stride_;  // floats of saved storage per row: max over experts
+  int64_t saved_stride_;                 // floats of saved storage per row: max over experts
+  std::vector<FfnExpert*> ffn_experts_;  // the local experts when all are FfnExperts of one shape
+  bool grouped_gemm_ = false;
+  std::vector<int64_t> group_offsets_;  // offsets relative to the first row, for the grouped path
 
   Routing routing_;
   ops::DispatchPlan plan_;

@@ -598,6 +598,21 @@ TEST_F(CudaOpsTest, AddAndAccumulate) {
   ExpectClose(acc_g, acc_c, kPointwise, "accumulate");
 }
 
+TEST_F(CudaOpsTest, AddBiasAndBiasGrad) {
+  // AddBias pointwise: 1e-5. BiasGrad a column reduction: 1e-5, onto nonzero initial values.
+  const int64_t N = 1037, C = 261;
+  Tensor out0 = RandomF32({N, C}, 83), bias = RandomF32({C}, 84);
+  Tensor out_c = Clone(out0), out_g = Up(out0);
+  ops::AddBias(ctx, out_c, bias);
+  ops::AddBias(ctx, out_g, Up(bias));
+  ExpectClose(out_g, out_c, kPointwise, "add bias");
+  Tensor db0 = RandomF32({C}, 85);
+  Tensor db_c = Clone(db0), db_g = Up(db0);
+  ops::BiasGrad(ctx, db_c, out0);
+  ops::BiasGrad(ctx, db_g, Up(out0));
+  ExpectClose(db_g, db_c, kReduction, "bias grad (accumulated)");
+}
+
 TEST_F(CudaOpsTest, PointwiseOpsOnUnalignedViews) {
   // Layers pass views (Rows of odd-width tensors) whose data do not start on a 16-byte boundary;
   // vectorised kernels must handle them and must not write outside the view. 1e-5.

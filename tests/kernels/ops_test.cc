@@ -99,6 +99,22 @@ TEST_F(OpsTest, GroupedLinearBackwardInPlaceEqualsOutOfPlace) {
   }
 }
 
+TEST_F(OpsTest, AddBiasAndBiasGradByHand) {
+  Tensor out = Tensor::Empty({3, 2}), bias = Tensor::Empty({2}), db = Tensor::Empty({2});
+  const float v[6] = {1, 2, 3, 4, 5, 6};
+  for (int i = 0; i < 6; ++i) out.f32()[i] = v[i];
+  bias.f32()[0] = 0.5f;
+  bias.f32()[1] = -1.0f;
+  db.f32()[0] = 10.0f;  // gradients accumulate
+  db.f32()[1] = 0.0f;
+  BiasGrad(ctx, db, out);
+  EXPECT_EQ(db.f32()[0], 10.0f + 1 + 3 + 5);
+  EXPECT_EQ(db.f32()[1], 2.0f + 4 + 6);
+  AddBias(ctx, out, bias);
+  const float want[6] = {1.5f, 1, 3.5f, 3, 5.5f, 5};
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(out.f32()[i], want[i]) << i;
+}
+
 // bfloat16 keeps 7 mantissa bits: between 1 and 2 its step is 2^-7. Values halfway between two
 // steps round to the even one.
 TEST_F(OpsTest, Bf16ExpertsRoundInputsAndWeightsToNearestEven) {
