@@ -38,6 +38,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "bench/bench_util.h"
 #include "launcher/coordinator_service.h"
 #include "launcher/coordinator_state.h"
 
@@ -63,24 +64,11 @@ struct Options {
   std::exit(1);
 }
 
-std::string Corpus(size_t bytes) {
-  static const char* kWords[] = {"the",    "expert", "router", "token", "layer", "memory",
-                                 "worker", "step",   "loss",   "batch", "tier",  "storage",
-                                 "of",     "and",    "a",      "to",    "in",    "gradient"};
-  std::mt19937 rng(7);
-  std::string s;
-  while (s.size() < bytes) {
-    s += kWords[rng() % (sizeof(kWords) / sizeof(kWords[0]))];
-    s += rng() % 11 == 0 ? ".\n" : " ";
-  }
-  return s;
-}
-
 class Job {
  public:
   Job(const Options& o, const std::string& dir, const std::string& strata)
       : o_(o), dir_(dir), strata_(strata) {
-    std::ofstream(dir + "/corpus.txt") << Corpus(2 << 20);
+    std::ofstream(dir + "/corpus.txt") << bench::WordCorpus(2 << 20);
     std::ofstream(dir + "/job.textproto")
         << "name: \"bench_elastic\"\n"
            "model { vocab_size: 256 seq_len: 64 d_model: 128 n_layers: 4 n_heads: 4\n"

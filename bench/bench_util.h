@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -89,11 +90,30 @@ inline std::string Capture(const std::string& command, int* status) {
   return out;
 }
 
-// The number after "key": in a flat JSON object, or NaN.
+// The number after "key": in a flat JSON object, or NaN (also when the value is not a number,
+// such as the null that strata writes for a non-finite value).
 inline double JsonNumber(const std::string& json, const std::string& key) {
   auto pos = json.find("\"" + key + "\":");
   if (pos == std::string::npos) return std::nan("");
-  return std::strtod(json.c_str() + pos + key.size() + 3, nullptr);
+  const char* begin = json.c_str() + pos + key.size() + 3;
+  char* end = nullptr;
+  const double v = std::strtod(begin, &end);
+  return end == begin ? std::nan("") : v;
+}
+
+// `bytes` of text from a small vocabulary (fixed seed): a training corpus for jobs that measure
+// the runtime, not the model.
+inline std::string WordCorpus(size_t bytes) {
+  static const char* kWords[] = {"the",    "expert", "router", "token", "layer", "memory",
+                                 "worker", "step",   "loss",   "batch", "tier",  "storage",
+                                 "of",     "and",    "a",      "to",    "in",    "gradient"};
+  std::mt19937 rng(7);
+  std::string s;
+  while (s.size() < bytes) {
+    s += kWords[rng() % (sizeof(kWords) / sizeof(kWords[0]))];
+    s += rng() % 11 == 0 ? ".\n" : " ";
+  }
+  return s;
 }
 
 // The directory of the running executable (to find helper scripts copied next to it).
