@@ -21,9 +21,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "launcher/coordinator_service.h"
 #include "launcher/flags.h"
 #include "proto/config_io.h"
+#include "proto/memory_estimate.h"
 #include "runtime/common/clock.h"
 #include "runtime/common/logging.h"
 #include "runtime/data/dataset.h"
@@ -297,11 +299,19 @@ int CheckCommand(const std::vector<std::string>& args) {
   auto data = data::TokenDataset::Open(cfg->data(), cfg->model().vocab_size(),
                                        cfg->model().seq_len(), storage::Env::Default());
   if (!data.ok()) return Fail(data.status());
-  std::printf("# %s: valid; data %s: %lld tokens, %lld training and %lld held-out windows\n%s",
+  std::printf("# %s: valid; data %s: %lld tokens, %lld training and %lld held-out windows\n",
               flags->String("config")->c_str(), cfg->data().path().c_str(),
               static_cast<long long>((*data)->num_tokens()),
               static_cast<long long>((*data)->train_windows()),
-              static_cast<long long>((*data)->eval_windows()), config::ToText(*cfg).c_str());
+              static_cast<long long>((*data)->eval_windows()));
+  // The estimate LoadWithOverrides checked against this machine, for the record.
+  const std::string memory = config::FormatMemoryEstimate(config::EstimateMemory(*cfg));
+  for (absl::string_view line : absl::StrSplit(memory, '\n', absl::SkipEmpty())) {
+    std::printf("# %s\n", std::string(line).c_str());
+  }
+  std::printf("# available here: %s\n%s",
+              config::FormatBytes(config::AvailableHostMemory()).c_str(),
+              config::ToText(*cfg).c_str());
   return 0;
 }
 

@@ -1,12 +1,16 @@
 #include "proto/config_io.h"
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <regex>
+#include <limits>
 #include <sstream>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -16,6 +20,7 @@
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
+#include "proto/memory_estimate.h"
 
 namespace strata::config {
 namespace {
@@ -46,19 +51,18 @@ class ErrorCollector : public google::protobuf::io::ErrorCollector {
   void AddError(int line, google::protobuf::io::ColumnNumber column,
                 const std::string& message) override {
     std::string msg = message;
-    static const std::regex kUnknown(R"re(Message type "([\w.]+)" has no field named "(\w+)")re");
-    std::smatch m;
-    if (std::regex_search(message, m, kUnknown)) {
+    std::string type, name;
+    if (UnknownField(message, &type, &name)) {
       const Descriptor* d =
-          google::protobuf::DescriptorPool::generated_pool()->FindMessageTypeByName(m[1].str());
-      msg = absl::StrFormat("unknown field '%s' in %s", m[2].str(), m[1].str());
+          google::protobuf::DescriptorPool::generated_pool()->FindMessageTypeByName(type);
+      msg = absl::StrFormat("unknown field '%s' in %s", name, type);
       if (d != nullptr) {
         std::vector<std::string> names;
         std::string best;
         size_t best_d = 1000;
         for (int i = 0; i < d->field_count(); ++i) {
           names.push_back(d->field(i)->name());
-          size_t dist = EditDistance(m[2].str(), d->field(i)->name());
+          size_t dist = EditDistance(name, d->field(i)->name());
           if (dist < best_d) best_d = dist, best = d->field(i)->name();
         }
         if (best_d <= 3) absl::StrAppend(&msg, "; did you mean '", best, "'?");
@@ -75,16 +79,37 @@ class ErrorCollector : public google::protobuf::io::ErrorCollector {
   const std::vector<std::string>& errors() const { return errors_; }
 
  private:
+  // protobuf's 'Message type "T" has no field named "N"': T and N. (A hand-written scan, not
+  // std::regex, whose recursion overflows the stack on a very long name.)
+  static bool UnknownField(const std::string& message, std::string* type, std::string* name) {
+    static constexpr std::string_view kType = "Message type \"", kName = "\" has no field named \"";
+    const size_t t = message.find(kType);
+    if (t == std::string::npos) return false;
+    const size_t n = message.find(kName, t + kType.size());
+    if (n == std::string::npos) return false;
+    const size_t end = message.find('"', n + kName.size());
+    if (end == std::string::npos) return false;
+    *type = message.substr(t + kType.size(), n - t - kType.size());
+    *name = message.substr(n + kName.size(), end - n - kName.size());
+    return !type->empty() && !name->empty();
+  }
+
   // The field being assigned where the error is: the last "name:" before the column.
   std::string FieldAt(int line, int column) const {
     if (line < 0 || line >= static_cast<int>(lines_.size())) return "";
-    std::string prefix = lines_[line].substr(0, std::max(0, column));
-    static const std::regex kField(R"re((\w+)\s*:)re");
-    std::string field;
-    for (std::sregex_iterator it(prefix.begin(), prefix.end(), kField), end; it != end; ++it) {
-      field = (*it)[1].str();
+    const std::string_view prefix =
+        std::string_view(lines_[line]).substr(0, static_cast<size_t>(std::max(0, column)));
+    auto word = [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_'; };
+    // Scan back from each ':' over blanks to a word.
+    for (size_t i = prefix.size(); i-- > 0;) {
+      if (prefix[i] != ':') continue;
+      size_t end = i;
+      while (end > 0 && (prefix[end - 1] == ' ' || prefix[end - 1] == '\t')) --end;
+      size_t begin = end;
+      while (begin > 0 && word(prefix[begin - 1])) --begin;
+      if (begin < end) return std::string(prefix.substr(begin, end - begin));
     }
-    return field;
+    return "";
   }
 
   std::string source_;
@@ -120,7 +145,8 @@ class Validator {
       const FieldDescriptor* f = d ? d->FindFieldByName(path[i]) : nullptr;
       if (f == nullptr || t == nullptr) break;
       if (i + 1 == path.size()) {
-        auto loc = t->GetLocation(f, -1);
+        // A repeated field is located by its first value (protobuf aborts on index -1 there).
+        auto loc = f->is_repeated() ? t->GetLocation(f, 0) : t->GetLocation(f, -1);
         if (loc.line >= 0) {
           return absl::StrFormat("%s:%d:%d: ", source_, loc.line + 1, loc.column + 1);
         }
@@ -147,25 +173,47 @@ bool any_moe_layer(const ModelConfig& m) {
   return false;
 }
 
+// Largest accepted sizes (documented in config.proto). They keep every derived size — d_ff =
+// 4 * d_model, tokens per step times top_k (int32 row indices of the MoE dispatch), parameter
+// counts — far from overflow; whether a config within them fits the machine is the memory
+// estimate's call (proto/memory_estimate.h).
+constexpr int64_t kMaxDModel = 65536;
+constexpr int64_t kMaxLayers = 1024;
+constexpr int64_t kMaxHidden = 1 << 20;
+constexpr int64_t kMaxGlobalBatch = 1 << 20;
+constexpr int64_t kMaxTokensPerStep = 1 << 28;
+constexpr int64_t kMaxSteps = 1'000'000'000;
+constexpr int64_t kMaxEvalBatches = 10000;
+constexpr uint64_t kMaxIoBlockBytes = 64 << 20;
+constexpr uint64_t kMaxSsdFileBytes = uint64_t{1} << 40;
+constexpr uint64_t kMaxBucketBytes = uint64_t{1} << 32;
+constexpr uint32_t kMaxTimeoutMs = 86'400'000;
+
+bool InRange(int64_t v, int64_t lo, int64_t hi) { return v >= lo && v <= hi; }
+
 void ValidateModel(const JobConfig& c, Validator& v) {
   const ModelConfig& m = c.model();
   v.Require(m.vocab_size() >= 2 && m.vocab_size() <= 65536, {"model", "vocab_size"},
             absl::StrCat("vocab_size = ", m.vocab_size(), " must be in [2, 65536]"));
   v.Require(m.seq_len() >= 1 && m.seq_len() <= 65536, {"model", "seq_len"},
             absl::StrCat("seq_len = ", m.seq_len(), " must be in [1, 65536]"));
-  v.Require(m.d_model() >= 1, {"model", "d_model"},
-            absl::StrCat("d_model = ", m.d_model(), " must be positive"));
-  v.Require(m.n_layers() >= 1, {"model", "n_layers"},
-            absl::StrCat("n_layers = ", m.n_layers(), " must be at least 1"));
+  const bool d_model_ok = InRange(m.d_model(), 1, kMaxDModel);
+  v.Require(d_model_ok, {"model", "d_model"},
+            absl::StrCat("d_model = ", m.d_model(), " must be in [1, ", kMaxDModel, "]"));
+  v.Require(InRange(m.n_layers(), 1, kMaxLayers), {"model", "n_layers"},
+            absl::StrCat("n_layers = ", m.n_layers(), " must be in [1, ", kMaxLayers, "]"));
   v.Require(m.n_heads() >= 1 && m.d_model() % std::max(1, m.n_heads()) == 0, {"model", "n_heads"},
             absl::StrCat("n_heads = ", m.n_heads(),
                          " must be positive and divide d_model = ", m.d_model()));
   v.Require(Finite(m.norm_eps()) && m.norm_eps() > 0, {"model", "norm_eps"},
             "norm_eps must be a positive number");
-  v.Require(m.d_ff() >= 1, {"model", "d_ff"},
-            absl::StrCat("d_ff = ", m.d_ff(), " must be positive (0 means 4 * d_model)"));
-  v.Require(m.moe_every() >= 0, {"model", "moe_every"},
-            absl::StrCat("moe_every = ", m.moe_every(), " must be 0 (no MoE) or positive"));
+  // d_ff left at 0 with an out-of-range d_model stays 0 (see Normalize): d_model is the error.
+  v.Require(InRange(m.d_ff(), 1, kMaxHidden) || (m.d_ff() == 0 && !d_model_ok), {"model", "d_ff"},
+            absl::StrCat("d_ff = ", m.d_ff(), " must be in [1, ", kMaxHidden,
+                         "] (0 means 4 * d_model)"));
+  v.Require(InRange(m.moe_every(), 0, kMaxLayers), {"model", "moe_every"},
+            absl::StrCat("moe_every = ", m.moe_every(), " must be 0 (no MoE) or in [1, ",
+                         kMaxLayers, "]"));
   v.Require(Finite(m.init_std()) && m.init_std() > 0, {"model", "init_std"},
             "init_std must be a positive number");
 
@@ -189,8 +237,10 @@ void ValidateModel(const JobConfig& c, Validator& v) {
                 absl::StrCat("the GSHARD gate routes each token to 2 experts but top_k = ",
                              e.top_k(), "; remove top_k or use gate type TOP_K"));
     }
-    v.Require(e.d_expert() >= 1, {"model", "moe", "d_expert"},
-              "d_expert must be positive (0 means d_ff)");
+    v.Require(InRange(e.d_expert(), 1, kMaxHidden) || (e.d_expert() == 0 && m.d_ff() == 0),
+              {"model", "moe", "d_expert"},
+              absl::StrCat("d_expert = ", e.d_expert(), " must be in [1, ", kMaxHidden,
+                           "] (0 means d_ff)"));
     v.Require(Finite(g.capacity_factor_train()) && g.capacity_factor_train() >= 0,
               {"model", "moe", "gate", "capacity_factor_train"},
               "capacity_factor_train must be >= 0 (0 means dropless)");
@@ -219,10 +269,20 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
   }
 
   const TrainConfig& t = c.train();
-  v.Require(t.steps() >= 1, {"train", "steps"}, "steps must be at least 1");
-  v.Require(t.global_batch() >= 1, {"train", "global_batch"}, "global_batch must be at least 1");
+  v.Require(InRange(t.steps(), 1, kMaxSteps), {"train", "steps"},
+            absl::StrCat("steps = ", t.steps(), " must be in [1, ", kMaxSteps, "]"));
+  v.Require(InRange(t.global_batch(), 1, kMaxGlobalBatch), {"train", "global_batch"},
+            absl::StrCat("global_batch = ", t.global_batch(), " must be in [1, ",
+                         kMaxGlobalBatch, "]"));
+  const int64_t tokens = int64_t{t.global_batch()} * m.seq_len();
+  v.Require(tokens <= kMaxTokensPerStep || t.global_batch() > kMaxGlobalBatch,
+            {"train", "global_batch"},
+            absl::StrCat("global_batch * model.seq_len = ", tokens,
+                         " tokens per step is more than ", kMaxTokensPerStep,
+                         "; lower global_batch or model.seq_len"));
   v.Require(Finite(t.lr()) && t.lr() > 0, {"train", "lr"}, "lr must be a positive number");
-  v.Require(t.warmup_steps() >= 0, {"train", "warmup_steps"}, "warmup_steps must be >= 0");
+  v.Require(InRange(t.warmup_steps(), 0, kMaxSteps), {"train", "warmup_steps"},
+            absl::StrCat("warmup_steps = ", t.warmup_steps(), " must be in [0, ", kMaxSteps, "]"));
   v.Require(Finite(t.min_lr_ratio()) && t.min_lr_ratio() >= 0 && t.min_lr_ratio() <= 1,
             {"train", "min_lr_ratio"}, "min_lr_ratio must be in [0, 1]");
   v.Require(Finite(t.weight_decay()) && t.weight_decay() >= 0, {"train", "weight_decay"},
@@ -235,9 +295,13 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
             "adam_eps must be positive");
   v.Require(Finite(t.grad_clip()) && t.grad_clip() >= 0, {"train", "grad_clip"},
             "grad_clip must be >= 0 (0 turns clipping off)");
-  v.Require(t.eval_every() >= 0, {"train", "eval_every"}, "eval_every must be >= 0");
-  v.Require(t.eval_batches() >= 1, {"train", "eval_batches"}, "eval_batches must be at least 1");
-  v.Require(t.log_every() >= 1, {"train", "log_every"}, "log_every must be at least 1");
+  v.Require(InRange(t.eval_every(), 0, kMaxSteps), {"train", "eval_every"},
+            absl::StrCat("eval_every = ", t.eval_every(), " must be in [0, ", kMaxSteps, "]"));
+  v.Require(InRange(t.eval_batches(), 1, kMaxEvalBatches), {"train", "eval_batches"},
+            absl::StrCat("eval_batches = ", t.eval_batches(), " must be in [1, ",
+                         kMaxEvalBatches, "] (each evaluation runs this many global batches)"));
+  v.Require(InRange(t.log_every(), 1, kMaxSteps), {"train", "log_every"},
+            absl::StrCat("log_every = ", t.log_every(), " must be in [1, ", kMaxSteps, "]"));
   v.Require(t.threads() >= 0 && t.threads() <= 1024, {"train", "threads"},
             "threads must be in [0, 1024] (0 uses every core)");
   const std::string& dev = t.device();
@@ -260,11 +324,22 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
             "io_queue_depth must be in [1, 4096]");
   v.Require(s.ssd_threads() >= 1 && s.ssd_threads() <= 64, {"storage", "ssd_threads"},
             "ssd_threads must be in [1, 64]");
-  v.Require(s.io_block_bytes() >= 4096 && s.io_block_bytes() % 4096 == 0,
+  v.Require(s.io_block_bytes() >= 4096 && s.io_block_bytes() <= kMaxIoBlockBytes &&
+                s.io_block_bytes() % 4096 == 0,
             {"storage", "io_block_bytes"},
-            "io_block_bytes must be a positive multiple of 4096 (the O_DIRECT alignment)");
-  v.Require(s.ssd_file_bytes() >= (1 << 20), {"storage", "ssd_file_bytes"},
-            "ssd_file_bytes must be at least 1048576");
+            absl::StrCat("io_block_bytes = ", s.io_block_bytes(),
+                         " must be a multiple of 4096 (the O_DIRECT alignment) in [4096, ",
+                         kMaxIoBlockBytes, "]"));
+  v.Require(s.ssd_file_bytes() >= (1 << 20) && s.ssd_file_bytes() <= kMaxSsdFileBytes,
+            {"storage", "ssd_file_bytes"},
+            absl::StrCat("ssd_file_bytes = ", s.ssd_file_bytes(), " must be in [1048576, ",
+                         kMaxSsdFileBytes, "]"));
+  v.Require(s.lfu_decay_interval() <= kMaxSteps, {"storage", "lfu_decay_interval"},
+            absl::StrCat("lfu_decay_interval must be at most ", kMaxSteps));
+  v.Require(s.history_prefetch() <= 4096, {"storage", "history_prefetch"},
+            "history_prefetch must be in [0, 4096] (experts of the next layer)");
+  v.Require(s.optimizer_prefetch() <= 4096, {"storage", "optimizer_prefetch"},
+            "optimizer_prefetch must be in [0, 4096] (experts ahead)");
   v.Require(Finite(s.lfu_decay()) && s.lfu_decay() > 0 && s.lfu_decay() <= 1,
             {"storage", "lfu_decay"}, "lfu_decay must be in (0, 1]");
   v.Require(!(s.expert_update() == StorageConfig::LAZY && !tiered), {"storage", "expert_update"},
@@ -276,9 +351,13 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
             "expert_parallel must be in [0, 4096] (0: all workers, 1: data parallel only)");
   v.Require(par.dispatch_chunks() >= 1 && par.dispatch_chunks() <= 64,
             {"parallel", "dispatch_chunks"}, "dispatch_chunks must be in [1, 64] (1: no overlap)");
-  v.Require(par.bucket_bytes() >= 4, {"parallel", "bucket_bytes"},
-            "bucket_bytes must be at least 4 (one float)");
-  v.Require(par.timeout_ms() >= 100, {"parallel", "timeout_ms"}, "timeout_ms must be at least 100");
+  v.Require(par.bucket_bytes() >= 4 && par.bucket_bytes() <= kMaxBucketBytes,
+            {"parallel", "bucket_bytes"},
+            absl::StrCat("bucket_bytes = ", par.bucket_bytes(), " must be in [4 (one float), ",
+                         kMaxBucketBytes, "]"));
+  v.Require(par.timeout_ms() >= 100 && par.timeout_ms() <= kMaxTimeoutMs,
+            {"parallel", "timeout_ms"},
+            absl::StrCat("timeout_ms must be in [100, ", kMaxTimeoutMs, "] (one day)"));
   v.Require(par.local_size() >= 0 && par.local_size() <= 4096, {"parallel", "local_size"},
             "local_size must be in [0, 4096] (0: flat all-to-all)");
   const ElasticConfig& el = c.elastic();
@@ -293,6 +372,9 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
   v.Require(el.replicas() >= 0 && el.replicas() <= 8, {"elastic", "replicas"},
             "replicas must be in [0, 8] (0: no buddy copies)");
   if (par.experts_per_worker_size() > 0) {
+    v.Require(par.experts_per_worker_size() <= 4096, {"parallel", "experts_per_worker"},
+              absl::StrCat("experts_per_worker has ", par.experts_per_worker_size(),
+                           " entries; at most 4096 (one per worker of a group)"));
     int64_t sum = 0;
     bool negative = false;
     for (int32_t n : par.experts_per_worker()) {
@@ -312,15 +394,59 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
             "budgets apply to storage.mode: TIERED");
   v.Require(s.host_budget_bytes() == 0 || tiered, {"storage", "host_budget_bytes"},
             "budgets apply to storage.mode: TIERED");
+  v.Require(c.checkpoint().every() <= kMaxSteps, {"checkpoint", "every"},
+            absl::StrCat("every must be in [0, ", kMaxSteps, "] (0 writes no checkpoint)"));
+  v.Require(c.checkpoint().keep() <= 1000, {"checkpoint", "keep"},
+            "keep must be in [0, 1000] (0 and 1 both keep the newest checkpoint only)");
   v.Require(c.checkpoint().every() == 0 || !c.checkpoint().dir().empty(), {"checkpoint", "dir"},
             "checkpoint.every needs a folder: set checkpoint.dir or pass --checkpoint-dir");
+}
+
+// Binary input (a checkpoint, a token file, a compressed file passed as --config) gets one clear
+// error instead of a screenful of tokenizer errors quoting raw bytes.
+Status CheckIsText(const std::string& text, const std::string& source) {
+  int line = 1;
+  size_t line_start = 0;
+  for (size_t i = 0; i < text.size();) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    size_t len = 1;
+    bool ok = true;
+    if (c == '\n') {
+      ++line;
+      line_start = i + 1;
+    } else if (c < 0x20) {
+      ok = c == '\t' || c == '\r' || c == '\f' || c == '\v';
+    } else if (c == 0x7f) {
+      ok = false;
+    } else if (c >= 0x80) {  // UTF-8 is fine in comments and strings; other bytes are not text
+      len = (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
+      ok = len >= 2 && i + len <= text.size();
+      for (size_t j = 1; ok && j < len; ++j) {
+        ok = (static_cast<unsigned char>(text[i + j]) & 0xc0) == 0x80;
+      }
+    }
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "invalid config %s:\n  %s:%d:%d: byte 0x%02x is not text: a job config is a "
+          "text-format .textproto (see examples/moe_lm/config.textproto); check that --config "
+          "names the config and not a data or checkpoint file",
+          source, source, line, static_cast<int>(i - line_start) + 1, c));
+    }
+    i += len;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
 
 void Normalize(JobConfig* c) {
   ModelConfig* m = c->mutable_model();
-  if (m->d_ff() == 0) m->set_d_ff(4 * m->d_model());
+  // In 64 bits: 4 * d_model of an out-of-range d_model must not wrap into a "valid" width. Such
+  // a d_ff stays 0 and validation names d_model.
+  const int64_t d_ff = 4 * int64_t{m->d_model()};
+  if (m->d_ff() == 0 && d_ff > 0 && d_ff <= std::numeric_limits<int32_t>::max()) {
+    m->set_d_ff(static_cast<int32_t>(d_ff));
+  }
   MoeConfig* e = m->mutable_moe();
   if (e->d_expert() == 0) e->set_d_expert(m->d_ff());
   if (!e->has_top_k()) {
@@ -339,6 +465,7 @@ void Normalize(JobConfig* c) {
 
 StatusOr<JobConfig> ParseJobConfig(const std::string& text, const std::string& source,
                                    const std::string& base_dir) {
+  RETURN_IF_ERROR(CheckIsText(text, source));
   JobConfig config;
   TextFormat::Parser parser;
   ErrorCollector errors(source, text);
@@ -368,7 +495,40 @@ StatusOr<JobConfig> ParseJobConfig(const std::string& text, const std::string& s
   return config;
 }
 
+// A config is a small text file; anything this large was named by mistake.
+constexpr uintmax_t kMaxConfigBytes = 16 << 20;
+
 StatusOr<JobConfig> LoadJobConfig(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec || !fs::exists(st)) {
+    return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "': ",
+                                            ec ? ec.message() : "no such file",
+                                            "; pass an existing .textproto with --config"));
+  }
+  if (fs::is_directory(st)) {
+    std::string hint;
+    if (fs::is_regular_file(fs::path(path) / "config.textproto", ec)) {
+      hint = absl::StrCat(" (did you mean ", (fs::path(path) / "config.textproto").string(), "?)");
+    }
+    return absl::InvalidArgumentError(absl::StrCat("config file '", path,
+                                                   "' is a directory; --config takes a "
+                                                   ".textproto file",
+                                                   hint));
+  }
+  // Only regular files: a FIFO or a device (/dev/zero) would block or never end.
+  if (!fs::is_regular_file(st)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config file '", path, "' is not a regular file; --config takes a .textproto file"));
+  }
+  const uintmax_t size = fs::file_size(path, ec);
+  if (!ec && size > kMaxConfigBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("config file '", path, "' has ", size,
+                                                   " bytes; a job config is a text file of at "
+                                                   "most ",
+                                                   kMaxConfigBytes, " bytes: check the path"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     return absl::NotFoundError(absl::StrCat("cannot read config file '", path,
@@ -377,16 +537,22 @@ StatusOr<JobConfig> LoadJobConfig(const std::string& path) {
   }
   std::stringstream ss;
   ss << in.rdbuf();
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  return ParseJobConfig(ss.str(), path, dir);
+  if (in.bad()) {
+    return absl::DataLossError(absl::StrCat("cannot read config file '", path,
+                                            "': ", std::strerror(errno),
+                                            "; check the file and the disk it is on"));
+  }
+  fs::path dir = fs::path(path).parent_path();
+  if (dir.empty()) dir = fs::path(".");
+  return ParseJobConfig(ss.str(), path, dir.string());
 }
 
 Status ValidateJobConfig(const JobConfig& config, const std::string& source) {
   Validator v(config, source, nullptr);
   ValidateModel(config, v);
   ValidateDataAndTraining(config, v);
-  return v.Result();
+  RETURN_IF_ERROR(v.Result());
+  return CheckMemory(config, EstimateMemory(config), AvailableHostMemory(), source);
 }
 
 Status ValidateModelConfig(const ModelConfig& model, const std::string& source) {

@@ -13,8 +13,10 @@
 namespace strata::config {
 
 // Reads FILE, parses it and validates it. Relative data paths are resolved against the folder of
-// FILE. Errors (INVALID_ARGUMENT, or NOT_FOUND for an unreadable file) list every problem found,
-// one per line, as "FILE:LINE:COLUMN: field a.b.c: what is wrong; how to fix it".
+// FILE. Errors (INVALID_ARGUMENT, or NOT_FOUND for a missing or unreadable file) list every problem
+// found, one per line, as "FILE:LINE:COLUMN: field a.b.c: what is wrong; how to fix it". FILE must
+// be a regular text file: a folder, a FIFO, a device or binary content is refused with a clear
+// error. Does not check the machine's memory (ValidateJobConfig does).
 [[nodiscard]] StatusOr<JobConfig> LoadJobConfig(const std::string& path);
 
 // The same from text already in memory; `source` names it in errors and `base_dir` resolves
@@ -22,8 +24,12 @@ namespace strata::config {
 [[nodiscard]] StatusOr<JobConfig> ParseJobConfig(const std::string& text, const std::string& source,
                                                  const std::string& base_dir);
 
-// Validates a config built or modified in code (e.g. after command-line overrides). Errors name
-// the field but no line. The config must already be normalised (see Normalize).
+// Validates a config built or modified in code (e.g. after command-line overrides), and checks
+// that the job fits this machine: the memory estimate (proto/memory_estimate.h) against the host
+// memory available now, and the storage budgets. `strata check`, `strata train`, `strata worker`
+// and `strata launch` all go through it before anything is allocated. Errors name the field but
+// no line (INVALID_ARGUMENT), or give the figures (RESOURCE_EXHAUSTED). The config must already
+// be normalised (see Normalize).
 [[nodiscard]] Status ValidateJobConfig(const JobConfig& config, const std::string& source);
 
 // Validates only the model part (for code that builds a model without a job).

@@ -1,6 +1,9 @@
 // Reading JobConfig: defaults, derived defaults, relative paths, and errors that name the file,
 // line and field.
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "proto/config_io.h"
@@ -150,6 +153,102 @@ TEST(ConfigTest, LoadFromFileResolvesPathsAndReportsMissingFile) {
   ASSERT_FALSE(missing.ok());
   EXPECT_TRUE(absl::IsNotFound(missing.status()));
   EXPECT_NE(missing.status().message().find("nope.textproto"), std::string::npos);
+}
+
+TEST(ConfigTest, BadExpertsPerWorkerIsALocatedErrorNotAnAbort) {
+  // protobuf aborts when a repeated field is located with index -1.
+  const std::string msg = Error(
+      "data { path: \"d\" }\n"
+      "parallel {\n"
+      "  experts_per_worker: 3\n"
+      "  experts_per_worker: -1\n"
+      "}\n");
+  EXPECT_NE(msg.find("job.textproto:3:3: field parallel.experts_per_worker: experts_per_worker "
+                     "must be non-negative and sum to moe.num_experts = 8 (it sums to 2)"),
+            std::string::npos)
+      << msg;
+}
+
+TEST(ConfigTest, SizesHaveUpperBoundsAndNeverWrap) {
+  // 4 * 2147483644 wraps to -16 in 32 bits; the error must name d_model, not a derived d_ff.
+  const std::string wrap = Error("data { path: \"d\" }\nmodel { d_model: 2147483644 n_heads: 1 }\n");
+  EXPECT_NE(wrap.find("job.textproto:2:9: field model.d_model: d_model = 2147483644 must be in "
+                      "[1, 65536]"),
+            std::string::npos)
+      << wrap;
+  EXPECT_EQ(wrap.find("d_ff"), std::string::npos) << wrap;
+  EXPECT_EQ(wrap.find("d_expert"), std::string::npos) << wrap;
+  struct Case {
+    const char* text;
+    const char* field;
+  };
+  for (const Case& c : {
+           Case{"model { d_model: 1000000 n_heads: 1 }", "field model.d_model: d_model = 1000000"},
+           Case{"model { n_layers: 100000000 }", "field model.n_layers: n_layers = 100000000"},
+           Case{"model { d_ff: 2000000000 }", "field model.d_ff: d_ff = 2000000000"},
+           Case{"model { moe { d_expert: 2000000000 } }", "field model.moe.d_expert"},
+           Case{"model { moe_every: 2147483647 }", "field model.moe_every"},
+           Case{"train { global_batch: 2000000000 }", "field train.global_batch"},
+           Case{"train { global_batch: 65536 } model { seq_len: 65536 }",
+                "tokens per step is more than 268435456"},
+           Case{"train { eval_batches: 1000000000 }",
+                "field train.eval_batches: eval_batches = 1000000000 must be in [1, 10000]"},
+           Case{"train { steps: -5 }", "field train.steps: steps = -5"},
+           Case{"storage { io_block_bytes: 18446744073709547520 }", "field storage.io_block_bytes"},
+           Case{"parallel { bucket_bytes: 18446744073709551615 }", "field parallel.bucket_bytes"},
+           Case{"parallel { timeout_ms: 4294967295 }", "field parallel.timeout_ms"},
+       }) {
+    const std::string msg = Error(absl::StrCat("data { path: \"d\" }\n", c.text, "\n"));
+    EXPECT_NE(msg.find(absl::StrCat("job.textproto:2:")), std::string::npos) << c.text << msg;
+    EXPECT_NE(msg.find(c.field), std::string::npos) << c.text << "\n" << msg;
+  }
+}
+
+TEST(ConfigTest, ConfigPathThatIsNotATextFileIsAClearError) {
+  TempDir dir;
+  // A folder: not "data.path is required" from parsing an empty read.
+  auto folder = LoadJobConfig(dir.path());
+  ASSERT_FALSE(folder.ok());
+  EXPECT_NE(folder.status().message().find("'" + dir.path() + "' is a directory"),
+            std::string::npos)
+      << folder.status();
+  EXPECT_EQ(folder.status().message().find("data.path"), std::string::npos) << folder.status();
+  WriteFile(dir.File("config.textproto"), "data { path: \"d\" }\n");
+  auto hinted = LoadJobConfig(dir.path());
+  ASSERT_FALSE(hinted.ok());
+  EXPECT_NE(hinted.status().message().find("did you mean " + dir.File("config.textproto")),
+            std::string::npos)
+      << hinted.status();
+  // Through a regular file (ENOTDIR), and a device that never ends.
+  WriteFile(dir.File("plain"), "x");
+  auto through = LoadJobConfig(dir.File("plain/job.textproto"));
+  ASSERT_FALSE(through.ok());
+  EXPECT_TRUE(absl::IsNotFound(through.status())) << through.status();
+  EXPECT_NE(through.status().message().find("cannot read config file"), std::string::npos);
+  auto device = LoadJobConfig("/dev/zero");
+  ASSERT_FALSE(device.ok());
+  EXPECT_NE(device.status().message().find("'/dev/zero' is not a regular file"), std::string::npos)
+      << device.status();
+  // Unreadable by permission (root reads it anyway, so only checked as another user).
+  WriteFile(dir.File("secret.textproto"), "data { path: \"d\" }\n");
+  std::filesystem::permissions(dir.File("secret.textproto"), std::filesystem::perms::none);
+  if (geteuid() != 0) {
+    auto secret = LoadJobConfig(dir.File("secret.textproto"));
+    ASSERT_FALSE(secret.ok());
+    EXPECT_NE(secret.status().message().find("Permission denied"), std::string::npos)
+        << secret.status();
+  }
+  // Binary content: one error with the place of the first non-text byte.
+  WriteFile(dir.File("bin.textproto"), std::string("data {\n  \x93\x00\x01\xff garbage", 20));
+  auto binary = LoadJobConfig(dir.File("bin.textproto"));
+  ASSERT_FALSE(binary.ok());
+  EXPECT_NE(binary.status().message().find(dir.File("bin.textproto") +
+                                           ":2:3: byte 0x93 is not text"),
+            std::string::npos)
+      << binary.status();
+  // UTF-8 in comments and strings is text.
+  auto utf8 = ParseJobConfig("# d\xc3\xa9j\xc3\xa0 vu\ndata { path: \"caf\xc3\xa9\" }\n", "j", "");
+  EXPECT_TRUE(utf8.ok()) << utf8.status();
 }
 
 }  // namespace

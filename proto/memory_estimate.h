@@ -1,0 +1,74 @@
+// How much memory a job needs, from its config alone, and whether this machine has it.
+//
+// A config that passes field validation can still ask for terabytes (d_model 65536 with 1024
+// layers), and the allocation that fails then is deep inside model construction. The estimate
+// counts, before anything is allocated, what one `strata train` / `strata worker` process holds
+// for the whole run:
+//   - the parameters, their gradients and the two AdamW moments (4 floats per parameter); in
+//     storage.mode TIERED only the dense ones, since expert state lives in the tiered store;
+//   - the activations the model allocates once for a batch of global_batch sequences (every
+//     block's saved tensors, the attention matrices, the MoE dispatch buffers, the logits);
+//   - TIERED: the store's device and host tiers, which on a machine without a GPU are host
+//     memory: their budgets, or all expert state where a budget is 0 (unlimited).
+// Figures are exact counts of what the model allocates (tests compare the parameter count with a
+// model built from the same config); allocator rounding, thread stacks and the mapped data file
+// are not counted. A worker of a multi-worker job holds at most this much (fewer experts, a share
+// of the batch).
+//
+// Pure functions of the config, except AvailableHostMemory. Safe to call from any thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "proto/config.pb.h"
+#include "runtime/common/status.h"
+
+namespace strata::config {
+
+struct MemoryEstimate {
+  // Elements (floats) of the model's parameters: everything but the experts (embeddings,
+  // attention, norms, routers, dense FFNs, the output head), and the experts of all MoE layers.
+  int64_t dense_parameters = 0;
+  int64_t expert_parameters = 0;
+  int64_t parameters() const;
+
+  // Bytes held in host memory (on a GPU, train.device "cuda", in device memory instead).
+  uint64_t parameter_bytes = 0;   // parameter values held by the model
+  uint64_t gradient_bytes = 0;    // their gradients
+  uint64_t optimizer_bytes = 0;   // AdamW's first and second moments
+  uint64_t activation_bytes = 0;  // buffers for one batch, the token ids included
+  uint64_t store_bytes = 0;       // TIERED: the device and host tiers' expert slots
+  uint64_t total_bytes = 0;       // the sum of the five above
+
+  // TIERED: expert weights, gradients and Adam moments, held on the SSD tier.
+  uint64_t expert_state_bytes = 0;
+  // TIERED: dense parameters with gradients and Adam state, kept in the device tier for good.
+  uint64_t dense_state_bytes = 0;
+  // The figures are for memory on a GPU (train.device is not "cpu"); they are not compared with
+  // host memory.
+  bool on_gpu = false;
+};
+
+// The estimate of a normalised config (see Normalize). Saturates at UINT64_MAX / INT64_MAX rather
+// than overflowing, whatever the config holds.
+MemoryEstimate EstimateMemory(const JobConfig& config);
+
+// One line per figure, human-readable ("parameters  1.2 M (4.6 MiB) ..."), for `strata check`.
+std::string FormatMemoryEstimate(const MemoryEstimate& estimate);
+
+// "1.5 GiB", "512 B".
+std::string FormatBytes(uint64_t bytes);
+
+// Bytes a new process can still allocate here without swapping: /proc/meminfo's MemAvailable
+// (sysconf's available pages where that is missing), lowered to the room left under a cgroup v2
+// memory.max. 0 when none of these can be read.
+uint64_t AvailableHostMemory();
+
+// RESOURCE_EXHAUSTED when the estimate cannot fit: more host memory than `available_bytes`
+// (0: not checked), or a storage.device_budget_bytes below the dense state. The message names
+// `source`, gives the figures and says which fields to lower.
+[[nodiscard]] Status CheckMemory(const JobConfig& config, const MemoryEstimate& estimate,
+                                 uint64_t available_bytes, const std::string& source);
+
+}  // namespace strata::config
