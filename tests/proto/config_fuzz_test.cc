@@ -334,10 +334,8 @@ struct ChildResult {
   std::string output;
 };
 
-// Runs argv with stdout and stderr to `log`, killing it after `limit`.
-ChildResult RunChild(const std::vector<std::string>& argv, const std::string& log,
-                     std::chrono::milliseconds limit) {
-  ChildResult r;
+// Starts argv with stdout and stderr to `log`.
+pid_t StartChild(const std::vector<std::string>& argv, const std::string& log) {
   const pid_t pid = fork();
   if (pid == 0) {
     const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -349,7 +347,13 @@ ChildResult RunChild(const std::vector<std::string>& argv, const std::string& lo
     execv(args[0], args.data());
     _exit(127);
   }
-  const auto deadline = std::chrono::steady_clock::now() + limit;
+  return pid;
+}
+
+// Waits for `pid`, killing it at `deadline`.
+ChildResult WaitChild(pid_t pid, const std::string& log,
+                      std::chrono::steady_clock::time_point deadline) {
+  ChildResult r;
   int status = 0;
   while (waitpid(pid, &status, WNOHANG) == 0) {
     if (std::chrono::steady_clock::now() > deadline) {
@@ -368,6 +372,11 @@ ChildResult RunChild(const std::vector<std::string>& argv, const std::string& lo
   return r;
 }
 
+ChildResult RunChild(const std::vector<std::string>& argv, const std::string& log,
+                     std::chrono::milliseconds limit) {
+  return WaitChild(StartChild(argv, log), log, std::chrono::steady_clock::now() + limit);
+}
+
 TEST(ConfigFuzzTest, StrataCheckNeverCrashesOrHangs) {
   const std::string strata = std::string(STRATA_BIN_DIR) + "/strata";
   testing::TempDir dir;
@@ -381,39 +390,47 @@ TEST(ConfigFuzzTest, StrataCheckNeverCrashesOrHangs) {
     bases.push_back(base);
   }
   Mutator mutator(777);
-  const std::string config = dir.File("fuzz.textproto"), log = dir.File("out.txt");
-  // The paths that are not files at all, then mutated configs.
-  std::vector<std::vector<std::string>> runs = {
-      {strata, "check", "--config", dir.path()},
-      {strata, "check", "--config", dir.File("missing.textproto")},
-      {strata, "check", "--config", "/dev/zero"},
-      {strata, "check", "--config", dir.File("text.txt/x")},
-      {strata, "check", "--config", strata},  // binary garbage
+  // The paths that are not config files at all, then mutated configs; two runs at a time.
+  std::vector<std::pair<std::vector<std::string>, std::string>> runs = {  // argv, config text
+      {{strata, "check", "--config", dir.path()}, ""},
+      {{strata, "check", "--config", dir.File("missing.textproto")}, ""},
+      {{strata, "check", "--config", "/dev/zero"}, ""},
+      {{strata, "check", "--config", dir.File("text.txt/x")}, ""},
+      {{strata, "check", "--config", strata}, ""},  // binary garbage
   };
   const int kCases = 300;
-  for (int i = 0; i < kCases; ++i) runs.push_back({strata, "check", "--config", config});
-  int ok = 0, errors = 0, i = 0;
+  for (int i = 0; i < kCases; ++i) {
+    const std::string config = dir.File(absl::StrCat("fuzz-", i, ".textproto"));
+    runs.push_back({{strata, "check", "--config", config}, mutator.Case(bases)});
+    testing::WriteFile(config, runs.back().second);
+  }
+  int ok = 0, errors = 0;
   const auto start = std::chrono::steady_clock::now();
-  for (const auto& argv : runs) {
-    std::string text;
-    if (argv.back() == config) {
-      text = mutator.Case(bases);
-      testing::WriteFile(config, text);
+  for (size_t i = 0; i < runs.size(); i += 2) {
+    std::vector<std::pair<pid_t, std::string>> children;  // pid, log
+    for (size_t j = i; j < std::min(i + 2, runs.size()); ++j) {
+      const std::string log = dir.File(absl::StrCat("out-", j - i, ".txt"));
+      children.push_back({StartChild(runs[j].first, log), log});
     }
-    const ChildResult r = RunChild(argv, log, std::chrono::seconds(20));
-    ASSERT_FALSE(r.timed_out) << "run " << i << " hung:\n" << text;
-    ASSERT_EQ(r.signal, 0) << "run " << i << " died of signal " << r.signal << ":\n"
-                           << r.output << "\n--- config:\n" << text;
-    ASSERT_TRUE(r.exit_code == 0 || r.exit_code == 1)
-        << "run " << i << " exit " << r.exit_code << ":\n" << r.output << "\n--- config:\n" << text;
-    if (r.exit_code == 0) {
-      ++ok;
-      EXPECT_NE(r.output.find("# memory:"), std::string::npos) << r.output;
-    } else {
-      ++errors;
-      EXPECT_NE(r.output.find("strata: error: "), std::string::npos) << r.output;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    for (size_t j = 0; j < children.size(); ++j) {
+      const ChildResult r = WaitChild(children[j].first, children[j].second, deadline);
+      const std::string& text = runs[i + j].second;
+      const std::string what = absl::StrCat("run ", i + j, " (", runs[i + j].first.back(), ")");
+      EXPECT_FALSE(r.timed_out) << what << " hung:\n" << text;
+      EXPECT_EQ(r.signal, 0) << what << " died of signal " << r.signal << ":\n"
+                             << r.output << "\n--- config:\n" << text;
+      EXPECT_TRUE(r.timed_out || r.signal != 0 || r.exit_code == 0 || r.exit_code == 1)
+          << what << " exit " << r.exit_code << ":\n" << r.output << "\n--- config:\n" << text;
+      if (r.exit_code == 0) {
+        ++ok;
+        EXPECT_NE(r.output.find("# memory:"), std::string::npos) << r.output;
+      } else {
+        ++errors;
+        EXPECT_NE(r.output.find("strata: error: "), std::string::npos) << what << r.output;
+      }
     }
-    ++i;
+    if (::testing::Test::HasFailure()) break;
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
