@@ -211,7 +211,8 @@ Status CheckMemory(const JobConfig& config, const MemoryEstimate& e, uint64_t av
         "above %d or make the dense part of the model smaller",
         source, source, st.device_budget_bytes(), e.dense_state_bytes, e.dense_state_bytes));
   }
-  if (available_bytes == 0 || e.on_gpu || e.total_bytes <= available_bytes) {
+  const uint64_t need = Add(e.total_bytes, kProcessOverheadBytes);
+  if (available_bytes == 0 || e.on_gpu || need <= available_bytes) {
     return absl::OkStatus();
   }
   // Name the largest part and the fields that size it.
@@ -237,9 +238,10 @@ Status CheckMemory(const JobConfig& config, const MemoryEstimate& e, uint64_t av
   std::string figures = FormatMemoryEstimate(e);
   absl::StrReplaceAll({{"\n", "\n  "}}, &figures);
   return absl::ResourceExhaustedError(absl::StrFormat(
-      "%s: the job needs %s of memory but this machine has %s available (MemAvailable and the "
-      "cgroup limit):\n  %s%s",
-      source, FormatBytes(e.total_bytes), FormatBytes(available_bytes), figures, advice));
+      "%s: the job needs %s of memory (%s for the model and %s for the process) but this "
+      "machine has %s available (MemAvailable and the cgroup limit):\n  %s%s",
+      source, FormatBytes(need), FormatBytes(e.total_bytes), FormatBytes(kProcessOverheadBytes),
+      FormatBytes(available_bytes), figures, advice));
 }
 
 }  // namespace strata::config

@@ -98,13 +98,14 @@ TEST(MemoryEstimateTest, FiguresOfASmallConfigMatchAHandCount) {
 TEST(MemoryEstimateTest, RefusesWhatDoesNotFitWithTheFigures) {
   const JobConfig cfg = Parse(kSmall);
   const MemoryEstimate e = EstimateMemory(cfg);
-  EXPECT_TRUE(CheckMemory(cfg, e, e.total_bytes, "job.textproto").ok());
+  const uint64_t need = e.total_bytes + kProcessOverheadBytes;
+  EXPECT_TRUE(CheckMemory(cfg, e, need, "job.textproto").ok());
   EXPECT_TRUE(CheckMemory(cfg, e, 0, "job.textproto").ok()) << "0: not known, not checked";
-  const Status s = CheckMemory(cfg, e, e.total_bytes - 1, "job.textproto");
+  const Status s = CheckMemory(cfg, e, need - 1, "job.textproto");
   ASSERT_TRUE(absl::IsResourceExhausted(s)) << s;
   const std::string msg(s.message());
-  EXPECT_NE(msg.find("job.textproto: the job needs 60.6 KiB of memory but this machine has "
-                     "60.6 KiB available"),
+  EXPECT_NE(msg.find("job.textproto: the job needs 256.1 MiB of memory (60.6 KiB for the model "
+                     "and 256.0 MiB for the process) but this machine has 256.1 MiB available"),
             std::string::npos)
       << msg;
   EXPECT_NE(msg.find("AdamW moments 19.7 KiB"), std::string::npos) << msg;
