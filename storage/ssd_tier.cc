@@ -154,6 +154,12 @@ Status SsdTier::ReadMany(std::span<const ReadItem> items) {
             "%s: the index points at SSD-tier file %d, which does not exist in '%s'", *it.what,
             x.file, options_.dir));
       }
+      if (x.offset + x.length > alloc_.file_size(x.file)) {
+        return absl::DataLossError(absl::StrFormat(
+            "%s: the index places it at bytes [%d, %d) of '%s', which holds only %d bytes: the "
+            "file is shorter than the index says (it was cut short)",
+            *it.what, x.offset, x.offset + x.length, paths_[x.file], alloc_.file_size(x.file)));
+      }
       reqs.push_back(IoRequest{fds_[x.file], x.offset, it.buf, x.length, false, &paths_[x.file]});
       bytes += x.length;
     }
@@ -211,6 +217,22 @@ Status SsdTier::Sync() {
 void SsdTier::Free(const Extent& e) {
   std::lock_guard<std::mutex> lock(mu_);
   alloc_.Release(e);
+}
+
+std::vector<std::string> SsdTier::DataFiles(const std::string& dir) {
+  std::vector<std::string> out;
+  for (uint32_t f = 0;; ++f) {
+    std::string path = DataFileName(dir, f);
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) break;
+    out.push_back(std::move(path));
+  }
+  return out;
+}
+
+bool SsdTier::InFiles(const Extent& e) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return e.offset + e.length <= alloc_.file_size(e.file);
 }
 
 Status SsdTier::MarkUsed(const Extent& e) {

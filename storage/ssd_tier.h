@@ -4,7 +4,8 @@
 // an ExtentAllocator (4 KiB granules), reserved with fallocate as files grow (so a full disk shows
 // up as a clear error when space is reserved, not as a torn write), and moved with io_uring
 // (BlockIo). Every extent's payload carries a CRC-32C kept by the caller (the index); Read checks
-// it and reports a mismatch as DATA_LOSS naming the file and offset.
+// it and reports a mismatch as DATA_LOSS naming the file and offset; an extent beyond the end of
+// its file (one cut short) is DATA_LOSS naming the file and its size.
 //
 // Write does not sync: spilled working state need not survive a crash. Durable writes (checkpoints)
 // call Sync after their extents and only then record them in the index — extent, fdatasync, index
@@ -90,8 +91,12 @@ class SsdTier {
 
   void Free(const Extent& e);
   [[nodiscard]] Status MarkUsed(const Extent& e);
+  // Whether the extent lies within the data files as they are (a file cut short loses extents).
+  bool InFiles(const Extent& e) const;
 
   std::string FilePath(uint32_t file) const;
+  // The data files in `dir` that Open would adopt.
+  static std::vector<std::string> DataFiles(const std::string& dir);
   const std::string& dir() const { return options_.dir; }
   uint64_t used_bytes() const;
   SsdStats stats() const;

@@ -1,8 +1,10 @@
 #include "storage/tensor_index.h"
 
+#include <algorithm>
 #include <filesystem>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
 #include "rocksdb/write_batch.h"
@@ -27,10 +29,9 @@ std::string CheckpointKey(int64_t step) {
 Status FromRocks(const rocksdb::Status& s, const std::string& what, const std::string& dir) {
   if (s.ok()) return absl::OkStatus();
   if (s.IsCorruption()) {
-    return absl::DataLossError(absl::StrFormat(
-        "the checkpoint index in '%s' is damaged (%s: %s); nothing was changed. Restore the "
-        "folder from a copy, or start a fresh run in an empty folder",
-        dir, what, s.ToString()));
+    return absl::DataLossError(
+        absl::StrFormat("the checkpoint index in '%s' is damaged (%s: %s); %s", dir, what,
+                        s.ToString(), kDamagedIndexRemedy));
   }
   if (s.IsIOError() && s.ToString().find("No space") != std::string::npos) {
     return absl::ResourceExhaustedError(absl::StrFormat(
@@ -61,23 +62,55 @@ Status MissingIndex(const std::string& dir, const char* consequence) {
 rocksdb::Options IndexOptions() {
   rocksdb::Options options;
   options.paranoid_checks = true;
+  // Every write is synced, so a crash can at most tear the record being appended at the WAL's
+  // end; RocksDB's default (kPointInTimeRecovery) would also stop replaying silently at damage in
+  // the middle and drop every later commit. This mode accepts only the torn tail and refuses any
+  // other damage. (A cut that happens to fall between records looks like a torn tail; the
+  // checkpoint ledger catches the list it rolls back.)
+  options.wal_recovery_mode = rocksdb::WALRecoveryMode::kTolerateCorruptedTailRecords;
   options.max_open_files = 64;
   options.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
   options.keep_log_file_num = 2;
   return options;
 }
 
+// An open that failed with a corruption: names the damaged part. If the index opens when damaged
+// WAL records are skipped, the rest of it is whole and the damage is in the write-ahead log.
+Status OpenError(const rocksdb::Status& s, const std::string& dir) {
+  if (!s.IsCorruption()) return FromRocks(s, "opening", dir);
+  rocksdb::Options salvage = IndexOptions();
+  salvage.wal_recovery_mode = rocksdb::WALRecoveryMode::kSkipAnyCorruptedRecords;
+  rocksdb::DB* db = nullptr;
+  if (!rocksdb::DB::OpenForReadOnly(salvage, dir, &db).ok()) return FromRocks(s, "opening", dir);
+  delete db;
+  std::vector<std::string> wals;
+  std::error_code ec;
+  for (const auto& f : std::filesystem::directory_iterator(dir, ec)) {
+    if (f.path().extension() == ".log") wals.push_back(f.path().string());
+  }
+  std::sort(wals.begin(), wals.end());
+  return absl::DataLossError(absl::StrFormat(
+      "the checkpoint index in '%s' is damaged: its write-ahead log (%s) is corrupt before its "
+      "end, which a crash cannot cause, so the checkpoints committed after the damage are lost "
+      "(RocksDB: %s); %s",
+      dir, absl::StrJoin(wals, ", "), s.ToString(), kDamagedIndexRemedy));
+}
+
 }  // namespace
 
+bool TensorIndex::Exists(const std::string& dir) {
+  return std::filesystem::exists(dir + "/CURRENT");
+}
+
 StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Open(const std::string& dir, bool create) {
-  if (!create && !std::filesystem::exists(dir + "/CURRENT")) {
+  if (!create && !Exists(dir)) {
     return MissingIndex(dir, "this folder holds no checkpoints to resume from");
   }
   rocksdb::Options options = IndexOptions();
   options.create_if_missing = create;
   rocksdb::DB* db = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(options, dir, &db);
-  if (!s.ok()) return FromRocks(s, "opening", dir);
+  if (!s.ok()) return OpenError(s, dir);
   std::unique_ptr<TensorIndex> index(new TensorIndex);
   index->dir_ = dir;
   index->db_.reset(db);
@@ -85,12 +118,12 @@ StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::Open(const std::string& dir,
 }
 
 StatusOr<std::unique_ptr<TensorIndex>> TensorIndex::OpenReadOnly(const std::string& dir) {
-  if (!std::filesystem::exists(dir + "/CURRENT")) {
+  if (!Exists(dir)) {
     return MissingIndex(dir, "this folder holds no checkpoints");
   }
   rocksdb::DB* db = nullptr;
   rocksdb::Status s = rocksdb::DB::OpenForReadOnly(IndexOptions(), dir, &db);
-  if (!s.ok()) return FromRocks(s, "opening", dir);
+  if (!s.ok()) return OpenError(s, dir);
   std::unique_ptr<TensorIndex> index(new TensorIndex);
   index->dir_ = dir;
   index->db_.reset(db);

@@ -25,12 +25,21 @@ class DB;
 
 namespace strata::storage {
 
+// What to do about a checkpoint list that cannot be trusted, for every message that reports one.
+inline constexpr char kDamagedIndexRemedy[] =
+    "nothing was changed. Restore the checkpoint folder from a copy, or train afresh with "
+    "`strata train --start-over`, which moves the folder's contents aside";
+
 class TensorIndex {
  public:
   // Opens the index in `dir` (RocksDB). When it does not exist: creates it if `create`, else
-  // NOT_FOUND saying so. A damaged index is DATA_LOSS with RocksDB's reason.
+  // NOT_FOUND saying so. A damaged index is DATA_LOSS with RocksDB's reason; damage in the
+  // write-ahead log other than a record torn at its end by a crash is reported as such, naming the
+  // log file.
   [[nodiscard]] static StatusOr<std::unique_ptr<TensorIndex>> Open(const std::string& dir,
                                                                    bool create);
+  // Whether `dir` holds an index (RocksDB's CURRENT file).
+  static bool Exists(const std::string& dir);
   // Read-only, without RocksDB's lock: for listing and verifying while a training process holds
   // the index.
   [[nodiscard]] static StatusOr<std::unique_ptr<TensorIndex>> OpenReadOnly(const std::string& dir);

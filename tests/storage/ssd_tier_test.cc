@@ -14,6 +14,7 @@
 #include <fstream>
 #include <random>
 
+#include "absl/strings/str_format.h"
 #include "storage/crc32c.h"
 #include "storage/extent_allocator.h"
 #include "storage/io_memory.h"
@@ -332,6 +333,41 @@ TEST(SsdTierTest, TruncatedFileIsAClearError) {
   EXPECT_NE(s.message().find("shorter than the index"), std::string::npos) << s;
 }
 
+// A file cut short while the tier was closed: reopened, the extents beyond its end are named
+// without reading, and the ones before it still read.
+TEST(SsdTierTest, ExtentBeyondAFileCutShortIsNamedAfterReopening) {
+  TempDir dir;
+  StoredExtent kept, lost;
+  Aligned buf(65536);
+  {
+    auto tier = OpenTier(dir.path());
+    std::memset(buf.p, 3, buf.size);
+    auto a = tier->Write(buf.p, 65536);
+    auto b = tier->Write(buf.p, 65536);
+    ASSERT_TRUE(a.ok() && b.ok());
+    ASSERT_TRUE(tier->Sync().ok());
+    kept = *a;
+    lost = *b;
+  }
+  ASSERT_EQ(lost.extent.offset, kept.extent.offset + 65536);
+  const std::string file = dir.File("data-00000.bin");
+  ASSERT_EQ(0, ::truncate(file.c_str(), static_cast<off_t>(lost.extent.offset)));
+  EXPECT_EQ(SsdTier::DataFiles(dir.path()), std::vector<std::string>{file});
+  auto tier = OpenTier(dir.path());
+  EXPECT_TRUE(tier->InFiles(kept.extent));
+  EXPECT_FALSE(tier->InFiles(lost.extent));
+  EXPECT_TRUE(tier->Read(kept, buf.p, "kept").ok());
+  Status s = tier->Verify(lost, "layer 2 expert 1 weights v4");
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_NE(s.message().find("layer 2 expert 1 weights v4"), std::string::npos) << s;
+  EXPECT_NE(s.message().find(file), std::string::npos) << s;
+  EXPECT_NE(s.message().find(absl::StrFormat("holds only %d bytes", lost.extent.offset)),
+            std::string::npos)
+      << s;
+  EXPECT_EQ(tier->stats().reads, 1u) << "the extent beyond the end was not read";
+}
+
 TEST(SsdTierTest, DiskFullIsResourceExhaustedAndReleasesSpace) {
   TempDir dir;
   FaultInjectingIo* fault = nullptr;
@@ -436,6 +472,71 @@ TEST(TensorIndexTest, CommitListRemoveReopenAndErrors) {
   auto damaged = TensorIndex::Open(path, false);
   ASSERT_FALSE(damaged.ok());
   EXPECT_NE(damaged.status().message().find(path), std::string::npos) << damaged.status();
+}
+
+// Checkpoint manifests of steps 10, 20, ..., 50 committed into a new index at `path`, left in
+// its write-ahead log (closing RocksDB does not flush the log to a table file).
+void WriteFiveCommitsToTheWal(const std::string& path) {
+  auto index = TensorIndex::Open(path, true);
+  ASSERT_TRUE(index.ok()) << index.status();
+  for (int64_t step = 10; step <= 50; step += 10) {
+    CheckpointManifest m;
+    m.set_step(step);
+    m.set_model_config(std::string(200, 'x'));  // records of a few hundred bytes
+    ASSERT_TRUE((*index)->CommitCheckpoint(m, {}).ok());
+  }
+}
+
+std::string OnlyWal(const std::string& path) {
+  std::vector<std::string> wals;
+  for (const auto& f : std::filesystem::directory_iterator(path)) {
+    if (f.path().extension() == ".log" && f.file_size() > 0) wals.push_back(f.path().string());
+  }
+  EXPECT_EQ(wals.size(), 1u);
+  return wals.empty() ? "" : wals[0];
+}
+
+std::vector<int64_t> Steps(TensorIndex& index) {
+  std::vector<int64_t> out;
+  auto cps = index.Checkpoints();
+  EXPECT_TRUE(cps.ok()) << cps.status();
+  if (cps.ok()) {
+    for (const auto& m : *cps) out.push_back(m.step());
+  }
+  return out;
+}
+
+// A record torn at the WAL's end (what a crash can leave) drops only that commit; damage before the
+// end fails the open, naming the log, instead of silently dropping every later commit.
+TEST(TensorIndexTest, TornWalTailIsDroppedDamageBeforeTheEndIsAnError) {
+  TempDir dir;
+  for (const char* name : {"torn", "flipped"}) {
+    WriteFiveCommitsToTheWal(dir.File(name));
+  }
+  {
+    const std::string wal = OnlyWal(dir.File("torn"));
+    std::filesystem::resize_file(wal, std::filesystem::file_size(wal) - 10);
+    for (bool read_only : {true, false}) {
+      auto index = read_only ? TensorIndex::OpenReadOnly(dir.File("torn"))
+                             : TensorIndex::Open(dir.File("torn"), false);
+      ASSERT_TRUE(index.ok()) << index.status();
+      EXPECT_EQ(Steps(**index), (std::vector<int64_t>{10, 20, 30, 40}));
+    }
+  }
+  const std::string path = dir.File("flipped");
+  const std::string wal = OnlyWal(path);
+  std::string bytes = strata::testing::ReadFile(wal);
+  for (size_t i = bytes.size() / 2; i < bytes.size() / 2 + 16; ++i) bytes[i] ^= 0x5a;
+  strata::testing::WriteFile(wal, bytes);
+  for (bool read_only : {true, false}) {
+    auto index = read_only ? TensorIndex::OpenReadOnly(path) : TensorIndex::Open(path, false);
+    ASSERT_FALSE(index.ok()) << "read_only " << read_only;
+    EXPECT_TRUE(absl::IsDataLoss(index.status())) << index.status();
+    EXPECT_NE(index.status().message().find("write-ahead log (" + wal + ")"), std::string::npos)
+        << index.status();
+    EXPECT_NE(index.status().message().find("--start-over"), std::string::npos) << index.status();
+  }
+  EXPECT_EQ(strata::testing::ReadFile(wal), bytes) << "a refused open changed the log";
 }
 
 }  // namespace
