@@ -45,6 +45,7 @@ const std::vector<FlagSpec>& TrainFlags() {
       {"checkpoint-dir", "folder of checkpoints (overrides checkpoint.dir)"},
       {"checkpoint-every", "checkpoint every N steps (overrides checkpoint.every)"},
       {"resume", "continue from the newest valid checkpoint in the checkpoint folder", false},
+      {"start-over", "move what the checkpoint folder holds aside, then train afresh", false},
       {"trace", "write a Chrome trace-event JSON of compute, I/O and copies (open in Perfetto)"},
       {"export-params", "when training ends, write every parameter to DIR/<name>.f32 (float32)"},
       {"quiet", "no progress line", false},
@@ -181,6 +182,7 @@ std::optional<train::TrainOptions> TrainOptionsFrom(const Flags& flags, const st
   options.trace_path = flags.String("trace").value_or("");
   options.export_params_dir = flags.String("export-params").value_or("");
   options.resume = flags.Has("resume");
+  options.start_over = flags.Has("start-over");
   // Fault injection for tests and drills: hold every checkpoint between its extents and its
   // commit, so a kill can land in the middle of one.
   if (const char* d = std::getenv("STRATA_FAULT_CHECKPOINT_COMMIT_DELAY_MS")) {

@@ -9,10 +9,14 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <functional>
+#include <optional>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -20,6 +24,8 @@
 #include "runtime/common/clock.h"
 #include "runtime/common/logging.h"
 #include "runtime/common/trace.h"
+#include "storage/crc32c.h"
+#include "storage/env.h"
 
 namespace strata::train {
 namespace {
@@ -107,6 +113,212 @@ StatusOr<std::unique_ptr<storage::SsdTier>> OpenSsd(const CheckpointOptions& o) 
   return storage::SsdTier::Open(so, std::move(io));
 }
 
+std::string LedgerPath(const std::string& dir) { return dir + "/LEDGER"; }
+
+// DIR/LEDGER's bytes; nullopt when there is none.
+StatusOr<std::optional<std::string>> ReadLedgerText(const std::string& dir) {
+  storage::Env* env = storage::Env::Default();
+  if (!env->FileExists(LedgerPath(dir))) return std::optional<std::string>();
+  ASSIGN_OR_RETURN(std::string text, env->ReadFile(LedgerPath(dir)));
+  return std::optional<std::string>(std::move(text));
+}
+
+// DIR/LEDGER holds the ledger in text form, then a line with the CRC-32C of that text.
+StatusOr<storage::CheckpointLedger> ParseLedger(const std::string& dir, const std::string& text) {
+  const size_t at = text.rfind("# crc32c ");
+  storage::CheckpointLedger ledger;
+  uint32_t crc = 0;
+  if (at == std::string::npos ||
+      !absl::SimpleHexAtoi(absl::StripAsciiWhitespace(text.substr(at + 9)), &crc) ||
+      crc != storage::Crc32c(text.data(), at) ||
+      !google::protobuf::TextFormat::ParseFromString(text.substr(0, at), &ledger)) {
+    return absl::DataLossError(absl::StrFormat(
+        "the checkpoint ledger '%s' is damaged (its checksum or its contents are wrong), so "
+        "the checkpoint list cannot be checked; %s",
+        LedgerPath(dir), storage::kDamagedIndexRemedy));
+  }
+  return ledger;
+}
+
+Status StoreLedger(const std::string& dir, const storage::CheckpointLedger& ledger) {
+  std::string text;
+  google::protobuf::TextFormat::PrintToString(ledger, &text);
+  text += absl::StrFormat("# crc32c %08x\n", storage::Crc32c(text.data(), text.size()));
+  return storage::Env::Default()->WriteFileAtomic(LedgerPath(dir), text);
+}
+
+std::string Steps(const std::vector<int64_t>& steps) { return absl::StrJoin(steps, ", "); }
+
+struct CheckedList {
+  std::vector<CheckpointManifest> live;      // the folder's checkpoints, by increasing step
+  std::vector<CheckpointManifest> removing;  // in the index, but being removed
+  uint64_t last_sequence = 0;
+};
+
+// The index's checkpoints checked against the ledger (`ledger_text`: the file's bytes).
+StatusOr<CheckedList> CheckList(const std::string& dir,
+                                const std::optional<std::string>& ledger_text,
+                                std::vector<CheckpointManifest> indexed) {
+  std::optional<storage::CheckpointLedger> ledger;
+  if (ledger_text) {
+    ASSIGN_OR_RETURN(ledger, ParseLedger(dir, *ledger_text));
+  }
+  CheckedList out;
+  for (const CheckpointManifest& m : indexed) {
+    out.last_sequence = std::max(out.last_sequence, m.sequence());
+  }
+  if (!ledger) {
+    // A folder written before the ledger: nothing to check against, and nothing to check with.
+    std::vector<int64_t> sequenced;
+    for (const CheckpointManifest& m : indexed) {
+      if (m.has_sequence()) sequenced.push_back(m.step());
+    }
+    if (!sequenced.empty()) {
+      return absl::DataLossError(absl::StrFormat(
+          "the checkpoint ledger '%s' is missing, but the index in '%s/index' holds checkpoints "
+          "written with one (%s), so the checkpoint list cannot be checked; %s",
+          LedgerPath(dir), dir, Steps(sequenced), storage::kDamagedIndexRemedy));
+    }
+    out.live = std::move(indexed);
+    return out;
+  }
+  out.last_sequence = std::max(out.last_sequence, ledger->last_sequence());
+  using Key = std::pair<int64_t, uint64_t>;
+  std::set<Key> live, removing, in_index;
+  for (const auto& e : ledger->live()) live.insert({e.step(), e.sequence()});
+  for (const auto& e : ledger->removing()) removing.insert({e.step(), e.sequence()});
+  std::vector<CheckpointManifest> newer;  // committed after the ledger was last written
+  std::vector<int64_t> back, missing, unrecorded;
+  for (CheckpointManifest& m : indexed) {
+    const Key k{m.step(), m.sequence()};
+    in_index.insert(k);
+    if (live.count(k)) {
+      out.live.push_back(std::move(m));
+    } else if (removing.count(k)) {
+      out.removing.push_back(std::move(m));
+    } else if (m.sequence() > ledger->last_sequence()) {
+      newer.push_back(std::move(m));
+    } else {
+      back.push_back(m.step());
+    }
+  }
+  for (const auto& e : ledger->live()) {
+    if (!in_index.count({e.step(), e.sequence()})) missing.push_back(e.step());
+  }
+  // A crash between a commit and the ledger's update leaves the commit out of the ledger. Such a
+  // checkpoint is accepted when it follows the ledger's newest one.
+  std::sort(newer.begin(), newer.end(),
+            [](const auto& a, const auto& b) { return a.sequence() < b.sequence(); });
+  bool has_previous = ledger->live_size() > 0;
+  uint64_t previous = has_previous ? ledger->live(ledger->live_size() - 1).sequence() : 0;
+  for (CheckpointManifest& m : newer) {
+    const bool follows = has_previous
+                             ? m.has_previous_sequence() && m.previous_sequence() == previous
+                             : !m.has_previous_sequence();
+    if (!follows) {
+      unrecorded.push_back(m.step());
+      continue;
+    }
+    has_previous = true;
+    previous = m.sequence();
+    out.live.push_back(std::move(m));
+  }
+  if (!missing.empty() || !back.empty() || !unrecorded.empty()) {
+    std::vector<std::string> what;
+    if (!missing.empty()) what.push_back("checkpoints missing from the index: " + Steps(missing));
+    if (!back.empty()) what.push_back("removed checkpoints back in the index: " + Steps(back));
+    if (!unrecorded.empty()) {
+      what.push_back("checkpoints the ledger never recorded: " + Steps(unrecorded));
+    }
+    return absl::DataLossError(absl::StrFormat(
+        "the checkpoint index in '%s/index' does not match the checkpoint ledger '%s' (%s): the "
+        "index lost or regained entries, as a damaged or cut RocksDB write-ahead log does, and "
+        "cannot be trusted; %s",
+        dir, LedgerPath(dir), absl::StrJoin(what, "; "), storage::kDamagedIndexRemedy));
+  }
+  std::sort(out.live.begin(), out.live.end(),
+            [](const auto& a, const auto& b) { return a.step() < b.step(); });
+  return out;
+}
+
+// A folder without an index is empty for checkpoints only if it holds no data files and its
+// ledger (if any) lists nothing: otherwise the index was lost, and training would overwrite
+// checkpoints that a copy of the index could still read.
+Status CheckNoIndexIsNoLoss(const std::string& dir) {
+  uint64_t bytes = 0;
+  const std::vector<std::string> files = storage::SsdTier::DataFiles(dir);
+  for (const std::string& f : files) {
+    std::error_code ec;
+    const uintmax_t n = std::filesystem::file_size(f, ec);
+    if (!ec) bytes += n;
+  }
+  int listed = 0;
+  StatusOr<std::optional<std::string>> text = ReadLedgerText(dir);
+  bool ledger_ok = text.ok();
+  if (ledger_ok && *text) {
+    StatusOr<storage::CheckpointLedger> ledger = ParseLedger(dir, **text);
+    ledger_ok = ledger.ok();
+    if (ledger_ok) listed = ledger->live_size();
+  }
+  if (bytes == 0 && listed == 0 && ledger_ok) return absl::OkStatus();
+  std::string held = absl::StrFormat("%d data file%s (%.1f MiB)", files.size(),
+                                     files.size() == 1 ? "" : "s", bytes / 1048576.0);
+  if (listed > 0)
+    absl::StrAppend(&held, absl::StrFormat(" and a ledger of %d checkpoints", listed));
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "no checkpoint index in '%s/index', but the folder holds %s: without the index those "
+      "checkpoints cannot be read, and training into the folder would overwrite them. Restore "
+      "the index from a copy of the folder, or pass --start-over to move the folder's contents "
+      "aside (to '%s.old-<time>') and train afresh",
+      dir, held, dir));
+}
+
+// `--start-over`: everything in the folder but its lock moves to a new sibling folder.
+Status MoveAside(const std::string& dir) {
+  std::vector<std::filesystem::path> entries;
+  std::error_code ec;
+  for (const auto& f : std::filesystem::directory_iterator(dir, ec)) {
+    if (f.path().filename() != "LOCK") entries.push_back(f.path());
+  }
+  if (ec) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("cannot list checkpoint folder '%s': %s", dir, ec.message()));
+  }
+  if (entries.empty()) return absl::OkStatus();
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&now, &tm);
+  char stamp[32];
+  std::strftime(stamp, sizeof(stamp), "%Y%m%d-%H%M%S", &tm);
+  std::string base = std::filesystem::path(dir).lexically_normal().string();
+  while (base.size() > 1 && base.back() == '/') base.pop_back();
+  std::string aside = absl::StrCat(base, ".old-", stamp);
+  for (int n = 2; std::filesystem::exists(aside); ++n) {
+    aside = absl::StrCat(base, ".old-", stamp, "-", n);
+  }
+  std::filesystem::create_directory(aside, ec);
+  for (const auto& e : entries) {
+    if (ec) break;
+    std::filesystem::rename(e, aside / e.filename(), ec);
+  }
+  if (ec) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "--start-over: cannot move the contents of '%s' to '%s' (%s); move or delete them "
+        "yourself",
+        dir, aside, ec.message()));
+  }
+  for (const std::string& d : {dir, aside}) {
+    const int fd = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+      (void)::fsync(fd);
+      ::close(fd);
+    }
+  }
+  STRATA_LOG(WARNING) << "--start-over: moved what '" << dir << "' held (" << entries.size()
+                      << " entries) to " << aside << "; delete it once it is not needed";
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 // A checkpoint between its snapshot and its commit.
@@ -171,6 +383,15 @@ StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
   if (::ftruncate(m->lock_fd_, 0) != 0 || ::pwrite(m->lock_fd_, pid.data(), pid.size(), 0) < 0) {
     STRATA_LOG(WARNING) << "could not record the pid in " << lock_path;
   }
+  if (options.start_over) {
+    if (must_exist) {
+      return absl::InvalidArgumentError(
+          "--start-over moves the checkpoint folder's contents aside, --resume continues from "
+          "them: pass one of them");
+    }
+    RETURN_IF_ERROR(MoveAside(dir));
+  }
+  if (!storage::TensorIndex::Exists(dir + "/index")) RETURN_IF_ERROR(CheckNoIndexIsNoLoss(dir));
   // Resuming opens the index read-only: nothing in the folder changes until the checkpoint has
   // passed every check (Resume reopens it for writing).
   if (must_exist) {
@@ -179,18 +400,29 @@ StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
     ASSIGN_OR_RETURN(m->index_, storage::TensorIndex::Open(dir + "/index", true));
   }
   ASSIGN_OR_RETURN(m->ssd_, OpenSsd(options));
-  ASSIGN_OR_RETURN(m->manifests_, m->index_->Checkpoints());
+  ASSIGN_OR_RETURN(std::vector<CheckpointManifest> indexed, m->index_->Checkpoints());
+  ASSIGN_OR_RETURN(std::optional<std::string> ledger, ReadLedgerText(dir));
+  ASSIGN_OR_RETURN(CheckedList list, CheckList(dir, ledger, std::move(indexed)));
+  m->manifests_ = std::move(list.live);
+  m->removing_ = std::move(list.removing);
+  m->last_sequence_ = list.last_sequence;
   for (const CheckpointManifest& cm : m->manifests_) {
     for (const TensorRef& r : cm.tensors()) {
       if (r.has_extent()) m->listed_[KeyOf(r)]++;
     }
   }
   // Space that no checkpoint refers to (an interrupted checkpoint, spilled working state) is free.
+  // An extent beyond the end of its data file is damage to the checkpoints that list it (Verify
+  // and Resume name them), not to the folder.
   ASSIGN_OR_RETURN(std::vector<TensorRef> versions, m->index_->TensorVersions());
   for (const TensorRef& r : versions) {
     auto& next = m->next_version_[{r.layer(), r.expert(), r.kind()}];
     next = std::max(next, r.version());
     if (!m->listed_.count(KeyOf(r))) continue;
+    if (!m->ssd_->InFiles(FromRecord(r.extent()).extent)) {
+      m->outside_.insert(KeyOf(r));
+      continue;
+    }
     Status s = m->ssd_->MarkUsed(FromRecord(r.extent()).extent);
     if (!s.ok()) {
       return absl::DataLossError(absl::StrFormat(
@@ -198,7 +430,45 @@ StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
           dir, s.message()));
     }
   }
+  if (!must_exist) RETURN_IF_ERROR(m->Tidy());
   return m;
+}
+
+Status CheckpointManager::ReopenWritable() {
+  index_.reset();
+  ASSIGN_OR_RETURN(index_, storage::TensorIndex::Open(options_.dir + "/index", false));
+  return Tidy();
+}
+
+Status CheckpointManager::Tidy() {
+  for (const CheckpointManifest& cm : removing_) {
+    std::vector<TensorRef> unreferenced;
+    for (const TensorRef& r : cm.tensors()) {
+      if (r.has_extent() && !listed_.count(KeyOf(r))) unreferenced.push_back(r);
+    }
+    STRATA_LOG(INFO) << "finishing the removal of checkpoint " << cm.step() << " from "
+                     << options_.dir;
+    RETURN_IF_ERROR(index_->RemoveCheckpoint(cm.step(), unreferenced));
+  }
+  removing_.clear();
+  return WriteLedger();
+}
+
+Status CheckpointManager::WriteLedger(const CheckpointManifest* removing) {
+  storage::CheckpointLedger ledger;
+  ledger.set_format(1);
+  ledger.set_last_sequence(last_sequence_);
+  for (const CheckpointManifest& cm : manifests_) {
+    storage::LedgerEntry* e = &cm == removing ? ledger.add_removing() : ledger.add_live();
+    e->set_step(cm.step());
+    e->set_sequence(cm.sequence());
+  }
+  Status s = StoreLedger(options_.dir, ledger);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrFormat("updating the checkpoint ledger of '%s': %s",
+                                                  options_.dir, s.message()));
+  }
+  return absl::OkStatus();
 }
 
 CheckpointManager::~CheckpointManager() {
@@ -219,6 +489,10 @@ Status CheckpointManager::VerifyManifest(const CheckpointManifest& m) const {
 
 void CheckpointManager::ReleaseVersion(const TensorRef& r) {
   const StoredExtent s = FromRecord(r.extent());
+  if (outside_.count(KeyOf(r))) {  // never marked used: nothing to give back
+    if (!listed_.count(KeyOf(r))) outside_.erase(KeyOf(r));
+    return;
+  }
   if (tiered_ != nullptr && r.expert() >= 0) {
     tiered_->store().UnrefVersion(
         storage::TensorKey{r.layer(), r.expert(), static_cast<storage::TensorKind>(r.kind())},
@@ -235,6 +509,9 @@ Status CheckpointManager::RemoveLocked(int64_t step) {
     return absl::NotFoundError(
         absl::StrFormat("no checkpoint of step %d in '%s'", step, options_.dir));
   }
+  // The ledger records the removal first: a process killed before the index forgets the
+  // checkpoint leaves one that the next open neither lists nor takes for a resurrected one.
+  RETURN_IF_ERROR(WriteLedger(&*it));
   std::vector<TensorRef> unreferenced;
   std::vector<TensorRef> stored;
   for (const TensorRef& r : it->tensors()) {
@@ -248,11 +525,12 @@ Status CheckpointManager::RemoveLocked(int64_t step) {
   Status s = index_->RemoveCheckpoint(step, unreferenced);
   if (!s.ok()) {
     for (const TensorRef& r : stored) listed_[KeyOf(r)]++;
+    WriteLedger().IgnoreError();  // it is still there: best effort, Tidy finishes it otherwise
     return s;
   }
   for (const TensorRef& r : stored) ReleaseVersion(r);
   manifests_.erase(it);
-  return absl::OkStatus();
+  return WriteLedger();
 }
 
 Status CheckpointManager::CheckCompatible(const config::JobConfig& config) const {
@@ -299,6 +577,18 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
     return absl::DataLossError(
         absl::StrFormat("no checkpoint in '%s' passes its checks; the newest failed with: %s",
                         options_.dir, first_error.message()));
+  }
+  // Older checkpoints with extents beyond the end of their data file go too: that space was never
+  // marked used, so new data would overwrite what they list.
+  for (int i = 0; i < chosen; ++i) {
+    for (const TensorRef& r : manifests_[i].tensors()) {
+      if (!r.has_extent() || !outside_.count(KeyOf(r))) continue;
+      Status s = ssd_->Verify(FromRecord(r.extent()), Describe(r, manifests_[i].step()));
+      STRATA_LOG(ERROR) << "checkpoint " << manifests_[i].step()
+                        << " cannot be used either: " << s.message();
+      invalid.push_back(manifests_[i].step());
+      break;
+    }
   }
   const CheckpointManifest m = manifests_[chosen];
   if (m.seed() != config.seed()) {
@@ -387,27 +677,36 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
   }
   optimizer.set_steps(m.optimizer_steps());
 
-  // Only now is anything changed. The store learns which versions the checkpoints use (all of
-  // them, so that removing the invalid ones below gives back exactly what they held), then the
-  // index is reopened for writing and invalid newer checkpoints go.
+  // Only now is anything changed. The index is reopened for writing and the invalid checkpoints
+  // go, giving back the space only they used (the store holds no checkpoint versions yet); then
+  // the store learns which versions the kept checkpoints use. Version numbers stay reserved past
+  // every checkpoint read, removed ones included.
   std::lock_guard<std::mutex> lock(mu_);
-  tiered_ = tiered;
   if (tiered != nullptr) {
     for (const CheckpointManifest& cm : manifests_) {
       for (const TensorRef& r : cm.tensors()) {
         if (r.expert() < 0) continue;
-        const storage::TensorKey key{r.layer(), r.expert(),
-                                     static_cast<storage::TensorKind>(r.kind())};
-        tiered->store().ReserveVersions(key, r.version());
-        if (r.has_extent()) tiered->store().RefVersion(key, r.version(), FromRecord(r.extent()));
+        tiered->store().ReserveVersions(
+            storage::TensorKey{r.layer(), r.expert(), static_cast<storage::TensorKind>(r.kind())},
+            r.version());
       }
     }
   }
-  index_.reset();
-  ASSIGN_OR_RETURN(index_, storage::TensorIndex::Open(options_.dir + "/index", false));
+  RETURN_IF_ERROR(ReopenWritable());
   for (int64_t step : invalid) {
     STRATA_LOG(WARNING) << "removing checkpoint " << step << " (it failed its checks)";
     RETURN_IF_ERROR(RemoveLocked(step));
+  }
+  tiered_ = tiered;
+  if (tiered != nullptr) {
+    for (const CheckpointManifest& cm : manifests_) {
+      for (const TensorRef& r : cm.tensors()) {
+        if (r.expert() < 0 || !r.has_extent()) continue;
+        tiered->store().RefVersion(
+            storage::TensorKey{r.layer(), r.expert(), static_cast<storage::TensorKind>(r.kind())},
+            r.version(), FromRecord(r.extent()));
+      }
+    }
   }
   STRATA_LOG(INFO) << "resumed from checkpoint " << m.step() << " in " << options_.dir;
   return m.step();
@@ -432,6 +731,14 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
   m.set_optimizer_steps(optimizer.steps());
   m.set_storage_mode(tiered ? "TIERED" : "IN_MEMORY");
   m.set_workers(1);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    m.set_sequence(++last_sequence_);
+    if (!manifests_.empty()) {
+      m.set_previous_step(manifests_.back().step());
+      m.set_previous_sequence(manifests_.back().sequence());
+    }
+  }
 
   auto next_version = [&](int32_t layer, int32_t expert, int32_t kind) {
     return ++next_version_[{layer, expert, kind}];
@@ -610,7 +917,14 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
   manifests_.push_back(m);
   STRATA_LOG(INFO) << "checkpoint " << m.step() << " committed in " << options_.dir << " ("
                    << p->copies.size() << " tensors written)";
-  Status prune;
+  // The checkpoint exists; should the ledger not learn of it, the next open still accepts it (it
+  // follows the ledger's newest), but nothing may be committed or removed after it.
+  Status prune = WriteLedger();
+  if (!prune.ok()) {
+    prune = absl::Status(
+        prune.code(),
+        absl::StrFormat("checkpoint of step %d was committed, but %s", m.step(), prune.message()));
+  }
   while (prune.ok() && manifests_.size() > std::max<uint32_t>(1, options_.keep)) {
     prune = RemoveLocked(manifests_.front().step());
   }
@@ -634,9 +948,24 @@ Status CheckpointManager::PollError() {
   return writer_done_ ? writer_status_ : absl::OkStatus();
 }
 
+StatusOr<std::vector<CheckpointManifest>> CheckpointManager::ReadList(const std::string& dir) {
+  if (!storage::TensorIndex::Exists(dir + "/index")) RETURN_IF_ERROR(CheckNoIndexIsNoLoss(dir));
+  // A training process may be changing the folder. Between two ledger updates the index changes
+  // by at most one commit or one recorded removal, which the earlier ledger accepts: so the ledger
+  // is read before and after the index, until it did not change in between.
+  for (int attempt = 1;; ++attempt) {
+    ASSIGN_OR_RETURN(std::optional<std::string> before, ReadLedgerText(dir));
+    ASSIGN_OR_RETURN(auto index, storage::TensorIndex::OpenReadOnly(dir + "/index"));
+    ASSIGN_OR_RETURN(auto indexed, index->Checkpoints());
+    ASSIGN_OR_RETURN(std::optional<std::string> after, ReadLedgerText(dir));
+    if (before != after && attempt < 10) continue;
+    ASSIGN_OR_RETURN(CheckedList list, CheckList(dir, before, std::move(indexed)));
+    return std::move(list.live);
+  }
+}
+
 StatusOr<std::vector<CheckpointInfo>> CheckpointManager::List(const std::string& dir) {
-  ASSIGN_OR_RETURN(auto index, storage::TensorIndex::OpenReadOnly(dir + "/index"));
-  ASSIGN_OR_RETURN(auto manifests, index->Checkpoints());
+  ASSIGN_OR_RETURN(auto manifests, ReadList(dir));
   std::vector<CheckpointInfo> out;
   for (const CheckpointManifest& m : manifests) {
     CheckpointInfo i;
@@ -653,8 +982,7 @@ StatusOr<std::vector<CheckpointInfo>> CheckpointManager::List(const std::string&
 
 Status CheckpointManager::Verify(const std::string& dir, int64_t step,
                                  std::vector<std::string>* report) {
-  ASSIGN_OR_RETURN(auto index, storage::TensorIndex::OpenReadOnly(dir + "/index"));
-  ASSIGN_OR_RETURN(auto manifests, index->Checkpoints());
+  ASSIGN_OR_RETURN(auto manifests, ReadList(dir));
   CheckpointOptions o;
   o.dir = dir;
   ASSIGN_OR_RETURN(std::unique_ptr<storage::SsdTier> ssd, OpenSsd(o));
@@ -699,8 +1027,7 @@ Status CheckpointManager::Remove(const std::string& dir, int64_t step) {
   o.dir = dir;
   ASSIGN_OR_RETURN(auto m, Open(o, /*must_exist=*/true));
   std::lock_guard<std::mutex> lock(m->mu_);
-  m->index_.reset();
-  ASSIGN_OR_RETURN(m->index_, storage::TensorIndex::Open(dir + "/index", false));
+  RETURN_IF_ERROR(m->ReopenWritable());
   return m->RemoveLocked(step);
 }
 

@@ -15,13 +15,26 @@
 // before leaves extents nobody refers to, which the next open reclaims. The last `keep`
 // checkpoints are kept; an extent is freed only when no checkpoint and no live tensor uses it.
 //
-// Resume takes the newest checkpoint whose every extent passes its CRC check, removes newer ones
-// that do not (saying which tensor in which file failed), and refuses a checkpoint of a different
-// model before anything is changed.
+// Resume takes the newest checkpoint whose every extent passes its CRC check and lies within the
+// data files, removes newer ones that do not (saying which tensor in which file failed), and
+// refuses a checkpoint of a different model before anything is changed. `strata ckpt verify`
+// applies the same checks and reports them per checkpoint; `strata ckpt rm` removes any
+// checkpoint, damaged or not.
+//
+// The checkpoint list never lies. Every manifest carries a sequence number and its predecessor's
+// step and number, and DIR/LEDGER (outside RocksDB, replaced atomically after each commit and
+// removal) records the live list and the highest number given. Opening the folder compares the
+// index with the ledger: an index that lost committed checkpoints or regained removed ones (a
+// damaged or cut write-ahead log that RocksDB took for a crash's torn tail) is refused, naming
+// them; only checkpoints committed after the ledger's last update, following its newest, are
+// accepted (a crash in between). A missing index beside data files is refused too: training would
+// overwrite them, unless `start_over` moves the folder's contents aside first. Folders written
+// before the ledger (manifests without sequence numbers) open as they are and get one.
 #pragma once
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -50,6 +63,9 @@ struct CheckpointOptions {
   // Tests and drills: after committing the checkpoint of this step, the writer never returns, so
   // a kill lands after it and before any later checkpoint. 0: off.
   int64_t hold_after_step = 0;
+  // Move whatever the folder holds (index, ledger, data files) aside to DIR.old-<time> before
+  // opening it, so training starts afresh (`strata train --start-over`). Not with `must_exist`.
+  bool start_over = false;
 };
 
 struct CheckpointInfo {
@@ -64,7 +80,9 @@ struct CheckpointInfo {
 class CheckpointManager {
  public:
   // Opens (creating it unless `must_exist`) the folder: takes its lock, opens the index and the
-  // SSD tier, reclaims extents no checkpoint refers to.
+  // SSD tier, checks the index against the ledger, reclaims extents no checkpoint refers to.
+  // `must_exist` opens the index read-only (Resume reopens it for writing once a checkpoint has
+  // passed its checks).
   [[nodiscard]] static StatusOr<std::unique_ptr<CheckpointManager>> Open(
       const CheckpointOptions& options, bool must_exist);
   ~CheckpointManager();
@@ -111,10 +129,20 @@ class CheckpointManager {
   struct Pending;
 
   CheckpointManager() = default;
+  // The folder's checkpoints, the index read-only and checked against the ledger.
+  [[nodiscard]] static StatusOr<std::vector<storage::CheckpointManifest>> ReadList(
+      const std::string& dir);
   // Reads every stored extent of a checkpoint; the first failure.
   Status VerifyManifest(const storage::CheckpointManifest& m) const;
-  // Drops a checkpoint from the index and releases the extents only it used.
+  // Drops a checkpoint from the ledger and the index and releases the extents only it used.
   [[nodiscard]] Status RemoveLocked(int64_t step);
+  // Reopens the index for writing, then Tidy.
+  [[nodiscard]] Status ReopenWritable();
+  // With the index open for writing: finishes removals a killed process left half done and
+  // brings the ledger up to date (a commit it missed, a folder that had none).
+  [[nodiscard]] Status Tidy();
+  // Replaces DIR/LEDGER with the live list (less `removing`, recorded as being removed).
+  [[nodiscard]] Status WriteLedger(const storage::CheckpointManifest* removing = nullptr);
   void Persist(std::shared_ptr<Pending> p);
   void ReleaseVersion(const storage::TensorRef& r);
 
@@ -123,7 +151,13 @@ class CheckpointManager {
   std::shared_ptr<storage::SsdTier> ssd_;
   std::unique_ptr<storage::TensorIndex> index_;
   std::vector<storage::CheckpointManifest> manifests_;  // by increasing step
+  // Still in the index, but the ledger says they were being removed: finished by Tidy.
+  std::vector<storage::CheckpointManifest> removing_;
+  uint64_t last_sequence_ = 0;        // the highest sequence given to a checkpoint
   std::map<VersionKey, int> listed_;  // how many checkpoints list each stored version
+  // Listed versions whose extents lie beyond the end of their data file (a file cut short): never
+  // marked used, so never freed.
+  std::set<VersionKey> outside_;
   std::map<std::tuple<int32_t, int32_t, int32_t>, uint64_t> next_version_;  // in-memory mode
   scheduler::TieredExpertScheduler* tiered_ = nullptr;  // owner of live extent references
 

@@ -72,6 +72,8 @@ struct TrainOptions {
   std::function<std::unique_ptr<storage::BlockIo>(std::unique_ptr<storage::BlockIo>)> wrap_io;
   // Continue from the newest valid checkpoint in config.checkpoint.dir.
   bool resume = false;
+  // Move what config.checkpoint.dir holds aside (to DIR.old-<time>) and train afresh.
+  bool start_over = false;
   // Tests: delay between a checkpoint's extents and its commit.
   int checkpoint_commit_delay_ms = 0;
   // Tests: the checkpoint writer stops for good after committing this step (0: never).

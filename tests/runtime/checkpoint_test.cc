@@ -13,6 +13,9 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "proto/config_io.h"
 #include "runtime/train/trainer.h"
@@ -40,7 +43,11 @@ std::string ConfigText(const std::string& mode, int d_model = 32) {
          "eval_batches: 1 threads: 2 }\n"
          "storage { mode: " +
          mode + " io_block_bytes: 8192" +
-         (mode == "TIERED" ? " device_budget_bytes: 400000 host_budget_bytes: 140000" : "") +
+         // The device budget holds the dense state (strata refuses one that cannot).
+         (mode == "TIERED"
+              ? " device_budget_bytes: " + std::to_string(d_model == 32 ? 400000 : 800000) +
+                    " host_budget_bytes: 140000"
+              : "") +
          " }\n";
 }
 
@@ -212,6 +219,251 @@ TEST_P(CheckpointTest, MissingOrDamagedIndexAndIncompatibleConfigTouchNothing) {
   EXPECT_NE(r.output.find("no checkpoint index"), std::string::npos) << r.output;
   EXPECT_TRUE(snapshot() == before);
 }
+
+// The steps `strata ckpt ls` printed, in order.
+std::vector<int64_t> ListedSteps(const std::string& output) {
+  std::vector<int64_t> steps;
+  for (const auto& line : absl::StrSplit(output, '\n', absl::SkipEmpty())) {
+    std::vector<std::string> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    int64_t step = 0;
+    if (!words.empty() && absl::SimpleAtoi(words[0], &step)) steps.push_back(step);
+  }
+  return steps;
+}
+
+// The RocksDB write-ahead logs of a checkpoint folder's index that hold data.
+std::vector<std::string> WalFiles(const std::string& ck) {
+  std::vector<std::string> out;
+  for (const auto& f : std::filesystem::directory_iterator(ck + "/index")) {
+    if (f.path().extension() == ".log" && f.file_size() > 0) out.push_back(f.path().string());
+  }
+  return out;
+}
+
+// Every file under a folder but its lock, with its bytes.
+std::map<std::string, std::string> Snapshot(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& f : std::filesystem::recursive_directory_iterator(dir)) {
+    if (f.is_regular_file() && f.path().filename() != "LOCK") {
+      files[f.path().string()] = ReadFile(f.path().string());
+    }
+  }
+  return files;
+}
+
+// Checkpoints 20, 30 and 40 (10 was pruned, keep 3), all still in the index's WAL: the process
+// that wrote them was killed, so RocksDB never flushed them to a table file.
+class CheckpointFolderDamageTest : public CheckpointTest {
+ protected:
+  void WriteFourCheckpoints(const std::string& ck) {
+    RunAndKill(ck, "holding here", "STRATA_FAULT_CHECKPOINT_HOLD_AFTER=40");
+    auto ls = RunCommand(kStrata + " ckpt ls " + ck);
+    ASSERT_EQ(ls.exit_code, 0) << ls.output;
+    ASSERT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{20, 30, 40})) << ls.output;
+    ASSERT_EQ(WalFiles(ck).size(), 1u) << "the test needs the index's entries in one WAL";
+  }
+  // ls, verify and resume all fail at open, each with `expect` in its message, and change
+  // nothing in the folder.
+  void ExpectEveryToolRefuses(const std::string& ck, const std::vector<std::string>& expect) {
+    const auto before = Snapshot(ck);
+    for (const std::string& cmd :
+         {kStrata + " ckpt ls " + ck, kStrata + " ckpt verify " + ck,
+          Strata("--checkpoint-dir " + ck + " --checkpoint-every 10 --resume")}) {
+      auto r = RunCommand(cmd);
+      EXPECT_EQ(r.exit_code, 1) << cmd << "\n" << r.output;
+      EXPECT_EQ(r.output.find("resumed from"), std::string::npos) << cmd << "\n" << r.output;
+      for (const std::string& e : expect) {
+        EXPECT_NE(r.output.find(e), std::string::npos) << cmd << ": expected '" << e << "' in\n"
+                                                       << r.output;
+      }
+    }
+    EXPECT_TRUE(Snapshot(ck) == before) << "a refused open changed the folder";
+  }
+};
+
+TEST_P(CheckpointFolderDamageTest, FlippedBytesInTheIndexWalAreAnErrorAtOpen) {
+  const std::string ck = dir_.File("ck");
+  WriteFourCheckpoints(ck);
+  const std::string wal = WalFiles(ck)[0];
+  std::string bytes = ReadFile(wal);
+  for (size_t i = bytes.size() / 2; i < bytes.size() / 2 + 64; ++i) bytes[i] ^= 0x5a;
+  WriteFile(wal, bytes);
+  ExpectEveryToolRefuses(ck, {ck + "/index", "write-ahead log", wal, "--start-over"});
+}
+
+TEST_P(CheckpointFolderDamageTest, IndexWalCutInHalfIsDetected) {
+  const std::string ck = dir_.File("ck");
+  WriteFourCheckpoints(ck);
+  const std::string wal = WalFiles(ck)[0];
+  std::filesystem::resize_file(wal, std::filesystem::file_size(wal) / 2);
+  // What the index alone now says: RocksDB may replay the first half as if its tail had been torn
+  // by a crash. The checkpoints it lost and the ones it brought back must be named.
+  std::vector<std::string> expect = {ck, "--start-over"};
+  auto index = storage::TensorIndex::OpenReadOnly(ck + "/index");
+  if (index.ok()) {
+    auto cps = (*index)->Checkpoints();
+    ASSERT_TRUE(cps.ok()) << cps.status();
+    std::set<int64_t> now, written = {20, 30, 40};
+    for (const auto& m : *cps) now.insert(m.step());
+    index->reset();
+    std::vector<std::string> missing, back;
+    for (int64_t s : written) {
+      if (!now.count(s)) missing.push_back(std::to_string(s));
+    }
+    for (int64_t s : now) {
+      if (!written.count(s)) back.push_back(std::to_string(s));
+    }
+    ASSERT_FALSE(missing.empty() && back.empty()) << "cutting the WAL changed nothing";
+    if (!missing.empty()) {
+      expect.push_back("checkpoints missing from the index: " + absl::StrJoin(missing, ", "));
+    }
+    if (!back.empty()) {
+      expect.push_back("removed checkpoints back in the index: " + absl::StrJoin(back, ", "));
+    }
+  } else {
+    expect.push_back("write-ahead log");
+  }
+  ExpectEveryToolRefuses(ck, expect);
+}
+
+TEST_P(CheckpointFolderDamageTest, MissingIndexBesideDataIsRefusedUnlessStartingOver) {
+  const std::string ck = dir_.File("ck");
+  WriteFourCheckpoints(ck);
+  std::filesystem::remove_all(ck + "/index");
+  uint64_t data_bytes = 0;
+  for (const auto& f : std::filesystem::directory_iterator(ck)) {
+    if (f.path().filename().string().rfind("data-", 0) == 0) data_bytes += f.file_size();
+  }
+  ASSERT_GT(data_bytes, 0u);
+  const auto before = Snapshot(ck);
+  const std::string size = absl::StrFormat("%.1f MiB", data_bytes / 1048576.0);
+  for (const std::string& flags : {std::string("--resume"), std::string()}) {
+    auto r = RunCommand(Strata("--checkpoint-dir " + ck + " --checkpoint-every 10 " + flags));
+    EXPECT_EQ(r.exit_code, 1) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find("no checkpoint index"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(ck), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(size), std::string::npos) << "names the data's size\n" << r.output;
+    EXPECT_NE(r.output.find("--start-over"), std::string::npos) << r.output;
+    EXPECT_TRUE(Snapshot(ck) == before) << flags << " changed the folder";
+  }
+  // Starting over moves the old contents aside, byte for byte, and trains afresh.
+  const std::string metrics = dir_.File("fresh.jsonl");
+  auto r = RunCommand(Strata("--checkpoint-dir " + ck + " --checkpoint-every 10 --start-over " +
+                             "--metrics-out " + metrics));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(Losses(metrics), full_) << "a fresh run is the uninterrupted run";
+  std::string aside;
+  for (const auto& f : std::filesystem::directory_iterator(dir_.path())) {
+    if (f.path().filename().string().rfind("ck.old-", 0) == 0) aside = f.path().string();
+  }
+  ASSERT_FALSE(aside.empty()) << r.output;
+  EXPECT_NE(r.output.find(aside), std::string::npos) << "says where the old data went\n"
+                                                     << r.output;
+  std::map<std::string, std::string> moved;
+  for (const auto& [path, data] : Snapshot(aside)) moved[ck + path.substr(aside.size())] = data;
+  EXPECT_TRUE(moved == before) << "the old data was not moved aside intact";
+  auto ls = RunCommand(kStrata + " ckpt ls " + ck);
+  ASSERT_EQ(ls.exit_code, 0) << ls.output;
+  EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{20, 30, 40})) << ls.output;
+  // --start-over and --resume contradict each other.
+  r = RunCommand(Strata("--checkpoint-dir " + ck + " --resume --start-over"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("--start-over"), std::string::npos) << r.output;
+}
+
+TEST_P(CheckpointFolderDamageTest, TruncatedDataFileDamagesOnlyTheCheckpointsCutOff) {
+  const std::string ck = dir_.File("ck");
+  WriteFourCheckpoints(ck);
+  // Cut the data file just after the last byte checkpoints 20 and 30 use: only 40's own extents
+  // (written last) lie beyond.
+  uint64_t keep_end = 0, cut_40 = 0;
+  std::string file;
+  {
+    auto index = storage::TensorIndex::OpenReadOnly(ck + "/index");
+    ASSERT_TRUE(index.ok()) << index.status();
+    auto cps = (*index)->Checkpoints();
+    ASSERT_TRUE(cps.ok());
+    ASSERT_EQ(cps->size(), 3u);
+    for (const auto& m : *cps) {
+      for (const auto& t : m.tensors()) {
+        if (!t.has_extent()) continue;
+        ASSERT_EQ(t.extent().file(), 0u) << "the test expects one data file";
+        if (m.step() != 40)
+          keep_end = std::max(keep_end, t.extent().offset() + t.extent().length());
+      }
+    }
+    for (const auto& t : cps->back().tensors()) {
+      if (t.has_extent() && t.extent().offset() + t.extent().length() > keep_end) ++cut_40;
+    }
+  }
+  ASSERT_GT(cut_40, 0u) << "no extent of checkpoint 40 lies after those of 20 and 30";
+  file = ck + "/data-00000.bin";
+  ASSERT_GT(std::filesystem::file_size(file), keep_end);
+  std::filesystem::resize_file(file, keep_end);
+  std::filesystem::copy(ck, dir_.File("ck2"), std::filesystem::copy_options::recursive);
+  const std::string ck2 = dir_.File("ck2");
+
+  auto verify = RunCommand(kStrata + " ckpt verify " + ck);
+  EXPECT_EQ(verify.exit_code, 1) << verify.output;
+  EXPECT_NE(verify.output.find("checkpoint 20: ok"), std::string::npos) << verify.output;
+  EXPECT_NE(verify.output.find("checkpoint 30: ok"), std::string::npos) << verify.output;
+  EXPECT_NE(verify.output.find("checkpoint 40: FAILED"), std::string::npos) << verify.output;
+  EXPECT_NE(verify.output.find(file), std::string::npos) << "names the data file\n"
+                                                         << verify.output;
+  EXPECT_NE(verify.output.find("1 of 3 checkpoints"), std::string::npos) << verify.output;
+
+  // Resume skips 40, saying why, and continues from 30 exactly as the uninterrupted run.
+  ResumeAndCompare(ck, 30);
+  auto ls = RunCommand(kStrata + " ckpt ls " + ck);
+  EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{20, 30, 40})) << ls.output;
+  verify = RunCommand(kStrata + " ckpt verify " + ck);
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
+
+  // `ckpt rm` removes the damaged checkpoint; the others still verify.
+  auto rm = RunCommand(kStrata + " ckpt rm " + ck2 + " 40");
+  EXPECT_EQ(rm.exit_code, 0) << rm.output;
+  ls = RunCommand(kStrata + " ckpt ls " + ck2);
+  EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{20, 30})) << ls.output;
+  verify = RunCommand(kStrata + " ckpt verify " + ck2);
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
+}
+
+// A folder written before manifests carried sequence numbers (and before the ledger) still opens.
+TEST_P(CheckpointFolderDamageTest, FolderWithoutSequencesStillOpens) {
+  const std::string ck = dir_.File("ck");
+  RunAndKill(ck, "holding here", "STRATA_FAULT_CHECKPOINT_HOLD_AFTER=30");
+  {
+    auto index = storage::TensorIndex::Open(ck + "/index", false);
+    ASSERT_TRUE(index.ok()) << index.status();
+    auto cps = (*index)->Checkpoints();
+    ASSERT_TRUE(cps.ok());
+    for (auto m : *cps) {
+      const auto fields = m.GetDescriptor();
+      for (int i = 0; i < fields->field_count(); ++i) {
+        if (fields->field(i)->number() >= 10) m.GetReflection()->ClearField(&m, fields->field(i));
+      }
+      ASSERT_TRUE((*index)->CommitCheckpoint(m, {}).ok());
+    }
+  }
+  for (const auto& f : std::filesystem::directory_iterator(ck)) {
+    const std::string name = f.path().filename().string();
+    if (name != "index" && name != "LOCK" && name.rfind("data-", 0) != 0) {
+      std::filesystem::remove_all(f.path());
+    }
+  }
+  auto ls = RunCommand(kStrata + " ckpt ls " + ck);
+  ASSERT_EQ(ls.exit_code, 0) << ls.output;
+  EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{10, 20, 30})) << ls.output;
+  auto verify = RunCommand(kStrata + " ckpt verify " + ck);
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
+  ResumeAndCompare(ck, 30);
+  ls = RunCommand(kStrata + " ckpt ls " + ck);
+  EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{20, 30, 40})) << ls.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, CheckpointFolderDamageTest,
+                         ::testing::Values("IN_MEMORY", "TIERED"),
+                         [](const auto& info) { return info.param; });
 
 INSTANTIATE_TEST_SUITE_P(Modes, CheckpointTest, ::testing::Values("IN_MEMORY", "TIERED"),
                          [](const auto& info) { return info.param; });
