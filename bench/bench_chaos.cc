@@ -46,6 +46,7 @@
 #include <functional>
 #include <map>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -262,6 +263,7 @@ class Trial {
     } else {
       RunLaunched();
     }
+    if (!failures_.empty()) ReportExits();
     CheckMetrics();
   }
   const std::vector<std::string>& failures() const { return failures_; }
@@ -338,6 +340,7 @@ class Trial {
   }
   // SIGKILLs a process group this trial started, and reaps its leader.
   void KillGroup(const std::string& name) {
+    killed_procs_.insert(name);
     Proc& proc = procs_.at(name);
     if (!proc.running) return;
     kill(-proc.pid, SIGKILL);
@@ -369,6 +372,23 @@ class Trial {
       if (ReadFile(e.path() / "cmdline").find(needle) != std::string::npos) return std::stoi(pid);
     }
     return -1;
+  }
+
+  // After a failure: the processes of the job that exited with an error on their own (not
+  // killed here, not a replacement refused at the job's maximum), which often say why.
+  void ReportExits() {
+    Reap();
+    for (const auto& [name, proc] : procs_) {
+      if (proc.running || proc.code == 0 || killed_procs_.count(name)) continue;
+      const std::string log = dir_ + "/" + name + ".log";
+      if (ReadFile(log).find("was not admitted") != std::string::npos) continue;
+      const std::string what = absl::StrFormat("%s exited %d", name, proc.code);
+      if (std::any_of(failures_.begin(), failures_.end(),
+                      [&](const std::string& f) { return f.find(what) != std::string::npos; })) {
+        continue;
+      }
+      Fail(absl::StrCat(what, ":", Tail(log, 2)));
+    }
   }
 
   // Starts (or, once refused, starts again) the replacements, from the job's own line.
@@ -403,8 +423,8 @@ class Trial {
       if (done()) return true;
       for (const std::string& name : must_live) {
         if (!Running(name)) {
-          Fail(absl::StrFormat("%s exited (code %d) while waiting for %s:%s", name,
-                               procs_.at(name).code, what, Tail(dir_ + "/" + name + ".log")));
+          Fail(absl::StrFormat("%s exited %d while waiting for %s:%s", name, procs_.at(name).code,
+                               what, Tail(dir_ + "/" + name + ".log")));
           return false;
         }
       }
@@ -513,13 +533,14 @@ class Trial {
                                          "> coordinator.log 2>&1",
                                          strata_, flags));
     std::string address;
+    // Serving once its first line is out; that line names the loopback address it serves on
+    // ("listening on ..." when new, the same port when restarted).
     auto listening = [&](const std::string& log) {
       const std::string out = ReadFile(dir_ + "/" + log);
-      const size_t at = out.find("listening on ");
-      if (at == std::string::npos) return false;
-      const size_t end = out.find(' ', at + 13);
-      if (end == std::string::npos) return false;
-      address = out.substr(at + 13, end - at - 13);
+      const size_t eol = out.find('\n');
+      const size_t at = out.find("127.0.0.1:");
+      if (eol == std::string::npos || at == std::string::npos || at > eol) return false;
+      address = out.substr(at, out.find_first_of(" \n", at) - at);
       return true;
     };
     if (!WaitFor([&] { return listening("coordinator.log"); }, "the coordinator to listen",
@@ -539,11 +560,12 @@ class Trial {
       Spawn(workers.back(), absl::StrCat(add_cmd_, " --metrics-out m.w", i, ".jsonl --id w", i,
                                          " --quiet > w", i, ".log 2>&1"));
     }
+    std::vector<std::string> must_live = workers;
+    must_live.push_back("coordinator");
     const std::string victim = workers[p_.victim];
     const std::string victim_metrics = absl::StrCat(dir_, "/m.", victim, ".jsonl");
     if (!WaitFor([&] { return LastStep(victim_metrics) >= p_.kill_step; },
-                 absl::StrFormat("worker %d's step %d", p_.victim, p_.kill_step),
-                 {"coordinator"})) {
+                 absl::StrFormat("worker %d's step %d", p_.victim, p_.kill_step), must_live)) {
       return;
     }
     KillGroup("coordinator");
@@ -616,11 +638,18 @@ class Trial {
             r.current, Tail(log, 2)));
         KillGroup(r.current);
       } else if (procs_.at(r.current).code != 0) {
-        Fail(absl::StrFormat("replacement %s (attempt %d) exited %d:%s", r.current, r.attempts,
-                             procs_.at(r.current).code, Tail(log)));
-      } else if (r.attempts > 1) {
-        notes_.push_back(absl::StrFormat("replacement %s was refused %d times before it got in",
-                                         r.base, r.attempts - 1));
+        Fail(absl::StrFormat("%s exited %d (replacement, attempt %d):%s", r.current,
+                             procs_.at(r.current).code, r.attempts, Tail(log)));
+      } else {
+        if (r.attempts > 1) {
+          notes_.push_back(absl::StrFormat("replacement %s was refused %d times before %s", r.base,
+                                           r.attempts - 1, r.current));
+        }
+        // It exited 0: it finished the job with the others, or came too late to train at all.
+        if (LastStep(absl::StrCat(dir_, "/m.", r.current, ".jsonl")) == 0) {
+          notes_.push_back(absl::StrFormat(
+              "replacement %s trained no step (the job ended before it got in)", r.current));
+        }
       }
     }
   }
@@ -734,7 +763,8 @@ class Trial {
   std::map<std::string, Proc> procs_;
   std::vector<Replacement> replacements_;
   std::string add_cmd_;
-  std::vector<std::string> killed_;  // the metrics files of the killed workers
+  std::vector<std::string> killed_;     // the metrics files of the killed workers
+  std::set<std::string> killed_procs_;  // the processes SIGKILLed here
   std::vector<std::string> failures_, notes_;
 };
 
