@@ -155,14 +155,25 @@ struct CheckedList {
   uint64_t last_sequence = 0;
 };
 
-// The index's checkpoints checked against the ledger (`ledger_text`: the file's bytes).
-StatusOr<CheckedList> CheckList(const std::string& dir,
-                                const std::optional<std::string>& ledger_text,
+// The index's checkpoints checked against the ledger: `before` and `after` are the ledger file's
+// bytes read before and after the index (the same when the folder is locked). A process training
+// into the folder may change both in between; between two ledger updates the index changes by at
+// most one commit or one recorded removal, so an index entry is accepted if either ledger accounts
+// for it, and missing only if both list it.
+StatusOr<CheckedList> CheckList(const std::string& dir, const std::optional<std::string>& before,
+                                const std::optional<std::string>& after,
                                 std::vector<CheckpointManifest> indexed) {
-  std::optional<storage::CheckpointLedger> ledger;
-  if (ledger_text) {
-    ASSIGN_OR_RETURN(ledger, ParseLedger(dir, *ledger_text));
+  std::optional<storage::CheckpointLedger> old_ledger, ledger;
+  if (before) {
+    ASSIGN_OR_RETURN(old_ledger, ParseLedger(dir, *before));
   }
+  if (after && after != before) {
+    ASSIGN_OR_RETURN(ledger, ParseLedger(dir, *after));
+  } else {
+    ledger = old_ledger;
+  }
+  if (!old_ledger) old_ledger = ledger;  // the first ledger was written meanwhile
+  if (!ledger) ledger = old_ledger;
   CheckedList out;
   for (const CheckpointManifest& m : indexed) {
     out.last_sequence = std::max(out.last_sequence, m.sequence());
@@ -184,26 +195,31 @@ StatusOr<CheckedList> CheckList(const std::string& dir,
   }
   out.last_sequence = std::max(out.last_sequence, ledger->last_sequence());
   using Key = std::pair<int64_t, uint64_t>;
-  std::set<Key> live, removing, in_index;
+  std::set<Key> old_live, live, removing, in_index;
+  for (const auto& e : old_ledger->live()) old_live.insert({e.step(), e.sequence()});
   for (const auto& e : ledger->live()) live.insert({e.step(), e.sequence()});
-  for (const auto& e : ledger->removing()) removing.insert({e.step(), e.sequence()});
+  for (const auto* l : {&*old_ledger, &*ledger}) {
+    for (const auto& e : l->removing()) removing.insert({e.step(), e.sequence()});
+  }
   std::vector<CheckpointManifest> newer;  // committed after the ledger was last written
   std::vector<int64_t> back, missing, unrecorded;
   for (CheckpointManifest& m : indexed) {
     const Key k{m.step(), m.sequence()};
     in_index.insert(k);
-    if (live.count(k)) {
+    if (removing.count(k) || (m.sequence() > old_ledger->last_sequence() &&
+                              m.sequence() <= ledger->last_sequence() && !live.count(k))) {
+      out.removing.push_back(std::move(m));  // being removed, or committed and removed meanwhile
+    } else if (old_live.count(k) || live.count(k)) {
       out.live.push_back(std::move(m));
-    } else if (removing.count(k)) {
-      out.removing.push_back(std::move(m));
     } else if (m.sequence() > ledger->last_sequence()) {
       newer.push_back(std::move(m));
     } else {
       back.push_back(m.step());
     }
   }
-  for (const auto& e : ledger->live()) {
-    if (!in_index.count({e.step(), e.sequence()})) missing.push_back(e.step());
+  for (const auto& e : old_ledger->live()) {
+    const Key k{e.step(), e.sequence()};
+    if (live.count(k) && !in_index.count(k)) missing.push_back(e.step());
   }
   // A crash between a commit and the ledger's update leaves the commit out of the ledger. Such a
   // checkpoint is accepted when it follows the ledger's newest one.
@@ -402,7 +418,7 @@ StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
   ASSIGN_OR_RETURN(m->ssd_, OpenSsd(options));
   ASSIGN_OR_RETURN(std::vector<CheckpointManifest> indexed, m->index_->Checkpoints());
   ASSIGN_OR_RETURN(std::optional<std::string> ledger, ReadLedgerText(dir));
-  ASSIGN_OR_RETURN(CheckedList list, CheckList(dir, ledger, std::move(indexed)));
+  ASSIGN_OR_RETURN(CheckedList list, CheckList(dir, ledger, ledger, std::move(indexed)));
   m->manifests_ = std::move(list.live);
   m->removing_ = std::move(list.removing);
   m->last_sequence_ = list.last_sequence;
@@ -950,18 +966,13 @@ Status CheckpointManager::PollError() {
 
 StatusOr<std::vector<CheckpointManifest>> CheckpointManager::ReadList(const std::string& dir) {
   if (!storage::TensorIndex::Exists(dir + "/index")) RETURN_IF_ERROR(CheckNoIndexIsNoLoss(dir));
-  // A training process may be changing the folder. Between two ledger updates the index changes
-  // by at most one commit or one recorded removal, which the earlier ledger accepts: so the ledger
-  // is read before and after the index, until it did not change in between.
-  for (int attempt = 1;; ++attempt) {
-    ASSIGN_OR_RETURN(std::optional<std::string> before, ReadLedgerText(dir));
-    ASSIGN_OR_RETURN(auto index, storage::TensorIndex::OpenReadOnly(dir + "/index"));
-    ASSIGN_OR_RETURN(auto indexed, index->Checkpoints());
-    ASSIGN_OR_RETURN(std::optional<std::string> after, ReadLedgerText(dir));
-    if (before != after && attempt < 10) continue;
-    ASSIGN_OR_RETURN(CheckedList list, CheckList(dir, before, std::move(indexed)));
-    return std::move(list.live);
-  }
+  // A training process may be changing the folder: the ledger is read before and after the index.
+  ASSIGN_OR_RETURN(std::optional<std::string> before, ReadLedgerText(dir));
+  ASSIGN_OR_RETURN(auto index, storage::TensorIndex::OpenReadOnly(dir + "/index"));
+  ASSIGN_OR_RETURN(auto indexed, index->Checkpoints());
+  ASSIGN_OR_RETURN(std::optional<std::string> after, ReadLedgerText(dir));
+  ASSIGN_OR_RETURN(CheckedList list, CheckList(dir, before, after, std::move(indexed)));
+  return std::move(list.live);
 }
 
 StatusOr<std::vector<CheckpointInfo>> CheckpointManager::List(const std::string& dir) {

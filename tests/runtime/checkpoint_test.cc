@@ -428,6 +428,33 @@ TEST_P(CheckpointFolderDamageTest, TruncatedDataFileDamagesOnlyTheCheckpointsCut
   EXPECT_EQ(verify.exit_code, 0) << verify.output;
 }
 
+// `strata ckpt ls` beside a run that commits and prunes a checkpoint every step: the index and
+// the ledger change under it, and it never takes that for damage.
+TEST_P(CheckpointFolderDamageTest, ListingWhileTrainingCommitsAndPrunesIsNeverAnError) {
+  const std::string ck = dir_.File("ck");
+  const std::string log = dir_.File("train.log");
+  pid_t pid = fork();
+  if (pid == 0) {
+    const std::string cmd =
+        Strata("--checkpoint-dir " + ck + " --checkpoint-every 1 > " + log + " 2>&1");
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  int listings = 0, status = 0;
+  std::set<int64_t> seen;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (!std::filesystem::exists(ck + "/LEDGER")) continue;
+    auto ls = RunCommand(kStrata + " ckpt ls " + ck);
+    ASSERT_EQ(ls.exit_code, 0) << "listing " << listings << " while training:\n" << ls.output;
+    for (int64_t step : ListedSteps(ls.output)) seen.insert(step);
+    ++listings;
+  }
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << ReadFile(log);
+  EXPECT_GE(seen.size(), 3u) << "the listings saw the list change (" << listings << " listings)";
+  auto ls = RunCommand(kStrata + " ckpt ls " + ck);
+  EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{38, 39, 40})) << ls.output;
+}
+
 // A folder written before manifests carried sequence numbers (and before the ledger) still opens.
 TEST_P(CheckpointFolderDamageTest, FolderWithoutSequencesStillOpens) {
   const std::string ck = dir_.File("ck");
