@@ -107,6 +107,7 @@ class CheckpointTest : public ::testing::TestWithParam<std::string> {
     const std::string metrics = dir_.File("resumed.jsonl");
     auto r = RunCommand(Strata("--checkpoint-dir " + ckdir +
                                " --checkpoint-every 10 --resume --metrics-out " + metrics));
+    resume_output_ = r.output;
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("resumed from checkpoint " + std::to_string(expect_from)),
               std::string::npos)
@@ -119,6 +120,7 @@ class CheckpointTest : public ::testing::TestWithParam<std::string> {
   }
   TempDir dir_;
   std::map<int, std::string> full_;
+  std::string resume_output_;  // of the last ResumeAndCompare
 };
 
 TEST_P(CheckpointTest, SigkillMidCheckpointResumesFromLastCompleteOneBitwise) {
@@ -414,6 +416,11 @@ TEST_P(CheckpointFolderDamageTest, TruncatedDataFileDamagesOnlyTheCheckpointsCut
 
   // Resume skips 40, saying why, and continues from 30 exactly as the uninterrupted run.
   ResumeAndCompare(ck, 30);
+  EXPECT_NE(resume_output_.find("checkpoint 40 cannot be used"), std::string::npos)
+      << resume_output_;
+  EXPECT_NE(resume_output_.find(file + "', which holds only " + std::to_string(keep_end)),
+            std::string::npos)
+      << resume_output_;
   auto ls = RunCommand(kStrata + " ckpt ls " + ck);
   EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{20, 30, 40})) << ls.output;
   verify = RunCommand(kStrata + " ckpt verify " + ck);
