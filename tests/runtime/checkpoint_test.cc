@@ -17,8 +17,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "google/protobuf/text_format.h"
 #include "proto/config_io.h"
 #include "runtime/train/trainer.h"
+#include "storage/crc32c.h"
 #include "storage/tensor_index.h"
 #include "tests/test_util.h"
 
@@ -460,6 +462,82 @@ TEST_P(CheckpointFolderDamageTest, ListingWhileTrainingCommitsAndPrunesIsNeverAn
   EXPECT_GE(seen.size(), 3u) << "the listings saw the list change (" << listings << " listings)";
   auto ls = RunCommand(kStrata + " ckpt ls " + ck);
   EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{38, 39, 40})) << ls.output;
+}
+
+// What a crash can leave around the ledger is not damage: a commit the ledger never heard of
+// (killed between the two), if it follows the ledger's newest checkpoint; and a removal the ledger
+// recorded but the index never did, which is hidden and finished by the next writable open.
+TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
+  const std::string ck = dir_.File("ck");
+  RunAndKill(ck, "holding here", "STRATA_FAULT_CHECKPOINT_HOLD_AFTER=30");
+  std::vector<storage::CheckpointManifest> written;  // 10, 20, 30
+  {
+    auto index = storage::TensorIndex::OpenReadOnly(ck + "/index");
+    ASSERT_TRUE(index.ok()) << index.status();
+    auto cps = (*index)->Checkpoints();
+    ASSERT_TRUE(cps.ok());
+    written = *cps;
+  }
+  ASSERT_EQ(written.size(), 3u);
+  ASSERT_LT(written[1].sequence(), written[2].sequence());
+  auto commit = [&](int64_t step, uint64_t sequence, uint64_t previous_sequence) {
+    auto index = storage::TensorIndex::Open(ck + "/index", false);
+    ASSERT_TRUE(index.ok()) << index.status();
+    storage::CheckpointManifest m = written[2];  // the same tensors as checkpoint 30
+    m.set_step(step);
+    m.set_sequence(sequence);
+    m.set_previous_step(30);
+    m.set_previous_sequence(previous_sequence);
+    ASSERT_TRUE((*index)->CommitCheckpoint(m, {}).ok());
+  };
+  auto forget = [&](int64_t step) {
+    auto index = storage::TensorIndex::Open(ck + "/index", false);
+    ASSERT_TRUE(index.ok()) << index.status();
+    ASSERT_TRUE((*index)->RemoveCheckpoint(step, {}).ok());
+  };
+  // Committed after checkpoint 30, the ledger not told: listed.
+  commit(40, written[2].sequence() + 1, written[2].sequence());
+  auto ls = RunCommand(kStrata + " ckpt ls " + ck);
+  EXPECT_EQ(ls.exit_code, 0) << ls.output;
+  EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{10, 20, 30, 40})) << ls.output;
+  forget(40);
+  // One that does not follow checkpoint 30 came from elsewhere.
+  commit(50, written[2].sequence() + 7, written[1].sequence());
+  ls = RunCommand(kStrata + " ckpt ls " + ck);
+  EXPECT_EQ(ls.exit_code, 1) << ls.output;
+  EXPECT_NE(ls.output.find("checkpoints the ledger never recorded: 50"), std::string::npos)
+      << ls.output;
+  forget(50);
+  // The ledger recorded the removal of 10; the index still has it.
+  storage::CheckpointLedger ledger;
+  ledger.set_format(1);
+  ledger.set_last_sequence(written[2].sequence());
+  for (int i : {1, 2}) {
+    ledger.add_live()->set_step(written[i].step());
+    ledger.mutable_live(i - 1)->set_sequence(written[i].sequence());
+  }
+  ledger.add_removing()->set_step(10);
+  ledger.mutable_removing(0)->set_sequence(written[0].sequence());
+  std::string text;
+  ASSERT_TRUE(google::protobuf::TextFormat::PrintToString(ledger, &text));
+  WriteFile(ck + "/LEDGER",
+            text + absl::StrFormat("# crc32c %08x\n", storage::Crc32c(text.data(), text.size())));
+  ls = RunCommand(kStrata + " ckpt ls " + ck);
+  EXPECT_EQ(ls.exit_code, 0) << ls.output;
+  EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{20, 30})) << ls.output;
+  auto verify = RunCommand(kStrata + " ckpt verify " + ck);
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
+  // The next writable open finishes the removal in the index.
+  auto rm = RunCommand(kStrata + " ckpt rm " + ck + " 20");
+  EXPECT_EQ(rm.exit_code, 0) << rm.output;
+  auto index = storage::TensorIndex::OpenReadOnly(ck + "/index");
+  ASSERT_TRUE(index.ok()) << index.status();
+  auto cps = (*index)->Checkpoints();
+  ASSERT_TRUE(cps.ok());
+  ASSERT_EQ(cps->size(), 1u);
+  EXPECT_EQ((*cps)[0].step(), 30);
+  index->reset();
+  ResumeAndCompare(ck, 30);
 }
 
 // A folder written before manifests carried sequence numbers (and before the ledger) still opens.
