@@ -69,8 +69,9 @@ class Job {
   Job(const Options& o, const std::string& dir, const std::string& strata)
       : o_(o), dir_(dir), strata_(strata) {
     std::ofstream(dir + "/corpus.txt") << bench::WordCorpus(2 << 20);
-    std::ofstream(dir + "/job.textproto")
-        << "name: \"bench_elastic\"\n"
+    // The coordinator records the job's config and hands it to the workers.
+    const std::string job =
+        "name: \"bench_elastic\"\n"
            "model { vocab_size: 256 seq_len: 64 d_model: 128 n_layers: 4 n_heads: 4\n"
            "        moe { num_experts: 16 top_k: 2 d_expert: 128\n"
            "              gate { capacity_factor_train: 0 capacity_factor_eval: 0 } } }\n"
@@ -79,13 +80,14 @@ class Job {
            "log_every: 1000000 }\n"
            "elastic { replicas: 1 }\n"
            "checkpoint { every: 20 dir: \"ckpt\" keep: 2 }\n";
+    std::ofstream(dir + "/job.textproto") << job;
     launcher::CoordinatorOptions co;
     co.dir = dir + "/coordinator";
     co.token = "bench-token";
     co.initial_workers = o.workers;
     co.min_workers = 2;
     co.max_workers = o.workers;
-    auto state = launcher::CoordinatorState::Open(co, "name: \"bench_elastic\"\n", Clock::now());
+    auto state = launcher::CoordinatorState::Open(co, job, Clock::now());
     if (!state.ok()) Die(std::string(state.status().message()));
     state_ = std::move(*state);
     auto server = launcher::CoordinatorServer::Start(state_.get(), "127.0.0.1:0");

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <mutex>
 #include <numeric>
@@ -22,8 +23,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "launcher/coordinator_service.h"
 #include "launcher/flags.h"
+#include "launcher/job_config.h"
 #include "proto/config_io.h"
 #include "proto/memory_estimate.h"
 #include "runtime/common/clock.h"
@@ -66,10 +69,24 @@ const std::vector<FlagSpec>& WorkerFlags() {
          "HOST:PORT of the job's coordinator: join through it instead of "
          "--rank/--world-size/--store"},
         {"id", "this worker's id at the coordinator (default HOSTNAME:PID)"},
-        {"token", "the job token for --coordinator (default: $STRATA_JOB_TOKEN)"},
+        {"token-file", "file holding the job token for --coordinator (default: $STRATA_JOB_TOKEN)"},
+        {"token",
+         "the job token for --coordinator (visible to every user of this machine in `ps`: "
+         "prefer --token-file or $STRATA_JOB_TOKEN)"},
         {"tls-ca", "PEM CA certificate: reach a coordinator that serves TLS"},
+        {"data",
+         "with --coordinator: the token file on this machine (overrides the job's data.path)"},
     };
-    for (const FlagSpec& f : TrainFlags()) v.push_back(f);
+    for (const FlagSpec& f : TrainFlags()) {
+      if (f.name == "config") {
+        v.push_back({"config",
+                     "job config (.textproto); required without --coordinator. With it, optional: "
+                     "the job's config comes from the coordinator, and a file given here must "
+                     "agree with it on every field but train.threads, train.device and data.path"});
+      } else {
+        v.push_back(f);
+      }
+    }
     return v;
   }();
   return specs;
@@ -99,9 +116,11 @@ struct Overrides {
 };
 
 // The numeric flags, checked before anything is loaded so that a typo is a usage error.
-StatusOr<Overrides> ParseOverrides(const Flags& flags) {
+StatusOr<Overrides> ParseOverrides(const Flags& flags, bool config_required = true) {
   Overrides o;
-  if (!flags.Has("config")) return absl::InvalidArgumentError("--config FILE is required");
+  if (config_required && !flags.Has("config")) {
+    return absl::InvalidArgumentError("--config FILE is required");
+  }
   ASSIGN_OR_RETURN(o.steps, flags.Int("steps", 1, 1'000'000'000));
   ASSIGN_OR_RETURN(o.threads, flags.Int("threads", 0, 1024));
   ASSIGN_OR_RETURN(o.checkpoint_every, flags.Int("checkpoint-every", 0, 1'000'000'000));
@@ -126,6 +145,22 @@ StatusOr<config::JobConfig> LoadWithOverrides(const Flags& flags, const Override
   if (auto dir = flags.String("checkpoint-dir")) cfg.mutable_checkpoint()->set_dir(*dir);
   RETURN_IF_ERROR(config::ValidateJobConfig(cfg, *flags.String("config") + " with flags"));
   return cfg;
+}
+
+// The config's data and checkpoint paths made absolute (relative ones are relative to this
+// process's folder, where the loader left them), so that they name the same files for every
+// worker whatever folder it runs in.
+void MakePathsAbsolute(config::JobConfig* cfg) {
+  auto absolute = [](std::string* path) {
+    if (path->empty()) return;
+    std::error_code ec;
+    const auto abs = std::filesystem::absolute(*path, ec);
+    if (!ec) *path = abs.lexically_normal().string();
+  };
+  absolute(cfg->mutable_data()->mutable_path());
+  if (cfg->has_checkpoint() && cfg->checkpoint().has_dir()) {
+    absolute(cfg->mutable_checkpoint()->mutable_dir());
+  }
 }
 
 void PrintTopUsage(std::FILE* out) {
@@ -158,6 +193,9 @@ bool WantsHelp(const std::vector<std::string>& args) {
 
 namespace {
 
+train::TrainOptions OptionsFor(const Flags& flags, config::JobConfig cfg,
+                               const train::WorkerOptions& worker);
+
 // `strata train` and `strata worker` after their own flags: the config with the flags'
 // overrides, as training options. On failure returns the exit code in *rc.
 std::optional<train::TrainOptions> TrainOptionsFrom(const Flags& flags, const std::string& command,
@@ -173,8 +211,15 @@ std::optional<train::TrainOptions> TrainOptionsFrom(const Flags& flags, const st
     *rc = Fail(cfg.status());
     return std::nullopt;
   }
+  return OptionsFor(flags, *std::move(cfg), worker);
+}
+
+// The training options of `strata train` / `strata worker` for `cfg`, from the flags that are not
+// the config's.
+train::TrainOptions OptionsFor(const Flags& flags, config::JobConfig cfg,
+                               const train::WorkerOptions& worker) {
   train::TrainOptions options;
-  options.config = *cfg;
+  options.config = std::move(cfg);
   options.worker = worker;
   options.metrics_path = flags.String("metrics-out").value_or("");
   // One progress line per job: the first worker's.
@@ -323,9 +368,18 @@ const std::vector<FlagSpec>& CoordinatorFlags() {
   static const std::vector<FlagSpec> specs = {
       {"config", "job config in text format (.textproto); required for a new job"},
       {"dir", "folder of the coordinator's RocksDB record; required (a record there is resumed)"},
-      {"listen", "HOST:PORT to serve on (default 127.0.0.1:7777; port 0 picks a free one)"},
-      {"token", "the job token (default: $STRATA_JOB_TOKEN); every call must carry it"},
-      {"workers", "workers that form the first generation (default 1)"},
+      {"listen",
+       "HOST:PORT to serve on (default: where the record's coordinator served, else "
+       "127.0.0.1:7777; port 0 picks a free one)"},
+      {"token-file",
+       "file holding the job token (default: $STRATA_JOB_TOKEN, else DIR/token); every call must "
+       "carry it"},
+      {"token", "the job token (visible in `ps`: prefer --token-file or $STRATA_JOB_TOKEN)"},
+      {"workers", "workers that form the first generation (default: the record's, else 1)"},
+      {"steps", "override train.steps of a new job"},
+      {"checkpoint-dir", "folder of checkpoints of a new job (overrides checkpoint.dir)"},
+      {"checkpoint-every", "checkpoint every N steps (overrides checkpoint.every) of a new job"},
+      {"keep-serving", "serve until SIGINT/SIGTERM, also after the job finished", false},
       {"min-workers", "fewer than this and training waits (default: elastic.min_workers, or 1)"},
       {"max-workers", "more than this are refused (default: elastic.max_workers, or --workers)"},
       {"tls-cert", "PEM certificate: serve with TLS (needs --tls-key)"},
@@ -334,10 +388,47 @@ const std::vector<FlagSpec>& CoordinatorFlags() {
   return specs;
 }
 
-std::string TokenFrom(const Flags& flags) {
-  if (auto t = flags.String("token")) return *t;
+// The job token: from --token-file, --token or $STRATA_JOB_TOKEN, in that order ("" when none
+// is given). A file that cannot be read or holds no token is an error.
+StatusOr<std::string> TokenFrom(const Flags& flags) {
+  if (auto path = flags.String("token-file")) {
+    std::ifstream in(*path);
+    std::string token;
+    if (!in || !std::getline(in, token)) {
+      return absl::NotFoundError(absl::StrFormat(
+          "cannot read a token from --token-file '%s' (missing, unreadable or empty)", *path));
+    }
+    token = std::string(absl::StripAsciiWhitespace(token));
+    if (token.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--token-file '%s' holds no token on its first line", *path));
+    }
+    return token;
+  }
+  if (auto t = flags.String("token")) {
+    STRATA_LOG(WARNING) << "--token is visible to every user of this machine (ps); prefer "
+                           "--token-file FILE or $STRATA_JOB_TOKEN";
+    return *t;
+  }
   const char* env = std::getenv("STRATA_JOB_TOKEN");
-  return env ? env : "";
+  return std::string(env ? env : "");
+}
+
+// The token, or a usage error (exit 2) when none was given.
+std::optional<std::string> RequireToken(const Flags& flags, const std::string& command,
+                                        const std::vector<FlagSpec>& specs, int* rc) {
+  auto token = TokenFrom(flags);
+  if (!token.ok()) {
+    *rc = Fail(token.status());
+    return std::nullopt;
+  }
+  if (token->empty()) {
+    *rc = UsageError(absl::InvalidArgumentError(
+                         "give the job token with --token-file FILE or $STRATA_JOB_TOKEN"),
+                     command, specs);
+    return std::nullopt;
+  }
+  return *token;
 }
 
 std::atomic<bool> g_stop{false};
@@ -347,11 +438,19 @@ void OnSignal(int) { g_stop = true; }
 
 namespace {
 
+int64_t SteadyMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 // Calls `rpc` until the coordinator answers (it may be restarting): UNAVAILABLE and
-// DEADLINE_EXCEEDED are retried for up to two minutes, other answers returned as they are.
+// DEADLINE_EXCEEDED are retried for up to `patience` (elastic.coordinator_patience_ms), other
+// answers returned as they are. Each failed try stores the time (SteadyMs) in *unreachable_ms.
 template <typename Rpc>
-auto Retrying(const char* what, const std::string& address, Rpc rpc) -> decltype(rpc()) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
+auto Retrying(const char* what, const std::string& address, std::chrono::milliseconds patience,
+              Rpc rpc, std::atomic<int64_t>* unreachable_ms = nullptr) -> decltype(rpc()) {
+  const auto deadline = std::chrono::steady_clock::now() + patience;
   bool told = false;
   while (true) {
     auto r = rpc();
@@ -359,48 +458,132 @@ auto Retrying(const char* what, const std::string& address, Rpc rpc) -> decltype
     if (r.ok() ||
         (code != absl::StatusCode::kUnavailable && code != absl::StatusCode::kDeadlineExceeded) ||
         std::chrono::steady_clock::now() > deadline) {
+      if (!r.ok() && told) {
+        return decltype(rpc())(absl::UnavailableError(absl::StrFormat(
+            "%s: the coordinator at %s did not answer for %d s (elastic.coordinator_patience_ms); "
+            "last error: %s",
+            what, address, patience.count() / 1000, r.status().message())));
+      }
       return r;
     }
+    if (unreachable_ms != nullptr) *unreachable_ms = SteadyMs();
     if (!told) {
       STRATA_LOG(WARNING) << what << ": the coordinator at " << address
-                          << " does not answer; retrying for up to 2 minutes ("
-                          << r.status().message() << ")";
+                          << " does not answer; retrying for up to " << patience.count() / 1000
+                          << " s (" << r.status().message() << ")";
       told = true;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
 }
 
+// A worker of a coordinator trains with the job's config (the coordinator's record) and this
+// machine's own settings: --threads, --device and --data, or those of a --config FILE, which must
+// agree with the job's on everything else. Job settings given as flags (--steps,
+// --checkpoint-dir, --checkpoint-every) must agree with the job's too.
+StatusOr<config::JobConfig> WorkerConfig(const Flags& flags, const Overrides& o,
+                                         const std::string& job_text,
+                                         const std::string& address) {
+  const std::string source = absl::StrFormat("the job config of the coordinator at %s", address);
+  if (job_text.empty()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the coordinator at %s holds no job config; start it with --config FILE", address));
+  }
+  ASSIGN_OR_RETURN(config::JobConfig job, config::ParseJobConfig(job_text, source, ""));
+  config::JobConfig mine = job;
+  if (flags.Has("config")) {
+    ASSIGN_OR_RETURN(mine, LoadWithOverrides(flags, o));
+    MakePathsAbsolute(&mine);
+  } else {
+    if (o.steps) mine.mutable_train()->set_steps(static_cast<int>(*o.steps));
+    if (o.threads) mine.mutable_train()->set_threads(static_cast<int>(*o.threads));
+    if (o.device) mine.mutable_train()->set_device(*o.device);
+    if (o.checkpoint_every) {
+      mine.mutable_checkpoint()->set_every(static_cast<uint32_t>(*o.checkpoint_every));
+    }
+    if (auto dir = flags.String("checkpoint-dir")) {
+      mine.mutable_checkpoint()->set_dir(*dir);
+      MakePathsAbsolute(&mine);
+    }
+  }
+  const std::vector<std::string> diff = JobDifferences(job, mine);
+  if (!diff.empty()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "this worker's %s differs from the job's config at the coordinator %s:\n  %s\n"
+        "Drop %s to train with the job's config (train.threads, train.device and data.path may "
+        "differ: --threads, --device, --data)",
+        flags.Has("config") ? "--config " + *flags.String("config") : std::string("flags"),
+        address, absl::StrJoin(diff, "\n  "),
+        flags.Has("config") ? "--config" : std::string("the job-level flags")));
+  }
+  config::JobConfig cfg = job;
+  cfg.mutable_train()->set_threads(mine.train().threads());
+  cfg.mutable_train()->set_device(mine.train().device());
+  if (flags.Has("config")) cfg.mutable_data()->set_path(mine.data().path());
+  if (auto d = flags.String("data")) cfg.mutable_data()->set_path(*d);
+  RETURN_IF_ERROR(config::ValidateJobConfig(cfg, source + " on this worker"));
+  return cfg;
+}
+
 int JoinAndTrain(const Flags& flags) {
   const std::string address = *flags.String("coordinator");
-  const std::string token = TokenFrom(flags);
-  if (token.empty()) {
-    return UsageError(
-        absl::InvalidArgumentError("give the job token with --token or $STRATA_JOB_TOKEN"),
-        "worker", WorkerFlags());
-  }
+  int rc = 0;
+  const std::optional<std::string> token = RequireToken(flags, "worker", WorkerFlags(), &rc);
+  if (!token) return rc;
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   const std::string id = flags.String("id").value_or(absl::StrFormat("%s:%d", host, getpid()));
-  int rc = 0;
-  auto options = TrainOptionsFrom(flags, "worker", WorkerFlags(), train::WorkerOptions{}, &rc);
-  if (!options) return rc;
-  auto connected = CoordinatorClient::Connect(address, token, flags.String("tls-ca").value_or(""));
+  auto overrides = ParseOverrides(flags, /*config_required=*/false);
+  if (!overrides.ok()) return UsageError(overrides.status(), "worker", WorkerFlags());
+  auto connected = CoordinatorClient::Connect(address, *token, flags.String("tls-ca").value_or(""));
   if (!connected.ok()) return Fail(connected.status());
   CoordinatorClient& client = **connected;
+  // The job's config is the coordinator's: read it first (the coordinator may be restarting).
+  auto record = Retrying("reading the job's config", address,
+                         std::chrono::milliseconds(config::ElasticConfig().coordinator_patience_ms()),
+                         [&] { return client.GetStatus(); });
+  if (!record.ok()) return Fail(record.status());
+  if (record->finished()) {
+    std::printf("the job at %s already finished (step %lld); nothing to join\n", address.c_str(),
+                static_cast<long long>(record->step()));
+    return 0;
+  }
+  auto cfg = WorkerConfig(flags, *overrides, record->job_config(), address);
+  if (!cfg.ok()) return Fail(cfg.status());
+  std::optional<train::TrainOptions> options = OptionsFor(flags, *cfg, train::WorkerOptions{});
+  const std::chrono::milliseconds patience(cfg->elastic().coordinator_patience_ms());
+  const std::chrono::milliseconds restart_grace(cfg->elastic().restart_grace_ms());
   coordinator::WorkerInfo info;
   info.set_id(id);
   info.set_host(flags.String("hostname").value_or("127.0.0.1"));
   info.set_threads(options->config.train().threads());
-  auto joined = client.Join(info);
+  info.set_job_config(config::ToText(JobPart(*cfg)));
+  // A job at its maximum may have a place soon: a member that died is declared failed within a
+  // heartbeat timeout (a restarted coordinator's restart grace). Wait for one up to `patience`.
+  auto joined = Retrying("joining", address, patience, [&] { return client.Join(info); });
+  for (auto [full_until, told] = std::pair(std::chrono::steady_clock::now() + patience, false);
+       !joined.ok() && joined.status().code() == absl::StatusCode::kResourceExhausted &&
+       std::chrono::steady_clock::now() < full_until;
+       told = true) {
+    if (!told) {
+      STRATA_LOG(INFO) << "worker " << id << ": " << joined.status().message()
+                       << "; waiting up to " << patience.count() / 1000 << " s for a place";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    joined = Retrying("joining", address, patience, [&] { return client.Join(info); });
+  }
   if (!joined.ok()) return Fail(joined.status());
+  // When the coordinator last failed to answer (SteadyMs; 0: never): a restarted coordinator
+  // settles for restart_grace before it declares the members that did not come back failed.
+  std::atomic<int64_t> unreachable_ms{0};
 
   // Waits for a generation newer than `after` that holds this worker; its rank in *rank.
   auto wait_generation = [&](int64_t after, int* rank) -> StatusOr<coordinator::Generation> {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
     for (bool told = false;;) {
       ASSIGN_OR_RETURN(coordinator::Generation g,
-                       Retrying("heartbeat", address, [&] { return client.Heartbeat(id); }));
+                       Retrying("heartbeat", address, patience,
+                                [&] { return client.Heartbeat(id); }, &unreachable_ms));
       *rank = -1;
       for (int i = 0; i < g.workers_size(); ++i) {
         if (g.workers(i).id() == id) *rank = i;
@@ -437,6 +620,7 @@ int JoinAndTrain(const Flags& flags) {
     while (!done.load()) {
       auto hb = client.Heartbeat(id);
       if (!hb.ok()) {
+        unreachable_ms = SteadyMs();
         if (reachable) {
           STRATA_LOG(WARNING) << "worker " << id << ": heartbeat to " << address
                               << " failed (training goes on): " << hb.status().message();
@@ -444,6 +628,7 @@ int JoinAndTrain(const Flags& flags) {
         reachable = false;
       } else {
         if (!reachable) {
+          unreachable_ms = SteadyMs();
           Status a = client.Attach(id);
           STRATA_LOG(INFO) << "worker " << id << ": the coordinator at " << address
                            << " answers again" << (a.ok() ? "" : "; reattaching failed: ")
@@ -473,10 +658,13 @@ int JoinAndTrain(const Flags& flags) {
   const std::chrono::milliseconds heartbeat_timeout(
       options->config.elastic().heartbeat_timeout_ms());
   options->on_step = [&](const train::StepResult& r) -> Status {
-    auto now = Retrying("step report", address, [&] {
-      return client.ReportStep(id, generation, r.step, r.loss,
-                               r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0);
-    });
+    auto now = Retrying(
+        "step report", address, patience,
+        [&] {
+          return client.ReportStep(id, generation, r.step, r.loss,
+                                   r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0);
+        },
+        &unreachable_ms);
     if (!now.ok() && now.status().code() != absl::StatusCode::kFailedPrecondition)
       return now.status();
     if (!now.ok() || now->number() != generation) {
@@ -534,11 +722,14 @@ int JoinAndTrain(const Flags& flags) {
       s = trainer->Reform(w);
     }
     if (s.ok()) {
-      auto started = Retrying("start report", address, [&] {
-        return client.ReportStart(
-            id, generation, trainer->step(),
-            rank == 0 ? trainer->experts_per_worker() : std::vector<int64_t>{});
-      });
+      auto started = Retrying(
+          "start report", address, patience,
+          [&] {
+            return client.ReportStart(
+                id, generation, trainer->step(),
+                rank == 0 ? trainer->experts_per_worker() : std::vector<int64_t>{});
+          },
+          &unreachable_ms);
       s = started.status();
       if (s.ok() && started->number() != generation) {
         s = absl::AbortedError("the membership changed while re-forming");
@@ -550,14 +741,20 @@ int JoinAndTrain(const Flags& flags) {
     }
     // A newer generation explains the failure: re-form for it. A peer's death can reach this
     // worker (a broken connection) before the coordinator has formed the next generation, so a
-    // communication error waits for it up to the failure detector's bound; anything else (and
-    // no new generation) ends the worker.
+    // communication error waits for it up to the failure detector's bound — and, when the
+    // coordinator was down (a peer may have died meanwhile, unseen), until a restarted
+    // coordinator has settled and declared the members that did not come back failed. Anything
+    // else (and no new generation) ends the worker.
     const bool comm_error = s.code() == absl::StatusCode::kUnavailable ||
                             s.code() == absl::StatusCode::kDeadlineExceeded ||
                             s.code() == absl::StatusCode::kAborted;
-    const auto wait_until =
-        std::chrono::steady_clock::now() +
-        (comm_error ? 2 * heartbeat_timeout + std::chrono::seconds(1) : std::chrono::seconds(0));
+    const std::chrono::milliseconds detect = 2 * heartbeat_timeout + std::chrono::seconds(1);
+    auto wait_until = std::chrono::steady_clock::now() +
+                      (comm_error ? detect : std::chrono::milliseconds(0));
+    auto settled_after_restart = [&] {
+      return std::chrono::steady_clock::time_point(std::chrono::milliseconds(unreachable_ms.load())) +
+             restart_grace + detect;
+    };
     // A worker that finished the job's last step ended it: this one's failed step is moot.
     if (auto st = client.GetStatus(); st.ok() && st->finished()) {
       STRATA_LOG(INFO) << "worker " << id << ": the job finished on its other workers ("
@@ -566,9 +763,13 @@ int JoinAndTrain(const Flags& flags) {
     }
     bool newer = false;
     while (true) {
-      auto now = Retrying("heartbeat", address, [&] { return client.Heartbeat(id); });
+      auto now = Retrying(
+          "heartbeat", address, patience, [&] { return client.Heartbeat(id); }, &unreachable_ms);
       newer = now.ok() && now->number() > generation;
-      if (newer || std::chrono::steady_clock::now() >= wait_until) break;
+      if (comm_error && unreachable_ms.load() > 0) {
+        wait_until = std::max(wait_until, settled_after_restart());
+      }
+      if (newer || !now.ok() || std::chrono::steady_clock::now() >= wait_until) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     if (newer) {
@@ -618,6 +819,61 @@ std::string RandomToken() {
   return hex;
 }
 
+// The job config a coordinator records: FILE with the job-level flags (--steps, --checkpoint-dir,
+// --checkpoint-every) applied and its paths made absolute, so workers anywhere get one config.
+StatusOr<config::JobConfig> EffectiveJobConfig(const Flags& flags) {
+  ASSIGN_OR_RETURN(Overrides o, ParseOverrides(flags));
+  o.threads.reset();  // the machine's, not the job's: passed to local workers as a flag
+  o.device.reset();
+  ASSIGN_OR_RETURN(config::JobConfig cfg, LoadWithOverrides(flags, o));
+  MakePathsAbsolute(&cfg);
+  return cfg;
+}
+
+// The coordinator's options for job `cfg` (worker counts are the caller's).
+CoordinatorOptions CoordinatorOptionsFor(const config::JobConfig& cfg, const std::string& dir,
+                                         const std::string& token) {
+  CoordinatorOptions o;
+  o.dir = dir;
+  o.token = token;
+  o.heartbeat_timeout = std::chrono::milliseconds(cfg.elastic().heartbeat_timeout_ms());
+  o.restart_grace = std::chrono::milliseconds(cfg.elastic().restart_grace_ms());
+  o.check_config = [](const std::string& job, const coordinator::WorkerInfo& w) {
+    return CheckJoinerConfig(job, w.id(), w.job_config());
+  };
+  return o;
+}
+
+// Keeps the token beside the coordinator's record, readable by this user only, so that workers
+// started by hand and a restarted coordinator find it. A token file already there must hold
+// `token`.
+Status KeepToken(const std::string& dir, const std::string& token) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const std::string path = dir + "/token";
+  std::ifstream in(path);
+  std::string kept;
+  if (in && std::getline(in, kept)) {
+    if (std::string(absl::StripAsciiWhitespace(kept)) != token) {
+      return absl::PermissionDeniedError(absl::StrFormat(
+          "the job in '%s' has another token (in %s); give that one (--token-file %s), or use "
+          "another --dir for a new job",
+          dir, path, path));
+    }
+    return absl::OkStatus();
+  }
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("cannot write the job token to '%s': %s", path, std::strerror(errno)));
+  }
+  fchmod(fileno(f), 0600);
+  std::fputs(token.c_str(), f);
+  std::fputs("\n", f);
+  std::fclose(f);
+  return absl::OkStatus();
+}
+
 const std::vector<FlagSpec>& LaunchFlags() {
   static const std::vector<FlagSpec> specs = {
       {"config", "job config in text format (.textproto); required"},
@@ -662,17 +918,14 @@ int LaunchCommand(const std::vector<std::string>& args) {
     return UsageError(absl::InvalidArgumentError("--config FILE and --workers N are required"),
                       "launch", LaunchFlags());
   }
-  const std::string config_path = *flags->String("config");
-  auto cfg = config::LoadJobConfig(config_path);
+  auto cfg = EffectiveJobConfig(*flags);
   if (!cfg.ok()) return Fail(cfg.status());
   const int n = static_cast<int>(**workers);
-  CoordinatorOptions o;
-  o.token = RandomToken();
+  CoordinatorOptions o = CoordinatorOptionsFor(*cfg, "", RandomToken());
   o.initial_workers = n;
   const config::ElasticConfig& el = cfg->elastic();
   o.min_workers = static_cast<int>(min_w->value_or(el.min_workers() > 0 ? el.min_workers() : 1));
   o.max_workers = static_cast<int>(max_w->value_or(el.max_workers() > 0 ? el.max_workers() : n));
-  o.heartbeat_timeout = std::chrono::milliseconds(el.heartbeat_timeout_ms());
   if (o.max_workers < n) {
     return UsageError(absl::InvalidArgumentError(absl::StrFormat(
                           "--workers %d is above --max-workers %d", n, o.max_workers)),
@@ -698,43 +951,45 @@ int LaunchCommand(const std::vector<std::string>& args) {
   {
     auto state = CoordinatorState::Open(o, config::ToText(*cfg), std::chrono::steady_clock::now());
     if (!state.ok()) return Fail(state.status());
+    if ((*state)->job_config() != config::ToText(*cfg)) {
+      return Fail(absl::FailedPreconditionError(absl::StrFormat(
+          "--coordinator-dir '%s' holds another job's record; restart that job's coordinator "
+          "with `strata coordinator --dir %s`, or give an empty folder",
+          o.dir, o.dir)));
+    }
     auto server =
         CoordinatorServer::Start(state->get(), flags->String("listen").value_or("127.0.0.1:0"));
     if (!server.ok()) return Fail(server.status());
     const std::string address = (*server)->address();
+    if (Status l = (*state)->SetListenAddress(address); !l.ok()) return Fail(l);
     const bool quiet = flags->Has("quiet");
-    // The token, for workers started by hand: readable by this user only.
+    // The token, for workers started by hand and a restarted coordinator.
     const std::string token_file = o.dir + "/token";
-    if (std::FILE* f = std::fopen(token_file.c_str(), "w")) {
-      fchmod(fileno(f), 0600);
-      std::fputs(o.token.c_str(), f);
-      std::fclose(f);
-    }
+    if (Status t = KeepToken(o.dir, o.token); !t.ok()) return Fail(t);
     std::error_code ec;
     const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+    // Workers get the job's config from the coordinator; only this machine's settings are flags.
+    const std::string machine_flags =
+        *threads ? absl::StrFormat(" --threads %d", **threads) : std::string();
     if (!quiet) {
       std::printf(
           "[%s] coordinator on %s; starting %d workers (%d to %d may train)\n"
-          "[%s] add a worker: STRATA_JOB_TOKEN=$(cat %s) %s worker --coordinator %s "
-          "--config %s\n",
+          "[%s] add a worker: STRATA_JOB_TOKEN=$(cat %s) %s worker --coordinator %s%s\n"
+          "[%s] restart the coordinator if this process dies: STRATA_JOB_TOKEN=$(cat %s) %s "
+          "coordinator --dir %s\n",
           cfg->name().c_str(), address.c_str(), n, o.min_workers, o.max_workers,
           cfg->name().c_str(), token_file.c_str(), self.c_str(), address.c_str(),
-          std::filesystem::absolute(config_path).string().c_str());
+          machine_flags.c_str(), cfg->name().c_str(), token_file.c_str(), self.c_str(),
+          std::filesystem::absolute(o.dir).string().c_str());
       std::fflush(stdout);
     }
     std::vector<pid_t> pids;
     for (int i = 0; i < n; ++i) {
-      std::vector<std::string> argv = {
-          "strata",   "worker",    "--coordinator", address,
-          "--config", config_path, "--id",          absl::StrCat("worker-", i),
-          "--quiet"};
+      std::vector<std::string> argv = {"strata", "worker", "--coordinator", address,
+                                       "--id",   absl::StrCat("worker-", i), "--quiet"};
       if (*threads) argv.insert(argv.end(), {"--threads", absl::StrCat(**threads)});
-      if (*steps) argv.insert(argv.end(), {"--steps", absl::StrCat(**steps)});
       if (auto m = flags->String("metrics-out")) {
         argv.insert(argv.end(), {"--metrics-out", absl::StrCat(*m, ".", i)});
-      }
-      for (const char* f : {"checkpoint-dir", "checkpoint-every"}) {
-        if (auto v = flags->String(f)) argv.insert(argv.end(), {absl::StrCat("--", f), *v});
       }
       if (flags->Has("resume")) argv.push_back("--resume");
       pid_t pid = fork();
@@ -749,7 +1004,7 @@ int LaunchCommand(const std::vector<std::string>& args) {
       pids.push_back(pid);
     }
     // Status lines from the coordinator's record until every worker is gone.
-    const int64_t total = *steps ? **steps : cfg->train().steps();
+    const int64_t total = cfg->train().steps();
     const int every = std::max(1, cfg->train().log_every());
     int64_t shown_step = -1, shown_generation = -1;
     const double tokens_per_step =
@@ -847,15 +1102,21 @@ int LaunchCommand(const std::vector<std::string>& args) {
 
 int CoordinatorCommand(const std::vector<std::string>& args) {
   if (WantsHelp(args)) {
-    std::printf("usage: strata coordinator --dir DIR [--config FILE] [flags]\n%s",
-                Flags::Usage(CoordinatorFlags()).c_str());
+    std::printf(
+        "usage: strata coordinator --dir DIR [--config FILE] [flags]\n"
+        "Serves a job's coordinator. A new job needs --config; a record already in DIR is "
+        "resumed with everything it holds (config, worker counts, address, and the token in "
+        "DIR/token), so `strata coordinator --dir DIR` restarts a coordinator that died. It exits "
+        "0 once its job has finished (unless --keep-serving), 1 on an error, and on SIGINT or "
+        "SIGTERM.\n%s",
+        Flags::Usage(CoordinatorFlags()).c_str());
     return 0;
   }
   auto flags = Flags::Parse("coordinator", CoordinatorFlags(), args);
   if (!flags.ok()) return UsageError(flags.status(), "coordinator", CoordinatorFlags());
-  auto workers = flags->Int("workers", 1, 1 << 20);
-  auto min_workers = flags->Int("min-workers", 1, 1 << 20);
-  auto max_workers = flags->Int("max-workers", 1, 1 << 20);
+  auto workers = flags->Int("workers", 1, 4096);
+  auto min_workers = flags->Int("min-workers", 1, 4096);
+  auto max_workers = flags->Int("max-workers", 1, 4096);
   for (const auto* v : {&workers, &min_workers, &max_workers}) {
     if (!v->ok()) return UsageError(v->status(), "coordinator", CoordinatorFlags());
   }
@@ -863,72 +1124,128 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
     return UsageError(absl::InvalidArgumentError("--dir DIR is required"), "coordinator",
                       CoordinatorFlags());
   }
-  CoordinatorOptions o;
-  o.dir = *flags->String("dir");
-  o.token = TokenFrom(*flags);
-  if (o.token.empty()) {
-    return UsageError(
-        absl::InvalidArgumentError("give the job token with --token or $STRATA_JOB_TOKEN"),
-        "coordinator", CoordinatorFlags());
+  const std::string dir = *flags->String("dir");
+  auto given_token = TokenFrom(*flags);
+  if (!given_token.ok()) return Fail(given_token.status());
+  std::string token = *given_token;
+  if (token.empty()) {
+    // A restart finds the token beside the record.
+    std::ifstream in(dir + "/token");
+    if (in && std::getline(in, token)) token = std::string(absl::StripAsciiWhitespace(token));
   }
-  o.initial_workers = static_cast<int>(workers->value_or(1));
-  std::string job_config;
-  std::optional<config::JobConfig> cfg;
-  if (auto path = flags->String("config")) {
-    auto loaded = config::LoadJobConfig(*path);
-    if (!loaded.ok()) return Fail(loaded.status());
-    cfg = *loaded;
-    job_config = config::ToText(*cfg);
+  if (token.empty()) {
+    return UsageError(absl::InvalidArgumentError(absl::StrFormat(
+                          "give the job token with --token-file FILE or $STRATA_JOB_TOKEN (%s/token "
+                          "holds none)",
+                          dir)),
+                      "coordinator", CoordinatorFlags());
   }
-  const config::ElasticConfig el = cfg ? cfg->elastic() : config::ElasticConfig();
-  o.min_workers =
-      static_cast<int>(min_workers->value_or(el.min_workers() > 0 ? el.min_workers() : 1));
-  o.max_workers = static_cast<int>(
-      max_workers->value_or(el.max_workers() > 0 ? el.max_workers() : o.initial_workers));
-  o.heartbeat_timeout = std::chrono::milliseconds(el.heartbeat_timeout_ms());
-  if (cfg) {
-    if (Status range =
-            CheckWorkerRange(*cfg, std::min(o.min_workers, o.initial_workers), o.max_workers);
-        !range.ok()) {
-      return Fail(range);
+  auto record = CoordinatorState::ReadRecord(dir);
+  if (!record.ok()) return Fail(record.status());
+  const bool resumed = record->has_value() && !(*record)->job_config().empty();
+  // The job's config: the record's when resuming (a --config given too must agree with it),
+  // else --config FILE with the job-level flags.
+  config::JobConfig cfg;
+  if (resumed) {
+    auto parsed = config::ParseJobConfig((*record)->job_config(),
+                                         absl::StrFormat("the job config recorded in '%s'", dir), "");
+    if (!parsed.ok()) return Fail(parsed.status());
+    cfg = *parsed;
+    if (flags->Has("config")) {
+      auto given = EffectiveJobConfig(*flags);
+      if (!given.ok()) return Fail(given.status());
+      const std::vector<std::string> diff = JobDifferences(cfg, *given);
+      if (!diff.empty()) {
+        return Fail(absl::FailedPreconditionError(absl::StrFormat(
+            "--config %s differs from the job recorded in '%s' (a running job keeps its "
+            "config):\n  %s\nDrop --config to resume the job, or give an empty --dir for a new "
+            "one",
+            *flags->String("config"), dir, absl::StrJoin(diff, "\n  "))));
+      }
     }
+  } else {
+    if (!flags->Has("config")) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrFormat("'%s' holds no job yet: give --config FILE for a new job", dir)));
+    }
+    auto given = EffectiveJobConfig(*flags);
+    if (!given.ok()) return Fail(given.status());
+    cfg = *given;
   }
-  auto state = CoordinatorState::Open(o, job_config, std::chrono::steady_clock::now());
+  if (Status t = KeepToken(dir, token); !t.ok()) return Fail(t);
+  CoordinatorOptions o = CoordinatorOptionsFor(cfg, dir, token);
+  // Worker counts: the flags, else the record's, else the config's elastic section.
+  const config::ElasticConfig& el = cfg.elastic();
+  const coordinator::CoordinatorRecord kept =
+      record->has_value() ? **record : coordinator::CoordinatorRecord();
+  o.initial_workers = static_cast<int>(
+      workers->value_or(kept.initial_workers() > 0 ? kept.initial_workers() : 1));
+  o.min_workers = static_cast<int>(min_workers->value_or(
+      kept.min_workers() > 0 ? kept.min_workers() : (el.min_workers() > 0 ? el.min_workers() : 1)));
+  o.max_workers = static_cast<int>(max_workers->value_or(
+      kept.max_workers() > 0 ? kept.max_workers()
+                             : (el.max_workers() > 0 ? el.max_workers() : o.initial_workers)));
+  if (Status range =
+          CheckWorkerRange(cfg, std::min(o.min_workers, o.initial_workers), o.max_workers);
+      !range.ok()) {
+    return Fail(range);
+  }
+  if (kept.finished() && !flags->Has("keep-serving")) {
+    std::printf("the job in %s finished at step %lld; nothing to serve (--keep-serving serves its "
+                "status anyway)\n",
+                dir.c_str(), static_cast<long long>(kept.step()));
+    return 0;
+  }
+  auto state = CoordinatorState::Open(o, config::ToText(cfg), std::chrono::steady_clock::now());
   if (!state.ok()) return Fail(state.status());
-  if ((*state)->job_config().empty()) {
-    return Fail(absl::InvalidArgumentError(
-        absl::StrFormat("'%s' holds no job yet: give --config FILE for a new job", o.dir)));
-  }
+  // Where to serve: --listen, else where this job's coordinator served before (so its workers
+  // find it again), else the default.
+  std::string listen = flags->String("listen").value_or(
+      !kept.listen().empty() ? kept.listen() : std::string("127.0.0.1:7777"));
   TlsFiles tls{flags->String("tls-cert").value_or(""), flags->String("tls-key").value_or(""), ""};
-  auto server = CoordinatorServer::Start(state->get(),
-                                         flags->String("listen").value_or("127.0.0.1:7777"), tls);
+  auto server = CoordinatorServer::Start(state->get(), listen, tls);
   if (!server.ok()) return Fail(server.status());
-  const auto record = (*state)->Snapshot();
-  std::printf("coordinator listening on %s (generation %lld, step %lld, record in %s)\n",
-              (*server)->address().c_str(), static_cast<long long>(record.generation().number()),
-              static_cast<long long>(record.step()), o.dir.c_str());
+  if (Status l = (*state)->SetListenAddress((*server)->address()); !l.ok()) return Fail(l);
+  const auto snapshot = (*state)->Snapshot();
+  std::printf(
+      "coordinator listening on %s (%s: generation %lld, step %lld, workers %d to %d, record in "
+      "%s)\n",
+      (*server)->address().c_str(), resumed ? "resumed" : "new job",
+              static_cast<long long>(snapshot.generation().number()),
+              static_cast<long long>(snapshot.step()), o.min_workers, o.max_workers, dir.c_str());
   std::fflush(stdout);
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
-  while (!g_stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const bool keep_serving = flags->Has("keep-serving");
+  while (!g_stop.load()) {
+    if (!keep_serving && (*state)->Done()) {
+      std::printf("the job finished at step %lld; coordinator exits\n",
+                  static_cast<long long>((*state)->Snapshot().step()));
+      return 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
   std::printf("coordinator stopping\n");
   return 0;
 }
 
 int StatusCommand(const std::vector<std::string>& args) {
   static const std::vector<FlagSpec> specs = {
-      {"token", "the job token (default: $STRATA_JOB_TOKEN)"},
+      {"token-file", "file holding the job token (default: $STRATA_JOB_TOKEN)"},
+      {"token", "the job token (visible in `ps`: prefer --token-file or $STRATA_JOB_TOKEN)"},
       {"tls-ca", "PEM CA certificate: reach a coordinator that serves TLS"},
   };
   if (args.empty() || WantsHelp(args)) {
     std::fprintf(args.empty() ? stderr : stdout,
-                 "usage: strata status HOST:PORT [--token T] [--tls-ca FILE]\n");
+                 "usage: strata status HOST:PORT [--token-file F] [--tls-ca FILE]\n");
     return args.empty() ? 2 : 0;
   }
   auto flags = Flags::Parse("status", specs, {args.begin() + 1, args.end()});
   if (!flags.ok()) return UsageError(flags.status(), "status", specs);
+  auto token = TokenFrom(*flags);
+  if (!token.ok()) return Fail(token.status());
   auto client =
-      CoordinatorClient::Connect(args[0], TokenFrom(*flags), flags->String("tls-ca").value_or(""));
+      CoordinatorClient::Connect(args[0], *token, flags->String("tls-ca").value_or(""));
   if (!client.ok()) return Fail(client.status());
   auto r = (*client)->GetStatus();
   if (!r.ok()) return Fail(r.status());

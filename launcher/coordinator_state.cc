@@ -5,6 +5,7 @@
 #include <rocksdb/write_batch.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <limits>
 
 #include "absl/strings/numbers.h"
@@ -68,29 +69,81 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Open(
           "start the job afresh with an empty folder",
           options.dir));
     }
-    // Resumed: members and pending workers get five heartbeat timeouts from now to reconnect,
-    // and a member's next step report is taken as it comes (it may have trained past the last
-    // boundary the record holds).
-    const Time grace = now + 4 * options.heartbeat_timeout;
+    // Resumed: members and pending workers get `restart_grace` from now to reconnect (a
+    // member that died while no coordinator ran is found when it is over), and a member's next
+    // step report is taken as it comes (it may have trained past the last boundary the record
+    // holds).
+    const Time grace = now + options.restart_grace - options.heartbeat_timeout;
     for (const auto& w : c->record_.generation().workers()) {
       c->last_seen_[w.id()] = grace;
       c->reported_[w.id()] = kUnknownStep;
     }
     for (const auto& w : c->record_.pending()) c->last_seen_[w.id()] = grace;
-    return c;
+  } else if (s.IsNotFound()) {
+    c->record_.set_job_config(job_config);
+    c->record_.mutable_generation()->set_number(0);
+    c->record_.mutable_generation()->set_reason("waiting for workers");
+    c->record_.set_step(0);
+  } else {
+    return FromRocks(s, "reading", options.dir);
   }
-  if (!s.IsNotFound()) return FromRocks(s, "reading", options.dir);
-  c->record_.set_job_config(job_config);
-  c->record_.mutable_generation()->set_number(0);
-  c->record_.mutable_generation()->set_reason("waiting for workers");
-  c->record_.set_step(0);
+  c->record_.set_initial_workers(options.initial_workers);
+  c->record_.set_min_workers(options.min_workers);
+  c->record_.set_max_workers(options.max_workers);
+  c->record_.set_opened(c->record_.opened() + 1);
   std::lock_guard<std::mutex> lock(c->mu_);
   RETURN_IF_ERROR(c->PersistLocked());
   return c;
 }
 
+StatusOr<std::optional<coordinator::CoordinatorRecord>> CoordinatorState::ReadRecord(
+    const std::string& dir) {
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::path(dir) / "CURRENT", ec)) return std::nullopt;
+  rocksdb::Options ro;
+  ro.paranoid_checks = true;
+  ro.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
+  rocksdb::DB* raw = nullptr;
+  RETURN_IF_ERROR(FromRocks(rocksdb::DB::OpenForReadOnly(ro, dir, &raw), "opening", dir));
+  std::unique_ptr<rocksdb::DB> db(raw);
+  std::string bytes;
+  rocksdb::Status s = db->Get(rocksdb::ReadOptions(), "state", &bytes);
+  if (s.IsNotFound()) return std::nullopt;
+  RETURN_IF_ERROR(FromRocks(s, "reading", dir));
+  coordinator::CoordinatorRecord record;
+  if (!record.ParseFromString(bytes)) {
+    return absl::DataLossError(absl::StrFormat(
+        "the coordinator's record in '%s' does not parse; restore the folder from a copy, or "
+        "start the job afresh with an empty folder",
+        dir));
+  }
+  return record;
+}
+
+Status CoordinatorState::SetListenAddress(const std::string& address) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (record_.listen() == address) return absl::OkStatus();
+  coordinator::CoordinatorRecord before = record_;
+  record_.set_listen(address);
+  Status s = PersistLocked();
+  if (!s.ok()) record_ = before;
+  return s;
+}
+
+bool CoordinatorState::Done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return record_.finished() && last_seen_.empty();
+}
+
 Status CoordinatorState::CheckToken(const std::string& token) const {
-  if (token != options_.token) {
+  // Compared in time independent of where the strings differ: a caller learns nothing of the
+  // token from how long a refusal takes.
+  const std::string& want = options_.token;
+  unsigned char diff = token.size() == want.size() ? 0 : 1;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff |= static_cast<unsigned char>(want[i] ^ (i < token.size() ? token[i] : 0));
+  }
+  if (diff != 0) {
     return absl::UnauthenticatedError(
         "the request does not carry this job's token; workers started by `strata launch` get it "
         "from STRATA_JOB_TOKEN, others must be given it");
@@ -159,6 +212,12 @@ StatusOr<CoordinatorState::JoinReply> CoordinatorState::Join(const std::string& 
     return absl::InvalidArgumentError("Join without a worker id; give each worker a unique id");
   }
   std::lock_guard<std::mutex> lock(mu_);
+  if (record_.finished()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the job finished at step %d; worker '%s' has nothing to join", record_.step(),
+        info.id()));
+  }
+  if (options_.check_config) RETURN_IF_ERROR(options_.check_config(record_.job_config(), info));
   const bool pending = std::any_of(record_.pending().begin(), record_.pending().end(),
                                    [&](const auto& w) { return w.id() == info.id(); });
   if (IsMemberLocked(info.id()) || pending) {
@@ -292,8 +351,11 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
   auto it = reported_.find(id);
   // The job's first generation may start anywhere: its workers resumed from a checkpoint.
   const bool first = current == 1 && record_.step() == 0;
-  const bool catalogued = std::find(record_.checkpoints().begin(), record_.checkpoints().end(),
-                                    step) != record_.checkpoints().end();
+  // Step 0 counts as a checkpoint: a job that lost state before its first checkpoint starts
+  // over from its beginning, which every run shares.
+  const bool catalogued = step == 0 || std::find(record_.checkpoints().begin(),
+                                                 record_.checkpoints().end(),
+                                                 step) != record_.checkpoints().end();
   if (!first && !(catalogued && step <= record_.step()) &&
       (step < record_.step() || step > record_.step() + 1)) {
     return absl::FailedPreconditionError(absl::StrFormat(

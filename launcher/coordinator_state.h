@@ -18,9 +18,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +43,12 @@ struct CoordinatorOptions {
   int min_workers = 1;
   int max_workers = 1024;
   std::chrono::milliseconds heartbeat_timeout{2000};
+  // A resumed record's members get this long to reconnect before the missing ones have failed.
+  std::chrono::milliseconds restart_grace{8000};
+  // Checks a joiner's config (WorkerInfo.job_config) against the job's (the record's job_config);
+  // a non-OK status refuses the Join with it. Unset: no check (tests of membership alone).
+  std::function<Status(const std::string& job_config, const coordinator::WorkerInfo& worker)>
+      check_config;
 };
 
 class CoordinatorState {
@@ -48,10 +56,15 @@ class CoordinatorState {
   using Time = std::chrono::steady_clock::time_point;
 
   // Opens (or creates) the record in options.dir. A record already there is resumed — its job
-  // config wins over `job_config` — and its members count as alive from now on (they have one
-  // heartbeat timeout to reconnect).
+  // config wins over `job_config` — and its members count as alive from now on: they have
+  // `restart_grace` to reconnect. The worker counts of `options` are recorded (a caller resuming a
+  // record takes them from ReadRecord unless told otherwise).
   [[nodiscard]] static StatusOr<std::unique_ptr<CoordinatorState>> Open(
       const CoordinatorOptions& options, const std::string& job_config, Time now);
+  // The record in `dir`, if there is one (std::nullopt for a folder without a record), read
+  // without taking the folder's lock; for choosing the options to Open it with.
+  [[nodiscard]] static StatusOr<std::optional<coordinator::CoordinatorRecord>> ReadRecord(
+      const std::string& dir);
   ~CoordinatorState();
 
   struct JoinReply {
@@ -92,6 +105,10 @@ class CoordinatorState {
   void Finished(const std::string& id);
   // Members whose last heartbeat is older than the timeout have failed. Returns how many.
   [[nodiscard]] StatusOr<int> Tick(Time now);
+  // Records the address the coordinator serves on (so a restart can serve there again).
+  [[nodiscard]] Status SetListenAddress(const std::string& address);
+  // The job finished and no worker of it is still attached or watched: nothing is left to serve.
+  bool Done() const;
 
   // The rendezvous store (not persisted: a new generation rendezvouses afresh).
   [[nodiscard]] Status Set(const std::string& token, const std::string& key,

@@ -371,6 +371,19 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
             "heartbeat_timeout_ms must be at least 100");
   v.Require(el.replicas() >= 0 && el.replicas() <= 8, {"elastic", "replicas"},
             "replicas must be in [0, 8] (0: no buddy copies)");
+  v.Require(el.heartbeat_timeout_ms() <= 600'000, {"elastic", "heartbeat_timeout_ms"},
+            "heartbeat_timeout_ms must be at most 600000 (ten minutes)");
+  v.Require(el.restart_grace_ms() >= el.heartbeat_timeout_ms() &&
+                el.restart_grace_ms() <= 3'600'000,
+            {"elastic", "restart_grace_ms"},
+            "restart_grace_ms must be in [heartbeat_timeout_ms, 3600000]: a restarted "
+            "coordinator gives its members at least one heartbeat timeout to reconnect");
+  v.Require(static_cast<uint64_t>(el.coordinator_patience_ms()) >
+                    static_cast<uint64_t>(el.restart_grace_ms()) + el.heartbeat_timeout_ms() &&
+                el.coordinator_patience_ms() <= 86'400'000,
+            {"elastic", "coordinator_patience_ms"},
+            "coordinator_patience_ms must exceed restart_grace_ms + heartbeat_timeout_ms (so "
+            "workers outwait a coordinator restart) and be at most 86400000 (a day)");
   if (par.experts_per_worker_size() > 0) {
     v.Require(par.experts_per_worker_size() <= 4096, {"parallel", "experts_per_worker"},
               absl::StrCat("experts_per_worker has ", par.experts_per_worker_size(),

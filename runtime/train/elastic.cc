@@ -284,7 +284,7 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState(bool from_checkpoint) {
       STRATA_LOG(WARNING) << absl::StrFormat("%s; going back to the latest checkpoint in %s", lost,
                                              cfg.checkpoint().dir());
       if (!checkpoints_) RETURN_IF_ERROR(OpenCheckpoints(/*continuing=*/true));
-      RETURN_IF_ERROR(LoadCheckpointAsCopy());
+      RETURN_IF_ERROR(LoadCheckpointAsCopy(/*or_beginning=*/true));
     }
     return SyncState(/*from_checkpoint=*/true);
   }
@@ -546,14 +546,25 @@ Status Trainer::SaveDistributed(int64_t step) {
   return checkpoints_->Save(step, options_.config, *full_model_, *full_optimizer_, nullptr, ctx_);
 }
 
-Status Trainer::LoadCheckpointAsCopy() {
+Status Trainer::LoadCheckpointAsCopy(bool or_beginning) {
   // The checkpoint, read into a model holding every expert, becomes rank 0's copy of the whole
   // state at its step; placing it over the workers is what a new generation does.
   const int64_t E = options_.config.model().moe().num_experts();
-  RETURN_IF_ERROR(EnsureFullModel());
   RETURN_IF_ERROR(checkpoints_->Wait());  // a checkpoint being written counts once committed
-  ASSIGN_OR_RETURN(int64_t step, checkpoints_->Resume(options_.config, *full_model_,
-                                                      *full_optimizer_, nullptr, ctx_));
+  int64_t step = 0;
+  if (or_beginning && checkpoints_->NewestCommitted() == 0) {
+    // No checkpoint yet: the job goes back to its beginning, which every run shares — the model
+    // as the seed initialises it, with fresh optimizer state.
+    STRATA_LOG(WARNING) << "no checkpoint is committed in " << options_.config.checkpoint().dir()
+                        << " yet; the job goes back to step 0";
+    full_model_.reset();
+    full_optimizer_.reset();
+    RETURN_IF_ERROR(EnsureFullModel());
+  } else {
+    RETURN_IF_ERROR(EnsureFullModel());
+    ASSIGN_OR_RETURN(step, checkpoints_->Resume(options_.config, *full_model_, *full_optimizer_,
+                                                nullptr, ctx_));
+  }
   const size_t S = ExpertBlobFloats();
   rollback_.version = step;
   rollback_.first = 0;

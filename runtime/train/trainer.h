@@ -187,7 +187,9 @@ class Trainer {
   // that model and the state is placed over however many workers there are now.
   [[nodiscard]] Status SaveDistributed(int64_t step);
   [[nodiscard]] Status ResumeDistributed();
-  [[nodiscard]] Status LoadCheckpointAsCopy();
+  // Rank 0's copy of the whole state from the newest checkpoint — or, with `or_beginning` and no
+  // checkpoint committed yet, from step 0 (the model as the seed initialises it).
+  [[nodiscard]] Status LoadCheckpointAsCopy(bool or_beginning = false);
   [[nodiscard]] Status EnsureFullModel();
   // Adopts a synced state: the placement (rebuilding the model if it changes) and the values.
   [[nodiscard]] Status AdoptState(const SyncedState& s, bool rebuild);

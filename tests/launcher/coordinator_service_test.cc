@@ -15,6 +15,8 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "launcher/job_config.h"
+#include "proto/config_io.h"
 #include "runtime/comm/communicator.h"
 #include "tests/test_util.h"
 
@@ -240,11 +242,20 @@ TEST_F(CoordinatorProcessTest, KilledAndRestartedItResumesTheJobFromItsRecord) {
                              "name: \"elastic\"\ndata { path: \"text.txt\" }\n");
   std::string address = Start("--config job.textproto --workers 2");
   ASSERT_FALSE(address.empty());
+  // A worker says which config it trains with; the coordinator admits only the job's.
+  auto cfg = config::LoadJobConfig(dir_.File("job.textproto"));
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  auto worker = [&](const std::string& id) {
+    coordinator::WorkerInfo w = Worker(id);
+    w.set_job_config(config::ToText(JobPart(*cfg)));
+    return w;
+  };
   {
     auto a = CoordinatorClient::Connect(address, kToken);
     ASSERT_TRUE(a.ok()) << a.status();
-    ASSERT_TRUE((*a)->Join(Worker("w-a")).ok());
-    auto b = (*a)->Join(Worker("w-b"));
+    EXPECT_EQ((*a)->Join(Worker("w-none")).status().code(), absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE((*a)->Join(worker("w-a")).ok());
+    auto b = (*a)->Join(worker("w-b"));
     ASSERT_TRUE(b.ok()) << b.status();
     ASSERT_TRUE(b->admitted());
     ASSERT_TRUE((*a)->ReportStep("w-a", 1, 1).ok());
@@ -283,7 +294,9 @@ TEST(CoordinatorAttachTest, AKilledWorkerFailsAtOnceAFinishedOneDoesNot) {
     o.dir = dir.File(kill_it ? "record-kill" : "record-finish");
     o.token = kToken;
     o.heartbeat_timeout = milliseconds(30000);
-    auto state = CoordinatorState::Open(o, "", std::chrono::steady_clock::now());
+    // The job's config is the coordinator's: the worker reads it from there.
+    auto state = CoordinatorState::Open(o, config(kill_it ? 1000000 : 3),
+                                        std::chrono::steady_clock::now());
     ASSERT_TRUE(state.ok()) << state.status();
     auto server = CoordinatorServer::Start(state->get(), "127.0.0.1:0");
     ASSERT_TRUE(server.ok()) << server.status();

@@ -347,5 +347,112 @@ TEST_F(CoordinatorStateTest, RendezvousStoreSetGetAddAndWaitWithTimeout) {
   EXPECT_EQ(store->Add("gen/1/rank_0", 1).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+TEST_F(CoordinatorStateTest, AMemberLostWhileNoCoordinatorRanIsFoundWhenTheRestartGraceEnds) {
+  {
+    auto c = Open(/*initial=*/3, /*min=*/1);
+    for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+    for (int step = 1; step <= 4; ++step) AllReport(*c, step, t0_);
+  }
+  // The coordinator was down; c died meanwhile. Reopened with a restart grace of 6 s: a and b
+  // heartbeat, c never does.
+  CoordinatorOptions o;
+  o.dir = dir_.File("coordinator");
+  o.token = kToken;
+  o.initial_workers = 3;
+  o.min_workers = 1;
+  o.max_workers = 8;
+  o.heartbeat_timeout = milliseconds(2000);
+  o.restart_grace = milliseconds(6000);
+  auto opened = CoordinatorState::Open(o, "", t0_);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  auto& c = *opened;
+  for (int ms = 500; ms <= 5900; ms += 500) {
+    for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Heartbeat(kToken, id, t0_ + milliseconds(ms)).ok());
+    auto failed = c->Tick(t0_ + milliseconds(ms));
+    ASSERT_TRUE(failed.ok());
+    ASSERT_EQ(*failed, 0) << "at " << ms << " ms, within the grace";
+  }
+  ASSERT_TRUE(c->Heartbeat(kToken, "a", t0_ + milliseconds(6100)).ok());
+  ASSERT_TRUE(c->Heartbeat(kToken, "b", t0_ + milliseconds(6100)).ok());
+  auto failed = c->Tick(t0_ + milliseconds(6100));
+  ASSERT_TRUE(failed.ok());
+  EXPECT_EQ(*failed, 1);
+  const auto g = c->Snapshot().generation();
+  EXPECT_EQ(g.number(), 2);
+  EXPECT_EQ(g.reason(), "failure");
+  EXPECT_EQ(Ids(g), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(g.first_step(), 4);
+}
+
+TEST_F(CoordinatorStateTest, TheRecordKeepsTheWorkerCountsAndTheAddress) {
+  {
+    auto c = Open(/*initial=*/3, /*min=*/2, /*max=*/5);
+    ASSERT_TRUE(c->SetListenAddress("127.0.0.1:4567").ok());
+  }
+  auto r = CoordinatorState::ReadRecord(dir_.File("coordinator"));
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->has_value());
+  EXPECT_EQ((*r)->initial_workers(), 3);
+  EXPECT_EQ((*r)->min_workers(), 2);
+  EXPECT_EQ((*r)->max_workers(), 5);
+  EXPECT_EQ((*r)->listen(), "127.0.0.1:4567");
+  EXPECT_EQ((*r)->job_config(), "name: \"job\"\n");
+  EXPECT_EQ((*r)->opened(), 1);
+  // A folder without a record has none.
+  auto none = CoordinatorState::ReadRecord(dir_.File("empty"));
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->has_value());
+}
+
+TEST_F(CoordinatorStateTest, AJoinerWhoseConfigCheckFailsIsRefusedAndChangesNothing) {
+  CoordinatorOptions o;
+  o.dir = dir_.File("coordinator");
+  o.token = kToken;
+  o.initial_workers = 1;
+  o.max_workers = 4;
+  o.check_config = [](const std::string& job, const WorkerInfo& w) -> Status {
+    if (w.job_config() == job) return absl::OkStatus();
+    return absl::FailedPreconditionError("config of " + w.id() + " differs");
+  };
+  auto c = CoordinatorState::Open(o, "train { lr: 0.001 }\n", t0_);
+  ASSERT_TRUE(c.ok()) << c.status();
+  WorkerInfo a = Worker("a");
+  a.set_job_config("train { lr: 0.001 }\n");
+  ASSERT_TRUE((*c)->Join(kToken, a, t0_).ok());
+  WorkerInfo b = Worker("b");
+  b.set_job_config("train { lr: 0.01 }\n");
+  auto refused = (*c)->Join(kToken, b, t0_);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(refused.status().message(), "config of b differs");
+  EXPECT_EQ((*c)->Snapshot().pending_size(), 0);
+  EXPECT_EQ(Ids((*c)->Snapshot().generation()), (std::vector<std::string>{"a"}));
+}
+
+TEST_F(CoordinatorStateTest, AFinishedJobAdmitsNoJoinerAndIsDoneOnceItsWorkersAreGone) {
+  auto c = Open(/*initial=*/2, /*min=*/1);
+  for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  AllReport(*c, 1, t0_);
+  EXPECT_FALSE(c->Done());
+  c->Finished("a");
+  EXPECT_FALSE(c->Done()) << "b is still attached";
+  EXPECT_EQ(c->Join(kToken, Worker("late"), t0_).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  c->Finished("b");
+  EXPECT_TRUE(c->Done());
+}
+
+TEST_F(CoordinatorStateTest, OnlyTheWholeTokenIsAccepted) {
+  auto c = Open();
+  const std::string token = kToken;
+  for (const std::string& wrong :
+       {std::string(), token.substr(0, token.size() - 1), token + "4", token + std::string(1, '\0'),
+        std::string(token.size(), 'x'), std::string("Job-token-123")}) {
+    EXPECT_EQ(c->Join(wrong, Worker("a"), t0_).status().code(),
+              absl::StatusCode::kUnauthenticated)
+        << "'" << wrong << "'";
+  }
+  EXPECT_TRUE(c->Join(token, Worker("a"), t0_).ok());
+}
+
 }  // namespace
 }  // namespace strata::launcher

@@ -97,6 +97,21 @@ Trajectory Read(const std::vector<std::string>& files) {
   return t;
 }
 
+// Every step 1..steps trained exactly the step's samples.
+void ExpectEveryStepTiled(const Trajectory& t, int steps) {
+  ASSERT_EQ(static_cast<int>(t.loss.size()), steps) << "steps missing from the metrics";
+  for (int64_t s = 1; s <= steps; ++s) {
+    auto r = t.ranges.at(s);
+    std::sort(r.begin(), r.end());
+    int64_t next = (s - 1) * kBatch;
+    for (const auto& [first, count] : r) {
+      EXPECT_EQ(first, next) << "step " << s << ": samples lost or seen twice";
+      next = first + count;
+    }
+    EXPECT_EQ(next, s * kBatch) << "step " << s;
+  }
+}
+
 // Every step 1..steps trained exactly the step's samples, and its loss matches the reference.
 void ExpectMatches(const Trajectory& t, const std::map<int64_t, double>& reference, int steps) {
   ASSERT_EQ(static_cast<int>(reference.size()), steps);
@@ -171,6 +186,12 @@ std::string Between(const std::string& s, const std::string& before, const std::
                   b == std::string::npos ? std::string::npos : b - a - before.size());
 }
 
+// The coordinator's address in a launch's output: the word after the first "--coordinator ".
+std::string AddressIn(const std::string& out) {
+  const std::string rest = Between(out, "--coordinator ", "\n");
+  return rest.substr(0, rest.find(' '));
+}
+
 class ElasticTest : public ::testing::Test {
  protected:
   void SetUp() override { WriteFile(dir_.File("text.txt"), strata::testing::SyntheticText(30000)); }
@@ -194,8 +215,10 @@ class ElasticTest : public ::testing::Test {
   }
   // SIGKILLs the launch's worker-<i> of this test's job.
   ::testing::AssertionResult KillWorker(int i) {
+    const std::string address = AddressIn(ReadFile(launch_log_));
+    if (address.empty()) return ::testing::AssertionFailure() << "no address in the launch's log";
     auto k = RunCommand(
-        absl::StrCat("pkill -KILL -f -- '", dir_.File("job.textproto"), " --id [w]orker-", i, "'"));
+        absl::StrCat("pkill -KILL -f -- '--coordinator ", address, " --id [w]orker-", i, "( |$)'"));
     if (k.exit_code == 0) return ::testing::AssertionSuccess();
     return ::testing::AssertionFailure() << "no worker-" << i << " to kill: " << k.output;
   }
@@ -209,11 +232,26 @@ class ElasticTest : public ::testing::Test {
   // `strata launch` of the job with these flags, its coordinator's folder "coord", metrics
   // m.jsonl.<i>, output to `log`.
   pid_t Launch(const std::string& flags, const std::string& log) {
+    launch_log_ = log;
     return Spawn(absl::StrCat("cd ", dir_.path(), " && exec ", kStrata, " launch --config ",
                               dir_.File("job.textproto"), " ", flags,
                               " --coordinator-dir coord --metrics-out m.jsonl > ", log, " 2>&1"));
   }
+  Trajectory KillWithoutBuddies(int steps, int every, int kill_at, std::string* out);
+  // Until worker-0 has trained a step alone.
+  void WaitForAStepOnOneWorker(const std::string& log) {
+    WaitFor(
+        [&] {
+          const Trajectory t = Read({dir_.File("m.jsonl.0")});
+          for (const auto& [step, gen] : t.generation) {
+            if (t.workers.at(gen) == 1) return true;
+          }
+          return false;
+        },
+        "a step on 1 worker", log);
+  }
   TempDir dir_;
+  std::string launch_log_;
 };
 
 TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess) {
@@ -234,7 +272,7 @@ TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess)
   };
   WaitFor(three, "15 steps on 3 workers", log);
   const std::string out = ReadFile(log);
-  const std::string address = Between(out, "--coordinator ", " ");
+  const std::string address = AddressIn(out);
   ASSERT_FALSE(address.empty()) << out;
   const pid_t joiner = StartJoiner(address);
   EXPECT_EQ(WaitExit(joiner), 0) << ReadFile(dir_.File("joiner.log"));
@@ -312,16 +350,8 @@ TEST_F(ElasticTest, DownToOneWorkerAndBackToTwo) {
   // The survivor trains alone (no collectives at all); once it has, a joiner brings it back to
   // two (joining earlier, while the coordinator still counts two members, would be refused: the
   // job's maximum is the 2 workers it started with).
-  WaitFor(
-      [&] {
-        const Trajectory t = Read({dir_.File("m.jsonl.0")});
-        for (const auto& [step, gen] : t.generation) {
-          if (t.workers.at(gen) == 1) return true;
-        }
-        return false;
-      },
-      "a step on 1 worker", log);
-  const std::string address = Between(ReadFile(log), "--coordinator ", " ");
+  WaitForAStepOnOneWorker(log);
+  const std::string address = AddressIn(ReadFile(log));
   const pid_t joiner = StartJoiner(address);
   EXPECT_EQ(WaitExit(joiner), 0) << ReadFile(dir_.File("joiner.log"));
   EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
@@ -333,21 +363,29 @@ TEST_F(ElasticTest, DownToOneWorkerAndBackToTwo) {
   ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
 }
 
+// Two workers without buddy copies (the survivor alone cannot hold the dead one's experts), a
+// checkpoint every `every` steps into ckpt, worker-1 SIGKILLed once it trained `kill_at` steps.
+// Returns the job's trajectory, the launch's output in *out.
+Trajectory ElasticTest::KillWithoutBuddies(int steps, int every, int kill_at, std::string* out) {
+  WriteFile(dir_.File("job.textproto"),
+            Config(steps, absl::StrCat("elastic { replicas: 0 }\ncheckpoint { every: ", every,
+                                       " dir: \"ckpt\" }\n")));
+  const std::string log = dir_.File("launch.log");
+  const pid_t launch = Launch("--workers 2", log);
+  WaitFor([&] { return LastStep(dir_.File("m.jsonl.1")) >= kill_at; }, "the step to kill at", log);
+  EXPECT_TRUE(KillWorker(1));
+  EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
+  *out = ReadFile(log);
+  return Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1")});
+}
+
 TEST_F(ElasticTest, WithoutBuddyCopiesAFailureGoesBackToTheLatestCheckpoint) {
   constexpr int kSteps = 100;
-  WriteFile(dir_.File("job.textproto"),
-            Config(kSteps, "elastic { replicas: 0 }\ncheckpoint { every: 10 dir: \"ckpt\" }\n"));
-  const std::string log = dir_.File("launch.log");
-  // Two workers without buddy copies: the survivor alone cannot hold the dead one's experts.
-  const pid_t launch = Launch("--workers 2", log);
   // Past checkpoint 30 and before 40 is committed... or a little later: either way some steps
   // after the newest checkpoint are redone.
-  WaitFor([&] { return LastStep(dir_.File("m.jsonl.1")) >= 34; }, "step 34", log);
-  ASSERT_TRUE(KillWorker(1));
-  EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
-  const std::string out = ReadFile(log);
+  std::string out;
+  const Trajectory t = KillWithoutBuddies(kSteps, /*every=*/10, /*kill_at=*/34, &out);
   EXPECT_NE(out.find("going back to the latest checkpoint"), std::string::npos) << out;
-  const Trajectory t = Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1")});
   EXPECT_EQ(t.generations, (std::set<int64_t>{1, 2}));
   EXPECT_EQ(t.workers.at(2), 1);
   // Generation 2 began at a checkpoint (a multiple of 10) at or before the failure.
@@ -360,6 +398,19 @@ TEST_F(ElasticTest, WithoutBuddyCopiesAFailureGoesBackToTheLatestCheckpoint) {
   }
   EXPECT_EQ((first_of_2 - 1) % 10, 0) << first_of_2;
   EXPECT_LE(first_of_2 - 1, last_of_1);
+  ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
+}
+
+TEST_F(ElasticTest, WithoutBuddyCopiesAFailureBeforeTheFirstCheckpointStartsOver) {
+  // No buddy copies and no checkpoint committed yet (the first is due at step 1000): the state
+  // that went with the dead worker can only come from the job's beginning. The survivor starts
+  // over from step 0 and must compute what a fresh one-worker job computes.
+  constexpr int kSteps = 60;
+  std::string out;
+  const Trajectory t = KillWithoutBuddies(kSteps, /*every=*/1000, /*kill_at=*/10, &out);
+  EXPECT_NE(out.find("the job goes back to step 0"), std::string::npos) << out;
+  EXPECT_EQ(t.generations, (std::set<int64_t>{1, 2}));
+  EXPECT_EQ(t.generation.at(1), 2) << "generation 2 trained step 1 again";
   ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
 }
 
@@ -387,7 +438,8 @@ TEST_F(ElasticTest, AJobRidesThroughItsCoordinatorBeingKilledAndRestarted) {
   // Down for a second (longer than the workers' heartbeat period); then back on the same port,
   // from the same record.
   std::this_thread::sleep_for(std::chrono::seconds(1));
-  coordinator = Spawn(absl::StrCat(coordinator_cmd, address, " > ", clog, ".2 2>&1"));
+  coordinator =
+      Spawn(absl::StrCat(coordinator_cmd, address, " --keep-serving > ", clog, ".2 2>&1"));
   for (int i = 0; i < 2; ++i) {
     EXPECT_EQ(WaitExit(workers[i]), 0) << ReadFile(dir_.File(absl::StrCat("w", i, ".log")));
   }
@@ -454,6 +506,153 @@ TEST_F(ElasticTest, AWorkerRangeTheBatchOrTheExpertsCannotCoverIsRefusedUpFront)
   EXPECT_NE(r.output.find("moe.num_experts = 8 is fewer than the 9 workers"), std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("at most 8"), std::string::npos) << r.output;
+}
+
+// The launch's "add a worker" line, as printed (the command after "add a worker: ").
+std::string AddAWorkerLine(const std::string& out) {
+  return Between(out, "add a worker: ", "\n");
+}
+
+TEST_F(ElasticTest, TheAddAWorkerLineStartsAWorkerOfTheJobAsLaunched) {
+  // The file says 40 steps and no checkpoints; the launch says 60 steps and a checkpoint every 10
+  // into ckpt. A replacement started from the printed line must train the launched job: to step
+  // 60, writing the same checkpoints (a replacement with the file's settings stopped the job at
+  // 40, or broke it at the next checkpoint).
+  constexpr int kFileSteps = 40, kSteps = 60;
+  WriteFile(dir_.File("job.textproto"), Config(kFileSteps));
+  const std::string log = dir_.File("launch.log");
+  const pid_t launch = Launch(
+      absl::StrCat("--workers 2 --max-workers 2 --threads 1 --steps ", kSteps,
+                   " --checkpoint-dir ckpt --checkpoint-every 10"),
+      log);
+  WaitFor([&] { return LastStep(dir_.File("m.jsonl.1")) >= 12; }, "step 12", log);
+  const std::string line = AddAWorkerLine(ReadFile(log));
+  ASSERT_FALSE(line.empty()) << ReadFile(log);
+  EXPECT_EQ(line.find("--config"), std::string::npos) << line;
+  ASSERT_TRUE(KillWorker(1));
+  // Once the survivor trains alone, the line brings the job back to two.
+  WaitForAStepOnOneWorker(log);
+  const pid_t joiner = Spawn(absl::StrCat("cd ", dir_.path(), " && ", line,
+                                          " --id joiner --quiet --metrics-out joiner.jsonl > "
+                                          "joiner.log 2>&1"));
+  EXPECT_EQ(WaitExit(joiner), 0) << ReadFile(dir_.File("joiner.log"));
+  EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
+  const Trajectory t =
+      Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"), dir_.File("joiner.jsonl")});
+  EXPECT_EQ(t.workers.at(t.generation.at(kSteps)), 2) << "the joiner trained the last step";
+  EXPECT_EQ(LastStep(dir_.File("joiner.jsonl")), kSteps);
+  ExpectEveryStepTiled(t, kSteps);
+  auto list = RunCommand(absl::StrCat(kStrata, " ckpt ls ", dir_.File("ckpt")));
+  ASSERT_EQ(list.exit_code, 0) << list.output;
+  EXPECT_NE(list.output.find(absl::StrCat(" ", kSteps, " ")), std::string::npos) << list.output;
+}
+
+TEST_F(ElasticTest, AJoinerWithAnotherConfigIsRefusedAndTheJobGoesOn) {
+  constexpr int kSteps = 300;
+  WriteFile(dir_.File("job.textproto"), Config(kSteps));
+  // Another model, and the same model with ten times the learning rate.
+  std::string other_model = Config(kSteps);
+  other_model.replace(other_model.find("d_model: 32"), 11, "d_model: 48");
+  WriteFile(dir_.File("other_model.textproto"), other_model);
+  std::string other_lr = Config(kSteps);
+  other_lr.replace(other_lr.find("lr: 0.004"), 9, "lr: 0.04");
+  WriteFile(dir_.File("other_lr.textproto"), other_lr);
+  const std::string log = dir_.File("launch.log");
+  const pid_t launch = Launch("--workers 2 --max-workers 3", log);
+  WaitFor([&] { return LastStep(dir_.File("m.jsonl.0")) >= 5; }, "step 5", log);
+  const std::string address = AddressIn(ReadFile(log));
+  for (const auto& [file, field] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"other_model.textproto", "model.d_model: 32 (job) vs 48 (this worker)"},
+           {"other_lr.textproto", "train.lr: 0.004 (job) vs 0.04 (this worker)"}}) {
+    auto r = RunCommand(absl::StrCat("cd ", dir_.path(), " && STRATA_JOB_TOKEN=$(cat coord/token) ",
+                                     kStrata, " worker --coordinator ", address, " --config ",
+                                     file, " --id bad --quiet"));
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find(field), std::string::npos) << r.output;
+  }
+  // A job-level flag that disagrees is refused the same way.
+  auto r = RunCommand(absl::StrCat("STRATA_JOB_TOKEN=$(cat ", dir_.File("coord/token"), ") ",
+                                   kStrata, " worker --coordinator ", address,
+                                   " --steps 999 --id bad2 --quiet"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("train.steps: 300 (job) vs 999 (this worker)"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
+  const Trajectory t = Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1")});
+  EXPECT_EQ(t.generations, (std::set<int64_t>{1})) << "nobody was admitted";
+  ExpectEveryStepTiled(t, kSteps);
+}
+
+TEST_F(ElasticTest, ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn) {
+  // Three workers; the coordinator is SIGKILLed, one worker dies while it is down, and the
+  // coordinator is restarted from its folder alone (`strata coordinator --dir record`: config,
+  // worker counts, address and token come from the record). The survivors wait for it, it finds
+  // the lost member when its restart grace ends, they re-form, a replacement joins, the job
+  // finishes, and the coordinator exits by itself.
+  constexpr int kSteps = 200;
+  WriteFile(dir_.File("job.textproto"),
+            Config(kSteps, "elastic { heartbeat_timeout_ms: 1000 restart_grace_ms: 6000 }\n"));
+  WriteFile(dir_.File("token.txt"), "secret-token\n");
+  const std::string clog = dir_.File("coordinator.log");
+  pid_t coordinator = Spawn(absl::StrCat(
+      "cd ", dir_.path(), " && exec ", kStrata,
+      " coordinator --dir record --config job.textproto --token-file token.txt --workers 3 "
+      "--min-workers 1 --max-workers 3 --listen 127.0.0.1:0 > ",
+      clog, " 2>&1"));
+  WaitFor([&] { return ReadFile(clog).find("listening on ") != std::string::npos; },
+          "the coordinator", clog);
+  const std::string address = Between(ReadFile(clog), "listening on ", " ");
+  auto start_worker = [&](const std::string& id) {
+    return Spawn(absl::StrCat("cd ", dir_.path(), " && exec ", kStrata, " worker --coordinator ",
+                              address, " --token-file token.txt --id ", id, " --quiet ",
+                              "--metrics-out ", id, ".jsonl > ", id, ".log 2>&1"));
+  };
+  std::map<std::string, pid_t> workers;
+  for (const char* id : {"w0", "w1", "w2"}) workers[id] = start_worker(id);
+  WaitFor([&] { return LastStep(dir_.File("w0.jsonl")) >= 20; }, "step 20", clog);
+  auto status = RunCommand(
+      absl::StrCat(kStrata, " status ", address, " --token-file ", dir_.File("token.txt")));
+  EXPECT_EQ(status.exit_code, 0) << status.output;
+  EXPECT_NE(status.output.find("  w2  127.0.0.1"), std::string::npos) << status.output;
+  WriteFile(dir_.File("wrong.txt"), "secret-tokem\n");
+  auto refused = RunCommand(
+      absl::StrCat(kStrata, " status ", address, " --token-file ", dir_.File("wrong.txt")));
+  EXPECT_EQ(refused.exit_code, 1) << refused.output;
+  EXPECT_NE(refused.output.find("token"), std::string::npos) << refused.output;
+
+  kill(coordinator, SIGKILL);
+  EXPECT_EQ(WaitExit(coordinator), 128 + SIGKILL);
+  kill(workers["w2"], SIGKILL);
+  EXPECT_EQ(WaitExit(workers["w2"]), 128 + SIGKILL);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  coordinator = Spawn(absl::StrCat("cd ", dir_.path(), " && exec ", kStrata,
+                                   " coordinator --dir record > ", clog, ".2 2>&1"));
+  // The survivors train on, two of them, in a generation formed for the failure.
+  WaitFor(
+      [&] {
+        const Trajectory t = Read({dir_.File("w0.jsonl"), dir_.File("w1.jsonl")});
+        for (const auto& [gen, n] : t.workers) {
+          if (gen > 1 && n == 2) return true;
+        }
+        return false;
+      },
+      "a step on the 2 survivors", clog + ".2");
+  workers["w3"] = start_worker("w3");
+  for (const char* id : {"w0", "w1", "w3"}) {
+    EXPECT_EQ(WaitExit(workers[id]), 0) << id << ":\n"
+                                        << ReadFile(dir_.File(absl::StrCat(id, ".log")));
+  }
+  EXPECT_EQ(WaitExit(coordinator), 0) << ReadFile(clog + ".2");
+  const std::string restarted = ReadFile(clog + ".2");
+  EXPECT_NE(restarted.find("coordinator listening on " + address + " (resumed"), std::string::npos)
+      << restarted;
+  EXPECT_NE(restarted.find("workers 1 to 3"), std::string::npos) << restarted;
+  EXPECT_NE(restarted.find("the job finished at step 200"), std::string::npos) << restarted;
+  const Trajectory t = Read({dir_.File("w0.jsonl"), dir_.File("w1.jsonl"), dir_.File("w2.jsonl"),
+                             dir_.File("w3.jsonl")});
+  EXPECT_EQ(t.workers.at(t.generation.at(kSteps)), 3) << "the replacement trained the last step";
+  ExpectEveryStepTiled(t, kSteps);
 }
 
 }  // namespace
