@@ -279,8 +279,10 @@ Status CheckNoIndexIsNoLoss(const std::string& dir) {
   if (bytes == 0 && listed == 0 && ledger_ok) return absl::OkStatus();
   std::string held = absl::StrFormat("%d data file%s (%.1f MiB)", files.size(),
                                      files.size() == 1 ? "" : "s", bytes / 1048576.0);
-  if (listed > 0)
+  if (listed > 0) {
     absl::StrAppend(&held, absl::StrFormat(" and a ledger of %d checkpoints", listed));
+  }
+  if (!ledger_ok) absl::StrAppend(&held, " and a checkpoint ledger that cannot be read");
   return absl::FailedPreconditionError(absl::StrFormat(
       "no checkpoint index in '%s/index', but the folder holds %s: without the index those "
       "checkpoints cannot be read, and training into the folder would overwrite them. Restore "
