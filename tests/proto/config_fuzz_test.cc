@@ -398,7 +398,7 @@ TEST(ConfigFuzzTest, StrataCheckNeverCrashesOrHangs) {
       {{strata, "check", "--config", dir.File("text.txt/x")}, ""},
       {{strata, "check", "--config", strata}, ""},  // binary garbage
   };
-  const int kCases = 300;
+  const int kCases = 200;
   for (int i = 0; i < kCases; ++i) {
     const std::string config = dir.File(absl::StrCat("fuzz-", i, ".textproto"));
     runs.push_back({{strata, "check", "--config", config}, mutator.Case(bases)});
