@@ -11,7 +11,7 @@
 //   - a replacement worker started from the job's own "add a worker:" line exits 0.
 //
 //   build/bin/bench_chaos [--trials 8] [--seed S] [--trial K] [--scenarios a,b,c,d] [--keep]
-//                         [--json] [--trial-limit 120] [--restart-with-flags] [--no-worker-config]
+//                         [--json] [--trial-limit 120] [--restart-with-flags] [--worker-config]
 //
 // Scenarios (one per trial, drawn from the seeded generator; so is every time and victim):
 //   a  SIGKILL a worker of `strata launch` at a random step, then start a replacement;
@@ -134,7 +134,7 @@ struct Options {
   bool json = false;
   double trial_limit_s = 120;
   bool restart_with_flags = false;
-  bool worker_config = true;  // a standalone job's workers get --config (see --no-worker-config)
+  bool worker_config = false;  // a standalone job's workers also get --config (--worker-config)
 };
 
 // What one trial does; drawn from (seed, trial, scenarios) alone.
@@ -784,7 +784,7 @@ int main(int argc, char** argv) {
   bool seed_given = false;
   const char* kUsage =
       "usage: bench_chaos [--trials N] [--seed S] [--trial K] [--scenarios a,b,c,d] [--keep] "
-      "[--json] [--trial-limit SECONDS] [--restart-with-flags] [--no-worker-config]";
+      "[--json] [--trial-limit SECONDS] [--restart-with-flags] [--worker-config]";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -815,8 +815,8 @@ int main(int argc, char** argv) {
       o.trial_limit_s = std::atof(value().c_str());
     } else if (a == "--restart-with-flags") {
       o.restart_with_flags = true;
-    } else if (a == "--no-worker-config") {
-      o.worker_config = false;
+    } else if (a == "--worker-config") {
+      o.worker_config = true;
     } else {
       Die("unknown flag " + a + "; " + kUsage);
     }
@@ -875,7 +875,7 @@ int main(int argc, char** argv) {
           absl::StrFormat("%s --seed %llu --trial %d --scenarios %s", argv[0],
                           static_cast<unsigned long long>(o.seed), t, Letters(o.scenarios));
       if (o.restart_with_flags) absl::StrAppend(&replay, " --restart-with-flags");
-      if (!o.worker_config) absl::StrAppend(&replay, " --no-worker-config");
+      if (o.worker_config) absl::StrAppend(&replay, " --worker-config");
       std::printf("    replay: %s\n", replay.c_str());
     }
     if (!ok && o.keep) {

@@ -444,9 +444,9 @@ int64_t SteadyMs() {
       .count();
 }
 
-// Calls `rpc` until the coordinator answers (it may be restarting): UNAVAILABLE and
-// DEADLINE_EXCEEDED are retried for up to `patience` (elastic.coordinator_patience_ms), other
-// answers returned as they are. Each failed try stores the time (SteadyMs) in *unreachable_ms.
+// Calls `rpc` until the coordinator answers (it may be restarting): UNAVAILABLE,
+// DEADLINE_EXCEEDED and CANCELLED are retried for up to `patience`
+// (elastic.coordinator_patience_ms), other answers returned as they are. Each failed try stores the time (SteadyMs) in *unreachable_ms.
 template <typename Rpc>
 auto Retrying(const char* what, const std::string& address, std::chrono::milliseconds patience,
               Rpc rpc, std::atomic<int64_t>* unreachable_ms = nullptr) -> decltype(rpc()) {
@@ -455,9 +455,11 @@ auto Retrying(const char* what, const std::string& address, std::chrono::millise
   while (true) {
     auto r = rpc();
     const absl::StatusCode code = r.status().code();
-    if (r.ok() ||
-        (code != absl::StatusCode::kUnavailable && code != absl::StatusCode::kDeadlineExceeded) ||
-        std::chrono::steady_clock::now() > deadline) {
+    // CANCELLED: the server went away in the middle of the call.
+    const bool retryable = code == absl::StatusCode::kUnavailable ||
+                           code == absl::StatusCode::kDeadlineExceeded ||
+                           code == absl::StatusCode::kCancelled;
+    if (r.ok() || !retryable || std::chrono::steady_clock::now() > deadline) {
       if (!r.ok() && told) {
         return decltype(rpc())(absl::UnavailableError(absl::StrFormat(
             "%s: the coordinator at %s did not answer for %d s (elastic.coordinator_patience_ms); "
@@ -572,7 +574,15 @@ int JoinAndTrain(const Flags& flags) {
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     joined = Retrying("joining", address, patience, [&] { return client.Join(info); });
   }
-  if (!joined.ok()) return Fail(joined.status());
+  if (!joined.ok()) {
+    // A job that finished while this worker waited has nothing to join: not a failure.
+    if (auto st = client.GetStatus(); st.ok() && st->finished()) {
+      std::printf("the job at %s finished (step %lld) before this worker got in\n",
+                  address.c_str(), static_cast<long long>(st->step()));
+      return 0;
+    }
+    return Fail(joined.status());
+  }
   // When the coordinator last failed to answer (SteadyMs; 0: never): a restarted coordinator
   // settles for restart_grace before it declares the members that did not come back failed.
   std::atomic<int64_t> unreachable_ms{0};
@@ -675,7 +685,16 @@ int JoinAndTrain(const Flags& flags) {
   int last_rank = -1;
   // Rank 0 keeps the coordinator's checkpoint catalog: a generation may go back to one of them.
   options->on_checkpoint = [&](int64_t step, bool committed) {
-    Status c = client.Checkpoint(id, generation, step, committed);
+    // Retried while the coordinator is away: a commit missing from its catalog would keep a later
+    // generation from going back to it.
+    Status c = Retrying(
+                   "checkpoint report", address, patience,
+                   [&]() -> StatusOr<bool> {
+                     RETURN_IF_ERROR(client.Checkpoint(id, generation, step, committed));
+                     return true;
+                   },
+                   &unreachable_ms)
+                   .status();
     if (!c.ok()) {
       STRATA_LOG(WARNING) << "worker " << id << ": telling the coordinator about checkpoint "
                           << step << " failed: " << c.message();
@@ -1217,11 +1236,17 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
   const bool keep_serving = flags->Has("keep-serving");
+  // Once the job is done, a few more seconds of service: a joiner still waiting for a place
+  // learns that the job finished instead of finding nobody there.
+  std::optional<std::chrono::steady_clock::time_point> done_since;
   while (!g_stop.load()) {
     if (!keep_serving && (*state)->Done()) {
-      std::printf("the job finished at step %lld; coordinator exits\n",
-                  static_cast<long long>((*state)->Snapshot().step()));
-      return 0;
+      if (!done_since) done_since = std::chrono::steady_clock::now();
+      if (std::chrono::steady_clock::now() - *done_since > std::chrono::seconds(2)) {
+        std::printf("the job finished at step %lld; coordinator exits\n",
+                    static_cast<long long>((*state)->Snapshot().step()));
+        return 0;
+      }
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
