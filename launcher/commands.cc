@@ -1,5 +1,6 @@
 #include "launcher/commands.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -82,7 +83,8 @@ const std::vector<FlagSpec>& WorkerFlags() {
         v.push_back({"config",
                      "job config (.textproto); required without --coordinator. With it, optional: "
                      "the job's config comes from the coordinator, and a file given here must "
-                     "agree with it on every field but train.threads, train.device and data.path"});
+                     "agree with it on every field but train.threads, train.device, data.path and "
+                     "storage.ssd_dir"});
       } else {
         v.push_back(f);
       }
@@ -158,6 +160,9 @@ void MakePathsAbsolute(config::JobConfig* cfg) {
     if (!ec) *path = abs.lexically_normal().string();
   };
   absolute(cfg->mutable_data()->mutable_path());
+  if (cfg->has_storage() && cfg->storage().has_ssd_dir()) {
+    absolute(cfg->mutable_storage()->mutable_ssd_dir());
+  }
   if (cfg->has_checkpoint() && cfg->checkpoint().has_dir()) {
     absolute(cfg->mutable_checkpoint()->mutable_dir());
   }
@@ -284,9 +289,12 @@ int WorkerCommand(const std::vector<std::string>& args) {
   if (WantsHelp(args)) {
     std::printf(
         "usage: strata worker --rank R --world-size W --store DIR --config FILE [flags]\n"
+        "       strata worker --coordinator HOST:PORT [--config FILE] [--data PATH] [flags]\n"
         "One of W processes training one job together: each takes global_batch / W sequences of "
         "every step; experts are split as the config's `parallel` section says. Start all W with "
-        "the same config and store folder.\n%s",
+        "the same config and store folder. With --coordinator, the worker joins that "
+        "coordinator's job and trains with its config (only this machine's settings are "
+        "flags).\n%s",
         Flags::Usage(WorkerFlags()).c_str());
     return 0;
   }
@@ -300,6 +308,12 @@ int WorkerCommand(const std::vector<std::string>& args) {
                         "worker", WorkerFlags());
     }
     return JoinAndTrain(*flags);
+  }
+  if (flags->Has("data")) {
+    return UsageError(absl::InvalidArgumentError(
+                          "--data applies with --coordinator; without it the token file is "
+                          "--config's data.path"),
+                      "worker", WorkerFlags());
   }
   auto world = flags->Int("world-size", 1, 4096);
   if (!world.ok()) return UsageError(world.status(), "worker", WorkerFlags());
@@ -512,7 +526,8 @@ StatusOr<config::JobConfig> WorkerConfig(const Flags& flags, const Overrides& o,
   if (!diff.empty()) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "this worker's %s differs from the job's config at the coordinator %s:\n  %s\n"
-        "Drop %s to train with the job's config (train.threads, train.device and data.path may "
+        "Drop %s to train with the job's config (train.threads, train.device, data.path and "
+        "storage.ssd_dir may "
         "differ: --threads, --device, --data)",
         flags.Has("config") ? "--config " + *flags.String("config") : std::string("flags"),
         address, absl::StrJoin(diff, "\n  "),
@@ -521,7 +536,10 @@ StatusOr<config::JobConfig> WorkerConfig(const Flags& flags, const Overrides& o,
   config::JobConfig cfg = job;
   cfg.mutable_train()->set_threads(mine.train().threads());
   cfg.mutable_train()->set_device(mine.train().device());
-  if (flags.Has("config")) cfg.mutable_data()->set_path(mine.data().path());
+  if (flags.Has("config")) {
+    cfg.mutable_data()->set_path(mine.data().path());
+    cfg.mutable_storage()->set_ssd_dir(mine.storage().ssd_dir());
+  }
   if (auto d = flags.String("data")) cfg.mutable_data()->set_path(*d);
   RETURN_IF_ERROR(config::ValidateJobConfig(cfg, source + " on this worker"));
   return cfg;
@@ -552,6 +570,12 @@ int JoinAndTrain(const Flags& flags) {
   }
   auto cfg = WorkerConfig(flags, *overrides, record->job_config(), address);
   if (!cfg.ok()) return Fail(cfg.status());
+  if (std::error_code ec; !std::filesystem::exists(cfg->data().path(), ec)) {
+    return Fail(absl::NotFoundError(absl::StrFormat(
+        "the job's token file '%s' (data.path) is not on this machine; give its path here with "
+        "--data PATH",
+        cfg->data().path())));
+  }
   std::optional<train::TrainOptions> options = OptionsFor(flags, *cfg, train::WorkerOptions{});
   const std::chrono::milliseconds patience(cfg->elastic().coordinator_patience_ms());
   const std::chrono::milliseconds restart_grace(cfg->elastic().restart_grace_ms());
@@ -562,7 +586,18 @@ int JoinAndTrain(const Flags& flags) {
   info.set_job_config(config::ToText(JobPart(*cfg)));
   // A job at its maximum may have a place soon: a member that died is declared failed within a
   // heartbeat timeout (a restarted coordinator's restart grace). Wait for one up to `patience`.
-  auto joined = Retrying("joining", address, patience, [&] { return client.Join(info); });
+  // A retried Join the coordinator already recorded answers ALREADY_EXISTS: that is a success
+  // (the worker is pending or a member; the wait below finds its generation).
+  bool join_sent = false;
+  auto join = [&]() -> StatusOr<coordinator::JoinReply> {
+    auto r = client.Join(info);
+    if (join_sent && r.status().code() == absl::StatusCode::kAlreadyExists) {
+      return coordinator::JoinReply();
+    }
+    join_sent = true;
+    return r;
+  };
+  auto joined = Retrying("joining", address, patience, join);
   for (auto [full_until, told] = std::pair(std::chrono::steady_clock::now() + patience, false);
        !joined.ok() && joined.status().code() == absl::StatusCode::kResourceExhausted &&
        std::chrono::steady_clock::now() < full_until;
@@ -572,7 +607,7 @@ int JoinAndTrain(const Flags& flags) {
                        << "; waiting up to " << patience.count() / 1000 << " s for a place";
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
-    joined = Retrying("joining", address, patience, [&] { return client.Join(info); });
+    joined = Retrying("joining", address, patience, join);
   }
   if (!joined.ok()) {
     // A job that finished while this worker waited has nothing to join: not a failure.
@@ -588,9 +623,18 @@ int JoinAndTrain(const Flags& flags) {
   std::atomic<int64_t> unreachable_ms{0};
 
   // Waits for a generation newer than `after` that holds this worker; its rank in *rank.
+  // NOT_FOUND with kJobFinished when the job finishes meanwhile (a joiner still pending then).
+  static constexpr char kJobFinished[] = "the job finished";
   auto wait_generation = [&](int64_t after, int* rank) -> StatusOr<coordinator::Generation> {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
+    auto next_status_check = std::chrono::steady_clock::now() + std::chrono::seconds(1);
     for (bool told = false;;) {
+      if (std::chrono::steady_clock::now() > next_status_check) {
+        next_status_check = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+        if (auto st = client.GetStatus(); st.ok() && st->finished()) {
+          return absl::NotFoundError(kJobFinished);
+        }
+      }
       ASSIGN_OR_RETURN(coordinator::Generation g,
                        Retrying("heartbeat", address, patience,
                                 [&] { return client.Heartbeat(id); }, &unreachable_ms));
@@ -633,7 +677,9 @@ int JoinAndTrain(const Flags& flags) {
         unreachable_ms = SteadyMs();
         if (reachable) {
           STRATA_LOG(WARNING) << "worker " << id << ": heartbeat to " << address
-                              << " failed (training goes on): " << hb.status().message();
+                              << " failed (training pauses at its next step report until it "
+                                 "answers): "
+                              << hb.status().message();
         }
         reachable = false;
       } else {
@@ -704,6 +750,10 @@ int JoinAndTrain(const Flags& flags) {
     int rank = -1;
     auto g = wait_generation(generation, &rank);
     last_rank = rank;
+    if (!g.ok() && g.status().message() == kJobFinished) {
+      std::printf("the job at %s finished before this worker got to train\n", address.c_str());
+      return finish(0);
+    }
     if (!g.ok()) return finish(Fail(g.status()));
     generation = g->number();
     training_generation = generation;
@@ -768,6 +818,7 @@ int JoinAndTrain(const Flags& flags) {
                             s.code() == absl::StatusCode::kDeadlineExceeded ||
                             s.code() == absl::StatusCode::kAborted;
     const std::chrono::milliseconds detect = 2 * heartbeat_timeout + std::chrono::seconds(1);
+    const auto failed_at = std::chrono::steady_clock::now();
     auto wait_until = std::chrono::steady_clock::now() +
                       (comm_error ? detect : std::chrono::milliseconds(0));
     auto settled_after_restart = [&] {
@@ -786,7 +837,8 @@ int JoinAndTrain(const Flags& flags) {
           "heartbeat", address, patience, [&] { return client.Heartbeat(id); }, &unreachable_ms);
       newer = now.ok() && now->number() > generation;
       if (comm_error && unreachable_ms.load() > 0) {
-        wait_until = std::max(wait_until, settled_after_restart());
+        // Never past patience from the failure, however the coordinator comes and goes.
+        wait_until = std::min(std::max(wait_until, settled_after_restart()), failed_at + patience);
       }
       if (newer || !now.ok() || std::chrono::steady_clock::now() >= wait_until) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -881,15 +933,18 @@ Status KeepToken(const std::string& dir, const std::string& token) {
     }
     return absl::OkStatus();
   }
-  std::FILE* f = std::fopen(path.c_str(), "w");
-  if (f == nullptr) {
+  // Created readable by this user only from the start; written whole or not at all.
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  const std::string line = token + "\n";
+  const bool written = fd >= 0 && write(fd, line.data(), line.size()) ==
+                                      static_cast<ssize_t>(line.size()) && fsync(fd) == 0;
+  const int err = errno;
+  if (fd >= 0) close(fd);
+  if (!written) {
+    if (fd >= 0) unlink(path.c_str());
     return absl::PermissionDeniedError(
-        absl::StrFormat("cannot write the job token to '%s': %s", path, std::strerror(errno)));
+        absl::StrFormat("cannot write the job token to '%s': %s", path, std::strerror(err)));
   }
-  fchmod(fileno(f), 0600);
-  std::fputs(token.c_str(), f);
-  std::fputs("\n", f);
-  std::fclose(f);
   return absl::OkStatus();
 }
 
@@ -957,6 +1012,16 @@ int LaunchCommand(const std::vector<std::string>& args) {
   std::string temp_dir;
   if (auto d = flags->String("coordinator-dir")) {
     o.dir = *d;
+    // A folder with a job's record is that job's: its coordinator restarts from it alone.
+    auto kept = CoordinatorState::ReadRecord(o.dir);
+    if (!kept.ok()) return Fail(kept.status());
+    if (kept->has_value()) {
+      return Fail(absl::FailedPreconditionError(absl::StrFormat(
+          "--coordinator-dir '%s' holds the record of a job (generation %d, step %d); restart "
+          "its coordinator with `strata coordinator --dir %s` (its workers reconnect to it), or "
+          "give an empty folder for a new job",
+          o.dir, (*kept)->generation().number(), (*kept)->step(), o.dir)));
+    }
   } else {
     const char* base = std::getenv("TMPDIR");
     std::string tmpl = std::string(base && *base ? base : "/tmp") + "/strata-coordinator-XXXXXX";
@@ -970,12 +1035,6 @@ int LaunchCommand(const std::vector<std::string>& args) {
   {
     auto state = CoordinatorState::Open(o, config::ToText(*cfg), std::chrono::steady_clock::now());
     if (!state.ok()) return Fail(state.status());
-    if ((*state)->job_config() != config::ToText(*cfg)) {
-      return Fail(absl::FailedPreconditionError(absl::StrFormat(
-          "--coordinator-dir '%s' holds another job's record; restart that job's coordinator "
-          "with `strata coordinator --dir %s`, or give an empty folder",
-          o.dir, o.dir)));
-    }
     auto server =
         CoordinatorServer::Start(state->get(), flags->String("listen").value_or("127.0.0.1:0"));
     if (!server.ok()) return Fail(server.status());
@@ -1124,10 +1183,10 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
     std::printf(
         "usage: strata coordinator --dir DIR [--config FILE] [flags]\n"
         "Serves a job's coordinator. A new job needs --config; a record already in DIR is "
-        "resumed with everything it holds (config, worker counts, address, and the token in "
-        "DIR/token), so `strata coordinator --dir DIR` restarts a coordinator that died. It exits "
-        "0 once its job has finished (unless --keep-serving), 1 on an error, and on SIGINT or "
-        "SIGTERM.\n%s",
+        "resumed with everything it holds (config, worker counts, address, TLS files, and the "
+        "token in DIR/token), so `strata coordinator --dir DIR` restarts a coordinator that died. "
+        "Exit codes: 0 once its job has finished and its workers are gone (unless "
+        "--keep-serving) or on SIGINT/SIGTERM, 1 on an error, 2 on a usage error.\n%s",
         Flags::Usage(CoordinatorFlags()).c_str());
     return 0;
   }
@@ -1170,6 +1229,17 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
                                          absl::StrFormat("the job config recorded in '%s'", dir), "");
     if (!parsed.ok()) return Fail(parsed.status());
     cfg = *parsed;
+    if (!flags->Has("config")) {
+      for (const char* f : {"steps", "checkpoint-dir", "checkpoint-every"}) {
+        if (flags->Has(f)) {
+          return UsageError(absl::InvalidArgumentError(absl::StrFormat(
+                                "--%s applies to a new job; the job recorded in '%s' keeps its "
+                                "config",
+                                f, dir)),
+                            "coordinator", CoordinatorFlags());
+        }
+      }
+    }
     if (flags->Has("config")) {
       auto given = EffectiveJobConfig(*flags);
       if (!given.ok()) return Fail(given.status());
@@ -1193,17 +1263,27 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
   }
   if (Status t = KeepToken(dir, token); !t.ok()) return Fail(t);
   CoordinatorOptions o = CoordinatorOptionsFor(cfg, dir, token);
-  // Worker counts: the flags, else the record's, else the config's elastic section.
+  // Worker counts: the flags, else the record's, else the config's elastic section. A record
+  // that does not hold them counts the workers of its generation.
   const config::ElasticConfig& el = cfg.elastic();
   const coordinator::CoordinatorRecord kept =
       record->has_value() ? **record : coordinator::CoordinatorRecord();
-  o.initial_workers = static_cast<int>(
-      workers->value_or(kept.initial_workers() > 0 ? kept.initial_workers() : 1));
+  const int members = std::max(1, kept.generation().workers_size() + kept.pending_size());
+  o.initial_workers = static_cast<int>(workers->value_or(
+      kept.initial_workers() > 0 ? kept.initial_workers() : (resumed ? members : 1)));
   o.min_workers = static_cast<int>(min_workers->value_or(
       kept.min_workers() > 0 ? kept.min_workers() : (el.min_workers() > 0 ? el.min_workers() : 1)));
   o.max_workers = static_cast<int>(max_workers->value_or(
-      kept.max_workers() > 0 ? kept.max_workers()
-                             : (el.max_workers() > 0 ? el.max_workers() : o.initial_workers)));
+      kept.max_workers() > 0
+          ? kept.max_workers()
+          : std::max(el.max_workers() > 0 ? el.max_workers() : o.initial_workers, members)));
+  if (resumed && kept.generation().number() > 0) {
+    // The first generation formed long ago: its size only has to fit the other bounds.
+    o.initial_workers = std::clamp(o.initial_workers, o.min_workers, std::max(o.min_workers, o.max_workers));
+  }
+  // TLS: the flags, else the record's certificate files.
+  o.tls_cert = flags->String("tls-cert").value_or(kept.tls_cert());
+  o.tls_key = flags->String("tls-key").value_or(kept.tls_key());
   if (Status range =
           CheckWorkerRange(cfg, std::min(o.min_workers, o.initial_workers), o.max_workers);
       !range.ok()) {
@@ -1219,9 +1299,14 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
   if (!state.ok()) return Fail(state.status());
   // Where to serve: --listen, else where this job's coordinator served before (so its workers
   // find it again), else the default.
+  if (resumed && kept.listen().empty() && !flags->Has("listen")) {
+    STRATA_LOG(WARNING) << "the record in " << dir
+                        << " does not say where its coordinator served; serving on "
+                           "127.0.0.1:7777 (give --listen HOST:PORT where its workers look)";
+  }
   std::string listen = flags->String("listen").value_or(
       !kept.listen().empty() ? kept.listen() : std::string("127.0.0.1:7777"));
-  TlsFiles tls{flags->String("tls-cert").value_or(""), flags->String("tls-key").value_or(""), ""};
+  TlsFiles tls{o.tls_cert, o.tls_key, ""};
   auto server = CoordinatorServer::Start(state->get(), listen, tls);
   if (!server.ok()) return Fail(server.status());
   if (Status l = (*state)->SetListenAddress((*server)->address()); !l.ok()) return Fail(l);

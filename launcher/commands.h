@@ -11,20 +11,24 @@ namespace strata::launcher {
 //              [--checkpoint-dir DIR] [--checkpoint-every N] [--resume] [--quiet]
 int TrainCommand(const std::vector<std::string>& args);
 // strata worker --rank R --world-size W --store DIR --config FILE [train's flags]: one of W
-// processes that train a job together (data and expert parallel; see ParallelConfig).
+// processes that train a job together (data and expert parallel; see ParallelConfig). Or
+// strata worker --coordinator HOST:PORT [--config FILE] [--data PATH] [train's flags]: joins the
+// coordinator's job and trains with its config (launcher/job_config.h).
 int WorkerCommand(const std::vector<std::string>& args);
 // strata check --config FILE: validates the config and its data file, prints the effective config.
 int CheckCommand(const std::vector<std::string>& args);
 // strata ckpt ls|verify|rm DIR ...: the checkpoints in a folder.
 int CkptCommand(const std::vector<std::string>& args);
-// strata coordinator --dir DIR [--config FILE] [--listen HOST:PORT] [--token T] [--workers N]
-// [--min-workers M] [--max-workers X] [--tls-cert F --tls-key F]: serves a job's coordinator until
-// SIGINT/SIGTERM; a record already in DIR is resumed.
+// strata coordinator --dir DIR [--config FILE] [--listen HOST:PORT] [--token-file F] [--workers N]
+// [--min-workers M] [--max-workers X] [--keep-serving] [--tls-cert F --tls-key F]: serves a job's
+// coordinator; a record already in DIR is resumed with everything it holds (config, worker counts,
+// address, DIR/token). Exits 0 once the job has finished (unless --keep-serving) or on
+// SIGINT/SIGTERM.
 int CoordinatorCommand(const std::vector<std::string>& args);
 // strata launch --config FILE --workers N [...]: a coordinator in this process and N local
 // `strata worker --coordinator` processes; status lines from the coordinator until they end.
 int LaunchCommand(const std::vector<std::string>& args);
-// strata status HOST:PORT [--token T]: a running coordinator's generation, members and step.
+// strata status HOST:PORT [--token-file F]: a running coordinator's generation, members and step.
 int StatusCommand(const std::vector<std::string>& args);
 // strata [help|--help], strata version, and dispatch to the subcommands.
 int Main(int argc, char** argv);

@@ -87,7 +87,11 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Open(
   } else {
     return FromRocks(s, "reading", options.dir);
   }
+  // A record whose job config was never given (a coordinator refused before) takes this one.
+  if (c->record_.job_config().empty()) c->record_.set_job_config(job_config);
   c->record_.set_initial_workers(options.initial_workers);
+  c->record_.set_tls_cert(options.tls_cert);
+  c->record_.set_tls_key(options.tls_key);
   c->record_.set_min_workers(options.min_workers);
   c->record_.set_max_workers(options.max_workers);
   c->record_.set_opened(c->record_.opened() + 1);
@@ -132,7 +136,11 @@ Status CoordinatorState::SetListenAddress(const std::string& address) {
 
 bool CoordinatorState::Done() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return record_.finished() && last_seen_.empty();
+  if (!record_.finished()) return false;
+  for (const auto& w : record_.generation().workers()) {
+    if (last_seen_.count(w.id())) return false;
+  }
+  return true;
 }
 
 Status CoordinatorState::CheckToken(const std::string& token) const {
@@ -351,9 +359,10 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
   auto it = reported_.find(id);
   // The job's first generation may start anywhere: its workers resumed from a checkpoint.
   const bool first = current == 1 && record_.step() == 0;
-  // Step 0 counts as a checkpoint: a job that lost state before its first checkpoint starts
-  // over from its beginning, which every run shares.
-  const bool catalogued = step == 0 || std::find(record_.checkpoints().begin(),
+  // Step 0 counts as a checkpoint until one is committed: a job that lost state before its first
+  // checkpoint starts over from its beginning, which every run shares.
+  const bool catalogued = (step == 0 && record_.checkpoints_size() == 0) ||
+                          std::find(record_.checkpoints().begin(),
                                                  record_.checkpoints().end(),
                                                  step) != record_.checkpoints().end();
   if (!first && !(catalogued && step <= record_.step()) &&

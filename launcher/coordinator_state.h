@@ -45,6 +45,8 @@ struct CoordinatorOptions {
   std::chrono::milliseconds heartbeat_timeout{2000};
   // A resumed record's members get this long to reconnect before the missing ones have failed.
   std::chrono::milliseconds restart_grace{8000};
+  // The TLS files the coordinator serves with (recorded, so a restart serves the same way).
+  std::string tls_cert, tls_key;
   // Checks a joiner's config (WorkerInfo.job_config) against the job's (the record's job_config);
   // a non-OK status refuses the Join with it. Unset: no check (tests of membership alone).
   std::function<Status(const std::string& job_config, const coordinator::WorkerInfo& worker)>
@@ -107,7 +109,8 @@ class CoordinatorState {
   [[nodiscard]] StatusOr<int> Tick(Time now);
   // Records the address the coordinator serves on (so a restart can serve there again).
   [[nodiscard]] Status SetListenAddress(const std::string& address);
-  // The job finished and no worker of it is still attached or watched: nothing is left to serve.
+  // The job finished and no member of its last generation is still attached or watched (pending
+  // joiners do not count): nothing is left to serve.
   bool Done() const;
 
   // The rendezvous store (not persisted: a new generation rendezvouses afresh).

@@ -104,6 +104,7 @@ void ClearMachineFields(config::JobConfig* config) {
   config->mutable_train()->clear_threads();
   config->mutable_train()->clear_device();
   config->mutable_data()->clear_path();
+  config->mutable_storage()->clear_ssd_dir();
 }
 
 config::JobConfig JobPart(const config::JobConfig& config) {

@@ -18,9 +18,10 @@
 
 namespace strata::launcher {
 
-// The per-machine fields, which stay local to each worker: train.threads, train.device and
-// data.path (a worker on another machine may keep the token file elsewhere). Everything else in a
-// JobConfig belongs to the job.
+// The per-machine fields, which stay local to each worker: train.threads, train.device,
+// data.path (a worker on another machine may keep the token file elsewhere) and
+// storage.ssd_dir (the tiered store's local scratch folder). Everything else in a JobConfig
+// belongs to the job.
 void ClearMachineFields(config::JobConfig* config);
 
 // `config` without its per-machine fields.

@@ -473,7 +473,13 @@ Status Trainer::Reform(const WorkerOptions& w) {
   ASSIGN_OR_RETURN(SyncedState s, SyncState());
   std::tie(first_sequence_, local_batch_) =
       BatchShare(options_.config.train().global_batch(), w.world_size, w.rank);
-  return AdoptState(s, /*rebuild=*/true);
+  RETURN_IF_ERROR(AdoptState(s, /*rebuild=*/true));
+  // A checkpoint whose commit the previous generation never got to report (its step was cut
+  // short) may be the one this generation went back to: the coordinator hears of it before the
+  // generation says where it starts (again, if a report to the previous generation was refused).
+  reported_checkpoint_ = 0;
+  ReportCommittedCheckpoint();
+  return absl::OkStatus();
 }
 
 Status Trainer::AdoptState(const SyncedState& s, bool rebuild) {

@@ -35,6 +35,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "launcher/coordinator_state.h"
 #include "tests/test_util.h"
 
 namespace strata {
@@ -571,6 +572,14 @@ TEST_F(ElasticTest, AJoinerWithAnotherConfigIsRefusedAndTheJobGoesOn) {
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_NE(r.output.find(field), std::string::npos) << r.output;
   }
+  // A token file this machine does not have is named before the worker joins.
+  auto no_data = RunCommand(absl::StrCat("STRATA_JOB_TOKEN=$(cat ", dir_.File("coord/token"), ") ",
+                                         kStrata, " worker --coordinator ", address,
+                                         " --data /nonexistent/text.txt --id bad3 --quiet"));
+  EXPECT_EQ(no_data.exit_code, 1) << no_data.output;
+  EXPECT_NE(no_data.output.find("'/nonexistent/text.txt' (data.path) is not on this machine"),
+            std::string::npos)
+      << no_data.output;
   // A job-level flag that disagrees is refused the same way.
   auto r = RunCommand(absl::StrCat("STRATA_JOB_TOKEN=$(cat ", dir_.File("coord/token"), ") ",
                                    kStrata, " worker --coordinator ", address,
@@ -582,6 +591,28 @@ TEST_F(ElasticTest, AJoinerWithAnotherConfigIsRefusedAndTheJobGoesOn) {
   const Trajectory t = Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1")});
   EXPECT_EQ(t.generations, (std::set<int64_t>{1})) << "nobody was admitted";
   ExpectEveryStepTiled(t, kSteps);
+}
+
+TEST_F(ElasticTest, ALaunchRefusesACoordinatorFolderThatHoldsAJobAndChangesNothing) {
+  WriteFile(dir_.File("job.textproto"), Config(5));
+  auto first = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
+                                       " launch --config job.textproto --workers 2 --quiet "
+                                       "--coordinator-dir coord"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto before = launcher::CoordinatorState::ReadRecord(dir_.File("coord"));
+  ASSERT_TRUE(before.ok() && before->has_value()) << before.status();
+  const std::string token = ReadFile(dir_.File("coord/token"));
+  auto again = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
+                                       " launch --config job.textproto --workers 3 --quiet "
+                                       "--coordinator-dir coord"));
+  EXPECT_EQ(again.exit_code, 1) << again.output;
+  EXPECT_NE(again.output.find("holds the record of a job"), std::string::npos) << again.output;
+  EXPECT_NE(again.output.find("strata coordinator --dir coord"), std::string::npos)
+      << again.output;
+  auto after = launcher::CoordinatorState::ReadRecord(dir_.File("coord"));
+  ASSERT_TRUE(after.ok() && after->has_value()) << after.status();
+  EXPECT_EQ((*after)->SerializeAsString(), (*before)->SerializeAsString());
+  EXPECT_EQ(ReadFile(dir_.File("coord/token")), token);
 }
 
 TEST_F(ElasticTest, ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn) {

@@ -280,16 +280,20 @@ TEST(LaunchTest, AJobBelowItsMinimumStopsAndTheLaunchSaysWhere) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  // "[w]" keeps pkill from matching its own shell.
+  // This launch's workers: "--coordinator ADDRESS --id worker-i" ("[w]" keeps pkill from matching
+  // its own shell).
+  const std::string text = ReadFile(log);
+  const size_t at = text.find("coordinator on ") + 15;
+  const std::string address = text.substr(at, text.find(';', at) - at);
   auto k = RunCommand(
-      absl::StrCat("pkill -KILL -f -- '", dir.File("job.textproto"), " --id [w]orker-1'"));
+      absl::StrCat("pkill -KILL -f -- '--coordinator ", address, " --id [w]orker-1( |$)'"));
   ASSERT_EQ(k.exit_code, 0) << "no worker-1 to kill: " << k.output << ReadFile(log);
   while (ReadFile(log).find("waiting for workers (1 of at least 2)") == std::string::npos) {
     ASSERT_LT(std::chrono::steady_clock::now(), deadline) << ReadFile(log);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   k = RunCommand(
-      absl::StrCat("pkill -KILL -f -- '", dir.File("job.textproto"), " --id [w]orker-0'"));
+      absl::StrCat("pkill -KILL -f -- '--coordinator ", address, " --id [w]orker-0( |$)'"));
   ASSERT_EQ(k.exit_code, 0) << "no worker-0 to kill: " << k.output << ReadFile(log);
   EXPECT_EQ(WaitExit(pid), 1) << ReadFile(log);
   const std::string out = ReadFile(log);
