@@ -97,6 +97,7 @@ const std::vector<FlagSpec>& WorkerFlags() {
 const std::vector<FlagSpec>& CheckFlags() {
   static const std::vector<FlagSpec> specs = {
       {"config", "job config in text format (.textproto); required"},
+      {"workers", "estimate the memory of one of N workers (default 1: strata train)"},
   };
   return specs;
 }
@@ -355,8 +356,17 @@ int CheckCommand(const std::vector<std::string>& args) {
   if (!flags.ok()) return UsageError(flags.status(), "check", CheckFlags());
   auto overrides = ParseOverrides(*flags);
   if (!overrides.ok()) return UsageError(overrides.status(), "check", CheckFlags());
+  auto workers = flags->Int("workers", 1, 4096);
+  if (!workers.ok()) return UsageError(workers.status(), "check", CheckFlags());
   auto cfg = LoadWithOverrides(*flags, *overrides);
   if (!cfg.ok()) return Fail(cfg.status());
+  const config::MemoryEstimate estimate =
+      config::EstimateWorkerMemory(*cfg, static_cast<int>(workers->value_or(1)));
+  if (Status m = config::CheckMemory(*cfg, estimate, config::AvailableHostMemory(),
+                                     *flags->String("config"));
+      !m.ok()) {
+    return Fail(m);
+  }
   auto data = data::TokenDataset::Open(cfg->data(), cfg->model().vocab_size(),
                                        cfg->model().seq_len(), storage::Env::Default());
   if (!data.ok()) return Fail(data.status());
@@ -365,8 +375,11 @@ int CheckCommand(const std::vector<std::string>& args) {
               static_cast<long long>((*data)->num_tokens()),
               static_cast<long long>((*data)->train_windows()),
               static_cast<long long>((*data)->eval_windows()));
-  // The estimate LoadWithOverrides checked against this machine, for the record.
-  const std::string memory = config::FormatMemoryEstimate(config::EstimateMemory(*cfg));
+  // The estimate checked against this machine, for the record.
+  if (workers->value_or(1) > 1) {
+    std::printf("# memory of one of %lld workers:\n", static_cast<long long>(**workers));
+  }
+  const std::string memory = config::FormatMemoryEstimate(estimate);
   for (absl::string_view line : absl::StrSplit(memory, '\n', absl::SkipEmpty())) {
     std::printf("# %s\n", std::string(line).c_str());
   }
@@ -1008,6 +1021,12 @@ int LaunchCommand(const std::vector<std::string>& args) {
   if (Status range = CheckWorkerRange(*cfg, std::min(o.min_workers, n), o.max_workers);
       !range.ok()) {
     return Fail(range);
+  }
+  // The n workers started here, together, against this machine's memory.
+  if (Status m = config::CheckMemory(*cfg, config::EstimateWorkerMemory(*cfg, n),
+                                     config::AvailableHostMemory(), *flags->String("config"), n);
+      !m.ok()) {
+    return Fail(m);
   }
   std::string temp_dir;
   if (auto d = flags->String("coordinator-dir")) {

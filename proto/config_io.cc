@@ -565,7 +565,8 @@ Status ValidateJobConfig(const JobConfig& config, const std::string& source) {
   ValidateModel(config, v);
   ValidateDataAndTraining(config, v);
   RETURN_IF_ERROR(v.Result());
-  return CheckMemory(config, EstimateMemory(config), AvailableHostMemory(), source);
+  // Budgets against the model (no machine check: that is for whoever trains, with its share).
+  return CheckMemory(config, EstimateMemory(config), /*available_bytes=*/0, source);
 }
 
 Status ValidateModelConfig(const ModelConfig& model, const std::string& source) {

@@ -167,6 +167,42 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
   return e;
 }
 
+MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers) {
+  if (workers <= 1) return EstimateMemory(config);
+  const uint64_t W = U(workers);
+  // The activations of the worker's share of the batch.
+  JobConfig share = config;
+  const uint64_t B = U(config.train().global_batch());
+  share.mutable_train()->set_global_batch(static_cast<int32_t>(std::max<uint64_t>(1, (B + W - 1) / W)));
+  MemoryEstimate e = EstimateMemory(share);
+  // The experts of its expert-parallel group's share: ceil(E / G) of every MoE layer.
+  const uint64_t E = U(config.model().moe().num_experts());
+  const int64_t ep = config.parallel().expert_parallel();
+  const uint64_t G = ep > 0 ? std::min(U(ep), W) : W;
+  const uint64_t per_expert = E > 0 ? U(e.expert_parameters) / E : 0;
+  const uint64_t held = Mul(per_expert, E > 0 ? (E + G - 1) / G : 0);
+  const uint64_t dense = U(e.dense_parameters);
+  if (config.storage().mode() == StorageConfig::TIERED) {
+    const uint64_t held_state = Mul(16, held);
+    const StorageConfig& st = config.storage();
+    const uint64_t device_tier = st.device_budget_bytes() > 0
+                                     ? Sub(st.device_budget_bytes(), e.dense_state_bytes)
+                                     : held_state;
+    e.store_bytes = Add(device_tier, st.host_budget_bytes() > 0 ? st.host_budget_bytes() : held_state);
+  } else {
+    e.parameter_bytes = e.gradient_bytes = Mul(4, Add(dense, held));
+    e.optimizer_bytes = Mul(8, Add(dense, held));
+  }
+  // With checkpoints, rank 0 writes them (and restores lost state from them) through a model with
+  // every expert: values, gradients and both moments of every parameter.
+  if (!config.checkpoint().dir().empty()) {
+    e.full_copy_bytes = Mul(16, Add(dense, U(e.expert_parameters)));
+  }
+  e.total_bytes = Add(Add(Add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes),
+                      Add(Add(e.activation_bytes, e.store_bytes), e.full_copy_bytes));
+  return e;
+}
+
 std::string FormatMemoryEstimate(const MemoryEstimate& e) {
   std::string out = absl::StrFormat(
       "parameters %s (%s dense, %s in experts)\n"
@@ -174,6 +210,9 @@ std::string FormatMemoryEstimate(const MemoryEstimate& e) {
       Count(e.parameters()), Count(e.dense_parameters), Count(e.expert_parameters),
       FormatBytes(e.total_bytes), e.on_gpu ? " on the GPU" : "", FormatBytes(e.parameter_bytes),
       FormatBytes(e.gradient_bytes), FormatBytes(e.optimizer_bytes), FormatBytes(e.activation_bytes));
+  if (e.full_copy_bytes > 0) {
+    absl::StrAppend(&out, " + rank 0's full model copy ", FormatBytes(e.full_copy_bytes));
+  }
   if (e.expert_state_bytes > 0 || e.store_bytes > 0) {
     absl::StrAppend(&out, " + tiered store ", FormatBytes(e.store_bytes),
                     "\nexpert state (weights, gradients, AdamW moments) on the SSD tier: ",
@@ -193,7 +232,9 @@ uint64_t AvailableHostMemory() {
   std::string max_text;
   uint64_t limit = 0;
   if (max_file >> max_text && absl::SimpleAtoi(max_text, &limit) && limit > 0) {
-    const uint64_t used = ReadNumber("/sys/fs/cgroup/memory.current", "", 1);
+    // File pages the kernel can drop (inactive page cache) are not in the way.
+    const uint64_t used = Sub(ReadNumber("/sys/fs/cgroup/memory.current", "", 1),
+                              ReadNumber("/sys/fs/cgroup/memory.stat", "inactive_file", 1));
     const uint64_t left = Sub(limit, used);
     avail = avail == 0 ? left : std::min(avail, left);
   }
@@ -201,7 +242,7 @@ uint64_t AvailableHostMemory() {
 }
 
 Status CheckMemory(const JobConfig& config, const MemoryEstimate& e, uint64_t available_bytes,
-                   const std::string& source) {
+                   const std::string& source, int processes) {
   const StorageConfig& st = config.storage();
   if (st.mode() == StorageConfig::TIERED && st.device_budget_bytes() > 0 &&
       st.device_budget_bytes() <= e.dense_state_bytes) {
@@ -211,7 +252,7 @@ Status CheckMemory(const JobConfig& config, const MemoryEstimate& e, uint64_t av
         "above %d or make the dense part of the model smaller",
         source, source, st.device_budget_bytes(), e.dense_state_bytes, e.dense_state_bytes));
   }
-  const uint64_t need = Add(e.total_bytes, kProcessOverheadBytes);
+  const uint64_t need = Mul(U(std::max(1, processes)), Add(e.total_bytes, kProcessOverheadBytes));
   if (available_bytes == 0 || e.on_gpu || need <= available_bytes) {
     return absl::OkStatus();
   }
@@ -238,9 +279,11 @@ Status CheckMemory(const JobConfig& config, const MemoryEstimate& e, uint64_t av
   std::string figures = FormatMemoryEstimate(e);
   absl::StrReplaceAll({{"\n", "\n  "}}, &figures);
   return absl::ResourceExhaustedError(absl::StrFormat(
-      "%s: the job needs %s of memory (%s for the model and %s for the process) but this "
+      "%s: the job needs %s of memory (%s%s for the model and %s for the process) but this "
       "machine has %s available (MemAvailable and the cgroup limit):\n  %s%s",
-      source, FormatBytes(need), FormatBytes(e.total_bytes), FormatBytes(kProcessOverheadBytes),
+      source, FormatBytes(need),
+      processes > 1 ? absl::StrFormat("%d processes, each ", processes) : std::string(),
+      FormatBytes(e.total_bytes), FormatBytes(kProcessOverheadBytes),
       FormatBytes(available_bytes), figures, advice));
 }
 

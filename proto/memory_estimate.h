@@ -13,9 +13,15 @@
 // Figures are exact counts of what the model allocates (tests compare the parameter count with a
 // model built from the same config); the process itself (libraries, thread stacks) is a fixed
 // kProcessOverheadBytes on top, and the mapped data file is not counted (its pages can be
-// dropped). A worker of a multi-worker job holds at most this much (fewer experts, a share of the
-// batch). Measured against a real run: the example moe_lm config with global_batch 256 is
+// dropped). Measured against a real run: the example moe_lm config with global_batch 256 is
 // estimated at 805 MiB + 256 MiB and peaks at 982 MiB resident.
+//
+// One of W workers holds less: its expert-parallel group's share of the experts and 1/W of the
+// batch — but with checkpoints rank 0 also keeps every expert with its Adam moments, to write
+// them and to restore state lost with failed workers (EstimateWorkerMemory, an upper bound per
+// worker). The
+// machine check is the caller's: `strata check` and `strata train` for one process, a worker for
+// its share, `strata launch` for its N local workers together; a coordinator trains nothing.
 //
 // Pure functions of the config, except AvailableHostMemory. Safe to call from any thread.
 #pragma once
@@ -41,7 +47,11 @@ struct MemoryEstimate {
   uint64_t optimizer_bytes = 0;   // AdamW's first and second moments
   uint64_t activation_bytes = 0;  // buffers for one batch, the token ids included
   uint64_t store_bytes = 0;       // TIERED: the device and host tiers' expert slots
-  uint64_t total_bytes = 0;       // the sum of the five above
+  // One of several workers with checkpoints: rank 0's model with every expert and its Adam
+  // moments (writing checkpoints, restoring lost state); counted for every worker, since any may
+  // become rank 0.
+  uint64_t full_copy_bytes = 0;
+  uint64_t total_bytes = 0;       // the sum of the six above
 
   // TIERED: expert weights, gradients and Adam moments, held on the SSD tier.
   uint64_t expert_state_bytes = 0;
@@ -56,6 +66,10 @@ struct MemoryEstimate {
 // than overflowing, whatever the config holds.
 MemoryEstimate EstimateMemory(const JobConfig& config);
 
+// What one of `workers` workers of the job holds at most (workers <= 1: EstimateMemory). Its
+// expert_parameters stay the model's; the byte figures are the worker's.
+MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers);
+
 // One line per figure, human-readable ("parameters  1.2 M (4.6 MiB) ..."), for `strata check`.
 std::string FormatMemoryEstimate(const MemoryEstimate& estimate);
 
@@ -64,7 +78,8 @@ std::string FormatBytes(uint64_t bytes);
 
 // Bytes a new process can still allocate here without swapping: /proc/meminfo's MemAvailable
 // (sysconf's available pages where that is missing), lowered to the room left under a cgroup v2
-// memory.max. 0 when none of these can be read.
+// memory.max (its inactive page cache, which the kernel drops first, not counted as used). 0
+// when none of these can be read.
 uint64_t AvailableHostMemory();
 
 // What a strata process holds whatever the config: code and data of its libraries (CUDA, gRPC,
@@ -72,11 +87,12 @@ uint64_t AvailableHostMemory();
 // is 40 MiB peaks at 274 MiB resident.
 inline constexpr uint64_t kProcessOverheadBytes = uint64_t{256} << 20;
 
-// RESOURCE_EXHAUSTED when the estimate cannot fit: more host memory than `available_bytes`
-// (0: not checked) once kProcessOverheadBytes is added, or a storage.device_budget_bytes below
-// the dense state. The message names
-// `source`, gives the figures and says which fields to lower.
+// RESOURCE_EXHAUSTED when `processes` processes of this estimate cannot fit: more host memory
+// than `available_bytes` (0: not checked) once kProcessOverheadBytes is added to each, or a
+// storage.device_budget_bytes below the dense state. The message names `source`, gives the
+// figures and says which fields to lower.
 [[nodiscard]] Status CheckMemory(const JobConfig& config, const MemoryEstimate& estimate,
-                                 uint64_t available_bytes, const std::string& source);
+                                 uint64_t available_bytes, const std::string& source,
+                                 int processes = 1);
 
 }  // namespace strata::config

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "proto/config_io.h"
+#include "proto/memory_estimate.h"
 #include "runtime/comm/hierarchical.h"
 #include "runtime/common/clock.h"
 #include "runtime/common/json.h"
@@ -360,6 +361,10 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   tr->options_ = options;
   const config::JobConfig& cfg = tr->options_.config;
   RETURN_IF_ERROR(config::ValidateJobConfig(cfg, "job config"));
+  // This process's share of the job against this machine's memory, before anything is allocated.
+  RETURN_IF_ERROR(config::CheckMemory(
+      cfg, config::EstimateWorkerMemory(cfg, std::max(1, options.worker.world_size)),
+      config::AvailableHostMemory(), "job config"));
   storage::Env* env = options.env ? options.env : storage::Env::Default();
   ASSIGN_OR_RETURN(tr->device_, Device::Parse(cfg.train().device()));
   if (!tr->device_.is_cpu() && (options.worker.world_size > 1 || options.worker.elastic)) {

@@ -140,11 +140,44 @@ TEST(MemoryEstimateTest, ConfigsTooLargeForAnyMachineAreRefusedByValidation) {
     const JobConfig cfg = Parse(c.text);
     const MemoryEstimate e = EstimateMemory(cfg);
     EXPECT_GT(e.total_bytes, uint64_t{1} << 40) << c.text;
-    const Status s = ValidateJobConfig(cfg, "big.textproto");
+    EXPECT_TRUE(ValidateJobConfig(cfg, "big.textproto").ok()) << "the machine check is separate";
+    const Status s = CheckMemory(cfg, e, AvailableHostMemory(), "big.textproto");
     ASSERT_TRUE(absl::IsResourceExhausted(s)) << c.text << ": " << s;
     EXPECT_NE(s.message().find("big.textproto: the job needs"), std::string::npos) << s;
     EXPECT_NE(s.message().find(c.advice), std::string::npos) << s;
   }
+}
+
+TEST(MemoryEstimateTest, AWorkerHoldsItsShareOfTheExpertsAndTheBatch) {
+  // kSmall on 2 workers: each holds 2 of the 4 experts and 2 of the 3 sequences (ceil).
+  const JobConfig cfg = Parse(kSmall);
+  const MemoryEstimate full = EstimateMemory(cfg);
+  const MemoryEstimate w = EstimateWorkerMemory(cfg, 2);
+  const uint64_t dense = static_cast<uint64_t>(full.dense_parameters);
+  const uint64_t half_experts = static_cast<uint64_t>(full.expert_parameters) / 2;
+  EXPECT_EQ(w.expert_parameters, full.expert_parameters) << "the model's count is unchanged";
+  EXPECT_EQ(w.parameter_bytes, 4 * (dense + half_experts));
+  EXPECT_EQ(w.gradient_bytes, 4 * (dense + half_experts));
+  EXPECT_EQ(w.optimizer_bytes, 8 * (dense + half_experts));
+  JobConfig two_sequences = cfg;
+  two_sequences.mutable_train()->set_global_batch(2);
+  EXPECT_EQ(w.activation_bytes, EstimateMemory(two_sequences).activation_bytes);
+  EXPECT_EQ(w.full_copy_bytes, 0u) << "no checkpoints: rank 0 keeps no full copy";
+  EXPECT_EQ(w.total_bytes,
+            w.parameter_bytes + w.gradient_bytes + w.optimizer_bytes + w.activation_bytes);
+  EXPECT_LT(w.total_bytes, full.total_bytes);
+  // With checkpoints every worker may become rank 0, which writes them through a full model.
+  const MemoryEstimate c =
+      EstimateWorkerMemory(Parse(absl::StrCat(kSmall, "checkpoint { dir: \"ck\" }\n")), 2);
+  EXPECT_EQ(c.full_copy_bytes, 16 * (dense + static_cast<uint64_t>(full.expert_parameters)));
+  // Expert-parallel groups of 1: every worker holds every expert.
+  const MemoryEstimate g1 =
+      EstimateWorkerMemory(Parse(absl::StrCat(kSmall, "parallel { expert_parallel: 1 }\n")), 2);
+  EXPECT_EQ(g1.parameter_bytes, 4 * (dense + 2 * half_experts));
+  // Two processes of a share need twice the share (and the process overhead twice).
+  const uint64_t two = 2 * (w.total_bytes + kProcessOverheadBytes);
+  EXPECT_TRUE(CheckMemory(cfg, w, two, "job.textproto", 2).ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(CheckMemory(cfg, w, two - 1, "job.textproto", 2)));
 }
 
 TEST(MemoryEstimateTest, SaturatesInsteadOfWrapping) {
