@@ -1174,6 +1174,11 @@ int LaunchCommand(const std::vector<std::string>& args) {
       if (alive > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     if (tty && !quiet && shown_generation >= 0) std::printf("\n");
+    // A joiner still pending when the job finished learns so (it asks every second) before the
+    // coordinator goes away with this process.
+    if (const auto r = (*state)->Snapshot(); r.finished() && r.pending_size() > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    }
     const auto last = (*state)->Snapshot();
     const int64_t reached = last.step();
     if (reached < total && !last.finished()) {
