@@ -91,7 +91,8 @@ Status OpenError(const rocksdb::Status& s, const std::string& dir) {
   std::sort(wals.begin(), wals.end());
   return absl::DataLossError(absl::StrFormat(
       "the checkpoint index in '%s' is damaged: its write-ahead log (%s) is corrupt before its "
-      "end, which a crash cannot cause, so the checkpoints committed after the damage are lost "
+      "end (a killed process cannot cause that; disk damage or a power loss in the middle of a "
+      "write can), so the checkpoints committed after the damage are lost "
       "(RocksDB: %s); %s",
       dir, absl::StrJoin(wals, ", "), s.ToString(), kDamagedIndexRemedy));
 }
