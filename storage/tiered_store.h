@@ -9,16 +9,16 @@
 // A device copy of weights is a clean copy: dropping it loses nothing. A dirty host copy is
 // written to the SSD tier before its slot is reused.
 //
-// Residency is moved by two stage threads, so both links are busy at once (SE-MoE's vertical
+// Residency is moved by threads of two stages, so both links are busy at once (SE-MoE's vertical
 // prefetch):
 //   ssd stage   — SSD -> host: reads (or initialises) tensors into host slots, evicting the
 //                 coldest unpinned host entry by LFU-with-decay, writing it back first if dirty.
-//                 Two threads serve it, so one's read or write is on the device while the
-//                 other takes the lock, picks a victim and checks a CRC: the SSD never waits
-//                 for the CPU between requests;
-//   copy stage  — host -> device: copies resident host tensors into device slots (evicting the
-//                 least recently used unpinned clean device copy), and device -> host write-backs
-//                 of dirty device tensors (gradients).
+//                 StoreOptions::ssd_threads (1-64, default 4) serve it, so one's read or write is
+//                 on the device while another takes the lock, picks a victim and checks a CRC:
+//                 the SSD never waits for the CPU between requests;
+//   copy stage  — one thread, host -> device: copies resident host tensors into device slots
+//                 (evicting the least recently used unpinned clean device copy), and device ->
+//                 host write-backs of dirty device tensors (gradients).
 // Compute threads Acquire a tensor where they need it, which pins it and waits (the wait is
 // counted as stall time) until a stage has brought it; hints (Prefetch*) queue the same work
 // without pinning. Demand work goes ahead of hints.
@@ -139,7 +139,7 @@ struct StoreStats {
 // One span of stage work, for the trace (copy or SSD I/O).
 struct StageSpan {
   const char* name;   // "ssd_read", "ssd_write", "h2d_copy", "d2h_copy"
-  int thread;         // 0 and 2 ssd stage, 1 copy stage
+  int thread;         // 0 and 2.. ssd stage, 1 copy stage
   double start, end;  // NowSeconds()
   TensorKey key;
 };
@@ -267,7 +267,7 @@ class TieredExpertStore {
   explicit TieredExpertStore(const StoreOptions& options);
   Entry& EntryLocked(const TensorKey& key);
   void EnqueueLocked(int stage, Job job, bool demand);
-  // `track` names the thread in the trace: 0 and 2 the ssd stage, 1 the copy stage.
+  // `track` names the thread in the trace: 0 and 2.. the ssd stage, 1 the copy stage.
   void StageLoop(int stage, int track);
   // Stage work; called without the lock held, take it as needed.
   Status LoadHost(const TensorKey& key, bool hint);

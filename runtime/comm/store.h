@@ -1,7 +1,7 @@
 // Store: the key-value rendezvous that workers of one membership generation meet through.
 //
-// Communicators exchange their addresses through it (and NCCL its unique id); the trainer uses it
-// for small agreements (a barrier before the first step, a shared run id). Keys are strings,
+// Communicators exchange their addresses through it (and NCCL its unique id); nothing else uses
+// it (the trainer's barrier before the first step runs on a communicator). Keys are strings,
 // values bytes. Every generation of a membership works under its own prefix (PrefixStore with
 // "gen/<g>/"), so a worker of the new generation never reads a key a dead worker left behind.
 //
@@ -9,7 +9,9 @@
 //   FileStore      processes that share a folder (one machine, or a shared file system); a key
 //                  is a file written to a temporary name and renamed into place, so readers never
 //                  see half a value; Add is serialised with flock
-// The coordinator issue adds a gRPC store behind the same interface.
+// Behind the same interface, the coordinator's store serves workers over gRPC
+// (launcher/coordinator_service.h, CoordinatorClient::store) and in its own process
+// (launcher/coordinator_state.h, MakeCoordinatorStore).
 #pragma once
 
 #include <chrono>

@@ -3,7 +3,7 @@
 // gradients that are ready to be reduced.
 //
 // The model itself knows no communicator: the scheduler implements these interfaces over
-// comm::Communicator (scheduler/expert_parallel.h, scheduler/grad_buckets.h) and the trainer
+// comm::Communicator (scheduler/expert_parallel.h, scheduler/data_parallel.h) and the trainer
 // attaches them. Model code has no Status return path in its passes, so implementations keep the
 // first communication error and the trainer checks it after each pass (as with ExpertResidency);
 // after an error the values they hand back are unspecified and the step is abandoned.
