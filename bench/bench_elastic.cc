@@ -105,7 +105,7 @@ class Job {
   void Start(const std::string& id) {
     const std::string cmd = absl::StrCat("cd ", dir_, " && STRATA_JOB_TOKEN=bench-token exec ",
                                          strata_, " worker --coordinator ", server_->address(),
-                                         " --config job.textproto --quiet --threads ", o_.threads,
+                                         " --quiet --threads ", o_.threads,
                                          " --id ", id, " > ", id, ".log 2>&1");
     const pid_t pid = fork();
     if (pid == 0) {
