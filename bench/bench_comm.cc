@@ -47,9 +47,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
+#include "core/common/json.h"
 #include "runtime/comm/communicator.h"
 #include "runtime/comm/store.h"
-#include "runtime/common/json.h"
 
 namespace strata::bench {
 namespace {

@@ -58,11 +58,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
+#include "core/common/json.h"
+#include "core/common/rng.h"
+#include "core/common/thread_pool.h"
+#include "core/device/device.h"
 #include "kernels/ops.h"
-#include "runtime/common/json.h"
-#include "runtime/common/rng.h"
-#include "runtime/common/thread_pool.h"
-#include "runtime/device/device.h"
 
 namespace strata::bench {
 namespace {

@@ -28,9 +28,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench/bench_util.h"
+#include "core/common/clock.h"
+#include "core/common/json.h"
 #include "kernels/cpu/gemm.h"
-#include "runtime/common/clock.h"
-#include "runtime/common/json.h"
 #include "runtime/model/moe_layer.h"
 
 namespace strata::bench {

@@ -35,9 +35,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
+#include "core/common/json.h"
 #include "proto/config_io.h"
-#include "runtime/common/json.h"
-#include "runtime/train/trainer.h"
+#include "train/trainer.h"
 
 namespace strata::bench {
 namespace {

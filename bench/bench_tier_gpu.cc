@@ -51,9 +51,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench/bench_util.h"
-#include "runtime/common/clock.h"
-#include "runtime/common/json.h"
-#include "runtime/device/device.h"
+#include "core/common/clock.h"
+#include "core/common/json.h"
+#include "core/device/device.h"
 #include "storage/tiered_store.h"
 
 namespace strata::bench {

@@ -25,10 +25,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench/bench_util.h"
+#include "core/common/clock.h"
+#include "core/common/json.h"
 #include "runtime/comm/communicator.h"
 #include "runtime/comm/store.h"
-#include "runtime/common/clock.h"
-#include "runtime/common/json.h"
 #include "runtime/model/moe_layer.h"
 #include "scheduler/expert_parallel.h"
 

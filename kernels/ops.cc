@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "core/common/logging.h"
+#include "kernels/cpu/activation.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/embedding.h"
@@ -9,7 +11,7 @@
 #include "kernels/cpu/loss.h"
 #include "kernels/cpu/moe.h"
 #include "kernels/cpu/norm.h"
-#include "runtime/common/logging.h"
+#include "kernels/cpu/optimizer.h"
 
 #ifdef STRATA_WITH_CUDA
 #include "kernels/cuda/cuda_ops.h"
@@ -296,7 +298,7 @@ void AttentionBackward(Context& ctx, const Tensor& dqkv, const Tensor& dout, con
 void ActivationForward(Context& ctx, Activation act, const Tensor& out, const Tensor& inp) {
   const int dev = DeviceOf({&out, &inp}, "ActivationForward");
   const int64_t H = out.dim(-1), N = out.numel() / H;
-  CHECK_EQ(inp.numel(), N * cpu::ActivationInputWidth(act, H));
+  CHECK_EQ(inp.numel(), N * ActivationInputWidth(act, H));
   ON_GPU(return cuda::ActivationForward(gpu, act, out.f32(), inp.f32(), N, H));
   cpu::activation_forward<float>(Pool(ctx), act, out.f32(), inp.f32(), N, H);
 }
@@ -305,7 +307,7 @@ void BiasActivationForward(Context& ctx, Activation act, const Tensor& out, cons
                            const Tensor& bias) {
   const int dev = DeviceOf({&out, &pre, &bias}, "BiasActivationForward");
   const int64_t H = out.dim(-1), N = out.numel() / H;
-  const int64_t W = cpu::ActivationInputWidth(act, H);
+  const int64_t W = ActivationInputWidth(act, H);
   CHECK(pre.numel() == N * W && bias.numel() == W)
       << "out " << out.ShapeString() << " pre " << pre.ShapeString() << " bias "
       << bias.ShapeString();
@@ -317,7 +319,7 @@ void ActivationBackward(Context& ctx, Activation act, const Tensor& dinp, const 
                         const Tensor& inp, const Tensor& dbias) {
   const int dev = DeviceOf({&dinp, &dout, &inp, &dbias}, "ActivationBackward");
   const int64_t H = dout.dim(-1), N = dout.numel() / H;
-  const int64_t W = cpu::ActivationInputWidth(act, H);
+  const int64_t W = ActivationInputWidth(act, H);
   CHECK(inp.numel() == N * W && dinp.numel() == inp.numel() &&
         (!dbias.defined() || dbias.numel() == W));
   ON_GPU(
@@ -357,6 +359,11 @@ void AdamW(Context& ctx, const Tensor& param, const Tensor& grad, const Tensor& 
   ON_GPU(return cuda::AdamW(gpu, param.f32(), grad.f32(), m.f32(), v.f32(), param.numel(), hyper));
   cpu::adamw_update<float>(Pool(ctx), param.f32(), grad.f32(), m.f32(), v.f32(), param.numel(),
                            hyper);
+}
+
+void AdamWHost(ThreadPool& pool, float* param, const float* grad, float* m, float* v, int64_t n,
+               const AdamWHyper& hyper) {
+  cpu::adamw_update<float>(pool, param, grad, m, v, n, hyper);
 }
 
 double SumSquares(Context& ctx, const Tensor& x) {

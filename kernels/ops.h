@@ -13,19 +13,15 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/cpu/activation.h"
-#include "kernels/cpu/optimizer.h"
-#include "runtime/common/thread_pool.h"
-#include "runtime/device/device.h"
+#include "core/common/thread_pool.h"
+#include "core/device/device.h"
+#include "kernels/vocabulary.h"
 
 namespace strata {
 class Tracer;
 }  // namespace strata
 
 namespace strata::ops {
-
-using cpu::Activation;
-using cpu::AdamWHyper;
 
 // Where and with what an op runs. One per trainer. CPU ops run on `pool`; ops on CUDA tensors run
 // on that GPU's compute stream (kernels/cuda/cuda_ops.h) and return without waiting for it, except
@@ -115,6 +111,11 @@ void GroupedLinearBackward(Context& ctx, const Tensor& dinp, const std::vector<T
 void AdamW(Context& ctx, const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
            const AdamWHyper& hyper);
 double SumSquares(Context& ctx, const Tensor& x);
+// AdamW on host memory the caller owns (param, grad, m, v: n floats each), sliced over `pool`:
+// the update AdamW gives a CPU tensor, bit for bit. For callers that keep parameters outside
+// Tensors (the tiered store's host slots).
+void AdamWHost(ThreadPool& pool, float* param, const float* grad, float* m, float* v, int64_t n,
+               const AdamWHyper& hyper);
 
 // ---- Mixture of Experts (see kernels/cpu/moe.h for the data flow) -------------------------------
 // probs, logits [T, E]; lse [T]; topk_expert (i32), topk_weight [T, k].

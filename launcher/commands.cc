@@ -25,16 +25,16 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "core/common/clock.h"
+#include "core/common/logging.h"
+#include "core/device/device.h"
 #include "launcher/coordinator_service.h"
 #include "launcher/flags.h"
 #include "launcher/job_config.h"
 #include "proto/config_io.h"
 #include "proto/memory_estimate.h"
-#include "runtime/common/clock.h"
-#include "runtime/common/logging.h"
 #include "runtime/data/dataset.h"
-#include "runtime/device/device.h"
-#include "runtime/train/trainer.h"
+#include "train/trainer.h"
 
 namespace strata::launcher {
 namespace {

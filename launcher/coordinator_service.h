@@ -14,10 +14,10 @@
 #include <thread>
 #include <vector>
 
+#include "core/common/status.h"
 #include "launcher/coordinator_state.h"
 #include "proto/coordinator.pb.h"
 #include "runtime/comm/store.h"
-#include "runtime/common/status.h"
 
 namespace grpc {
 class Channel;

@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "runtime/common/logging.h"
+#include "core/common/logging.h"
 
 namespace strata::launcher {
 

@@ -26,9 +26,9 @@
 #include <string>
 #include <vector>
 
+#include "core/common/status.h"
 #include "proto/coordinator.pb.h"
 #include "runtime/comm/store.h"
-#include "runtime/common/status.h"
 
 namespace rocksdb {
 class DB;

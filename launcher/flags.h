@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/common/status.h"
+#include "core/common/status.h"
 
 namespace strata::launcher {
 

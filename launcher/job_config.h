@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "core/common/status.h"
 #include "proto/config.pb.h"
-#include "runtime/common/status.h"
 
 namespace strata::launcher {
 

@@ -7,8 +7,8 @@
 
 #include <string>
 
+#include "core/common/status.h"
 #include "proto/config.pb.h"
-#include "runtime/common/status.h"
 
 namespace strata::config {
 

@@ -29,8 +29,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/common/status.h"
 #include "proto/config.pb.h"
-#include "runtime/common/status.h"
 
 namespace strata::config {
 

@@ -17,9 +17,9 @@
 #include <string>
 #include <thread>
 
-#include "runtime/common/clock.h"
-#include "runtime/common/status.h"
-#include "runtime/common/trace.h"
+#include "core/common/clock.h"
+#include "core/common/status.h"
+#include "core/common/trace.h"
 
 namespace strata::scheduler {
 

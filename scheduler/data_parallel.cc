@@ -4,7 +4,7 @@
 #include <cstring>
 #include <set>
 
-#include "runtime/common/logging.h"
+#include "core/common/logging.h"
 
 namespace strata::scheduler {
 

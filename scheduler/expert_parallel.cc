@@ -4,8 +4,8 @@
 #include <cstring>
 
 #include "absl/strings/str_format.h"
-#include "runtime/common/clock.h"
-#include "runtime/common/logging.h"
+#include "core/common/clock.h"
+#include "core/common/logging.h"
 
 namespace strata::scheduler {
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/common/logging.h"
+#include "core/common/logging.h"
 
 namespace strata::scheduler {
 

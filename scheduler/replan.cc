@@ -5,7 +5,7 @@
 #include <map>
 #include <numeric>
 
-#include "runtime/common/logging.h"
+#include "core/common/logging.h"
 
 namespace strata::scheduler {
 

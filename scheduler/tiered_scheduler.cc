@@ -5,9 +5,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "kernels/cpu/optimizer.h"
-#include "runtime/common/clock.h"
-#include "runtime/common/logging.h"
+#include "core/common/clock.h"
+#include "core/common/logging.h"
+#include "kernels/ops.h"
 
 namespace strata::scheduler {
 
@@ -442,7 +442,7 @@ Status TieredExpertScheduler::RunUpdate(const Update& u) {
       float* v = ptr[2];
       const float* g = it.grad ? ptr[3] : zeros_.data();
       for (const Segment& seg : segments_) {
-        cpu::AdamWHyper h;
+        ops::AdamWHyper h;
         h.lr = u.lr;
         h.beta1 = u.options.beta1;
         h.beta2 = u.options.beta2;
@@ -450,8 +450,8 @@ Status TieredExpertScheduler::RunUpdate(const Update& u) {
         h.weight_decay = seg.decay ? u.options.weight_decay : 0.0;
         h.step = u.step;
         h.grad_scale = u.grad_scale;
-        cpu::adamw_update<float>(*update_pool_, w + seg.offset, g + seg.offset, m + seg.offset,
-                                 v + seg.offset, seg.shape.numel(), h);
+        ops::AdamWHost(*update_pool_, w + seg.offset, g + seg.offset, m + seg.offset,
+                       v + seg.offset, seg.shape.numel(), h);
       }
       if (tracer_) {
         tracer_->Span(absl::StrFormat("adamw L%d E%d", layers_[it.li].block, it.e), "optimizer", t1,

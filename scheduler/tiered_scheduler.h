@@ -32,9 +32,9 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/common/thread_pool.h"
+#include "core/common/trace.h"
 #include "proto/config.pb.h"
-#include "runtime/common/thread_pool.h"
-#include "runtime/common/trace.h"
 #include "runtime/model/adamw.h"
 #include "runtime/model/expert_residency.h"
 #include "runtime/model/transformer.h"

@@ -11,7 +11,7 @@
 #include <unordered_map>
 
 #include "absl/strings/str_format.h"
-#include "runtime/common/logging.h"
+#include "core/common/logging.h"
 
 namespace strata::storage {
 

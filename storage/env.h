@@ -12,7 +12,7 @@
 #include <string>
 #include <string_view>
 
-#include "runtime/common/status.h"
+#include "core/common/status.h"
 
 namespace strata::storage {
 

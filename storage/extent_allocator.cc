@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_format.h"
-#include "runtime/common/logging.h"
+#include "core/common/logging.h"
 
 namespace strata::storage {
 

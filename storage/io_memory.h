@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <utility>
 
-#include "runtime/common/status.h"
+#include "core/common/status.h"
 
 namespace strata::storage {
 

@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "runtime/common/status.h"
-#include "runtime/device/device.h"
+#include "core/common/status.h"
+#include "core/device/device.h"
 #include "storage/io_memory.h"
 
 namespace strata::storage {

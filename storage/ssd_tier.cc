@@ -10,8 +10,8 @@
 #include <filesystem>
 
 #include "absl/strings/str_format.h"
-#include "runtime/common/clock.h"
-#include "runtime/common/logging.h"
+#include "core/common/clock.h"
+#include "core/common/logging.h"
 #include "storage/crc32c.h"
 #include "storage/io_memory.h"
 

@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/common/status.h"
+#include "core/common/status.h"
 #include "storage/block_io.h"
 #include "storage/extent_allocator.h"
 

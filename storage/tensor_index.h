@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "core/common/status.h"
 #include "proto/storage.pb.h"
-#include "runtime/common/status.h"
 
 namespace rocksdb {
 class DB;

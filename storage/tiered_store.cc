@@ -6,8 +6,8 @@
 #include <tuple>
 
 #include "absl/strings/str_format.h"
-#include "runtime/common/clock.h"
-#include "runtime/common/logging.h"
+#include "core/common/clock.h"
+#include "core/common/logging.h"
 
 namespace strata::storage {
 

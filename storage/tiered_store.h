@@ -50,8 +50,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/common/status.h"
-#include "runtime/device/device.h"
+#include "core/common/status.h"
+#include "core/device/device.h"
 #include "storage/block_io.h"
 #include "storage/slot_arena.h"
 #include "storage/ssd_tier.h"

@@ -15,7 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "proto/config_io.h"
 #include "runtime/model/expert.h"
-#include "runtime/train/trainer.h"
+#include "train/trainer.h"
 
 namespace {
 

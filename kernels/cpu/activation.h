@@ -7,16 +7,14 @@
 
 #include <cstdint>
 
-#include "runtime/common/thread_pool.h"
+#include "core/common/thread_pool.h"
+#include "kernels/vocabulary.h"
 
 namespace strata::cpu {
 
-enum class Activation { kGelu = 0, kRelu = 1, kSwiglu = 2 };
-
-// Width of the pre-activation row for H outputs: 2H for SwiGLU, H otherwise.
-inline int64_t ActivationInputWidth(Activation act, int64_t H) {
-  return act == Activation::kSwiglu ? 2 * H : H;
-}
+// The activations and their input widths (kernels/vocabulary.h).
+using ops::Activation;
+using ops::ActivationInputWidth;
 
 // out [N, H] from inp [N, ActivationInputWidth(act, H)].
 template <typename T>

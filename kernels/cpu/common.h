@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "runtime/common/thread_pool.h"
+#include "core/common/thread_pool.h"
 
 namespace strata::cpu::internal {
 

@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "runtime/common/thread_pool.h"
+#include "core/common/thread_pool.h"
 
 namespace strata::cpu {
 

@@ -4,9 +4,9 @@
 #include <cmath>
 #include <limits>
 
+#include "core/common/logging.h"
+#include "core/common/rng.h"
 #include "kernels/cpu/common.h"
-#include "runtime/common/logging.h"
-#include "runtime/common/rng.h"
 
 namespace strata::cpu {
 
@@ -113,12 +113,6 @@ void moe_router_backward(ThreadPool& pool, T* dlogits, const T* dweight, const T
       for (int64_t e = 0; e < E; ++e) dl[e] = p[e] * (dl[e] - dot) + zt * p[e];
     }
   });
-}
-
-int64_t MoeCapacity(double capacity_factor, int64_t Tn, int k, int64_t E) {
-  if (capacity_factor <= 0) return 0;
-  double c = std::ceil(capacity_factor * static_cast<double>(Tn) * k / static_cast<double>(E));
-  return std::max<int64_t>(1, static_cast<int64_t>(c));
 }
 
 int64_t moe_plan_dispatch(const int32_t* topk_expert, const uint8_t* eligible, int64_t Tn, int k,

@@ -17,7 +17,8 @@
 
 #include <cstdint>
 
-#include "runtime/common/thread_pool.h"
+#include "core/common/thread_pool.h"
+#include "kernels/vocabulary.h"
 
 namespace strata::cpu {
 
@@ -46,9 +47,8 @@ void moe_router_backward(ThreadPool& pool, T* dlogits, const T* dweight, const T
                          const T* lse, const int32_t* topk_expert, const int64_t* top1_counts,
                          int64_t Tn, int64_t E, int k, bool renormalize, T aux_coef, T z_coef);
 
-// Capacity per expert: ceil(capacity_factor * T * k / E), at least 1; 0 when capacity_factor is 0
-// (dropless).
-int64_t MoeCapacity(double capacity_factor, int64_t Tn, int k, int64_t E);
+// Capacity per expert (kernels/vocabulary.h).
+using ops::MoeCapacity;
 
 // Plans the dispatch (serial, O(T k + E)). `eligible` [T, k] may be null; a zero entry means the
 // gate itself chose not to dispatch that choice (GShard random routing) — not counted as a drop.

@@ -7,8 +7,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/common/logging.h"
 #include "kernels/cuda/cuda_ops.h"
-#include "runtime/common/logging.h"
 
 namespace strata::cuda {
 
@@ -67,7 +67,7 @@ struct Backend {
 
 inline unsigned CeilDiv(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
-// The counter-based generator of runtime/common/rng.h, on the device: the same bits for the same
+// The counter-based generator of core/common/rng.h, on the device: the same bits for the same
 // (key, counter), so GPU gates draw exactly what the CPU reference draws.
 __host__ __device__ inline uint64_t RngMix64(uint64_t z) {
   z += 0x9e3779b97f4a7c15ULL;

@@ -16,13 +16,12 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/cpu/activation.h"
-#include "kernels/cpu/optimizer.h"
+#include "kernels/vocabulary.h"
 
 namespace strata::cuda {
 
-using cpu::Activation;
-using cpu::AdamWHyper;
+using ops::Activation;
+using ops::AdamWHyper;
 
 // Execution resources on one GPU: the GPU's compute stream (one per GPU, shared by every thread,
 // so work is ordered by when threads enqueue it), a cuBLAS handle bound to it, and grow-only

@@ -513,7 +513,7 @@ void RmsNormBackward(Backend& b, float* dinp, float* dweight, const float* dout,
 void ActivationForward(Backend& b, Activation act, float* out, const float* inp, int64_t N,
                        int64_t H) {
   if (N == 0 || H == 0) return;
-  const int64_t W = cpu::ActivationInputWidth(act, H);
+  const int64_t W = ops::ActivationInputWidth(act, H);
   ActivationForwardKernel<<<GridFor(N * H), kThreads, 0, b.stream>>>(act, out, nullptr, inp,
                                                                      nullptr, N, H, W);
   STRATA_CUDA_LAUNCH_CHECK();
@@ -522,7 +522,7 @@ void ActivationForward(Backend& b, Activation act, float* out, const float* inp,
 void BiasActivationForward(Backend& b, Activation act, float* out, float* pre, const float* bias,
                            int64_t N, int64_t H) {
   if (N == 0 || H == 0) return;
-  const int64_t W = cpu::ActivationInputWidth(act, H);
+  const int64_t W = ops::ActivationInputWidth(act, H);
   // Each thread reads and rewrites only its own pre-activation(s), so pre is both input and
   // output.
   ActivationForwardKernel<<<GridFor(N * H), kThreads, 0, b.stream>>>(act, out, pre, pre, bias, N, H,
@@ -533,7 +533,7 @@ void BiasActivationForward(Backend& b, Activation act, float* out, float* pre, c
 void ActivationBackward(Backend& b, Activation act, float* dinp, const float* dout,
                         const float* inp, int64_t N, int64_t H, float* dbias) {
   if (N == 0 || H == 0) return;
-  const int64_t W = cpu::ActivationInputWidth(act, H);
+  const int64_t W = ops::ActivationInputWidth(act, H);
   ActivationBackwardKernel<<<GridFor(N * H), kThreads, 0, b.stream>>>(act, dinp, dout, inp, N, H,
                                                                       W);
   STRATA_CUDA_LAUNCH_CHECK();

@@ -15,9 +15,9 @@
 #include <cstring>
 #include <limits>
 
+#include "core/common/rng.h"
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/reduce.cuh"
-#include "runtime/common/rng.h"
 
 namespace strata::cuda {
 namespace {

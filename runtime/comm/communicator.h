@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
+#include "core/common/status.h"
 #include "runtime/comm/store.h"
-#include "runtime/common/status.h"
 
 namespace strata::comm {
 

@@ -13,9 +13,9 @@
 
 #include <memory>
 
+#include "core/common/status.h"
 #include "runtime/comm/communicator.h"
 #include "runtime/comm/store.h"
-#include "runtime/common/status.h"
 
 namespace strata::comm {
 

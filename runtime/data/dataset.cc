@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_format.h"
-#include "runtime/common/rng.h"
+#include "core/common/rng.h"
 
 namespace strata::data {
 

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "core/common/status.h"
 #include "proto/config.pb.h"
-#include "runtime/common/status.h"
 #include "storage/env.h"
 
 namespace strata::data {

@@ -3,7 +3,7 @@
 namespace strata::model {
 
 FfnExpert::FfnExpert(const std::string& prefix, const FfnOptions& o)
-    : options_(o), in_width_(cpu::ActivationInputWidth(o.activation, o.d_hidden)) {
+    : options_(o), in_width_(ops::ActivationInputWidth(o.activation, o.d_hidden)) {
   w1_ = MakeParameter(prefix + ".w1", {in_width_, o.d_model}, Init::kNormal, o.init_std, true,
                       o.device);
   w2_ = MakeParameter(prefix + ".w2", {o.d_model, o.d_hidden}, Init::kNormal, o.out_std, true,

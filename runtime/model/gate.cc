@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "runtime/common/rng.h"
+#include "core/common/rng.h"
 
 namespace strata::model {
 namespace {

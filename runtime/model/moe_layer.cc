@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "kernels/cpu/moe.h"
+#include "kernels/ops.h"
 
 namespace strata::model {
 
@@ -168,7 +168,7 @@ void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, cons
   const int64_t E = num_experts();
   gate_->Forward(ctx, x, call, &routing_);
   const int k = routing_.k;
-  const int64_t capacity = cpu::MoeCapacity(gate_->CapacityFactor(call.training), T, k, E);
+  const int64_t capacity = ops::MoeCapacity(gate_->CapacityFactor(call.training), T, k, E);
   Tensor slot = slot_.Rows(0, T * k).Reshape({T, k});
   ops::MoePlanDispatch(ctx, routing_.expert, routing_.eligible, E, capacity, slot, row_token_,
                        &plan_);

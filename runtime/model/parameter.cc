@@ -1,6 +1,6 @@
 #include "runtime/model/parameter.h"
 
-#include "runtime/common/rng.h"
+#include "core/common/rng.h"
 
 namespace strata::model {
 

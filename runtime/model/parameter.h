@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "core/device/device.h"
 #include "kernels/ops.h"
-#include "runtime/device/device.h"
 
 namespace strata::model {
 

@@ -4,8 +4,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/common/trace.h"
 #include "proto/config_io.h"
-#include "runtime/common/trace.h"
 
 namespace strata::model {
 

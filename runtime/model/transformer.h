@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "core/common/status.h"
 #include "kernels/ops.h"
 #include "proto/config.pb.h"
-#include "runtime/common/status.h"
 #include "runtime/model/expert.h"
 #include "runtime/model/gate.h"
 #include "runtime/model/moe_layer.h"

@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "core/common/rng.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/elementwise.h"
@@ -21,7 +22,6 @@
 #include "kernels/cpu/moe.h"
 #include "kernels/cpu/norm.h"
 #include "kernels/cpu/optimizer.h"
-#include "runtime/common/rng.h"
 
 namespace strata::cpu {
 namespace {

@@ -55,11 +55,11 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "core/common/rng.h"
+#include "core/common/thread_pool.h"
+#include "core/device/device.h"
 #include "kernels/cpu/moe.h"
 #include "kernels/ops.h"
-#include "runtime/common/rng.h"
-#include "runtime/common/thread_pool.h"
-#include "runtime/device/device.h"
 
 // Skips the calling test where there is no GPU (and always in a build without CUDA).
 #define REQUIRE_GPU()                   \
@@ -518,7 +518,7 @@ TEST_F(CudaOpsTest, Activations) {
   for (Activation act : {Activation::kGelu, Activation::kRelu, Activation::kSwiglu}) {
     for (int64_t H : {130, 1024}) {
       SCOPED_TRACE(std::string(ActName(act)) + " H=" + std::to_string(H));
-      const int64_t N = 67, W = cpu::ActivationInputWidth(act, H);
+      const int64_t N = 67, W = ops::ActivationInputWidth(act, H);
       Tensor inp = RandomF32({N, W}, 70, 1.5);
       Tensor inp_g = Up(inp);
 

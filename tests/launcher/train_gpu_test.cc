@@ -8,7 +8,7 @@
 
 #include <cmath>
 
-#include "runtime/device/device.h"
+#include "core/device/device.h"
 #include "tests/test_util.h"
 
 namespace strata {

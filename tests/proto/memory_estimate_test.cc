@@ -5,8 +5,8 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "core/common/thread_pool.h"
 #include "proto/config_io.h"
-#include "runtime/common/thread_pool.h"
 #include "runtime/model/transformer.h"
 
 namespace strata::config {

@@ -54,7 +54,7 @@ TrainRun Train(const config::JobConfig& cfg, const data::TokenDataset& dataset, 
     (*model)->Backward(ctx);
     const double norm = opt.GradNorm(ctx);
     run.norms.push_back(norm);
-    opt.Step(ctx, cfg.train().lr(), cpu::ClipScale(norm, cfg.train().grad_clip()));
+    opt.Step(ctx, cfg.train().lr(), ops::ClipScale(norm, cfg.train().grad_clip()));
   }
   return run;
 }

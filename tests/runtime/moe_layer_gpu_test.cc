@@ -16,7 +16,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/common/rng.h"
+#include "core/common/rng.h"
 #include "runtime/model/moe_layer.h"
 
 namespace strata::model {

@@ -17,7 +17,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/common/rng.h"
+#include "core/common/rng.h"
 #include "runtime/model/adamw.h"
 #include "runtime/model/moe_layer.h"
 #include "runtime/model/transformer.h"
@@ -351,7 +351,7 @@ TEST(ModelAllocationTest, TrainingStepAllocatesNothing) {
       opt.ZeroGrad(ctx);
       (*model)->Forward(ctx, tokens.data(), targets.data(), 4, GateCall{true, s});
       (*model)->Backward(ctx);
-      opt.Step(ctx, 1e-3, cpu::ClipScale(opt.GradNorm(ctx), 1.0));
+      opt.Step(ctx, 1e-3, ops::ClipScale(opt.GradNorm(ctx), 1.0));
       (*model)->Forward(ctx, tokens.data(), targets.data(), 4, GateCall{false, s});  // eval
     }
   };

@@ -12,8 +12,8 @@
 #include <random>
 #include <set>
 
+#include "core/common/thread_pool.h"
 #include "runtime/comm/communicator.h"
-#include "runtime/common/thread_pool.h"
 #include "runtime/model/transformer.h"
 #include "scheduler/data_parallel.h"
 

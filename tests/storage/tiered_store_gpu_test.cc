@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/device/device.h"
+#include "core/device/device.h"
 #include "storage/tiered_store.h"
 #include "tests/test_util.h"
 

@@ -1,10 +1,10 @@
-#include "runtime/common/trace.h"
+#include "core/common/trace.h"
 
 #include <fstream>
 
 #include "absl/strings/str_format.h"
-#include "runtime/common/clock.h"
-#include "runtime/common/json.h"
+#include "core/common/clock.h"
+#include "core/common/json.h"
 
 namespace strata {
 

@@ -14,21 +14,21 @@
 #include <utility>
 #include <vector>
 
+#include "core/common/json.h"
+#include "core/common/status.h"
+#include "core/common/thread_pool.h"
+#include "core/common/trace.h"
 #include "proto/config.pb.h"
 #include "runtime/comm/communicator.h"
 #include "runtime/comm/store.h"
-#include "runtime/common/json.h"
-#include "runtime/common/status.h"
-#include "runtime/common/thread_pool.h"
-#include "runtime/common/trace.h"
 #include "runtime/data/dataset.h"
 #include "runtime/model/adamw.h"
 #include "runtime/model/transformer.h"
-#include "runtime/train/checkpoint.h"
-#include "runtime/train/metrics.h"
 #include "scheduler/data_parallel.h"
 #include "scheduler/expert_parallel.h"
 #include "scheduler/tiered_scheduler.h"
+#include "train/checkpoint.h"
+#include "train/metrics.h"
 
 namespace strata::train {
 

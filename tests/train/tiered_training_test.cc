@@ -6,8 +6,8 @@
 #include <cstring>
 
 #include "proto/config_io.h"
-#include "runtime/train/trainer.h"
 #include "tests/test_util.h"
+#include "train/trainer.h"
 
 namespace strata::train {
 namespace {

@@ -5,8 +5,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/device/cuda_internal.h"
-#include "runtime/device/device.h"
+#include "core/device/cuda_internal.h"
+#include "core/device/device.h"
 
 namespace strata {
 namespace {

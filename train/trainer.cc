@@ -1,4 +1,4 @@
-#include "runtime/train/trainer.h"
+#include "train/trainer.h"
 
 #include <unistd.h>
 
@@ -15,12 +15,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/common/clock.h"
+#include "core/common/json.h"
+#include "core/common/logging.h"
 #include "proto/config_io.h"
 #include "proto/memory_estimate.h"
 #include "runtime/comm/hierarchical.h"
-#include "runtime/common/clock.h"
-#include "runtime/common/json.h"
-#include "runtime/common/logging.h"
 
 namespace strata::train {
 
@@ -530,7 +530,7 @@ StatusOr<StepResult> Trainer::Step() {
   if (scheduler_ && !distributed()) sq += scheduler_->ExpertGradSumSquares();
   r.grad_norm = std::sqrt(sq);
   r.lr = LearningRate(cfg.train(), step_);
-  const double scale = cpu::ClipScale(r.grad_norm, cfg.train().grad_clip());
+  const double scale = ops::ClipScale(r.grad_norm, cfg.train().grad_clip());
   const bool elastic = elastic_steps_ && distributed();
   if (elastic) TakeRollbackCopy();
   {

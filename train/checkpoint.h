@@ -39,9 +39,9 @@
 #include <thread>
 #include <vector>
 
+#include "core/common/status.h"
 #include "proto/config.pb.h"
 #include "proto/storage.pb.h"
-#include "runtime/common/status.h"
 #include "runtime/model/adamw.h"
 #include "runtime/model/transformer.h"
 #include "scheduler/tiered_scheduler.h"

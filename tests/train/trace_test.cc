@@ -9,8 +9,8 @@
 #include "absl/strings/str_cat.h"
 
 #include "proto/config_io.h"
-#include "runtime/train/trainer.h"
 #include "tests/test_util.h"
+#include "train/trainer.h"
 
 namespace strata::train {
 namespace {

@@ -7,11 +7,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/common/clock.h"
-#include "runtime/common/json.h"
-#include "runtime/common/rng.h"
-#include "runtime/common/thread_pool.h"
-#include "runtime/device/device.h"
+#include "core/common/clock.h"
+#include "core/common/json.h"
+#include "core/common/rng.h"
+#include "core/common/thread_pool.h"
+#include "core/device/device.h"
 
 namespace strata {
 namespace {

@@ -1,4 +1,4 @@
-#include "runtime/common/clock.h"
+#include "core/common/clock.h"
 
 #include <cmath>
 #include <cstdio>

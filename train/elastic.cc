@@ -22,9 +22,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "runtime/common/logging.h"
-#include "runtime/train/trainer.h"
+#include "core/common/logging.h"
 #include "scheduler/replan.h"
+#include "train/trainer.h"
 
 namespace strata::train {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <cstddef>
 
-#include "runtime/common/status.h"
+#include "core/common/status.h"
 
 namespace strata::internal {
 

@@ -19,10 +19,10 @@
 #include "absl/strings/str_split.h"
 #include "google/protobuf/text_format.h"
 #include "proto/config_io.h"
-#include "runtime/train/trainer.h"
 #include "storage/crc32c.h"
 #include "storage/tensor_index.h"
 #include "tests/test_util.h"
+#include "train/trainer.h"
 
 namespace strata::train {
 namespace {

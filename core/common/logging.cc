@@ -1,4 +1,4 @@
-#include "runtime/common/logging.h"
+#include "core/common/logging.h"
 
 #include <atomic>
 #include <chrono>

@@ -1,4 +1,4 @@
-#include "runtime/common/json.h"
+#include "core/common/json.h"
 
 #include <cmath>
 #include <cstdio>

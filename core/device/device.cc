@@ -1,4 +1,4 @@
-#include "runtime/device/device.h"
+#include "core/device/device.h"
 
 #include <cctype>
 #include <cstdlib>
@@ -7,7 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
-#include "runtime/device/cuda_internal.h"
+#include "core/device/cuda_internal.h"
 
 namespace strata {
 

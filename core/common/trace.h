@@ -12,7 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/common/status.h"
+#include "core/common/status.h"
 
 namespace strata {
 

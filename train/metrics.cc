@@ -1,4 +1,4 @@
-#include "runtime/train/metrics.h"
+#include "train/metrics.h"
 
 namespace strata::train {
 

@@ -19,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "runtime/common/logging.h"
-#include "runtime/common/status.h"
+#include "core/common/logging.h"
+#include "core/common/status.h"
 
 namespace strata {
 

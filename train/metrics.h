@@ -5,7 +5,7 @@
 #include <memory>
 #include <string>
 
-#include "runtime/common/status.h"
+#include "core/common/status.h"
 #include "storage/env.h"
 
 namespace strata::train {

@@ -1,8 +1,8 @@
-#include "runtime/common/thread_pool.h"
+#include "core/common/thread_pool.h"
 
 #include <algorithm>
 
-#include "runtime/common/logging.h"
+#include "core/common/logging.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>

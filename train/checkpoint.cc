@@ -1,4 +1,4 @@
-#include "runtime/train/checkpoint.h"
+#include "train/checkpoint.h"
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -20,10 +20,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/common/clock.h"
+#include "core/common/logging.h"
+#include "core/common/trace.h"
 #include "google/protobuf/text_format.h"
-#include "runtime/common/clock.h"
-#include "runtime/common/logging.h"
-#include "runtime/common/trace.h"
 #include "storage/crc32c.h"
 #include "storage/env.h"
 
