@@ -182,17 +182,25 @@ Status CoordinatorState::NewGenerationLocked(std::vector<coordinator::WorkerInfo
   coordinator::Generation* g = next.mutable_generation();
   g->set_number(record_.generation().number() + 1);
   g->clear_workers();
+  // Every member re-forms for a new generation anyway: the pending joins come in with it, after
+  // the members (a failure must not leave them waiting for a step boundary that the smaller
+  // generation may never reach, nor out of the record).
+  for (const auto& p : record_.pending()) {
+    if (std::none_of(workers.begin(), workers.end(),
+                     [&](const coordinator::WorkerInfo& w) { return w.id() == p.id(); })) {
+      workers.push_back(p);
+    }
+  }
   const bool enough = static_cast<int>(workers.size()) >= options_.min_workers;
   if (enough) {
     for (auto& w : workers) *g->add_workers() = std::move(w);
     g->set_reason(reason);
   } else {
-    // Too few to train: they wait with the pending joins for more.
+    // Too few to train: they wait (as pending joins) for more.
     next.clear_pending();
-    for (auto& w : workers) *next.add_pending() = std::move(w);
-    for (const auto& w : record_.pending()) *next.add_pending() = w;
     g->set_reason(absl::StrFormat("waiting for workers (%d of at least %d)", workers.size(),
                                   options_.min_workers));
+    for (auto& w : workers) *next.add_pending() = std::move(w);
   }
   g->set_first_step(record_.step());
   if (enough) next.clear_pending();
@@ -361,7 +369,10 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
   const bool first = current == 1 && record_.step() == 0;
   // Step 0 counts as a checkpoint until one is committed: a job that lost state before its first
   // checkpoint starts over from its beginning, which every run shares.
+  // The checkpoint rank 0 was writing counts too: its commit report may still be on its way
+  // while the other members, which went back to it with rank 0, report their start.
   const bool catalogued = (step == 0 && record_.checkpoints_size() == 0) ||
+                          (step > 0 && step == record_.checkpoint_pending()) ||
                           std::find(record_.checkpoints().begin(),
                                                  record_.checkpoints().end(),
                                                  step) != record_.checkpoints().end();

@@ -441,6 +441,49 @@ TEST_F(CoordinatorStateTest, AFinishedJobAdmitsNoJoinerAndIsDoneOnceItsWorkersAr
   EXPECT_TRUE(c->Done());
 }
 
+TEST_F(CoordinatorStateTest, AJoinPendingWhenAMemberFailsComesInWithTheNextGeneration) {
+  auto c = Open(/*initial=*/3, /*min=*/2, /*max=*/4);
+  for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  AllReport(*c, 1, t0_);
+  // r joins and waits for the next step boundary; b dies before one is reached.
+  auto r = c->Join(kToken, Worker("r"), t0_);
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->admitted);
+  ASSERT_TRUE(c->StreamBroken("b", t0_).ok());
+  auto g = c->Snapshot().generation();
+  EXPECT_EQ(g.number(), 2);
+  EXPECT_EQ(Ids(g), (std::vector<std::string>{"a", "c", "r"}));
+  EXPECT_EQ(c->Snapshot().pending_size(), 0);
+}
+
+TEST_F(CoordinatorStateTest, SurvivorsBelowTheMinimumTrainWithThePendingJoins) {
+  auto c = Open(/*initial=*/2, /*min=*/2, /*max=*/3);
+  for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  AllReport(*c, 1, t0_);
+  ASSERT_TRUE(c->Join(kToken, Worker("r"), t0_).ok());  // pending: no boundary yet
+  ASSERT_TRUE(c->StreamBroken("b", t0_).ok());
+  const auto g = c->Snapshot().generation();
+  EXPECT_EQ(Ids(g), (std::vector<std::string>{"a", "r"}));
+  EXPECT_EQ(g.reason(), "failure");
+}
+
+TEST_F(CoordinatorStateTest, AGenerationMayStartAtTheCheckpointRankZeroWasWriting) {
+  auto c = Open(/*initial=*/3, /*min=*/2);
+  for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  for (int step = 1; step <= 4; ++step) AllReport(*c, step, t0_);
+  // Checkpoint 3 was being written when c died; b reports its start at 3 before a's commit
+  // report arrives.
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 3, false).ok());
+  ASSERT_TRUE(c->StreamBroken("c", t0_).ok());
+  EXPECT_EQ(c->ReportStart(kToken, "b", 2, 2, {}, t0_).status().code(),
+            absl::StatusCode::kFailedPrecondition)
+      << "step 2 is no checkpoint";
+  ASSERT_TRUE(c->ReportStart(kToken, "b", 2, 3, {}, t0_).ok());
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 2, 3, true).ok());
+  ASSERT_TRUE(c->ReportStart(kToken, "a", 2, 3, {}, t0_).ok());
+  EXPECT_EQ(c->Snapshot().generation().first_step(), 3);
+}
+
 TEST_F(CoordinatorStateTest, OnlyTheWholeTokenIsAccepted) {
   auto c = Open();
   const std::string token = kToken;
