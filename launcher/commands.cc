@@ -472,7 +472,7 @@ int64_t SteadyMs() {
 }
 
 // Calls `rpc` until the coordinator answers (it may be restarting): UNAVAILABLE,
-// DEADLINE_EXCEEDED and CANCELLED are retried for up to `patience`
+// DEADLINE_EXCEEDED, CANCELLED, UNKNOWN and INTERNAL are retried for up to `patience`
 // (elastic.coordinator_patience_ms), other answers returned as they are. Each failed try stores the time (SteadyMs) in *unreachable_ms.
 template <typename Rpc>
 auto Retrying(const char* what, const std::string& address, std::chrono::milliseconds patience,
@@ -482,10 +482,13 @@ auto Retrying(const char* what, const std::string& address, std::chrono::millise
   while (true) {
     auto r = rpc();
     const absl::StatusCode code = r.status().code();
-    // CANCELLED: the server went away in the middle of the call.
+    // CANCELLED, UNKNOWN, INTERNAL: the server went away in the middle of the call (a connection
+    // reset mid-call surfaces as any of them), or could not write its record for a moment.
     const bool retryable = code == absl::StatusCode::kUnavailable ||
                            code == absl::StatusCode::kDeadlineExceeded ||
-                           code == absl::StatusCode::kCancelled;
+                           code == absl::StatusCode::kCancelled ||
+                           code == absl::StatusCode::kUnknown ||
+                           code == absl::StatusCode::kInternal;
     if (r.ok() || !retryable || std::chrono::steady_clock::now() > deadline) {
       if (!r.ok() && told) {
         return decltype(rpc())(absl::UnavailableError(absl::StrFormat(
@@ -852,6 +855,10 @@ int JoinAndTrain(const Flags& flags) {
       if (comm_error && unreachable_ms.load() > 0) {
         // Never past patience from the failure, however the coordinator comes and goes.
         wait_until = std::min(std::max(wait_until, settled_after_restart()), failed_at + patience);
+      }
+      if (!now.ok()) {
+        STRATA_LOG(WARNING) << "worker " << id << ": asking " << address
+                            << " for the next generation failed: " << now.status();
       }
       if (newer || !now.ok() || std::chrono::steady_clock::now() >= wait_until) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
