@@ -72,14 +72,14 @@ class Job {
     // The coordinator records the job's config and hands it to the workers.
     const std::string job =
         "name: \"bench_elastic\"\n"
-           "model { vocab_size: 256 seq_len: 64 d_model: 128 n_layers: 4 n_heads: 4\n"
-           "        moe { num_experts: 16 top_k: 2 d_expert: 128\n"
-           "              gate { capacity_factor_train: 0 capacity_factor_eval: 0 } } }\n"
-           "data { path: \"corpus.txt\" format: BYTES }\n"
-           "train { steps: 1000000 global_batch: 32 lr: 0.003 warmup_steps: 20 eval_every: 0 "
-           "log_every: 1000000 }\n"
-           "elastic { replicas: 1 }\n"
-           "checkpoint { every: 20 dir: \"ckpt\" keep: 2 }\n";
+        "model { vocab_size: 256 seq_len: 64 d_model: 128 n_layers: 4 n_heads: 4\n"
+        "        moe { num_experts: 16 top_k: 2 d_expert: 128\n"
+        "              gate { capacity_factor_train: 0 capacity_factor_eval: 0 } } }\n"
+        "data { path: \"corpus.txt\" format: BYTES }\n"
+        "train { steps: 1000000 global_batch: 32 lr: 0.003 warmup_steps: 20 eval_every: 0 "
+        "log_every: 1000000 }\n"
+        "elastic { replicas: 1 }\n"
+        "checkpoint { every: 20 dir: \"ckpt\" keep: 2 }\n";
     std::ofstream(dir + "/job.textproto") << job;
     launcher::CoordinatorOptions co;
     co.dir = dir + "/coordinator";
@@ -103,10 +103,10 @@ class Job {
   }
 
   void Start(const std::string& id) {
-    const std::string cmd = absl::StrCat("cd ", dir_, " && STRATA_JOB_TOKEN=bench-token exec ",
-                                         strata_, " worker --coordinator ", server_->address(),
-                                         " --quiet --threads ", o_.threads,
-                                         " --id ", id, " > ", id, ".log 2>&1");
+    const std::string cmd =
+        absl::StrCat("cd ", dir_, " && STRATA_JOB_TOKEN=bench-token exec ", strata_,
+                     " worker --coordinator ", server_->address(), " --quiet --threads ",
+                     o_.threads, " --id ", id, " > ", id, ".log 2>&1");
     const pid_t pid = fork();
     if (pid == 0) {
       execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));

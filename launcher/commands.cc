@@ -473,7 +473,8 @@ int64_t SteadyMs() {
 
 // Calls `rpc` until the coordinator answers (it may be restarting): UNAVAILABLE,
 // DEADLINE_EXCEEDED, CANCELLED, UNKNOWN and INTERNAL are retried for up to `patience`
-// (elastic.coordinator_patience_ms), other answers returned as they are. Each failed try stores the time (SteadyMs) in *unreachable_ms.
+// (elastic.coordinator_patience_ms), other answers returned as they are. Each failed try stores the
+// time (SteadyMs) in *unreachable_ms.
 template <typename Rpc>
 auto Retrying(const char* what, const std::string& address, std::chrono::milliseconds patience,
               Rpc rpc, std::atomic<int64_t>* unreachable_ms = nullptr) -> decltype(rpc()) {
@@ -484,11 +485,10 @@ auto Retrying(const char* what, const std::string& address, std::chrono::millise
     const absl::StatusCode code = r.status().code();
     // CANCELLED, UNKNOWN, INTERNAL: the server went away in the middle of the call (a connection
     // reset mid-call surfaces as any of them), or could not write its record for a moment.
-    const bool retryable = code == absl::StatusCode::kUnavailable ||
-                           code == absl::StatusCode::kDeadlineExceeded ||
-                           code == absl::StatusCode::kCancelled ||
-                           code == absl::StatusCode::kUnknown ||
-                           code == absl::StatusCode::kInternal;
+    const bool retryable =
+        code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded ||
+        code == absl::StatusCode::kCancelled || code == absl::StatusCode::kUnknown ||
+        code == absl::StatusCode::kInternal;
     if (r.ok() || !retryable || std::chrono::steady_clock::now() > deadline) {
       if (!r.ok() && told) {
         return decltype(rpc())(absl::UnavailableError(absl::StrFormat(
@@ -514,8 +514,7 @@ auto Retrying(const char* what, const std::string& address, std::chrono::millise
 // agree with the job's on everything else. Job settings given as flags (--steps,
 // --checkpoint-dir, --checkpoint-every) must agree with the job's too.
 StatusOr<config::JobConfig> WorkerConfig(const Flags& flags, const Overrides& o,
-                                         const std::string& job_text,
-                                         const std::string& address) {
+                                         const std::string& job_text, const std::string& address) {
   const std::string source = absl::StrFormat("the job config of the coordinator at %s", address);
   if (job_text.empty()) {
     return absl::FailedPreconditionError(absl::StrFormat(
@@ -545,8 +544,8 @@ StatusOr<config::JobConfig> WorkerConfig(const Flags& flags, const Overrides& o,
         "Drop %s to train with the job's config (train.threads, train.device, data.path and "
         "storage.ssd_dir may "
         "differ: --threads, --device, --data)",
-        flags.Has("config") ? "--config " + *flags.String("config") : std::string("flags"),
-        address, absl::StrJoin(diff, "\n  "),
+        flags.Has("config") ? "--config " + *flags.String("config") : std::string("flags"), address,
+        absl::StrJoin(diff, "\n  "),
         flags.Has("config") ? "--config" : std::string("the job-level flags")));
   }
   config::JobConfig cfg = job;
@@ -575,9 +574,10 @@ int JoinAndTrain(const Flags& flags) {
   if (!connected.ok()) return Fail(connected.status());
   CoordinatorClient& client = **connected;
   // The job's config is the coordinator's: read it first (the coordinator may be restarting).
-  auto record = Retrying("reading the job's config", address,
-                         std::chrono::milliseconds(config::ElasticConfig().coordinator_patience_ms()),
-                         [&] { return client.GetStatus(); });
+  auto record =
+      Retrying("reading the job's config", address,
+               std::chrono::milliseconds(config::ElasticConfig().coordinator_patience_ms()),
+               [&] { return client.GetStatus(); });
   if (!record.ok()) return Fail(record.status());
   if (record->finished()) {
     std::printf("the job at %s already finished (step %lld); nothing to join\n", address.c_str(),
@@ -619,8 +619,8 @@ int JoinAndTrain(const Flags& flags) {
        std::chrono::steady_clock::now() < full_until;
        told = true) {
     if (!told) {
-      STRATA_LOG(INFO) << "worker " << id << ": " << joined.status().message()
-                       << "; waiting up to " << patience.count() / 1000 << " s for a place";
+      STRATA_LOG(INFO) << "worker " << id << ": " << joined.status().message() << "; waiting up to "
+                       << patience.count() / 1000 << " s for a place";
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     joined = Retrying("joining", address, patience, join);
@@ -628,8 +628,8 @@ int JoinAndTrain(const Flags& flags) {
   if (!joined.ok()) {
     // A job that finished while this worker waited has nothing to join: not a failure.
     if (auto st = client.GetStatus(); st.ok() && st->finished()) {
-      std::printf("the job at %s finished (step %lld) before this worker got in\n",
-                  address.c_str(), static_cast<long long>(st->step()));
+      std::printf("the job at %s finished (step %lld) before this worker got in\n", address.c_str(),
+                  static_cast<long long>(st->step()));
       return 0;
     }
     return Fail(joined.status());
@@ -652,8 +652,9 @@ int JoinAndTrain(const Flags& flags) {
         }
       }
       ASSIGN_OR_RETURN(coordinator::Generation g,
-                       Retrying("heartbeat", address, patience,
-                                [&] { return client.Heartbeat(id); }, &unreachable_ms));
+                       Retrying(
+                           "heartbeat", address, patience, [&] { return client.Heartbeat(id); },
+                           &unreachable_ms));
       *rank = -1;
       for (int i = 0; i < g.workers_size(); ++i) {
         if (g.workers(i).id() == id) *rank = i;
@@ -835,10 +836,11 @@ int JoinAndTrain(const Flags& flags) {
                             s.code() == absl::StatusCode::kAborted;
     const std::chrono::milliseconds detect = 2 * heartbeat_timeout + std::chrono::seconds(1);
     const auto failed_at = std::chrono::steady_clock::now();
-    auto wait_until = std::chrono::steady_clock::now() +
-                      (comm_error ? detect : std::chrono::milliseconds(0));
+    auto wait_until =
+        std::chrono::steady_clock::now() + (comm_error ? detect : std::chrono::milliseconds(0));
     auto settled_after_restart = [&] {
-      return std::chrono::steady_clock::time_point(std::chrono::milliseconds(unreachable_ms.load())) +
+      return std::chrono::steady_clock::time_point(
+                 std::chrono::milliseconds(unreachable_ms.load())) +
              restart_grace + detect;
     };
     // A worker that finished the job's last step ended it: this one's failed step is moot.
@@ -956,8 +958,9 @@ Status KeepToken(const std::string& dir, const std::string& token) {
   // Created readable by this user only from the start; written whole or not at all.
   const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   const std::string line = token + "\n";
-  const bool written = fd >= 0 && write(fd, line.data(), line.size()) ==
-                                      static_cast<ssize_t>(line.size()) && fsync(fd) == 0;
+  const bool written = fd >= 0 &&
+                       write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) &&
+                       fsync(fd) == 0;
   const int err = errno;
   if (fd >= 0) close(fd);
   if (!written) {
@@ -1089,8 +1092,9 @@ int LaunchCommand(const std::vector<std::string>& args) {
     }
     std::vector<pid_t> pids;
     for (int i = 0; i < n; ++i) {
-      std::vector<std::string> argv = {"strata", "worker", "--coordinator", address,
-                                       "--id",   absl::StrCat("worker-", i), "--quiet"};
+      std::vector<std::string> argv = {"strata", "worker", "--coordinator",
+                                       address,  "--id",   absl::StrCat("worker-", i),
+                                       "--quiet"};
       if (*threads) argv.insert(argv.end(), {"--threads", absl::StrCat(**threads)});
       if (auto m = flags->String("metrics-out")) {
         argv.insert(argv.end(), {"--metrics-out", absl::StrCat(*m, ".", i)});
@@ -1243,11 +1247,12 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
     if (in && std::getline(in, token)) token = std::string(absl::StripAsciiWhitespace(token));
   }
   if (token.empty()) {
-    return UsageError(absl::InvalidArgumentError(absl::StrFormat(
-                          "give the job token with --token-file FILE or $STRATA_JOB_TOKEN (%s/token "
-                          "holds none)",
-                          dir)),
-                      "coordinator", CoordinatorFlags());
+    return UsageError(
+        absl::InvalidArgumentError(absl::StrFormat(
+            "give the job token with --token-file FILE or $STRATA_JOB_TOKEN (%s/token "
+            "holds none)",
+            dir)),
+        "coordinator", CoordinatorFlags());
   }
   auto record = CoordinatorState::ReadRecord(dir);
   if (!record.ok()) return Fail(record.status());
@@ -1256,8 +1261,8 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
   // else --config FILE with the job-level flags.
   config::JobConfig cfg;
   if (resumed) {
-    auto parsed = config::ParseJobConfig((*record)->job_config(),
-                                         absl::StrFormat("the job config recorded in '%s'", dir), "");
+    auto parsed = config::ParseJobConfig(
+        (*record)->job_config(), absl::StrFormat("the job config recorded in '%s'", dir), "");
     if (!parsed.ok()) return Fail(parsed.status());
     cfg = *parsed;
     if (!flags->Has("config")) {
@@ -1310,7 +1315,8 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
           : std::max(el.max_workers() > 0 ? el.max_workers() : o.initial_workers, members)));
   if (resumed && kept.generation().number() > 0) {
     // The first generation formed long ago: its size only has to fit the other bounds.
-    o.initial_workers = std::clamp(o.initial_workers, o.min_workers, std::max(o.min_workers, o.max_workers));
+    o.initial_workers =
+        std::clamp(o.initial_workers, o.min_workers, std::max(o.min_workers, o.max_workers));
   }
   // TLS: the flags, else the record's certificate files.
   o.tls_cert = flags->String("tls-cert").value_or(kept.tls_cert());
@@ -1321,9 +1327,10 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
     return Fail(range);
   }
   if (kept.finished() && !flags->Has("keep-serving")) {
-    std::printf("the job in %s finished at step %lld; nothing to serve (--keep-serving serves its "
-                "status anyway)\n",
-                dir.c_str(), static_cast<long long>(kept.step()));
+    std::printf(
+        "the job in %s finished at step %lld; nothing to serve (--keep-serving serves its "
+        "status anyway)\n",
+        dir.c_str(), static_cast<long long>(kept.step()));
     return 0;
   }
   auto state = CoordinatorState::Open(o, config::ToText(cfg), std::chrono::steady_clock::now());
@@ -1346,8 +1353,8 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
       "coordinator listening on %s (%s: generation %lld, step %lld, workers %d to %d, record in "
       "%s)\n",
       (*server)->address().c_str(), resumed ? "resumed" : "new job",
-              static_cast<long long>(snapshot.generation().number()),
-              static_cast<long long>(snapshot.step()), o.min_workers, o.max_workers, dir.c_str());
+      static_cast<long long>(snapshot.generation().number()),
+      static_cast<long long>(snapshot.step()), o.min_workers, o.max_workers, dir.c_str());
   std::fflush(stdout);
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
@@ -1385,8 +1392,7 @@ int StatusCommand(const std::vector<std::string>& args) {
   if (!flags.ok()) return UsageError(flags.status(), "status", specs);
   auto token = TokenFrom(*flags);
   if (!token.ok()) return Fail(token.status());
-  auto client =
-      CoordinatorClient::Connect(args[0], *token, flags->String("tls-ca").value_or(""));
+  auto client = CoordinatorClient::Connect(args[0], *token, flags->String("tls-ca").value_or(""));
   if (!client.ok()) return Fail(client.status());
   auto r = (*client)->GetStatus();
   if (!r.ok()) return Fail(r.status());

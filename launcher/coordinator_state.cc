@@ -230,8 +230,7 @@ StatusOr<CoordinatorState::JoinReply> CoordinatorState::Join(const std::string& 
   std::lock_guard<std::mutex> lock(mu_);
   if (record_.finished()) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "the job finished at step %d; worker '%s' has nothing to join", record_.step(),
-        info.id()));
+        "the job finished at step %d; worker '%s' has nothing to join", record_.step(), info.id()));
   }
   if (options_.check_config) RETURN_IF_ERROR(options_.check_config(record_.job_config(), info));
   const bool pending = std::any_of(record_.pending().begin(), record_.pending().end(),
@@ -373,9 +372,8 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
   // while the other members, which went back to it with rank 0, report their start.
   const bool catalogued = (step == 0 && record_.checkpoints_size() == 0) ||
                           (step > 0 && step == record_.checkpoint_pending()) ||
-                          std::find(record_.checkpoints().begin(),
-                                                 record_.checkpoints().end(),
-                                                 step) != record_.checkpoints().end();
+                          std::find(record_.checkpoints().begin(), record_.checkpoints().end(),
+                                    step) != record_.checkpoints().end();
   if (!first && !(catalogued && step <= record_.step()) &&
       (step < record_.step() || step > record_.step() + 1)) {
     return absl::FailedPreconditionError(absl::StrFormat(

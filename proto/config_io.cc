@@ -208,9 +208,9 @@ void ValidateModel(const JobConfig& c, Validator& v) {
   v.Require(Finite(m.norm_eps()) && m.norm_eps() > 0, {"model", "norm_eps"},
             "norm_eps must be a positive number");
   // d_ff left at 0 with an out-of-range d_model stays 0 (see Normalize): d_model is the error.
-  v.Require(InRange(m.d_ff(), 1, kMaxHidden) || (m.d_ff() == 0 && !d_model_ok), {"model", "d_ff"},
-            absl::StrCat("d_ff = ", m.d_ff(), " must be in [1, ", kMaxHidden,
-                         "] (0 means 4 * d_model)"));
+  v.Require(
+      InRange(m.d_ff(), 1, kMaxHidden) || (m.d_ff() == 0 && !d_model_ok), {"model", "d_ff"},
+      absl::StrCat("d_ff = ", m.d_ff(), " must be in [1, ", kMaxHidden, "] (0 means 4 * d_model)"));
   v.Require(InRange(m.moe_every(), 0, kMaxLayers), {"model", "moe_every"},
             absl::StrCat("moe_every = ", m.moe_every(), " must be 0 (no MoE) or in [1, ",
                          kMaxLayers, "]"));
@@ -271,15 +271,14 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
   const TrainConfig& t = c.train();
   v.Require(InRange(t.steps(), 1, kMaxSteps), {"train", "steps"},
             absl::StrCat("steps = ", t.steps(), " must be in [1, ", kMaxSteps, "]"));
-  v.Require(InRange(t.global_batch(), 1, kMaxGlobalBatch), {"train", "global_batch"},
-            absl::StrCat("global_batch = ", t.global_batch(), " must be in [1, ",
-                         kMaxGlobalBatch, "]"));
+  v.Require(
+      InRange(t.global_batch(), 1, kMaxGlobalBatch), {"train", "global_batch"},
+      absl::StrCat("global_batch = ", t.global_batch(), " must be in [1, ", kMaxGlobalBatch, "]"));
   const int64_t tokens = int64_t{t.global_batch()} * m.seq_len();
-  v.Require(tokens <= kMaxTokensPerStep || t.global_batch() > kMaxGlobalBatch,
-            {"train", "global_batch"},
-            absl::StrCat("global_batch * model.seq_len = ", tokens,
-                         " tokens per step is more than ", kMaxTokensPerStep,
-                         "; lower global_batch or model.seq_len"));
+  v.Require(
+      tokens <= kMaxTokensPerStep || t.global_batch() > kMaxGlobalBatch, {"train", "global_batch"},
+      absl::StrCat("global_batch * model.seq_len = ", tokens, " tokens per step is more than ",
+                   kMaxTokensPerStep, "; lower global_batch or model.seq_len"));
   v.Require(Finite(t.lr()) && t.lr() > 0, {"train", "lr"}, "lr must be a positive number");
   v.Require(InRange(t.warmup_steps(), 0, kMaxSteps), {"train", "warmup_steps"},
             absl::StrCat("warmup_steps = ", t.warmup_steps(), " must be in [0, ", kMaxSteps, "]"));
@@ -298,8 +297,8 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
   v.Require(InRange(t.eval_every(), 0, kMaxSteps), {"train", "eval_every"},
             absl::StrCat("eval_every = ", t.eval_every(), " must be in [0, ", kMaxSteps, "]"));
   v.Require(InRange(t.eval_batches(), 1, kMaxEvalBatches), {"train", "eval_batches"},
-            absl::StrCat("eval_batches = ", t.eval_batches(), " must be in [1, ",
-                         kMaxEvalBatches, "] (each evaluation runs this many global batches)"));
+            absl::StrCat("eval_batches = ", t.eval_batches(), " must be in [1, ", kMaxEvalBatches,
+                         "] (each evaluation runs this many global batches)"));
   v.Require(InRange(t.log_every(), 1, kMaxSteps), {"train", "log_every"},
             absl::StrCat("log_every = ", t.log_every(), " must be in [1, ", kMaxSteps, "]"));
   v.Require(t.threads() >= 0 && t.threads() <= 1024, {"train", "threads"},
@@ -373,11 +372,11 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
             "replicas must be in [0, 8] (0: no buddy copies)");
   v.Require(el.heartbeat_timeout_ms() <= 600'000, {"elastic", "heartbeat_timeout_ms"},
             "heartbeat_timeout_ms must be at most 600000 (ten minutes)");
-  v.Require(el.restart_grace_ms() >= el.heartbeat_timeout_ms() &&
-                el.restart_grace_ms() <= 3'600'000,
-            {"elastic", "restart_grace_ms"},
-            "restart_grace_ms must be in [heartbeat_timeout_ms, 3600000]: a restarted "
-            "coordinator gives its members at least one heartbeat timeout to reconnect");
+  v.Require(
+      el.restart_grace_ms() >= el.heartbeat_timeout_ms() && el.restart_grace_ms() <= 3'600'000,
+      {"elastic", "restart_grace_ms"},
+      "restart_grace_ms must be in [heartbeat_timeout_ms, 3600000]: a restarted "
+      "coordinator gives its members at least one heartbeat timeout to reconnect");
   v.Require(static_cast<uint64_t>(el.coordinator_patience_ms()) >
                     static_cast<uint64_t>(el.restart_grace_ms()) + el.heartbeat_timeout_ms() &&
                 el.coordinator_patience_ms() <= 86'400'000,
@@ -516,8 +515,8 @@ StatusOr<JobConfig> LoadJobConfig(const std::string& path) {
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
   if (ec || !fs::exists(st)) {
-    return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "': ",
-                                            ec ? ec.message() : "no such file",
+    return absl::NotFoundError(absl::StrCat("cannot read config file '", path,
+                                            "': ", ec ? ec.message() : "no such file",
                                             "; pass an existing .textproto with --config"));
   }
   if (fs::is_directory(st)) {

@@ -89,15 +89,15 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
   const ModelConfig& m = config.model();
   const MoeConfig& moe = m.moe();
   const bool ln = m.norm() == ModelConfig::LAYER_NORM;
-  const uint64_t V = U(m.vocab_size()), T = U(m.seq_len()), C = U(m.d_model()),
-                 L = U(m.n_layers()), NH = U(m.n_heads()), E = U(moe.num_experts()),
-                 k = U(moe.top_k()), B = U(config.train().global_batch());
+  const uint64_t V = U(m.vocab_size()), T = U(m.seq_len()), C = U(m.d_model()), L = U(m.n_layers()),
+                 NH = U(m.n_heads()), E = U(moe.num_experts()), k = U(moe.top_k()),
+                 B = U(config.train().global_batch());
   const uint64_t N = Mul(B, T);  // tokens of a batch
 
   // Parameters, as runtime/model builds them.
-  uint64_t dense = Add(Mul(V, C), Mul(T, C));                // wte, wpe
-  dense = Add(dense, ln ? Mul(2, C) : C);                    // final norm
-  if (!m.tie_embeddings()) dense = Add(dense, Mul(V, C));    // lm_head
+  uint64_t dense = Add(Mul(V, C), Mul(T, C));               // wte, wpe
+  dense = Add(dense, ln ? Mul(2, C) : C);                   // final norm
+  if (!m.tie_embeddings()) dense = Add(dense, Mul(V, C));   // lm_head
   const uint64_t block = Add(Add(Mul(4, C, C), Mul(4, C)),  // qkv and proj, with biases
                              ln ? Mul(4, C) : Mul(2, C));   // ln1, ln2
   const bool noisy = moe.gate().type() == GateConfig::NOISY_TOP_K;
@@ -114,9 +114,9 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
   // Activations, as runtime/model allocates them for max_batch = global_batch sequences.
   // The model: token ids and targets, L + 1 residuals, final norm, logits, backward scratch.
   uint64_t act = Add(Mul(2, N), Mul(Add(L, 1), N, C));
-  act = Add(act, Add(Mul(N, C), Mul(2, N)));       // lnf out, mean, rstd
-  act = Add(act, Mul(N, V));                       // logits
-  act = Add(act, Mul(6, N, C));                    // dres, dln, datt, dqkv (3C)
+  act = Add(act, Add(Mul(N, C), Mul(2, N)));  // lnf out, mean, rstd
+  act = Add(act, Mul(N, V));                  // logits
+  act = Add(act, Mul(6, N, C));               // dres, dln, datt, dqkv (3C)
   // Every block: ln1/ln2 out, mean, rstd; qkv (3C); attention matrix; attention out; x_mid;
   // ffn out.
   const uint64_t per_block = Add(Add(Mul(8, N, C), Mul(4, N)), Mul(Mul(B, NH), Mul(T, T)));
@@ -173,7 +173,8 @@ MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers) {
   // The activations of the worker's share of the batch.
   JobConfig share = config;
   const uint64_t B = U(config.train().global_batch());
-  share.mutable_train()->set_global_batch(static_cast<int32_t>(std::max<uint64_t>(1, (B + W - 1) / W)));
+  share.mutable_train()->set_global_batch(
+      static_cast<int32_t>(std::max<uint64_t>(1, (B + W - 1) / W)));
   MemoryEstimate e = EstimateMemory(share);
   // The experts of its expert-parallel group's share: ceil(E / G) of every MoE layer.
   const uint64_t E = U(config.model().moe().num_experts());
@@ -188,7 +189,8 @@ MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers) {
     const uint64_t device_tier = st.device_budget_bytes() > 0
                                      ? Sub(st.device_budget_bytes(), e.dense_state_bytes)
                                      : held_state;
-    e.store_bytes = Add(device_tier, st.host_budget_bytes() > 0 ? st.host_budget_bytes() : held_state);
+    e.store_bytes =
+        Add(device_tier, st.host_budget_bytes() > 0 ? st.host_budget_bytes() : held_state);
   } else {
     e.parameter_bytes = e.gradient_bytes = Mul(4, Add(dense, held));
     e.optimizer_bytes = Mul(8, Add(dense, held));
@@ -209,7 +211,8 @@ std::string FormatMemoryEstimate(const MemoryEstimate& e) {
       "memory: %s in all%s = parameters %s + gradients %s + AdamW moments %s + activations %s",
       Count(e.parameters()), Count(e.dense_parameters), Count(e.expert_parameters),
       FormatBytes(e.total_bytes), e.on_gpu ? " on the GPU" : "", FormatBytes(e.parameter_bytes),
-      FormatBytes(e.gradient_bytes), FormatBytes(e.optimizer_bytes), FormatBytes(e.activation_bytes));
+      FormatBytes(e.gradient_bytes), FormatBytes(e.optimizer_bytes),
+      FormatBytes(e.activation_bytes));
   if (e.full_copy_bytes > 0) {
     absl::StrAppend(&out, " + rank 0's full model copy ", FormatBytes(e.full_copy_bytes));
   }
@@ -283,8 +286,8 @@ Status CheckMemory(const JobConfig& config, const MemoryEstimate& e, uint64_t av
       "machine has %s available (MemAvailable and the cgroup limit):\n  %s%s",
       source, FormatBytes(need),
       processes > 1 ? absl::StrFormat("%d processes, each ", processes) : std::string(),
-      FormatBytes(e.total_bytes), FormatBytes(kProcessOverheadBytes),
-      FormatBytes(available_bytes), figures, advice));
+      FormatBytes(e.total_bytes), FormatBytes(kProcessOverheadBytes), FormatBytes(available_bytes),
+      figures, advice));
 }
 
 }  // namespace strata::config

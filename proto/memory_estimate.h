@@ -51,7 +51,7 @@ struct MemoryEstimate {
   // moments (writing checkpoints, restoring lost state); counted for every worker, since any may
   // become rank 0.
   uint64_t full_copy_bytes = 0;
-  uint64_t total_bytes = 0;       // the sum of the six above
+  uint64_t total_bytes = 0;  // the sum of the six above
 
   // TIERED: expert weights, gradients and Adam moments, held on the SSD tier.
   uint64_t expert_state_bytes = 0;

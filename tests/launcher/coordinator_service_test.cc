@@ -295,8 +295,8 @@ TEST(CoordinatorAttachTest, AKilledWorkerFailsAtOnceAFinishedOneDoesNot) {
     o.token = kToken;
     o.heartbeat_timeout = milliseconds(30000);
     // The job's config is the coordinator's: the worker reads it from there.
-    auto state = CoordinatorState::Open(o, config(kill_it ? 1000000 : 3),
-                                        std::chrono::steady_clock::now());
+    auto state =
+        CoordinatorState::Open(o, config(kill_it ? 1000000 : 3), std::chrono::steady_clock::now());
     ASSERT_TRUE(state.ok()) << state.status();
     auto server = CoordinatorServer::Start(state->get(), "127.0.0.1:0");
     ASSERT_TRUE(server.ok()) << server.status();

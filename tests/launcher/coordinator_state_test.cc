@@ -367,7 +367,8 @@ TEST_F(CoordinatorStateTest, AMemberLostWhileNoCoordinatorRanIsFoundWhenTheResta
   ASSERT_TRUE(opened.ok()) << opened.status();
   auto& c = *opened;
   for (int ms = 500; ms <= 5900; ms += 500) {
-    for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Heartbeat(kToken, id, t0_ + milliseconds(ms)).ok());
+    for (const char* id : {"a", "b"})
+      ASSERT_TRUE(c->Heartbeat(kToken, id, t0_ + milliseconds(ms)).ok());
     auto failed = c->Tick(t0_ + milliseconds(ms));
     ASSERT_TRUE(failed.ok());
     ASSERT_EQ(*failed, 0) << "at " << ms << " ms, within the grace";
@@ -490,8 +491,7 @@ TEST_F(CoordinatorStateTest, OnlyTheWholeTokenIsAccepted) {
   for (const std::string& wrong :
        {std::string(), token.substr(0, token.size() - 1), token + "4", token + std::string(1, '\0'),
         std::string(token.size(), 'x'), std::string("Job-token-123")}) {
-    EXPECT_EQ(c->Join(wrong, Worker("a"), t0_).status().code(),
-              absl::StatusCode::kUnauthenticated)
+    EXPECT_EQ(c->Join(wrong, Worker("a"), t0_).status().code(), absl::StatusCode::kUnauthenticated)
         << "'" << wrong << "'";
   }
   EXPECT_TRUE(c->Join(token, Worker("a"), t0_).ok());
