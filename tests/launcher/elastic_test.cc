@@ -515,11 +515,12 @@ std::string AddAWorkerLine(const std::string& out) {
 }
 
 TEST_F(ElasticTest, TheAddAWorkerLineStartsAWorkerOfTheJobAsLaunched) {
-  // The file says 40 steps and no checkpoints; the launch says 60 steps and a checkpoint every 10
-  // into ckpt. A replacement started from the printed line must train the launched job: to step
-  // 60, writing the same checkpoints (a replacement with the file's settings stopped the job at
-  // 40, or broke it at the next checkpoint).
-  constexpr int kFileSteps = 40, kSteps = 60;
+  // The file says 40 steps and no checkpoints; the launch says 300 steps and a checkpoint every
+  // 10 into ckpt. A replacement started from the printed line must train the launched job: to
+  // step 300, writing the same checkpoints (a replacement with the file's settings stopped the job
+  // at 40, or broke it at the next checkpoint). The survivor alone runs fast: 300 steps leave the
+  // replacement time to get in even on a loaded machine.
+  constexpr int kFileSteps = 40, kSteps = 300;
   WriteFile(dir_.File("job.textproto"), Config(kFileSteps));
   const std::string log = dir_.File("launch.log");
   const pid_t launch = Launch(
