@@ -568,8 +568,8 @@ Status Trainer::LoadCheckpointAsCopy(bool or_beginning) {
     RETURN_IF_ERROR(EnsureFullModel());
   } else {
     RETURN_IF_ERROR(EnsureFullModel());
-    ASSIGN_OR_RETURN(step, checkpoints_->Resume(options_.config, *full_model_, *full_optimizer_,
-                                                nullptr, ctx_));
+    ASSIGN_OR_RETURN(
+        step, checkpoints_->Resume(options_.config, *full_model_, *full_optimizer_, nullptr, ctx_));
   }
   const size_t S = ExpertBlobFloats();
   rollback_.version = step;

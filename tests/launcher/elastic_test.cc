@@ -510,9 +510,7 @@ TEST_F(ElasticTest, AWorkerRangeTheBatchOrTheExpertsCannotCoverIsRefusedUpFront)
 }
 
 // The launch's "add a worker" line, as printed (the command after "add a worker: ").
-std::string AddAWorkerLine(const std::string& out) {
-  return Between(out, "add a worker: ", "\n");
-}
+std::string AddAWorkerLine(const std::string& out) { return Between(out, "add a worker: ", "\n"); }
 
 TEST_F(ElasticTest, TheAddAWorkerLineStartsAWorkerOfTheJobAsLaunched) {
   // The file says 40 steps and no checkpoints; the launch says 300 steps and a checkpoint every
@@ -523,10 +521,9 @@ TEST_F(ElasticTest, TheAddAWorkerLineStartsAWorkerOfTheJobAsLaunched) {
   constexpr int kFileSteps = 40, kSteps = 300;
   WriteFile(dir_.File("job.textproto"), Config(kFileSteps));
   const std::string log = dir_.File("launch.log");
-  const pid_t launch = Launch(
-      absl::StrCat("--workers 2 --max-workers 2 --threads 1 --steps ", kSteps,
-                   " --checkpoint-dir ckpt --checkpoint-every 10"),
-      log);
+  const pid_t launch = Launch(absl::StrCat("--workers 2 --max-workers 2 --threads 1 --steps ",
+                                           kSteps, " --checkpoint-dir ckpt --checkpoint-every 10"),
+                              log);
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.1")) >= 12; }, "step 12", log);
   const std::string line = AddAWorkerLine(ReadFile(log));
   ASSERT_FALSE(line.empty()) << ReadFile(log);
@@ -563,13 +560,12 @@ TEST_F(ElasticTest, AJoinerWithAnotherConfigIsRefusedAndTheJobGoesOn) {
   const pid_t launch = Launch("--workers 2 --max-workers 3", log);
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.0")) >= 5; }, "step 5", log);
   const std::string address = AddressIn(ReadFile(log));
-  for (const auto& [file, field] :
-       std::vector<std::pair<std::string, std::string>>{
+  for (const auto& [file, field] : std::vector<std::pair<std::string, std::string>>{
            {"other_model.textproto", "model.d_model: 32 (job) vs 48 (this worker)"},
            {"other_lr.textproto", "train.lr: 0.004 (job) vs 0.04 (this worker)"}}) {
     auto r = RunCommand(absl::StrCat("cd ", dir_.path(), " && STRATA_JOB_TOKEN=$(cat coord/token) ",
-                                     kStrata, " worker --coordinator ", address, " --config ",
-                                     file, " --id bad --quiet"));
+                                     kStrata, " worker --coordinator ", address, " --config ", file,
+                                     " --id bad --quiet"));
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_NE(r.output.find(field), std::string::npos) << r.output;
   }
@@ -582,9 +578,9 @@ TEST_F(ElasticTest, AJoinerWithAnotherConfigIsRefusedAndTheJobGoesOn) {
             std::string::npos)
       << no_data.output;
   // A job-level flag that disagrees is refused the same way.
-  auto r = RunCommand(absl::StrCat("STRATA_JOB_TOKEN=$(cat ", dir_.File("coord/token"), ") ",
-                                   kStrata, " worker --coordinator ", address,
-                                   " --steps 999 --id bad2 --quiet"));
+  auto r =
+      RunCommand(absl::StrCat("STRATA_JOB_TOKEN=$(cat ", dir_.File("coord/token"), ") ", kStrata,
+                              " worker --coordinator ", address, " --steps 999 --id bad2 --quiet"));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("train.steps: 300 (job) vs 999 (this worker)"), std::string::npos)
       << r.output;
@@ -608,8 +604,7 @@ TEST_F(ElasticTest, ALaunchRefusesACoordinatorFolderThatHoldsAJobAndChangesNothi
                                        "--coordinator-dir coord"));
   EXPECT_EQ(again.exit_code, 1) << again.output;
   EXPECT_NE(again.output.find("holds the record of a job"), std::string::npos) << again.output;
-  EXPECT_NE(again.output.find("strata coordinator --dir coord"), std::string::npos)
-      << again.output;
+  EXPECT_NE(again.output.find("strata coordinator --dir coord"), std::string::npos) << again.output;
   auto after = launcher::CoordinatorState::ReadRecord(dir_.File("coord"));
   ASSERT_TRUE(after.ok() && after->has_value()) << after.status();
   EXPECT_EQ((*after)->SerializeAsString(), (*before)->SerializeAsString());
@@ -683,8 +678,8 @@ TEST_F(ElasticTest, ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn) {
       << restarted;
   EXPECT_NE(restarted.find("workers 1 to 3"), std::string::npos) << restarted;
   EXPECT_NE(restarted.find("the job finished at step 200"), std::string::npos) << restarted;
-  const Trajectory t = Read({dir_.File("w0.jsonl"), dir_.File("w1.jsonl"), dir_.File("w2.jsonl"),
-                             dir_.File("w3.jsonl")});
+  const Trajectory t = Read(
+      {dir_.File("w0.jsonl"), dir_.File("w1.jsonl"), dir_.File("w2.jsonl"), dir_.File("w3.jsonl")});
   EXPECT_EQ(t.workers.at(t.generation.at(kSteps)), 3) << "the replacement trained the last step";
   ExpectEveryStepTiled(t, kSteps);
 }

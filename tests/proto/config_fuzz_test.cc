@@ -79,12 +79,32 @@ class Mutator {
 
   // A numeric value as text: edges, near-overflow, random.
   std::string Number() {
-    static const char* kEdges[] = {
-        "0",          "-1",          "1",           "2147483647",  "-2147483648", "2147483644",
-        "4294967295", "4294967296",  "1000000000",  "65536",       "65537",       "1e6",
-        "1e30",       "-1e30",       "1e999",       "nan",         "inf",         "-inf",
-        "0x7fffffff", "99999999999999999999",       "18446744073709551615",       "-0",
-        "0.5",        "1e-45",       "3",           "12000000000000"};
+    static const char* kEdges[] = {"0",
+                                   "-1",
+                                   "1",
+                                   "2147483647",
+                                   "-2147483648",
+                                   "2147483644",
+                                   "4294967295",
+                                   "4294967296",
+                                   "1000000000",
+                                   "65536",
+                                   "65537",
+                                   "1e6",
+                                   "1e30",
+                                   "-1e30",
+                                   "1e999",
+                                   "nan",
+                                   "inf",
+                                   "-inf",
+                                   "0x7fffffff",
+                                   "99999999999999999999",
+                                   "18446744073709551615",
+                                   "-0",
+                                   "0.5",
+                                   "1e-45",
+                                   "3",
+                                   "12000000000000"};
     switch (Below(3)) {
       case 0:
         return kEdges[Below(std::size(kEdges))];
@@ -124,8 +144,8 @@ class Mutator {
         break;
       case FieldDescriptor::CPPTYPE_FLOAT:
       case FieldDescriptor::CPPTYPE_DOUBLE: {
-        static const double kFloats[] = {0,    -1,   1e30, -1e30, NAN, INFINITY, -INFINITY,
-                                         1e-45, 0.5, 2,    1e9};
+        static const double kFloats[] = {0,         -1,    1e30, -1e30, NAN, INFINITY,
+                                         -INFINITY, 1e-45, 0.5,  2,     1e9};
         const double v = kFloats[Below(std::size(kFloats))];
         if (f->cpp_type() == FieldDescriptor::CPPTYPE_FLOAT) {
           r->SetFloat(m, f, static_cast<float>(v));
@@ -169,8 +189,8 @@ class Mutator {
         break;
       }
       case 3: {  // an invalid enum value, by name or by number
-        static const char* kEnums[] = {"norm: BATCH_NORM", "activation: 7", "mode: -1",
-                                       "type: TOP_K_TOP_K", "format: 2", "schedule: 99",
+        static const char* kEnums[] = {"norm: BATCH_NORM",      "activation: 7", "mode: -1",
+                                       "type: TOP_K_TOP_K",     "format: 2",     "schedule: 99",
                                        "expert_update: LAZIEST"};
         lines.insert(lines.begin() + static_cast<long>(i), kEnums[Below(std::size(kEnums))]);
         break;
@@ -188,10 +208,12 @@ class Mutator {
       case 6: {  // a repeated field with bad entries, or a message section duplicated
         if (Coin()) {
           std::string s = "parallel {";
-          for (uint64_t n = Below(6); n > 0; --n) absl::StrAppend(&s, " experts_per_worker: ", Number());
+          for (uint64_t n = Below(6); n > 0; --n)
+            absl::StrAppend(&s, " experts_per_worker: ", Number());
           lines.insert(lines.begin() + static_cast<long>(i), s + " }");
         } else {
-          lines.push_back(Coin() ? "model { d_model: 64 }" : "train { steps: 1 } train { steps: 2 }");
+          lines.push_back(Coin() ? "model { d_model: 64 }"
+                                 : "train { steps: 1 } train { steps: 2 }");
         }
         break;
       }
@@ -201,10 +223,10 @@ class Mutator {
         break;
       }
       default: {  // a known field with an extreme value in a random section
-        static const char* kSections[] = {"model", "train", "storage", "parallel", "elastic",
-                                          "checkpoint", "data"};
-        static const char* kNames[] = {"d_model",    "n_layers",     "seq_len",   "vocab_size",
-                                       "n_heads",    "d_ff",         "moe_every", "global_batch",
+        static const char* kSections[] = {"model",   "train",      "storage", "parallel",
+                                          "elastic", "checkpoint", "data"};
+        static const char* kNames[] = {"d_model",      "n_layers",   "seq_len",   "vocab_size",
+                                       "n_heads",      "d_ff",       "moe_every", "global_batch",
                                        "eval_batches", "steps",      "threads",   "io_block_bytes",
                                        "bucket_bytes", "timeout_ms", "replicas",  "every"};
         lines.push_back(absl::StrCat(kSections[Below(std::size(kSections))], " { ",
@@ -230,8 +252,9 @@ class Mutator {
 
  private:
   uint64_t Signed32() {
-    static const int64_t kEdges[] = {0, -1, 1, 2147483647, -2147483648LL, 2147483644, 65536,
-                                     65537, 1000000000, 100000000, 4096, 4097};
+    static const int64_t kEdges[] = {0,          -1,    1,     2147483647, -2147483648LL,
+                                     2147483644, 65536, 65537, 1000000000, 100000000,
+                                     4096,       4097};
     return static_cast<uint64_t>(Coin() ? kEdges[Below(std::size(kEdges))]
                                         : static_cast<int32_t>(rng_()) >> Below(31));
   }
@@ -301,7 +324,9 @@ TEST(ConfigFuzzTest, MutatedConfigsLoadOrFailWithALocatedError) {
       ++rejected;
       const std::string msg(c.status().message());
       ASSERT_EQ(msg.rfind("invalid config fuzz.textproto:\n  fuzz.textproto", 0), 0u)
-          << "case " << i << ": an error must name the file:\n" << msg << "\n--- config:\n" << text;
+          << "case " << i << ": an error must name the file:\n"
+          << msg << "\n--- config:\n"
+          << text;
     } else {
       const MemoryEstimate e = EstimateMemory(*c);
       (void)FormatMemoryEstimate(e);
@@ -318,9 +343,10 @@ TEST(ConfigFuzzTest, MutatedConfigsLoadOrFailWithALocatedError) {
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::printf("config fuzzer: %d cases in process in %.2f s: %d accepted, %d rejected by the "
-              "loader, %d refused by the memory check\n",
-              kCases, seconds, accepted, rejected, refused_memory);
+  std::printf(
+      "config fuzzer: %d cases in process in %.2f s: %d accepted, %d rejected by the "
+      "loader, %d refused by the memory check\n",
+      kCases, seconds, accepted, rejected, refused_memory);
   // The mutations must exercise both outcomes, or the fuzzer tests nothing.
   EXPECT_GT(accepted, kCases / 20);
   EXPECT_GT(rejected, kCases / 4);
@@ -328,7 +354,7 @@ TEST(ConfigFuzzTest, MutatedConfigsLoadOrFailWithALocatedError) {
 
 struct ChildResult {
   bool timed_out = false;
-  int signal = 0;     // the signal that ended it, or 0
+  int signal = 0;  // the signal that ended it, or 0
   int exit_code = -1;
   std::string output;
 };
@@ -390,7 +416,8 @@ TEST(ConfigFuzzTest, StrataCheckNeverCrashesOrHangs) {
   }
   Mutator mutator(777);
   // The paths that are not config files at all, then mutated configs; two runs at a time.
-  std::vector<std::pair<std::vector<std::string>, std::string>> runs = {  // argv, config text
+  std::vector<std::pair<std::vector<std::string>, std::string>> runs = {
+      // argv, config text
       {{strata, "check", "--config", dir.path()}, ""},
       {{strata, "check", "--config", dir.File("missing.textproto")}, ""},
       {{strata, "check", "--config", "/dev/zero"}, ""},
@@ -418,9 +445,12 @@ TEST(ConfigFuzzTest, StrataCheckNeverCrashesOrHangs) {
       const std::string what = absl::StrCat("run ", i + j, " (", runs[i + j].first.back(), ")");
       EXPECT_FALSE(r.timed_out) << what << " hung:\n" << text;
       EXPECT_EQ(r.signal, 0) << what << " died of signal " << r.signal << ":\n"
-                             << r.output << "\n--- config:\n" << text;
+                             << r.output << "\n--- config:\n"
+                             << text;
       EXPECT_TRUE(r.timed_out || r.signal != 0 || r.exit_code == 0 || r.exit_code == 1)
-          << what << " exit " << r.exit_code << ":\n" << r.output << "\n--- config:\n" << text;
+          << what << " exit " << r.exit_code << ":\n"
+          << r.output << "\n--- config:\n"
+          << text;
       if (r.exit_code == 0) {
         ++ok;
         EXPECT_NE(r.output.find("# memory:"), std::string::npos) << r.output;
@@ -465,21 +495,20 @@ TEST(ConfigFuzzTest, ReportedConfigsAreClearErrorsFromCheckAndTrain) {
     testing::WriteFile(config, "data { path: \"text.txt\" }\n" + c.body + "\n");
     for (const char* command : {"check", "train"}) {
       std::vector<std::string> argv = {strata, command, "--config", config};
-      if (command == std::string("train")) argv.insert(argv.end(), {"--steps", "1", "--threads", "1"});
+      if (command == std::string("train"))
+        argv.insert(argv.end(), {"--steps", "1", "--threads", "1"});
       const ChildResult r = RunChild(argv, log, std::chrono::seconds(30));
       ASSERT_FALSE(r.timed_out) << command << " " << c.body;
       ASSERT_EQ(r.signal, 0) << command << " " << c.body << "\n" << r.output;
-      EXPECT_EQ(r.exit_code, 1)
-          << command << " " << c.body << "\n" << r.output;
-      EXPECT_NE(r.output.find(c.expect), std::string::npos)
-          << command << " " << c.body << "\n" << r.output;
+      EXPECT_EQ(r.exit_code, 1) << command << " " << c.body << "\n" << r.output;
+      EXPECT_NE(r.output.find(c.expect), std::string::npos) << command << " " << c.body << "\n"
+                                                            << r.output;
     }
   }
-  const ChildResult d = RunChild({strata, "check", "--config", dir.path()}, log,
-                                 std::chrono::seconds(30));
+  const ChildResult d =
+      RunChild({strata, "check", "--config", dir.path()}, log, std::chrono::seconds(30));
   EXPECT_EQ(d.exit_code, 1) << d.output;
-  EXPECT_NE(d.output.find("' is a directory; --config takes a .textproto file"),
-            std::string::npos)
+  EXPECT_NE(d.output.find("' is a directory; --config takes a .textproto file"), std::string::npos)
       << d.output;
 }
 

@@ -171,7 +171,8 @@ TEST(ConfigTest, BadExpertsPerWorkerIsALocatedErrorNotAnAbort) {
 
 TEST(ConfigTest, SizesHaveUpperBoundsAndNeverWrap) {
   // 4 * 2147483644 wraps to -16 in 32 bits; the error must name d_model, not a derived d_ff.
-  const std::string wrap = Error("data { path: \"d\" }\nmodel { d_model: 2147483644 n_heads: 1 }\n");
+  const std::string wrap =
+      Error("data { path: \"d\" }\nmodel { d_model: 2147483644 n_heads: 1 }\n");
   EXPECT_NE(wrap.find("job.textproto:2:9: field model.d_model: d_model = 2147483644 must be in "
                       "[1, 65536]"),
             std::string::npos)
@@ -242,9 +243,9 @@ TEST(ConfigTest, ConfigPathThatIsNotATextFileIsAClearError) {
   WriteFile(dir.File("bin.textproto"), std::string("data {\n  \x93\x00\x01\xff garbage", 20));
   auto binary = LoadJobConfig(dir.File("bin.textproto"));
   ASSERT_FALSE(binary.ok());
-  EXPECT_NE(binary.status().message().find(dir.File("bin.textproto") +
-                                           ":2:3: byte 0x93 is not text"),
-            std::string::npos)
+  EXPECT_NE(
+      binary.status().message().find(dir.File("bin.textproto") + ":2:3: byte 0x93 is not text"),
+      std::string::npos)
       << binary.status();
   // UTF-8 in comments and strings is text.
   auto utf8 = ParseJobConfig("# d\xc3\xa9j\xc3\xa0 vu\ndata { path: \"caf\xc3\xa9\" }\n", "j", "");
