@@ -1,4 +1,7 @@
 // Monotonic time for step timing and progress output.
+//
+// Threads: NowSeconds and FormatDuration are pure and may be called from any thread. A Stopwatch
+// is a plain value with no synchronisation: one thread at a time uses (or copies) it.
 #pragma once
 
 #include <chrono>

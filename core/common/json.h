@@ -1,5 +1,9 @@
 // JsonWriter: builds one JSON value (object/array/scalars) into a string, for metrics lines and
 // benchmark output. Non-finite doubles are written as null, since JSON has no NaN or Infinity.
+//
+// A JsonWriter is not thread-safe: one thread builds a value (writers on different threads are
+// independent). Strings passed in are copied; str() borrows the writer's buffer, valid until the
+// next call that writes or the writer's destruction. JsonEscape is pure: any thread.
 #pragma once
 
 #include <cstdint>

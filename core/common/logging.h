@@ -3,6 +3,10 @@
 // STRATA_LOG(INFO) << "..." writes one line to stderr with a timestamp and the level.
 // CHECK(cond) aborts with file:line when an invariant that indicates a bug does not hold; it is
 // never used for bad user input, which gets a Status instead.
+//
+// Threads: any thread may log. A message is built in the LogMessage of its own statement and
+// written to stderr with one fwrite when the statement ends, so lines from different threads never
+// interleave. SetMinLogLevel / MinLogLevel are atomic: any thread, at any time.
 #pragma once
 
 #include <sstream>

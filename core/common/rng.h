@@ -5,6 +5,8 @@
 // reference implementation in a test must be able to reproduce any single draw. A stateful
 // generator cannot give that; a hash of (key, counter) can. The mixer is SplitMix64's finalizer,
 // applied to a key built from up to four 64-bit words.
+//
+// Pure inline functions with no state: any thread may call them at any time.
 #pragma once
 
 #include <cmath>

@@ -1,6 +1,7 @@
 // Errors are values: every fallible call across a module boundary returns absl::Status or
 // absl::StatusOr<T>. The codes are gRPC's, so the coordinator forwards them without translation.
 // A message says what was wrong, where (file, field, line, rank) and what to do about it.
+// Aliases and macros only: nothing here holds state.
 #pragma once
 
 #include "absl/status/status.h"

@@ -12,8 +12,14 @@
 // - Workers spin briefly before sleeping: kernels are launched back to back, and a condition
 //   variable wake-up costs more than most elementwise kernels.
 //
-// Thread-safety: ParallelFor/Run may be called from one thread at a time. A call made from inside
-// a running task (nested parallelism) runs inline on the calling worker.
+// Thread-safety: ParallelFor, ParallelForSlices and Run share one job slot, so one thread at a
+// time may call them on a pool (its owner; a thread that works beside it, such as a background
+// optimizer, needs a pool of its own). A call from inside a task of any pool
+// (InTask()) runs inline on the calling thread, single-threaded, so a kernel called from a pool
+// task is legal and uses no other thread. `fn` is borrowed for the call: every slice has returned
+// when the call returns, and nothing of it is kept. num_threads, PartsFor and SliceBegin may be
+// called from any thread. Destroy the pool only when no call is in flight; the destructor joins
+// its workers.
 #pragma once
 
 #include <atomic>

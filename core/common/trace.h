@@ -4,6 +4,11 @@
 // with I/O can be seen.
 //
 // Recording is cheap (a mutex and a vector push) and only happens when a tracer is attached.
+//
+// Thread-safe: every Tracer method takes the tracer's mutex, so compute, stage and checkpoint
+// threads record into one tracer at once. Names are copied, but a span's `category` is kept by
+// pointer until Write: pass a string literal. Whoever attaches a tracer keeps it alive until every
+// thread recording into it has stopped.
 #pragma once
 
 #include <mutex>
@@ -51,7 +56,8 @@ class Tracer {
 };
 
 // Records a span from construction to destruction on the calling thread, named `name` or
-// "name index" (index >= 0). Without a tracer it does nothing and allocates nothing.
+// "name index" (index >= 0). Without a tracer it does nothing and allocates nothing. Borrows
+// `tracer`, `name` and `category` until destruction (string literals); lives on one thread.
 class TraceScope {
  public:
   TraceScope(Tracer* tracer, const char* name, const char* category, int index = -1);

@@ -1,5 +1,8 @@
 // The CUDA runtime calls behind device.h, in one place. Defined in cuda_device.cc when strata is
 // built with CUDA; device.cc defines the CPU-only versions (which report that no GPU exists).
+// Any thread may call them; each makes the GPU it works on current only for the call. Memory from
+// CudaMalloc / CudaHostAlloc belongs to the caller (Buffer), who frees it with CudaFree /
+// CudaFreeHost.
 #pragma once
 
 #include <cstddef>

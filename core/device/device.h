@@ -9,6 +9,13 @@
 // RESOURCE_EXHAUSTED instead of succeeding slowly. On a machine without a GPU, the tiered store's
 // "device tier" is host memory under such a budget, so out-of-core behaviour is exercised and
 // measured everywhere.
+//
+// Ownership and threads, in short: a Buffer is shared (std::shared_ptr) by every Tensor over it
+// and freed with the last one; the MemoryBudget it is charged to must outlive it. MemoryBudget is
+// thread-safe. Buffers and Tensors are plain values with no synchronisation of the bytes they
+// point at: threads may write disjoint parts, and the caller orders everything else. A CopyStream
+// and its CopyEvents are used by one thread at a time. The free functions may be called from any
+// thread; on a GPU they make the right device current only for the duration of the call.
 #pragma once
 
 #include <atomic>
@@ -44,25 +51,35 @@ struct Device {
 // when no GPU is present. Never fails.
 int CudaDeviceCount();
 
-// The GPU's name, driver and runtime versions ("NVIDIA H100 80GB HBM3, driver 13.0, runtime
-// 13.0"), or why there is none. For logs and benchmark headers.
+// The GPU's name, compute capability, memory, SM count and driver and runtime versions ("NVIDIA
+// H100 80GB HBM3, sm_90, 79 GiB, 132 SMs, driver API 13.0, runtime 13.0"), or why there is none.
+// For logs and benchmark headers.
 std::string CudaDeviceDescription(int index = 0);
 
 // Page-locks host memory [data, data + bytes) for the GPU (cudaHostRegister) so copies from and
 // to it run at full bus speed and asynchronously. Returns false and does nothing where there is
-// no GPU; an error if the driver refuses. Undo with UnpinHostMemory before freeing the memory.
+// no GPU (or for null / zero bytes); an error if the driver refuses. Undo with UnpinHostMemory
+// before freeing the memory; the caller keeps owning it.
 [[nodiscard]] StatusOr<bool> PinHostMemory(void* data, size_t bytes);
 void UnpinHostMemory(void* data);
 
 // Copies `bytes` between any two of host and device memory (cudaMemcpy with unified addressing;
-// memcpy for host to host). Synchronous.
+// memcpy for host to host). Synchronous for the host: on return host source memory may be reused
+// and host destination memory holds the bytes. A device-to-device copy may still be running on the
+// GPU's default stream, which orders it before later copies and kernels of blocking streams.
 void CopyBytes(void* dst, const void* src, size_t bytes);
-// Zeroes `bytes` at `data` on `device` (memset, or cudaMemset ordered before later work).
+// Zeroes `bytes` at `data` on `device` (memset, or cudaMemset ordered before later work; the host
+// does not wait for it).
 void ZeroBytes(Device device, void* data, size_t bytes);
 
 // An ordered queue of copies between host and device memory (a CUDA stream on `device`'s GPU),
 // with events to order it against other queues. On the CPU device the copies run at once and the
 // events are always complete, so callers have one code path.
+//
+// Not thread-safe: one thread at a time enqueues on a stream (the tiered store's copy stage owns
+// its). The memory of a CopyAsync is borrowed until the copy completed (Synchronize, or an event
+// recorded after it is Done): keep both sides allocated and the source unchanged until then.
+// Destroying the stream waits for the copies in flight.
 class CopyEvent;
 class CopyStream {
  public:
@@ -75,8 +92,10 @@ class CopyStream {
   // to be asynchronous; with pageable memory CUDA stages it and the call may block.
   [[nodiscard]] Status CopyAsync(void* dst, const void* src, size_t bytes);
   // Marks everything enqueued so far; `event` can then be waited on by this or another stream.
+  // Re-recording an event moves its mark; waits already enqueued keep the old one.
   [[nodiscard]] Status Record(CopyEvent* event);
-  // Work enqueued after this call starts once `event` has completed.
+  // Work enqueued after this call starts once `event` has completed (its latest Record as of this
+  // call; the event need not outlive the call).
   [[nodiscard]] Status Wait(const CopyEvent& event);
   // Work enqueued after this call starts once all work already enqueued on the GPU's other
   // blocking streams (the compute stream, and memsets and copies on the default stream) has
@@ -96,6 +115,8 @@ class CopyStream {
   void* fence_ = nullptr;  // cudaEvent_t of WaitForDeviceWork
 };
 
+// A mark in a CopyStream. Record (through CopyStream), Done and Synchronize are not synchronised
+// with each other: one thread at a time uses an event.
 class CopyEvent {
  public:
   CopyEvent() = default;
@@ -112,7 +133,9 @@ class CopyEvent {
   int device_ = -1;
 };
 
-// Thread-safe byte accounting with an optional hard limit.
+// Thread-safe byte accounting with an optional hard limit: Reserve and Release may be called from
+// any thread (atomics, no lock). Whoever charges it (Buffer, the tiered store's arenas) keeps a
+// pointer to it: the budget must outlive everything charged to it.
 class MemoryBudget {
  public:
   // limit_bytes == 0 means unlimited.
@@ -138,12 +161,16 @@ class MemoryBudget {
 };
 
 // One allocation on a device (64-byte aligned host memory on the CPU, cudaMalloc memory on a GPU).
-// Frees itself and returns its bytes to the budget on destruction.
+// Frees itself and returns its bytes to the budget on destruction. Handed out as a shared_ptr:
+// every Tensor over it holds a reference, and data() stays valid while any reference lives.
+// Immutable after creation, so any thread may read its fields; the bytes are the callers' to
+// order. `budget` (may be null) must outlive the buffer.
 class Buffer {
  public:
   [[nodiscard]] static StatusOr<std::shared_ptr<Buffer>> Allocate(Device device, size_t bytes,
                                                                   MemoryBudget* budget = nullptr);
-  // A buffer over memory someone else owns (a tier's slot); destroying it frees nothing.
+  // A buffer over memory someone else owns (a tier's slot); destroying it frees nothing. The owner
+  // keeps `data` allocated for as long as this buffer or any tensor over it is used.
   static std::shared_ptr<Buffer> Wrap(Device device, void* data, size_t bytes);
   // Page-locked host memory (cudaHostAlloc) when a GPU is present, so copies to and from the GPU
   // run asynchronously at full bus speed; ordinary aligned host memory otherwise. A CPU buffer
@@ -211,7 +238,10 @@ class Shape {
   int rank_ = 0;
 };
 
-// A dense, row-major view of (part of) a Buffer. Copies share the buffer.
+// A dense, row-major view of (part of) a Buffer. Copies share the buffer and keep it alive; the
+// pointers data(), f32(), i32() and raw_data() return are valid while any tensor over the buffer
+// lives. A value: copying or viewing it is safe from any thread, but nothing orders reads and
+// writes of the elements between threads (or, on a GPU, between streams) except the caller.
 class Tensor {
  public:
   Tensor() = default;
@@ -250,9 +280,11 @@ class Tensor {
   Tensor View(int64_t offset, Shape shape) const;
   // Rows [begin, end) along the first dimension.
   Tensor Rows(int64_t begin, int64_t end) const;
-  // Sets every element to zero (memset on the CPU, cudaMemset on a GPU; synchronous).
+  // Sets every element to zero (memset on the CPU; on a GPU a cudaMemset on the default stream,
+  // ordered before later copies and kernels of blocking streams, which the host does not wait for).
   void SetZero();
-  // Element-wise copy from a tensor of the same shape and dtype, on any device (synchronous).
+  // Element-wise copy from a tensor of the same shape and dtype, on any device (as CopyBytes:
+  // synchronous for the host side; GPU to GPU ordered on the default stream).
   void CopyFrom(const Tensor& src);
   // A copy of this tensor on `device` (a new buffer; this tensor's own if already there).
   Tensor To(Device device) const;
