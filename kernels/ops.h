@@ -8,6 +8,19 @@
 //
 // Conventions: activations are row-major [rows, channels]; parameter gradients are accumulated
 // (+=); input gradients are overwritten unless the function says "accumulates".
+//
+// Ownership: an op borrows its tensors, host arrays and ctx for the call and keeps no pointer to
+// them. On a GPU the work it enqueues runs after it returns, so device memory must stay allocated
+// until the stream reaches it (freeing a Buffer's cudaMalloc memory waits for the device, so
+// dropping the last Tensor is safe); host results (returned values, DispatchPlan, top1_counts,
+// eligible) are complete when the op returns.
+//
+// Threads: a CPU op runs on ctx.pool, so the rules of ThreadPool apply: one thread at a time per
+// pool, or any pool task, where the op runs inline on that thread alone (MoE layers run experts
+// that way, one per pool thread, sharing one Context). On a GPU any thread may call an op: each
+// thread has its own cuBLAS handle and scratch (kernels/cuda/cuda_ops.h), and the ops of every
+// thread go onto the GPU's one compute stream, in the order they are called; the call makes that
+// GPU current for the calling thread.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +38,8 @@ namespace strata::ops {
 
 // Where and with what an op runs. One per trainer. CPU ops run on `pool`; ops on CUDA tensors run
 // on that GPU's compute stream (kernels/cuda/cuda_ops.h) and return without waiting for it, except
-// those that return a host value (losses, sums, dispatch plans).
+// those that return a host value (losses, sums, dispatch plans). The Context borrows `pool` and
+// `tracer` (both may be shared by many ops at once; the tracer is thread-safe); ops only read it.
 struct Context {
   ThreadPool* pool = nullptr;
   Tracer* tracer = nullptr;  // spans of compute for --trace; null when not tracing

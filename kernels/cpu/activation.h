@@ -3,6 +3,10 @@
 // SwiGLU takes a row of 2H pre-activations — H gate values then H up values — and produces H
 // outputs silu(gate) * up. The others map H to H. Backward may run in place (dinp == inp), which
 // lets a layer reuse the pre-activation buffer for its gradient.
+//
+// Threads: like every kernel in kernels/cpu, these run on `pool` (one calling thread at a time;
+// inline on the calling thread inside a pool task, see core/common/thread_pool.h) and borrow their
+// arrays for the call only.
 #pragma once
 
 #include <cstdint>

@@ -5,6 +5,10 @@
 // inside it, QK^T, PV and their backward are single-threaded BLAS calls on strided views, and the
 // causal softmax runs over j <= i only. The softmax probabilities are saved for backward
 // (B*NH*T*T values); backward needs only per-thread T*T scratch.
+//
+// Threads: like every kernel in kernels/cpu, these run on `pool` (one calling thread at a time;
+// inline on the calling thread inside a pool task, see core/common/thread_pool.h) and borrow their
+// arrays for the call only.
 #pragma once
 
 #include <cstdint>

@@ -13,7 +13,9 @@ namespace strata::cpu::internal {
 constexpr int64_t kElementGrain = 1 << 14;
 
 // Per-thread scratch that grows and is reused across calls, so kernels allocate nothing in steady
-// state. `slot` separates independent uses within one kernel.
+// state. `slot` separates independent uses within one kernel. The memory is the calling thread's
+// (other threads may write into it during a ParallelFor the caller waits for): it stays valid until
+// the same thread asks for more of the same type and slot, which may move it, or ends.
 template <typename T>
 T* Scratch(size_t n, int slot = 0) {
   thread_local std::vector<T> buffers[4];

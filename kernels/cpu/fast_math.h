@@ -5,6 +5,8 @@
 // are branch-free (Cody-Waite range reduction and a degree-6 polynomial, as in Cephes), so loops
 // over them compile to AVX2/AVX-512; their error is a few ulp. The double versions call libm:
 // tests compute gradients in double and compare the float kernels against them.
+//
+// Pure inline functions: any thread.
 #pragma once
 
 #include <bit>

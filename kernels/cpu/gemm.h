@@ -5,6 +5,10 @@
 // source of threads (no oversubscription when kernels and GEMMs alternate), GEMMs may be issued
 // from any thread, and every output element is computed by one single-threaded BLAS call whose
 // reduction order does not depend on the split: results are bitwise reproducible.
+//
+// Threads: Gemm runs on `pool` (one calling thread at a time; inline on the calling thread inside
+// a pool task); GemmSerial may be called from any number of threads at once. Both borrow A, B and
+// C for the call only.
 #pragma once
 
 #include <cstdint>
@@ -25,8 +29,9 @@ template <typename T>
 void GemmSerial(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
                 int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
 
-// OpenBLAS's internal thread count. strata keeps it at 1 (set on first use of Gemm); benchmarks
-// change it to measure plain multi-threaded sgemm as a baseline.
+// OpenBLAS's internal thread count. strata keeps it at 1 (set on first use of Gemm or GemmSerial);
+// benchmarks change it to measure plain multi-threaded sgemm as a baseline. Process-wide: call it
+// only while no GEMM is running.
 void SetBlasThreads(int threads);
 int BlasThreads();
 

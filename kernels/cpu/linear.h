@@ -1,5 +1,9 @@
 // Fully connected layer: out = inp W^T + b, with W stored [out_features, in_features] (PyTorch's
 // layout, so weights compare directly with a PyTorch reference).
+//
+// Threads: like every kernel in kernels/cpu, these run on `pool` (one calling thread at a time;
+// inline on the calling thread inside a pool task, see core/common/thread_pool.h) and borrow their
+// arrays for the call only.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,8 @@
 // Softmax cross-entropy over a vocabulary, forward and backward fused.
+//
+// Threads: like every kernel in kernels/cpu, these run on `pool` (one calling thread at a time;
+// inline on the calling thread inside a pool task, see core/common/thread_pool.h) and borrow their
+// arrays for the call only.
 #pragma once
 
 #include <cstdint>

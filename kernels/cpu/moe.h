@@ -13,6 +13,11 @@
 // Priority under capacity (GShard/Tutel): all first choices before any second choice, and within
 // a choice rank by token position. An (token, choice) beyond its expert's capacity is dropped: its
 // slot is -1 and the token's output simply lacks that expert's term (the residual carries it).
+//
+// Threads: the kernels that take a pool run on it (one calling thread at a time; inline on the
+// calling thread inside a pool task, see core/common/thread_pool.h); moe_aux_loss, moe_z_loss,
+// moe_plan_dispatch and moe_random_routing are serial and may be called from any thread. All
+// borrow their arrays for the call only.
 #pragma once
 
 #include <cstdint>

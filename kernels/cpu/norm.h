@@ -3,6 +3,10 @@
 // Forward saves per-row statistics (mean and reciprocal std; RMSNorm saves only rstd) so backward
 // does not recompute them. Backward *accumulates* into dinp: norms always sit at the start of a
 // residual branch, so the caller's residual gradient is already there.
+//
+// Threads: like every kernel in kernels/cpu, these run on `pool` (one calling thread at a time;
+// inline on the calling thread inside a pool task, see core/common/thread_pool.h) and borrow their
+// arrays for the call only.
 #pragma once
 
 #include <cstdint>

@@ -32,6 +32,9 @@ namespace strata::cuda {
 // the kernel show up at the next synchronising call).
 #define STRATA_CUDA_LAUNCH_CHECK() STRATA_CUDA_CHECK(cudaGetLastError())
 
+// One thread's resources on one GPU (see ThreadBackend in cuda_ops.h): not thread-safe, used only
+// by the thread that owns it. Destroying it waits for the stream and frees the scratch; the stream
+// itself is the GPU's and lives on.
 struct Backend {
   int device = 0;
   cudaStream_t stream = nullptr;

@@ -9,6 +9,12 @@
 // Results are deterministic run to run (no float atomics on any output), so two runs on the same
 // GPU give the same bits.
 //
+// Ownership and threads: each function takes the calling thread's Backend (ThreadBackend), which
+// no other thread may use; any number of threads may call at once, and their work is ordered on
+// the one stream by when it was enqueued. Device pointers are borrowed until the stream has run the
+// work (later than the return); arrays marked HOST, and host results, are read or written before
+// the function returns.
+//
 // This header includes no CUDA header, so host-only translation units (kernels/ops.cc) can
 // include it; kernels/cuda/backend.h has the Backend's definition for the .cu files.
 #pragma once
@@ -29,10 +35,11 @@ using ops::AdamWHyper;
 struct Backend;
 
 // The calling thread's Backend for GPU `device` (created on first use, lives until the thread
-// ends).
+// ends; only that thread may use it). Also makes `device` the calling thread's current GPU, and
+// leaves it so.
 Backend& ThreadBackend(int device);
-// Waits for everything enqueued on the backend's stream; CHECK-fails with the CUDA error if a
-// kernel failed.
+// Waits for everything enqueued on the backend's stream (by any thread: the stream is the GPU's);
+// CHECK-fails with the CUDA error if a kernel failed.
 void Synchronize(Backend& b);
 
 // ---- Dense layers (see the kernels/cpu headers of the same names) ------------------------------
