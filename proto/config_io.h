@@ -2,7 +2,10 @@
 //
 // LoadJobConfig parses, validates and normalises in one go, so the rest of strata only ever sees
 // a config in which every value is legal and every derived default (d_ff, d_expert, top_k by gate
-// type, the data path relative to the config file) has been filled in.
+// type, the data paths relative to the config file) has been filled in.
+//
+// Pure functions of their arguments (LoadJobConfig also reads the file): any thread may call them
+// at once. Results are returned by value; nothing is kept.
 #pragma once
 
 #include <string>
@@ -12,11 +15,13 @@
 
 namespace strata::config {
 
-// Reads FILE, parses it and validates it. Relative data paths are resolved against the folder of
-// FILE. Errors (INVALID_ARGUMENT, or NOT_FOUND for a missing or unreadable file) list every problem
-// found, one per line, as "FILE:LINE:COLUMN: field a.b.c: what is wrong; how to fix it". FILE must
-// be a regular text file: a folder, a FIFO, a device or binary content is refused with a clear
-// error. Does not check the machine's memory (ValidateJobConfig does).
+// Reads FILE, parses it, normalises it and validates its fields. Relative paths (data.path,
+// storage.ssd_dir, checkpoint.dir) are resolved against the folder of FILE. Errors
+// (INVALID_ARGUMENT; NOT_FOUND for a missing or unopenable file, DATA_LOSS for a failed read) list
+// every problem found, one per line, as "FILE:LINE:COLUMN: field a.b.c: what is wrong; how to fix
+// it". FILE must be a regular text file: a folder, a FIFO, a device or binary content is refused
+// with a clear error. Checks neither the storage budgets against the model (ValidateJobConfig does)
+// nor the machine's memory (CheckMemory, proto/memory_estimate.h).
 [[nodiscard]] StatusOr<JobConfig> LoadJobConfig(const std::string& path);
 
 // The same from text already in memory; `source` names it in errors and `base_dir` resolves
@@ -24,12 +29,12 @@ namespace strata::config {
 [[nodiscard]] StatusOr<JobConfig> ParseJobConfig(const std::string& text, const std::string& source,
                                                  const std::string& base_dir);
 
-// Validates a config built or modified in code (e.g. after command-line overrides), and checks
-// that the job fits this machine: the memory estimate (proto/memory_estimate.h) against the host
-// memory available now, and the storage budgets. `strata check`, `strata train`, `strata worker`
-// and `strata launch` all go through it before anything is allocated. Errors name the field but
-// no line (INVALID_ARGUMENT), or give the figures (RESOURCE_EXHAUSTED). The config must already
-// be normalised (see Normalize).
+// Validates a config built or modified in code (e.g. after command-line overrides): every field,
+// and storage.device_budget_bytes against the dense state (CheckMemory with no machine check).
+// It does not compare the estimate with this machine's memory: that is for whoever trains, with
+// its share (CheckMemory against AvailableHostMemory, proto/memory_estimate.h). The subcommands
+// call it on the config with their flags applied, before anything is allocated. Errors name the
+// field but no line (INVALID_ARGUMENT). The config must already be normalised (see Normalize).
 [[nodiscard]] Status ValidateJobConfig(const JobConfig& config, const std::string& source);
 
 // Validates only the model part (for code that builds a model without a job).

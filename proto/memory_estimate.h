@@ -87,9 +87,10 @@ uint64_t AvailableHostMemory();
 // is 40 MiB peaks at 274 MiB resident.
 inline constexpr uint64_t kProcessOverheadBytes = uint64_t{256} << 20;
 
-// RESOURCE_EXHAUSTED when `processes` processes of this estimate cannot fit: more host memory
-// than `available_bytes` (0: not checked) once kProcessOverheadBytes is added to each, or a
-// storage.device_budget_bytes below the dense state. The message names `source`, gives the
+// RESOURCE_EXHAUSTED when `processes` processes of this estimate need more host memory than
+// `available_bytes` once kProcessOverheadBytes is added to each (not checked when available_bytes
+// is 0 or the estimate is for GPU memory); INVALID_ARGUMENT, naming the field, when a TIERED
+// storage.device_budget_bytes cannot hold the dense state. The message names `source`, gives the
 // figures and says which fields to lower.
 [[nodiscard]] Status CheckMemory(const JobConfig& config, const MemoryEstimate& estimate,
                                  uint64_t available_bytes, const std::string& source,
