@@ -17,6 +17,11 @@
 //
 // FaultInjectingIo wraps another BlockIo and fails on purpose (a full disk after N bytes), for the
 // fault tests; it is part of the product so that operators can rehearse failures too.
+//
+// Threads: Run, Allocate and Sync may be called from several threads at once (UringIo keeps one
+// ring per calling thread, made on its first Run and kept until the BlockIo is destroyed or
+// RegisterRegions is called). RegisterRegions must not run while any Run is in flight: it drops
+// every thread's ring. A Run borrows its requests, their buffers and paths until it returns.
 #pragma once
 
 #include <sys/uio.h>
@@ -47,14 +52,18 @@ class BlockIo {
  public:
   virtual ~BlockIo() = default;
   // Memory that will be used for I/O; implementations may register it with the kernel. Call before
-  // the first Run; may be called again to add regions.
+  // the first Run; may be called again to add regions, but never while a Run is in flight. The
+  // regions stay registered for the life of the BlockIo (there is no unregister): keep them mapped
+  // as long as it runs I/O, since a buffer at an address of a freed region would be sent as a fixed
+  // buffer of the stale registration.
   virtual void RegisterRegions(const std::vector<iovec>& regions) = 0;
   // Called on the thread inside Run as soon as every byte of requests[index] has been transferred,
   // while later requests may still be in flight (so checking one extent overlaps reading the
   // next). Not called for a request that failed. An error it returns becomes Run's result.
   using RequestDone = std::function<Status(size_t index)>;
   // Performs all requests, waiting for all of them; the first error is returned (the others still
-  // complete).
+  // complete). Exception: when the ring itself fails (io_uring_submit or io_uring_wait_cqe returns
+  // an error) UringIo returns that error at once, with pieces possibly still in flight.
   [[nodiscard]] virtual Status Run(std::span<const IoRequest> requests,
                                    const RequestDone& done) = 0;
   [[nodiscard]] Status Run(std::span<const IoRequest> requests) { return Run(requests, nullptr); }
@@ -76,7 +85,9 @@ struct UringOptions {
 [[nodiscard]] StatusOr<std::unique_ptr<BlockIo>> MakeUringIo(const UringOptions& options);
 
 // Passes everything through to `base` until `write_budget` bytes were written (or an Allocate would
-// pass allocate_budget bytes), then fails those with ENOSPC, as a full disk does.
+// pass allocate_budget bytes), then fails those with ENOSPC, as a full disk does. Owns `base`. The
+// budgets are atomics, so they may be set from any thread, but the check and the count of a Run
+// are two steps: Runs racing on several threads can together pass the budget by one batch each.
 class FaultInjectingIo : public BlockIo {
  public:
   explicit FaultInjectingIo(std::unique_ptr<BlockIo> base) : base_(std::move(base)) {}

@@ -2,6 +2,8 @@
 //
 // Uses the SSE4.2 crc32 instruction when the CPU has it (checked once at run time) and a table
 // otherwise; both give the same values (RFC 3720 test vectors in tests/storage).
+//
+// Pure functions: any thread, at any time; `data` is read during the call only.
 #pragma once
 
 #include <cstddef>

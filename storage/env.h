@@ -1,9 +1,18 @@
-// Env: every file-system call strata makes goes through this seam (after LevelDB's Env).
+// Env: the seam for strata's whole-file work (after LevelDB's Env): mapping the token file, the
+// metrics log, the checkpoint ledger. The SSD tier's data files go through BlockIo (block_io.h)
+// and its index through RocksDB instead; neither uses this seam.
 //
 // Why a seam: storage code must be testable against faults it cannot provoke on a healthy disk
-// (a failed write, a sync that never happened, a full device). Tests wrap the POSIX Env in one
-// that injects such faults; production uses Env::Default(). Every error is a Status that names the
-// path and the system error, so a user sees which file and why.
+// (a failed write, a sync that never happened, a full device). An Env that injects such faults
+// can wrap the POSIX one (the SSD tier's fault tests inject at BlockIo, with FaultInjectingIo);
+// production uses Env::Default(). Every error is a Status that names the path and the system
+// error, so a user sees which file and why.
+//
+// Ownership and threads: an Env is safe for concurrent use by multiple threads, except that two
+// threads must not WriteFileAtomic the same path at once (the POSIX Env gives both one temporary
+// file, path.tmp.<pid>). The caller owns
+// the region and file it returns; they do not refer back to the Env. A region may be read from
+// any number of threads at once; a WritableFile is used by one thread at a time.
 #pragma once
 
 #include <cstddef>
@@ -16,7 +25,8 @@
 
 namespace strata::storage {
 
-// A read-only view of a whole file (memory-mapped by the POSIX Env). Valid until destroyed.
+// A read-only view of a whole file (memory-mapped by the POSIX Env). data() is valid until the
+// region is destroyed; any thread may read it.
 class ReadOnlyRegion {
  public:
   virtual ~ReadOnlyRegion() = default;
@@ -24,7 +34,8 @@ class ReadOnlyRegion {
   virtual size_t size() const = 0;
 };
 
-// A file written sequentially. Not thread-safe.
+// A file written sequentially. Not thread-safe. Destroying it closes it (after a Flush) and drops
+// any error: call Close to see one.
 class WritableFile {
  public:
   virtual ~WritableFile() = default;
@@ -40,7 +51,7 @@ class Env {
  public:
   virtual ~Env() = default;
 
-  // The process-wide POSIX Env. Never null; thread-safe.
+  // The process-wide POSIX Env. Never null, never deleted; thread-safe.
   static Env* Default();
 
   [[nodiscard]] virtual StatusOr<std::unique_ptr<ReadOnlyRegion>> MapReadOnly(

@@ -8,6 +8,8 @@
 // the advice is ignored and the buffer is still correctly aligned.
 //
 // The memory comes from mmap, zero-filled, and is returned to the system when the buffer dies.
+// An IoBuffer owns it alone (move-only): data() is valid until the buffer is destroyed or moved
+// from. Nothing synchronises access to the bytes; whoever holds the buffer orders its users.
 #pragma once
 
 #include <cstdint>

@@ -12,7 +12,8 @@
 // then both registered with io_uring and pinned with cudaHostRegister, so the SSD reads into it
 // directly and the GPU copies out of it by DMA, at full speed and asynchronously.
 //
-// Not thread-safe: the store calls it under its lock.
+// Not thread-safe: the store calls it under its lock. A slot's memory never moves: data(slot) is
+// valid until the arena is destroyed, and the slot's holder may use it without the lock.
 #pragma once
 
 #include <sys/uio.h>
@@ -31,13 +32,14 @@ namespace strata::storage {
 class SlotArena {
  public:
   // slot_bytes is rounded up to 4 KiB. budget_bytes == 0: unlimited (grow on demand). The arena
-  // charges its memory to `budget` (may be null).
+  // charges its memory to `budget` (may be null), which must outlive it.
   [[nodiscard]] static StatusOr<std::unique_ptr<SlotArena>> Create(
       std::string name, uint64_t slot_bytes, uint64_t budget_bytes, MemoryBudget* budget,
       Device device = Device::Cpu(), bool pin = false);
   ~SlotArena();
 
-  // A free slot index, or -1 when all are taken (limited arenas only).
+  // A free slot index, or -1 when there is none: a limited arena has all its slots taken, or an
+  // unlimited one could not grow (its budget refused the slot, or memory or pinning failed).
   int Allocate();
   void Free(int slot);
   float* data(int slot) const { return reinterpret_cast<float*>(ptrs_[slot]); }

@@ -12,7 +12,9 @@
 // entry — so the index never points at bytes that may not be on disk.
 //
 // Thread-safe: allocation is under a mutex; transfers from different threads run concurrently
-// (each thread has its own io_uring).
+// (each thread has its own io_uring). The tier owns its BlockIo and its files' descriptors; it is
+// shared (std::shared_ptr) by the tiered store and the checkpoints that use one folder. Every
+// buffer, extent and name a call takes is borrowed until the call returns.
 #pragma once
 
 #include <cstdint>
@@ -58,14 +60,16 @@ class SsdTier {
                                                                std::unique_ptr<BlockIo> io);
   ~SsdTier();
 
-  // Registers memory that will be read into or written from (the host tier's arena).
+  // Registers memory that will be read into or written from (the host tier's arena). Not while any
+  // transfer is in flight (see BlockIo::RegisterRegions).
   void RegisterRegions(const std::vector<iovec>& regions) { io_->RegisterRegions(regions); }
 
   // Writes `bytes` bytes at `buf` (4 KiB aligned, with room for the rounded-up length) into a new
-  // extent. The CRC is computed here.
+  // extent. The CRC is computed here. Although `buf` is const, the padding from `bytes` up to the
+  // rounded-up length is zeroed in place, so that the bytes on disk are deterministic.
   [[nodiscard]] StatusOr<StoredExtent> Write(const void* buf, uint64_t bytes);
-  // Several writes with their transfers in flight together (checkpoints). On error, every extent
-  // allocated by this call is released.
+  // Several writes with their transfers in flight together (checkpoints); padding zeroed as in
+  // Write. On error, every extent allocated by this call is released.
   struct WriteItem {
     const void* buf;
     uint64_t bytes;
@@ -100,7 +104,7 @@ class SsdTier {
   const std::string& dir() const { return options_.dir; }
   uint64_t used_bytes() const;
   SsdStats stats() const;
-  BlockIo& io() { return *io_; }
+  BlockIo& io() { return *io_; }  // valid for the tier's life
 
  private:
   SsdTier(SsdOptions options, std::unique_ptr<BlockIo> io);

@@ -8,7 +8,8 @@
 // a synced WAL, after their extents were written and fdatasync'ed: a crash leaves either the whole
 // checkpoint or none of it. Bulk bytes never go through RocksDB.
 //
-// Thread-safe (RocksDB is).
+// Thread-safe (RocksDB is): any thread may call any method, also at once. Results are returned by
+// value; the index owns its RocksDB handle and closes it on destruction.
 #pragma once
 
 #include <cstdint>
@@ -41,7 +42,8 @@ class TensorIndex {
   // Whether `dir` holds an index (RocksDB's CURRENT file).
   static bool Exists(const std::string& dir);
   // Read-only, without RocksDB's lock: for listing and verifying while a training process holds
-  // the index.
+  // the index. It sees the index as it was when opened; its writing calls fail (INTERNAL, RocksDB's
+  // "Not supported").
   [[nodiscard]] static StatusOr<std::unique_ptr<TensorIndex>> OpenReadOnly(const std::string& dir);
   ~TensorIndex();
 

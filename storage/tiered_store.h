@@ -33,7 +33,11 @@
 // stay). A tensor a hint brought in and nobody has used yet goes only when nothing else can:
 // evicting it would waste the read and repeat it.
 //
-// Thread-safe. One mutex guards the entry table; transfers run outside it.
+// Thread-safe: every method may be called from any thread (compute threads, the optimizer, the
+// checkpoint writer) except where it says otherwise. One mutex guards the entry table; transfers
+// run outside it. The store owns its stage threads, arenas and copy stream; it shares the SSD tier.
+// Destroying it stops the stages (queued work is dropped) and joins them; no other thread may be
+// inside a call then.
 #pragma once
 
 #include <condition_variable>
@@ -93,17 +97,20 @@ struct StoreOptions {
   // device tier is host memory under its budget, so out-of-core behaviour is the same everywhere.
   // AcquireDevice returns pointers on this device.
   Device device = Device::Cpu();
-  uint64_t device_budget_bytes = 0;       // device slots; 0 = unlimited
-  uint64_t host_budget_bytes = 0;         // host slots; 0 = unlimited
-  MemoryBudget* device_budget = nullptr;  // charged for device slots (shared with dense state)
+  uint64_t device_budget_bytes = 0;  // device slots; 0 = unlimited
+  uint64_t host_budget_bytes = 0;    // host slots; 0 = unlimited
+  // Charged for device / host slots (may be null); borrowed: they must outlive the store.
+  MemoryBudget* device_budget = nullptr;  // shared with the dense state
   MemoryBudget* host_budget = nullptr;
   uint32_t lfu_decay_interval = 10;
   double lfu_decay = 0.5;
   SsdOptions ssd;
   UringOptions io;
   // Fills a never-written weights tensor with its initial value (a pure function of the key).
+  // Called on the ssd stage threads, several at once and without the store's lock: it must be
+  // thread-safe, and whatever it refers to must outlive the store.
   std::function<void(const TensorKey&, float*)> initializer;
-  // Tests inject faults by wrapping the block I/O.
+  // Tests inject faults by wrapping the block I/O. Called once, inside Create.
   std::function<std::unique_ptr<BlockIo>(std::unique_ptr<BlockIo>)> wrap_io;
   // An SSD tier shared with the checkpoints (then `ssd` and `io` above are not used).
   std::shared_ptr<SsdTier> shared_ssd;
@@ -155,14 +162,16 @@ class TieredExpertStore {
   // --- Compute-side access -----------------------------------------------------------------
   // Pins `key` in the device tier and returns its data, waiting for the stages as needed. With
   // `zero` the tensor is not loaded: its device copy starts at zero and its old value is dropped
-  // (gradients). Each Acquire needs one Release.
+  // (gradients). Each Acquire needs one Release; the pointer is valid until then. Several threads
+  // may pin one tensor at once; the store does not order their accesses to its bytes.
   [[nodiscard]] StatusOr<float*> AcquireDevice(const TensorKey& key, bool zero = false);
   // Unpins; `modified` marks the device copy dirty (its value is now newer than any other copy).
   void ReleaseDevice(const TensorKey& key, bool modified);
   // Pins `key` in the host tier (optimizer, ZeRO-Offload style) and returns its data, with
   // exclusive access: stage copies of the tensor wait until it is released, and it waits for
   // copies in progress. A `background` caller (the optimizer running behind the next forward)
-  // does not stall compute: its waits count as background_wait_seconds.
+  // does not stall compute: its waits count as background_wait_seconds. The pointer is valid until
+  // the matching ReleaseHost.
   [[nodiscard]] StatusOr<float*> AcquireHost(const TensorKey& key, bool background = false);
   // Unpins; `modified` makes the host copy the current value and drops any device copy.
   void ReleaseHost(const TensorKey& key, bool modified);
@@ -191,15 +200,18 @@ class TieredExpertStore {
   void AddStall(double seconds);
   StoreStats TakeStats();
   std::vector<StageSpan> TakeSpans();
+  // Read by the stage threads without the lock: set it before the store is given work.
   void set_record_spans(bool on) { record_spans_ = on; }
   int device_slots() const;  // -1 when unlimited
   int host_slots() const;
-  SsdTier& ssd() { return *ssd_; }
+  SsdTier& ssd() { return *ssd_; }  // valid for the store's life
 
   // --- Checkpoints ---------------------------------------------------------------------------
   // The current value of a tensor for a checkpoint: either a current SSD version (returned in
-  // *stored, with a reference the caller must give back with UnrefVersion), or a copy of the bytes
-  // into `copy` (host or device resident), or neither when it was never written (*generated).
+  // *stored, with a reference the caller must give back with UnrefVersion), or a copy of its host
+  // copy's bytes into `copy` (host memory of tensor_bytes, borrowed for the call), or neither when
+  // it was never written (*generated). FAILED_PRECONDITION while a dirty device copy holds the
+  // value (a gradient being computed): snapshot between steps.
   struct Snapshot {
     bool generated = false;
     bool has_stored = false;
