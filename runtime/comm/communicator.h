@@ -10,6 +10,11 @@
 // waiting on this rank fail too, every later call returns ABORTED, and the owner builds a new one
 // for the next membership generation (under a new Store prefix).
 //
+// Ownership: an operation borrows its buffers for the call and has completed when it returns
+// (also over NCCL), so they are free to reuse or free at once. rank(), world_size() and backend()
+// may be called from any thread. Whoever owns the communicator keeps it alive until every thread
+// that may call Abort on it has stopped.
+//
 // hierarchical.h wraps three communicators into one whose AllToAllV runs in two levels (inside
 // the nodes, then across them).
 #pragma once
@@ -57,7 +62,8 @@ class Communicator {
   [[nodiscard]] virtual Status Broadcast(void* data, size_t bytes, int root) = 0;
   [[nodiscard]] virtual Status Barrier() = 0;
   // Unblocks every call in flight on this rank with ABORTED and fails every later one; closes the
-  // connections so that peers waiting on this rank fail fast too. Safe from any thread.
+  // connections so that peers waiting on this rank fail fast too. Safe from any thread, also while
+  // another thread is inside a call; idempotent. Over Gloo it returns once that call has returned.
   virtual void Abort(const std::string& why) = 0;
 
   template <typename T>
@@ -69,7 +75,8 @@ class Communicator {
 };
 
 // Connects `options.world_size` ranks through `store` (each rank publishes its address under
-// the store's keys and connects to every other: a full mesh of TCP pairs).
+// the store's keys and connects to every other: a full mesh of TCP pairs). The store is used only
+// while connecting; the communicator does not keep it.
 [[nodiscard]] StatusOr<std::unique_ptr<Communicator>> ConnectGloo(std::shared_ptr<Store> store,
                                                                   const CommOptions& options);
 
@@ -77,7 +84,7 @@ class Communicator {
 // through `store` (key "nccl/unique_id", made by rank 0). Every pointer given to its operations
 // must be device memory on that device; each call returns once the operation completed on the
 // device. FAILED_PRECONDITION on a machine without a GPU, UNIMPLEMENTED in a build without NCCL
-// (configured without the CUDA toolkit).
+// (configured without the CUDA toolkit). The store is used only while connecting.
 [[nodiscard]] StatusOr<std::unique_ptr<Communicator>> ConnectNccl(std::shared_ptr<Store> store,
                                                                   const CommOptions& options,
                                                                   int device);

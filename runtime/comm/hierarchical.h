@@ -31,7 +31,8 @@ namespace strata::comm {
 //
 // `world` has nodes * local_size ranks; `intra_node` the local_size ranks of this rank's node,
 // ranked by local rank; `inter_node` the `nodes` ranks with this rank's local rank, ranked by
-// node. INVALID_ARGUMENT when they do not fit together.
+// node. INVALID_ARGUMENT when they do not fit together. The wrapper owns the three; its threading
+// rules are any Communicator's (one calling thread at a time, Abort from any thread).
 [[nodiscard]] StatusOr<std::unique_ptr<Communicator>> MakeHierarchical(
     std::unique_ptr<Communicator> world, std::unique_ptr<Communicator> intra_node,
     std::unique_ptr<Communicator> inter_node, int local_size);
@@ -40,7 +41,8 @@ namespace strata::comm {
 // "intra/<node>/" and "inter/<local_rank>/", and wraps them with MakeHierarchical.
 // options.world_size must be a multiple of local_size. Give it a store of its own (a prefix no
 // other communicator of the generation uses, e.g. MakePrefixStore(gen_store, "a2a/")).
-// Every rank connects the three in the same order, so the rendezvous cannot deadlock.
+// Every rank connects the three in the same order, so the rendezvous cannot deadlock. The store is
+// used only while connecting.
 [[nodiscard]] StatusOr<std::unique_ptr<Communicator>> ConnectHierarchicalGloo(
     std::shared_ptr<Store> store, const CommOptions& options, int local_size);
 

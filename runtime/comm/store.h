@@ -12,6 +12,10 @@
 // Behind the same interface, the coordinator's store serves workers over gRPC
 // (launcher/coordinator_service.h, CoordinatorClient::store) and in its own process
 // (launcher/coordinator_state.h, MakeCoordinatorStore).
+//
+// Every Store is safe for concurrent use by multiple threads (a FileStore also by several
+// processes), and is shared as a std::shared_ptr: prefix and cancellable stores keep their base
+// alive. Values are returned as copies.
 #pragma once
 
 #include <chrono>
@@ -55,7 +59,8 @@ std::shared_ptr<Store> MakePrefixStore(std::shared_ptr<Store> base, std::string 
 
 // Waits of `base` give up with ABORTED (saying `why`) as soon as `cancelled()` holds, checked
 // every 100 ms: a rendezvous that a newer membership generation made pointless ends at once
-// instead of at its timeout.
+// instead of at its timeout. `cancelled` runs on each waiting thread, possibly several at once, and
+// lives as long as the store.
 std::shared_ptr<Store> MakeCancellableStore(std::shared_ptr<Store> base,
                                             std::function<bool()> cancelled, std::string why);
 

@@ -7,6 +7,10 @@
 // window is seen exactly once per epoch, any worker can compute any sample without coordination,
 // and splitting a step's samples over a different number of workers changes who reads a sample,
 // never which samples a step contains.
+//
+// Ownership and threads: a TokenDataset owns its mapping of the file (from the Env, which is used
+// only inside Open) and never changes after Open, so every method may be called from any number of
+// threads at once. The batch functions fill arrays the caller owns.
 #pragma once
 
 #include <cstdint>
@@ -20,14 +24,15 @@
 
 namespace strata::data {
 
-// A keyed pseudo-random permutation of [0, n): i -> Permute(i) is a bijection for every key.
+// A keyed pseudo-random permutation of [0, n): i -> Permute(i) is a bijection for every key. Pure.
 uint64_t PermuteIndex(uint64_t i, uint64_t n, uint64_t key);
 
 class TokenDataset {
  public:
   // Opens config.path (already resolved). Fails with a message naming the file when it is
-  // missing, has the wrong length for its format, holds a token >= vocab_size, or is too short
-  // for one training and one held-out window.
+  // missing, has the wrong length for its format (an odd size for UINT16), holds a UINT16 token
+  // >= vocab_size, or is too short for one training and one held-out window. A BYTES file is not
+  // checked against vocab_size: config validation requires vocab_size >= 256 for it.
   [[nodiscard]] static StatusOr<std::unique_ptr<TokenDataset>> Open(
       const config::DataConfig& config, int vocab_size, int seq_len, storage::Env* env);
 
