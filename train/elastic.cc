@@ -15,6 +15,8 @@
 // (scheduler/replan.h), and moves each expert's blob from the lowest rank holding it at s0 to its
 // new owner (a worker that already holds it keeps it). Workers lacking the dense state at s0 get
 // it by broadcast. Training goes on from s0: a step cut short is redone, with the same samples.
+// Those phases are train/state_sync.h; SyncState says what this worker holds and reads its
+// copies for them.
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -23,15 +25,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/common/logging.h"
-#include "scheduler/replan.h"
+#include "train/state_sync.h"
 #include "train/trainer.h"
 
 namespace strata::train {
 namespace {
-
-// Versions of one item (the dense state, or one expert) a worker can supply.
-constexpr int kSlots = 4;  // live, rollback, buddy (latest), buddy (previous)
-constexpr int kHeader = 2;
 
 std::string Ranges(const std::vector<int64_t>& counts) {
   std::string out;
@@ -192,233 +190,106 @@ Status Trainer::RefreshBuddies() {
   return absl::OkStatus();
 }
 
-StatusOr<Trainer::SyncedState> Trainer::SyncState(bool from_checkpoint) {
-  const config::JobConfig& cfg = options_.config;
-  const int W = options_.worker.world_size, rank = options_.worker.rank;
-  const int64_t E = cfg.model().moe().num_experts();
-  const size_t items = 1 + static_cast<size_t>(E);
-  const size_t row = kHeader + items * kSlots;
-  // What this worker holds: [dense floats, expert-blob floats], then per item its versions.
-  std::vector<int64_t> inv(row, -1);
-  auto slot = [&](std::vector<int64_t>& v, size_t item, int k) -> int64_t& {
-    return v[kHeader + item * kSlots + k];
-  };
+Holdings Trainer::HoldingsOfThisWorker() const {
+  Holdings mine(1, options_.config.model().moe().num_experts());
   // A worker that just joined holds nothing, unless it is rank 0 offering a checkpoint.
-  const bool has_state = model_ != nullptr || rollback_.version >= 0;
-  if (has_state) {
-    inv[0] = static_cast<int64_t>(DenseBlobFloats());
-    inv[1] = static_cast<int64_t>(ExpertBlobFloats());
-    if (rollback_.version >= 0) slot(inv, 0, 1) = rollback_.version;
+  if (model_ != nullptr || rollback_.version >= 0) {
+    mine.SetBlobFloats(0, static_cast<int64_t>(DenseBlobFloats()),
+                       static_cast<int64_t>(ExpertBlobFloats()));
+    if (rollback_.version >= 0) {
+      mine.Set(0, kDenseItem, HoldingSlot::kRollback, rollback_.version);
+    }
   }
   if (model_) {
-    slot(inv, 0, 0) = live_version_;
-    for (int64_t e = first_expert_; e < first_expert_ + num_experts_; ++e) {
-      slot(inv, 1 + e, 0) = live_version_;
-    }
+    mine.Set(0, kDenseItem, HoldingSlot::kLive, live_version_);
+    mine.SetExperts(0, first_expert_, num_experts_, HoldingSlot::kLive, live_version_);
   }
   if (rollback_.version >= 0) {
-    for (int64_t e = rollback_.first; e < rollback_.first + rollback_.count; ++e) {
-      slot(inv, 1 + e, 1) = rollback_.version;
-    }
+    mine.SetExperts(0, rollback_.first, rollback_.count, HoldingSlot::kRollback, rollback_.version);
   }
   for (const Buddy& b : buddies_) {
     for (const Copy* c : {&b.cur, &b.prev}) {
       if (c->version < 0) continue;
-      for (int64_t e = c->first; e < c->first + c->count; ++e) {
-        slot(inv, 1 + e, c == &b.cur ? 2 : 3) = c->version;
+      mine.SetExperts(0, c->first, c->count,
+                      c == &b.cur ? HoldingSlot::kBuddyLatest : HoldingSlot::kBuddyPrevious,
+                      c->version);
+    }
+  }
+  return mine;
+}
+
+void Trainer::ReadHeldItem(size_t i, int64_t step, const Holdings& all, float* dst) const {
+  const int64_t e = static_cast<int64_t>(i) - 1;
+  if (model_ && live_version_ == step &&
+      (i == kDenseItem || (e >= first_expert_ && e < first_expert_ + num_experts_))) {
+    if (i == kDenseItem) {
+      ReadDense(dst);
+    } else {
+      ReadExpert(e, dst);
+    }
+    return;
+  }
+  // Where this worker's copy of item `i` at `step` is (null: it has none).
+  const int64_t S = all.expert_floats();
+  const float* src = nullptr;
+  if (i == kDenseItem) {
+    if (rollback_.version == step) src = rollback_.dense.data();
+  } else if (rollback_.version == step && e >= rollback_.first &&
+             e < rollback_.first + rollback_.count) {
+    src = &rollback_.experts[(e - rollback_.first) * S];
+  } else {
+    for (const Buddy& b : buddies_) {
+      for (const Copy* c : {&b.cur, &b.prev}) {
+        if (src == nullptr && c->version == step && e >= c->first && e < c->first + c->count) {
+          src = &c->experts[(e - c->first) * S];
+        }
       }
     }
   }
-  std::vector<int64_t> all = inv;  // a generation of one worker has only itself to ask
-  if (W > 1) {
-    all.resize(row * W);
-    RETURN_IF_ERROR(world_comm_->AllGather(inv.data(), row * sizeof(int64_t), all.data()));
-  }
-  auto at = [&](int w, size_t item, int k) { return all[w * row + kHeader + item * kSlots + k]; };
-  auto holds = [&](int w, size_t item, int64_t v) {
-    for (int k = 0; k < kSlots; ++k) {
-      if (at(w, item, k) == v) return true;
-    }
-    return false;
-  };
-  int64_t D = 0, S = 0;
-  std::vector<int64_t> versions;
-  for (int w = 0; w < W; ++w) {
-    D = std::max(D, all[w * row]);
-    S = std::max(S, all[w * row + 1]);
-    for (size_t i = 0; i < items; ++i) {
-      for (int k = 0; k < kSlots; ++k) {
-        if (at(w, i, k) >= 0) versions.push_back(at(w, i, k));
-      }
-    }
-  }
-  std::sort(versions.rbegin(), versions.rend());
-  versions.erase(std::unique(versions.begin(), versions.end()), versions.end());
-  int64_t s0 = -1;
-  std::string missing;
-  for (int64_t v : versions) {
-    missing.clear();
-    for (size_t i = 0; i < items; ++i) {
-      bool found = false;
-      for (int w = 0; w < W && !found; ++w) found = holds(w, i, v);
-      if (!found) {
-        absl::StrAppend(
-            &missing, missing.empty() ? "" : ", ",
-            i == 0 ? std::string("the dense parameters") : absl::StrCat("expert ", i - 1));
-      }
-    }
-    if (missing.empty()) {
-      s0 = v;
-      break;
-    }
-  }
-  const std::string lost =
-      D == 0 ? std::string(
-                   "no worker of this generation holds any of the job's state (every worker "
-                   "that trained it is gone)")
-             : absl::StrCat(missing, " went with the failed workers and their buddy copies");
-  if (s0 < 0 && !from_checkpoint && !cfg.checkpoint().dir().empty()) {
+  CHECK(src != nullptr) << "item " << i << " of step " << step << " is not held here";
+  std::memcpy(dst, src, (i == kDenseItem ? all.dense_floats() : S) * sizeof(float));
+}
+
+StatusOr<Trainer::SyncedState> Trainer::SyncState(bool from_checkpoint) {
+  const config::JobConfig& cfg = options_.config;
+  const int W = options_.worker.world_size, rank = options_.worker.rank;
+  comm::Communicator* comm = W > 1 ? world_comm_.get() : nullptr;
+  ASSIGN_OR_RETURN(const Holdings all, GatherHoldings(comm, HoldingsOfThisWorker()));
+  const AgreedStep agreed = AgreeOnStep(all);
+  if (agreed.step < 0 && !from_checkpoint && !cfg.checkpoint().dir().empty()) {
     // Lost with the failed workers and their buddy copies: every worker goes back to the latest
     // checkpoint, which rank 0 reads and offers as its copy of the whole state.
     if (rank == 0) {
-      STRATA_LOG(WARNING) << absl::StrFormat("%s; going back to the latest checkpoint in %s", lost,
-                                             cfg.checkpoint().dir());
+      STRATA_LOG(WARNING) << absl::StrFormat("%s; going back to the latest checkpoint in %s",
+                                             agreed.lost, cfg.checkpoint().dir());
       if (!checkpoints_) RETURN_IF_ERROR(OpenCheckpoints(/*continuing=*/true));
       RETURN_IF_ERROR(LoadCheckpointAsCopy(/*or_beginning=*/true));
     }
     return SyncState(/*from_checkpoint=*/true);
   }
-  if (s0 < 0) {
+  if (agreed.step < 0) {
     return absl::DataLossError(absl::StrFormat(
         "the job's state cannot be put together from the workers left: %s (newest step %d), and "
         "there is no checkpoint to go back to; raise elastic.replicas or set checkpoint.dir and "
         "checkpoint.every",
-        lost, versions.empty() ? 0 : versions.front()));
+        agreed.lost, agreed.newest));
   }
-
-  // The new placement, from rank 0's measured loads (a joiner has none: equal loads).
-  std::vector<double> load(E, 0.0);
-  if (rank == 0 && static_cast<int64_t>(expert_load_.size()) == E) load = expert_load_;
-  if (W > 1) {
-    RETURN_IF_ERROR(world_comm_->Broadcast(load.data(), load.size() * sizeof(double), 0));
-  }
-  std::vector<int> current(E, -1);
-  for (int64_t e = 0; e < E; ++e) {
-    for (int w = 0; w < W && current[e] < 0; ++w) {
-      if (at(w, 1 + e, 0) >= 0 || at(w, 1 + e, 1) >= 0) current[e] = w;
-    }
-  }
-  const scheduler::RangePlan plan = scheduler::ReplanRanges(current, load, W);
-  std::vector<int> owner(E), source(E);
-  for (int w = 0, e = 0; w < W; ++w) {
-    for (int64_t i = 0; i < plan.counts[w]; ++i) owner[e++] = w;
-  }
-  for (int64_t e = 0; e < E; ++e) {
-    source[e] = -1;
-    if (holds(owner[e], 1 + e, s0)) {
-      source[e] = owner[e];
-    } else {
-      for (int w = 0; w < W && source[e] < 0; ++w) {
-        if (holds(w, 1 + e, s0)) source[e] = w;
-      }
-    }
-  }
-
+  const int64_t s0 = agreed.step;
+  ASSIGN_OR_RETURN(const ExpertPlan plan, ReplanExperts(comm, all, expert_load_));
+  const CopySources sources = LocateCopies(all, s0, plan.owner);
+  const ReadItem read = [&](size_t i, float* dst) { ReadHeldItem(i, s0, all, dst); };
   SyncedState out;
   out.step = s0;
   out.counts = plan.counts;
-  // Where this worker's copy of item `i` at s0 is (null: it has none).
-  auto local = [&](size_t i) -> const float* {
-    if (!has_state) return nullptr;
-    const int64_t e = static_cast<int64_t>(i) - 1;
-    if (i == 0) return rollback_.version == s0 ? rollback_.dense.data() : nullptr;
-    if (rollback_.version == s0 && e >= rollback_.first && e < rollback_.first + rollback_.count) {
-      return &rollback_.experts[(e - rollback_.first) * S];
-    }
-    for (const Buddy& b : buddies_) {
-      for (const Copy* c : {&b.cur, &b.prev}) {
-        if (c->version == s0 && e >= c->first && e < c->first + c->count) {
-          return &c->experts[(e - c->first) * S];
-        }
-      }
-    }
-    return nullptr;
-  };
-  auto read_item = [&](size_t i, float* dst) {
-    const int64_t e = static_cast<int64_t>(i) - 1;
-    const bool live = model_ && live_version_ == s0 &&
-                      (i == 0 || (e >= first_expert_ && e < first_expert_ + num_experts_));
-    if (live) {
-      if (i == 0) {
-        ReadDense(dst);
-      } else {
-        ReadExpert(e, dst);
-      }
-      return;
-    }
-    const float* src = local(i);
-    CHECK(src != nullptr) << "item " << i << " of step " << s0 << " is not held here";
-    std::memcpy(dst, src, (i == 0 ? D : S) * sizeof(float));
-  };
-
-  // Dense state: a broadcast from the lowest rank holding it, when anyone lacks it.
-  out.dense.resize(D);
-  int dense_root = -1;
-  bool anyone_lacks = false;
-  for (int w = 0; w < W; ++w) {
-    if (holds(w, 0, s0)) {
-      if (dense_root < 0) dense_root = w;
-    } else {
-      anyone_lacks = true;
-    }
-  }
-  if (holds(rank, 0, s0)) read_item(0, out.dense.data());
-  if (anyone_lacks) {
-    RETURN_IF_ERROR(world_comm_->Broadcast(out.dense.data(), D * sizeof(float), dense_root));
-  }
-
-  // Experts: one all-to-all from each expert's source to its new owner.
-  std::vector<int64_t> send_counts(W, 0), recv_counts(W, 0);
-  for (int64_t e = 0; e < E; ++e) {
-    if (source[e] == owner[e]) continue;
-    if (source[e] == rank) send_counts[owner[e]] += S;
-    if (owner[e] == rank) recv_counts[source[e]] += S;
-  }
-  std::vector<float> send, recv;
-  for (int d = 0; d < W; ++d) {
-    for (int64_t e = 0; e < E; ++e) {
-      if (source[e] == rank && owner[e] == d && d != rank) {
-        send.resize(send.size() + S);
-        read_item(1 + e, &send[send.size() - S]);
-      }
-    }
-  }
-  int64_t incoming = 0;
-  for (int64_t c : recv_counts) incoming += c;
-  recv.resize(incoming);
-  if (W > 1) {
-    RETURN_IF_ERROR(world_comm_->AllToAllV(send.data(), send_counts, recv.data(), recv_counts));
-  }
-  std::vector<int64_t> offset(W, 0);
-  for (int w = 1; w < W; ++w) offset[w] = offset[w - 1] + recv_counts[w - 1];
-  int64_t moved = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    if (owner[e] != rank) continue;
-    out.experts.resize(out.experts.size() + S);
-    float* dst = &out.experts[out.experts.size() - S];
-    if (source[e] == rank) {
-      read_item(1 + e, dst);
-    } else {
-      std::memcpy(dst, &recv[offset[source[e]]], S * sizeof(float));
-      offset[source[e]] += S;
-    }
-  }
-  for (int64_t e = 0; e < E; ++e) moved += source[e] != owner[e];
+  ASSIGN_OR_RETURN(out.dense, MoveDenseState(comm, all, s0, sources, read));
+  ASSIGN_OR_RETURN(MovedExperts experts,
+                   MoveExperts(comm, plan.owner, sources, all.expert_floats(), read));
+  out.experts = std::move(experts.blobs);
   if (rank == 0) {
     STRATA_LOG(INFO) << absl::StrFormat(
         "generation of %d workers starts from step %d (this worker was at step %d): experts "
         "%s, %d moved (%d by the planner)",
-        W, s0, model_ ? live_version_ : -1, Ranges(plan.counts), moved, plan.moved);
+        W, s0, model_ ? live_version_ : -1, Ranges(plan.counts), experts.moved, plan.planner_moved);
   }
   return out;
 }

@@ -29,6 +29,7 @@
 #include "scheduler/tiered_scheduler.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
+#include "train/state_sync.h"
 
 namespace strata::train {
 
@@ -178,6 +179,9 @@ class Trainer {
   };
   // from_checkpoint: rank 0 already offers the latest checkpoint; no second fallback.
   [[nodiscard]] StatusOr<SyncedState> SyncState(bool from_checkpoint = false);
+  // What this worker can supply to SyncState, and its copy of item `i` at `step` (one it holds).
+  Holdings HoldingsOfThisWorker() const;
+  void ReadHeldItem(size_t i, int64_t step, const Holdings& all, float* dst) const;
   [[nodiscard]] Status ImportState(const SyncedState& s);
   [[nodiscard]] Status CheckElastic() const;
   // Opens config.checkpoint.dir (`continuing`: a worker that became rank 0 of a running job).

@@ -1,0 +1,147 @@
+// How the workers of a new membership generation agree on a state and move it to where it now
+// lives, as six phases over the generation's communicator (Trainer::SyncState calls them in
+// order; see elastic.cc for the versions every step keeps).
+//
+// The job's state is items: item 0 (kDenseItem) is the dense parameters with their Adam moments,
+// item 1 + e (ExpertItem(e)) expert e's parameters with theirs; each a blob of floats. A worker
+// can supply some versions of some items (a version is the step the state is the result of): its
+// live model, its copy from before the latest update, and buddy copies of other workers' experts.
+//   1. GatherHoldings: every worker all-gathers what every worker holds.
+//   2. AgreeOnStep: the newest version whose every item some worker holds (pure).
+//   3. ReplanExperts: rank 0's measured expert loads are broadcast and the experts re-placed in
+//      contiguous ranges (scheduler::ReplanRanges).
+//   4. LocateCopies: where each item's copy at the agreed step comes from (pure).
+//   5. MoveDenseState: a broadcast from the dense root, when any worker lacks the dense state.
+//   6. MoveExperts: one all-to-all-v from each expert's source to its new owner.
+//
+// Threads and ownership. The collective phases (1, 3, 5, 6) must be called by every worker of the
+// generation, in the same order, each from the one thread that uses `comm` at the time (see
+// runtime/comm/communicator.h); `comm` is borrowed for the call, and null stands for a generation
+// of one worker (rank 0 of 1), which communicates nothing. The pure phases (2, 4) may be called
+// from any thread. Every worker gets the same GatherHoldings result, so the pure phases and
+// ReplanExperts compute the same answer everywhere. A phase reads this worker's copies only
+// through the ReadItem it is given, during the call, and returns values its caller owns.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/common/status.h"
+#include "runtime/comm/communicator.h"
+
+namespace strata::train {
+
+inline constexpr size_t kDenseItem = 0;
+inline size_t ExpertItem(int64_t e) { return 1 + static_cast<size_t>(e); }
+
+// Where a worker keeps a version of an item.
+enum class HoldingSlot : int {
+  kLive = 0,           // its model
+  kRollback = 1,       // its copy from before the latest update
+  kBuddyLatest = 2,    // a buddy copy after its source's latest update
+  kBuddyPrevious = 3,  // a buddy copy after the update before
+};
+inline constexpr int kHoldingSlots = 4;
+
+// Which versions of which items each of `workers` workers can supply, and the blob sizes of its
+// model (0 for a worker that holds no state). A value type: a worker fills one of one worker for
+// itself, and GatherHoldings returns the generation's. Const methods may run on several threads at
+// once; a setter needs the object to itself.
+class Holdings {
+ public:
+  Holdings(int workers, int64_t num_experts);
+
+  int workers() const { return workers_; }
+  int64_t num_experts() const { return num_experts_; }
+  size_t items() const { return 1 + static_cast<size_t>(num_experts_); }
+
+  void SetBlobFloats(int w, int64_t dense_floats, int64_t expert_floats);
+  void Set(int w, size_t item, HoldingSlot slot, int64_t version);
+  // Experts [first, first + count) in `slot`.
+  void SetExperts(int w, int64_t first, int64_t count, HoldingSlot slot, int64_t version);
+
+  // -1: worker w has nothing in that slot.
+  int64_t version(int w, size_t item, HoldingSlot slot) const;
+  // Worker w holds `version` of `item` in some slot.
+  bool Holds(int w, size_t item, int64_t version) const;
+  // The largest blob sizes any worker reports (0: no worker holds any state).
+  int64_t dense_floats() const;
+  int64_t expert_floats() const;
+
+ private:
+  // Worker w's row: [dense floats, expert floats], then per item its kHoldingSlots versions.
+  static constexpr size_t kRowHeader = 2;
+  size_t row_size() const { return kRowHeader + items() * kHoldingSlots; }
+  size_t index(int w, size_t item, HoldingSlot slot) const;
+  friend StatusOr<Holdings> GatherHoldings(comm::Communicator* comm, const Holdings& mine);
+
+  int workers_;
+  int64_t num_experts_;
+  std::vector<int64_t> rows_;  // [workers * row_size()]
+};
+
+// Phase 1 (collective). `mine` is this worker's (of one worker); the result has every worker's,
+// in rank order. The communicator's errors are returned as they are.
+[[nodiscard]] StatusOr<Holdings> GatherHoldings(comm::Communicator* comm, const Holdings& mine);
+
+struct AgreedStep {
+  int64_t step = -1;   // the newest version of which every item is held somewhere; -1: none
+  int64_t newest = 0;  // the newest version any worker holds (0 when none holds any)
+  // step < 0: what cannot be put together, for messages — the items no worker holds at the oldest
+  // version any holds ("expert 4, expert 5 went with the failed workers and their buddy
+  // copies"), or that no worker holds any state at all.
+  std::string lost;
+};
+
+// Phase 2 (pure).
+AgreedStep AgreeOnStep(const Holdings& all);
+
+struct ExpertPlan {
+  std::vector<int64_t> counts;  // [workers] experts of each rank, ranges in rank order
+  std::vector<int> owner;       // [E] each expert's new owner
+  int planner_moved = 0;        // experts whose owner (live or rollback holder) changes
+};
+
+// Phase 3 (collective). `measured_load` is this worker's measured load of each expert; rank 0's
+// is broadcast and used by every worker (equal loads when rank 0's has not num_experts entries,
+// e.g. rank 0 just joined). An expert's current owner is the lowest rank holding its live or
+// rollback copy.
+[[nodiscard]] StatusOr<ExpertPlan> ReplanExperts(comm::Communicator* comm, const Holdings& all,
+                                                 const std::vector<double>& measured_load);
+
+struct CopySources {
+  std::vector<int> expert;  // [E] the rank whose copy of the expert at the step goes to its owner
+  int dense_root = -1;      // the lowest rank holding the dense state at the step
+  bool anyone_lacks_dense = false;
+};
+
+// Phase 4 (pure). An expert's source is its new owner when that holds it at `step` (it keeps its
+// copy), else the lowest rank holding it. REQUIRES: every item is held at `step` (AgreeOnStep).
+CopySources LocateCopies(const Holdings& all, int64_t step, const std::vector<int>& owner);
+
+// Copies this worker's blob of `item` at the agreed step into `dst` (dense_floats or
+// expert_floats of them). Called only for items this worker holds at that step.
+using ReadItem = std::function<void(size_t item, float* dst)>;
+
+// Phase 5 (collective when anyone lacks the dense state). Returns the dense blob at the step:
+// this worker's own copy when nobody lacks it, else the dense root's.
+[[nodiscard]] StatusOr<std::vector<float>> MoveDenseState(comm::Communicator* comm,
+                                                          const Holdings& all, int64_t step,
+                                                          const CopySources& sources,
+                                                          const ReadItem& read);
+
+struct MovedExperts {
+  std::vector<float> blobs;  // this worker's experts' blobs, in expert order
+  int64_t moved = 0;         // experts (of all workers) whose source is not their owner
+};
+
+// Phase 6 (collective). Each expert's blob goes from sources.expert[e] to owner[e]; an owner
+// that is its own source reads its copy.
+[[nodiscard]] StatusOr<MovedExperts> MoveExperts(comm::Communicator* comm,
+                                                 const std::vector<int>& owner,
+                                                 const CopySources& sources, int64_t expert_floats,
+                                                 const ReadItem& read);
+
+}  // namespace strata::train
