@@ -37,20 +37,14 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
     }
   }
   // The layout of an expert's blob, from the first expert; every other must match it.
-  std::vector<model::Parameter*> first =
-      model.moe_layers()[0].layer->expert(s->first_expert_).Parameters();
-  for (model::Parameter* p : first) {
-    s->segments_.push_back(Segment{s->floats_, p->shape, p->decay});
-    s->floats_ += static_cast<uint64_t>(p->shape.numel());
-  }
+  s->layout_ =
+      model::ExpertLayout::Of(model.moe_layers()[0].layer->expert(s->first_expert_).Parameters());
   for (const auto& ref : model.moe_layers()) {
     Layer layer;
     layer.block = ref.block;
     for (int64_t e = s->first_expert_; e < s->first_expert_ + ref.layer->num_local_experts(); ++e) {
       std::vector<model::Parameter*> ps = ref.layer->expert(e).Parameters();
-      bool same = ps.size() == first.size();
-      for (size_t i = 0; same && i < ps.size(); ++i) same = ps[i]->shape == first[i]->shape;
-      if (!same) {
+      if (!s->layout_.Fits(ps)) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "the tiered store needs every expert to have the same parameter shapes; expert %d "
             "of block %d differs from expert 0 of block %d",
@@ -62,17 +56,17 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
               "the model's experts own their parameters; build it with unbound_experts");
         }
       }
-      layer.experts.push_back(std::move(ps));
+      layer.experts.emplace_back(ps.begin(), ps.end());
     }
     layer.history.assign(layer.experts.size(), 0.0);
     layer.grad_sq.assign(layer.experts.size(), 0.0);
     layer.started.assign(layer.experts.size(), 0.0);
     s->layers_.push_back(std::move(layer));
   }
-  s->zeros_.assign(s->floats_, 0.0f);
+  s->zeros_.assign(s->expert_floats(), 0.0f);
 
   storage::StoreOptions so;
-  so.tensor_bytes = s->floats_ * sizeof(float);
+  so.tensor_bytes = s->expert_floats() * sizeof(float);
   so.device_budget_bytes = options.device_slot_bytes;
   so.host_budget_bytes = options.storage.host_budget_bytes();
   so.device_budget = options.device_budget;
@@ -91,9 +85,9 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
   // Never-written weights are generated from the seed, exactly as in memory.
   so.initializer = [ptr = s.get()](const TensorKey& key, float* dst) {
     const int li = ptr->MoeIndex(key.layer);
-    for (size_t i = 0; i < ptr->segments_.size(); ++i) {
-      model::InitialValues(*ptr->layers_[li].experts[key.expert - ptr->first_expert_][i],
-                           ptr->options_.seed, dst + ptr->segments_[i].offset);
+    const auto& params = ptr->layers_[li].experts[key.expert - ptr->first_expert_];
+    for (size_t i = 0; i < params.size(); ++i) {
+      model::InitialValues(*params[i], ptr->options_.seed, dst + ptr->layout_.segments[i].offset);
     }
   };
   ASSIGN_OR_RETURN(s->store_, storage::TieredExpertStore::Create(so));
@@ -147,24 +141,8 @@ int TieredExpertScheduler::MoeIndex(int block) const {
 Tensor TieredExpertScheduler::Blob(float* data) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& b = blobs_[data];
-  if (!b) b = Buffer::Wrap(Device::Cpu(), data, floats_ * sizeof(float));
-  return Tensor::FromBuffer(b, {static_cast<int64_t>(floats_)});
-}
-
-void TieredExpertScheduler::Bind(int li, int e, float* weights, float* grad) {
-  Tensor w = Blob(weights);
-  Tensor g = grad ? Blob(grad) : Tensor();
-  auto& params = layers_[li].experts[e];
-  for (size_t i = 0; i < params.size(); ++i) {
-    params[i]->value = w.View(static_cast<int64_t>(segments_[i].offset), segments_[i].shape);
-    if (grad) {
-      params[i]->grad = g.View(static_cast<int64_t>(segments_[i].offset), segments_[i].shape);
-    }
-  }
-}
-
-void TieredExpertScheduler::Unbind(int li, int e) {
-  for (model::Parameter* p : layers_[li].experts[e]) model::Unbind(*p);
+  if (!b) b = Buffer::Wrap(Device::Cpu(), data, expert_floats() * sizeof(float));
+  return Tensor::FromBuffer(b, {layout_.floats});
 }
 
 void TieredExpertScheduler::Fail(const Status& s) {
@@ -270,13 +248,13 @@ void TieredExpertScheduler::WaitUpdated(int li) {
   }
 }
 
-int TieredExpertScheduler::NextReady(int layer, Pass pass) {
+model::ResidentExpert TieredExpertScheduler::NextReady(int layer, Pass pass) {
   const int li = MoeIndex(layer);
   int e;
   {
-    if (!status().ok()) return -1;
+    if (!status().ok()) return {};
     std::lock_guard<std::mutex> lock(mu_);
-    if (pending_.empty()) return -1;
+    if (pending_.empty()) return {};
     // A resident expert first, so threads compute while the rest load.
     auto it = std::find_if(pending_.begin(), pending_.end(), [&](int x) {
       return store_->DeviceReady(Key(li, x, TensorKind::kWeights));
@@ -291,19 +269,20 @@ int TieredExpertScheduler::NextReady(int layer, Pass pass) {
   auto w = store_->AcquireDevice(Key(li, e, TensorKind::kWeights));
   if (!w.ok()) {
     Fail(w.status());
-    return -1;
+    return {};
   }
-  float* grad = nullptr;
+  model::ResidentExpert r;
+  r.expert = static_cast<int>(first_expert_ + e);
   if (pass == Pass::kBackward) {
     auto g = store_->AcquireDevice(Key(li, e, TensorKind::kGrad), /*zero=*/true);
     if (!g.ok()) {
       store_->ReleaseDevice(Key(li, e, TensorKind::kWeights), false);
       Fail(g.status());
-      return -1;
+      return {};
     }
-    grad = *g;
+    r.grad = Blob(*g);
   }
-  Bind(li, e, *w, grad);
+  r.weights = Blob(*w);
   if (tracer_) {
     const double t1 = NowSeconds();
     if (t1 - t0 > 20e-6) {
@@ -311,16 +290,16 @@ int TieredExpertScheduler::NextReady(int layer, Pass pass) {
     }
     layers_[li].started[e] = t1;
   }
-  return static_cast<int>(first_expert_ + e);
+  return r;
 }
 
-void TieredExpertScheduler::Done(int layer, Pass pass, int expert) {
+void TieredExpertScheduler::Done(int layer, Pass pass, const model::ResidentExpert& expert) {
   const int li = MoeIndex(layer);
-  const int e = static_cast<int>(expert - first_expert_);
+  const int e = static_cast<int>(expert.expert - first_expert_);
   if (pass == Pass::kBackward) {
-    const float* g = layers_[li].experts[e][0]->grad.f32();
+    const float* g = expert.grad.f32();
     double sq = 0;
-    for (uint64_t i = 0; i < floats_; ++i) sq += static_cast<double>(g[i]) * g[i];
+    for (int64_t i = 0; i < layout_.floats; ++i) sq += static_cast<double>(g[i]) * g[i];
     layers_[li].grad_sq[e] = sq;
   }
   if (tracer_) {
@@ -329,7 +308,6 @@ void TieredExpertScheduler::Done(int layer, Pass pass, int expert) {
                         layers_[li].block, e),
         "compute", layers_[li].started[e], NowSeconds());
   }
-  Unbind(li, e);
   store_->ReleaseDevice(Key(li, e, TensorKind::kWeights), false);
   if (pass == Pass::kBackward) {
     // The gradient stays on the device until its slot is needed (then it moves to the host) or
@@ -441,7 +419,7 @@ Status TieredExpertScheduler::RunUpdate(const Update& u) {
       float* m = ptr[1];
       float* v = ptr[2];
       const float* g = it.grad ? ptr[3] : zeros_.data();
-      for (const Segment& seg : segments_) {
+      for (const model::ExpertLayout::Segment& seg : layout_.segments) {
         ops::AdamWHyper h;
         h.lr = u.lr;
         h.beta1 = u.options.beta1;

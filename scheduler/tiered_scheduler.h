@@ -19,8 +19,16 @@
 // The SSD->host and host->device stages run beside all of this (vertical prefetch), so both
 // links and the compute stay busy (SE-MoE's 2D prefetch).
 //
-// Every expert's tensors are one flat blob: its parameters in Expert::Parameters() order. All
-// experts of a model must have the same parameter shapes.
+// Every expert's tensors are one flat blob laid out by model::ExpertLayout (its parameters in
+// Expert::Parameters() order); all experts of a model must have the same layout. The scheduler
+// never touches the model's parameters: NextReady hands the MoE layer the resident weight blob
+// (and in backward a zeroed gradient blob), which the layer binds to its expert for one call and
+// gives back with Done.
+//
+// Threads: BeginPass, NextReady and Done are called from the MoE layer's threads as
+// expert_residency.h says; StepExperts, FinishExpertStep, EndStep, set_tracer and Quiesce from the
+// thread that drives the step (the trainer's), never during a pass; status() and the const
+// accessors from any thread.
 #pragma once
 
 #include <condition_variable>
@@ -60,14 +68,16 @@ struct TieredOptions {
 class TieredExpertScheduler : public model::ExpertResidency {
  public:
   // The model must have been built with unbound experts and this scheduler attached afterwards
-  // (model.AttachResidency(scheduler)).
+  // (model.AttachResidency(scheduler)). The scheduler keeps (const) pointers to the model's expert
+  // parameters to read their names and init rules: the model must outlive it.
   [[nodiscard]] static StatusOr<std::unique_ptr<TieredExpertScheduler>> Create(
       model::MoeTransformer& model, const TieredOptions& options);
   ~TieredExpertScheduler() override;
 
   void BeginPass(int layer, Pass pass, std::span<const int> experts) override;
-  int NextReady(int layer, Pass pass) override;
-  void Done(int layer, Pass pass, int expert) override;
+  // The handle's blobs are views of the store's device slots, pinned until Done.
+  model::ResidentExpert NextReady(int layer, Pass pass) override;
+  void Done(int layer, Pass pass, const model::ResidentExpert& expert) override;
 
   // The first error since the last EndStep (a failed read, a corrupt extent, a full disk).
   Status status() const;
@@ -92,12 +102,9 @@ class TieredExpertScheduler : public model::ExpertResidency {
   void Quiesce();
 
   storage::TieredExpertStore& store() { return *store_; }
-  uint64_t expert_floats() const { return floats_; }
-  // The parameters of expert `e` of MoE layer `li`, in blob order (unbound between uses).
-  const std::vector<model::Parameter*>& expert_params(int li, int e) const {
-    return layers_[li].experts[e];
-  }
-  uint64_t segment_offset(size_t i) const { return segments_[i].offset; }
+  uint64_t expert_floats() const { return static_cast<uint64_t>(layout_.floats); }
+  // The layout of every expert's blob (weights, gradient and moments alike).
+  const model::ExpertLayout& layout() const { return layout_; }
   int moe_layers() const { return static_cast<int>(layers_.size()); }
   int num_experts(int moe_layer) const {
     return static_cast<int>(layers_[moe_layer].experts.size());
@@ -114,18 +121,14 @@ class TieredExpertScheduler : public model::ExpertResidency {
 
  private:
   int64_t first_expert_ = 0;
-  struct Segment {
-    uint64_t offset;
-    Shape shape;
-    bool decay;
-  };
   struct Layer {
     int block;
-    std::vector<std::vector<model::Parameter*>> experts;  // [expert][param]
-    std::vector<double> history;                          // routing frequency, decayed per step
-    std::vector<int> routed;                              // experts with rows in the last forward
-    std::vector<double> grad_sq;                          // this step's gradient sums of squares
-    std::vector<double> started;                          // trace: when each expert's work began
+    // [expert][param]: read for their initial values only (the layer binds them).
+    std::vector<std::vector<const model::Parameter*>> experts;
+    std::vector<double> history;  // routing frequency, decayed per step
+    std::vector<int> routed;      // experts with rows in the last forward
+    std::vector<double> grad_sq;  // this step's gradient sums of squares
+    std::vector<double> started;  // trace: when each expert's work began
   };
   struct Item {  // one expert's optimizer step
     int li, e;
@@ -141,9 +144,8 @@ class TieredExpertScheduler : public model::ExpertResidency {
 
   TieredExpertScheduler() = default;
   int MoeIndex(int block) const;
+  // A flat [layout_.floats] tensor over a slot of the store (wrapped once per slot).
   Tensor Blob(float* data);
-  void Bind(int li, int e, float* weights, float* grad);
-  void Unbind(int li, int e);
   void Fail(const Status& s);
   // Trace: moves the store's stage spans to the tracer.
   void FlushStageSpans();
@@ -163,8 +165,7 @@ class TieredExpertScheduler : public model::ExpertResidency {
   Tracer* tracer_ = nullptr;
   std::unique_ptr<storage::TieredExpertStore> store_;
   std::vector<Layer> layers_;
-  std::vector<Segment> segments_;
-  uint64_t floats_ = 0;
+  model::ExpertLayout layout_;
   std::vector<float> zeros_;  // the gradient of an expert without tokens (DENSE)
 
   mutable std::mutex mu_;

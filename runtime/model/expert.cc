@@ -51,6 +51,34 @@ void FfnExpert::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, c
   ops::LinearBackward(ctx, dx, w1_->grad, none, pre, x, w1_->value, false);
 }
 
+ExpertLayout ExpertLayout::Of(const std::vector<Parameter*>& params) {
+  ExpertLayout layout;
+  for (const Parameter* p : params) {
+    layout.segments.push_back(Segment{layout.floats, p->shape, p->decay});
+    layout.floats += p->shape.numel();
+  }
+  return layout;
+}
+
+bool ExpertLayout::Fits(const std::vector<Parameter*>& params) const {
+  if (params.size() != segments.size()) return false;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!(params[i]->shape == segments[i].shape)) return false;
+  }
+  return true;
+}
+
+void ExpertLayout::Bind(const std::vector<Parameter*>& params, const Tensor& weights,
+                        const Tensor& grad) const {
+  CHECK_EQ(params.size(), segments.size());
+  CHECK_GE(weights.numel(), floats);
+  CHECK(!grad.defined() || grad.numel() >= floats);
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i]->value = weights.View(segments[i].offset, segments[i].shape);
+    params[i]->grad = grad.defined() ? grad.View(segments[i].offset, segments[i].shape) : Tensor();
+  }
+}
+
 bool FfnExpert::SameShape(const std::vector<FfnExpert*>& experts) {
   if (experts.empty()) return false;
   const FfnOptions& a = experts[0]->options_;

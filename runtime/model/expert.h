@@ -42,6 +42,29 @@ class Expert {
   virtual std::vector<Parameter*> Parameters() = 0;
 };
 
+// Where an expert's parameters lie in one flat float blob: Expert::Parameters() order, packed
+// without padding. The tiered store keeps every expert (weights, gradient, moments) as such blobs,
+// and the MoE layer binds the blobs its ExpertResidency hands it with the same layout, so the two
+// sides compute it here and cannot drift. Plain data: any thread may read it.
+struct ExpertLayout {
+  struct Segment {
+    int64_t offset = 0;  // floats from the start of the blob
+    Shape shape;
+    bool decay = false;  // AdamW weight decay applies
+  };
+  std::vector<Segment> segments;  // one per parameter, in Parameters() order
+  int64_t floats = 0;             // the blob's size
+
+  // The layout of `params` (an expert's Parameters(); they may be unbound: only the shapes count).
+  static ExpertLayout Of(const std::vector<Parameter*>& params);
+  // Whether `params` have exactly this layout's shapes, in order.
+  bool Fits(const std::vector<Parameter*>& params) const;
+  // Binds params[i].value to a view of `weights` [floats] and params[i].grad to a view of `grad`
+  // (left unbound when grad is undefined). The views share the blobs' memory; the caller unbinds
+  // them (model::Unbind) before that memory goes away. REQUIRES: Fits(params).
+  void Bind(const std::vector<Parameter*>& params, const Tensor& weights, const Tensor& grad) const;
+};
+
 // Makes expert `expert` of MoE layer `layer`. `name_prefix` ("blocks.3.moe.experts.5") prefixes
 // its parameter names, which key their initialisation.
 using ExpertFactory =

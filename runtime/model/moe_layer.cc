@@ -39,6 +39,19 @@ MoeLayer::MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> ga
   grouped_gemm_ = !device_.is_cpu() && !ffn_experts_.empty();
 }
 
+void MoeLayer::AttachResidency(ExpertResidency* residency, int layer) {
+  residency_ = residency;
+  layer_ = layer;
+  expert_params_.clear();
+  expert_layout_ = ExpertLayout{};
+  if (residency == nullptr) return;
+  for (auto& e : experts_) expert_params_.push_back(e->Parameters());
+  if (!expert_params_.empty()) expert_layout_ = ExpertLayout::Of(expert_params_[0]);
+  for (const auto& ps : expert_params_) {
+    CHECK(expert_layout_.Fits(ps)) << "a residency needs every expert to have one layout";
+  }
+}
+
 void MoeLayer::set_grouped_gemm(bool on) {
   CHECK(!on || !ffn_experts_.empty())
       << "a grouped GEMM needs every local expert to be an FfnExpert of one shape";
@@ -119,9 +132,16 @@ void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
   }
   residency_->BeginPass(layer_, pass, needed_);
   ctx.pool->Run([&](int, int) {
-    for (int e; (e = residency_->NextReady(layer_, pass)) >= 0;) {
-      fn(e - first_local_);
-      residency_->Done(layer_, pass, e);
+    while (true) {
+      const ResidentExpert r = residency_->NextReady(layer_, pass);
+      if (r.expert < 0) break;
+      const int64_t e = r.expert - first_local_;
+      CHECK(e >= 0 && e < num_local_experts()) << "the residency handed expert " << r.expert;
+      // The handed blobs are the expert's parameters for this call only.
+      expert_layout_.Bind(expert_params_[e], r.weights, r.grad);
+      fn(e);
+      for (Parameter* p : expert_params_[e]) Unbind(*p);
+      residency_->Done(layer_, pass, r);
     }
   });
 }

@@ -74,11 +74,10 @@ class MoeLayer {
   // The gate's parameters only (the dense part of the layer).
   std::vector<Parameter*> GateParameters() { return gate_->Parameters(); }
   // Expert parameters become resident through `residency` (the tiered store) for block `layer`;
-  // see expert_residency.h. Null: experts own their parameters.
-  void AttachResidency(ExpertResidency* residency, int layer) {
-    residency_ = residency;
-    layer_ = layer;
-  }
+  // see expert_residency.h: the layer binds the blobs it is handed to its experts' parameters for
+  // each call. Null: experts own their parameters. The layer does not own the residency.
+  // REQUIRES: every local expert has the same ExpertLayout.
+  void AttachResidency(ExpertResidency* residency, int layer);
   ExpertResidency* residency() const { return residency_; }
 
   // Rows of experts on other workers go through `exchange` (null: every expert is local).
@@ -139,6 +138,8 @@ class MoeLayer {
   std::vector<int64_t> group_begin_;
 
   ExpertResidency* residency_ = nullptr;
+  ExpertLayout expert_layout_;                          // of every local expert, with a residency
+  std::vector<std::vector<Parameter*>> expert_params_;  // [local expert], bound per call
   ExpertExchange* exchange_ = nullptr;
   int layer_ = -1;
   std::vector<int> needed_;  // experts with rows, for the residency

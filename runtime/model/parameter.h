@@ -23,7 +23,8 @@ struct Parameter {
   std::string name;
   Shape shape;
   // value and grad are undefined while the parameter is unbound (an expert in the tiered store
-  // between uses); the store binds them to views of resident memory.
+  // between uses); its MoE layer binds them to views of the resident blobs its ExpertResidency
+  // hands it, for one call (expert_residency.h).
   Tensor value;
   Tensor grad;
   bool decay = false;  // AdamW weight decay applies (weight matrices)

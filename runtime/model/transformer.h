@@ -34,8 +34,8 @@ struct ModelOptions {
   // Builds the experts of MoE layers; null means FfnExpert from the config.
   ExpertFactory expert_factory;
   // Expert parameters are left unbound (their memory freed as each expert is built): a residency
-  // (the tiered store) binds them when they are used. Their initial values come from
-  // InitialValues with the same seed.
+  // (the tiered store) hands each MoE layer the resident blobs to bind when they are used. Their
+  // initial values come from InitialValues with the same seed.
   bool unbound_experts = false;
   // Expert parallelism: build only experts [first_local_expert, first_local_expert +
   // num_local_experts) of every MoE layer (-1: all of them); the others live on other workers,
