@@ -1,10 +1,19 @@
 #include <csignal>
+#include <cstdio>
+#include <string>
 
+#include "core/common/fault_point.h"
 #include "launcher/commands.h"
 
 int main(int argc, char** argv) {
   // A peer that dies closes its sockets; writing to one must come back as an error that names the
   // peer (see runtime/comm), not kill this process with SIGPIPE.
   std::signal(SIGPIPE, SIG_IGN);
+  // Tests and drills arm fault points through STRATA_FAULTS (core/common/fault_point.h); a bad
+  // value stops here, before anything starts, rather than leaving a drill without its fault.
+  if (strata::Status s = strata::FaultPoints::Instance().EnvironmentStatus(); !s.ok()) {
+    std::fprintf(stderr, "strata: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   return strata::launcher::Main(argc, argv);
 }
