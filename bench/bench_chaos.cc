@@ -16,7 +16,8 @@
 // Scenarios (one per trial, drawn from the seeded generator; so is every time and victim):
 //   a  SIGKILL a worker of `strata launch` at a random step, then start a replacement;
 //   b  the same with a checkpoint every few steps, each commit held open
-//      (STRATA_FAULT_CHECKPOINT_COMMIT_DELAY_MS), and the kill landing inside that window;
+//      (STRATA_FAULTS=checkpoint.before_commit=sleep_ms:N), and the kill landing inside that
+//      window;
 //   c  SIGKILL a second worker shortly after the first, while the survivors re-form;
 //   d  a standalone `strata coordinator`: SIGKILL it, SIGKILL a worker while it is down (or within
 //      3 s after it is back), restart it on the same port and folder, start a replacement.
@@ -244,7 +245,8 @@ class Trial {
     fs::create_directories(dir_);
     std::ofstream(dir_ + "/corpus.txt") << bench::WordCorpus(60000);
     if (p_.scenario == 'b') {
-      env_.push_back(absl::StrCat("STRATA_FAULT_CHECKPOINT_COMMIT_DELAY_MS=", p_.commit_delay_ms));
+      env_.push_back(
+          absl::StrCat("STRATA_FAULTS=checkpoint.before_commit=sleep_ms:", p_.commit_delay_ms));
     }
     if (p_.scenario == 'd') env_.push_back(absl::StrCat("STRATA_JOB_TOKEN=", kToken));
   }

@@ -234,16 +234,6 @@ train::TrainOptions OptionsFor(const Flags& flags, config::JobConfig cfg,
   options.export_params_dir = flags.String("export-params").value_or("");
   options.resume = flags.Has("resume");
   options.start_over = flags.Has("start-over");
-  // Fault injection for tests and drills: hold every checkpoint between its extents and its
-  // commit, so a kill can land in the middle of one.
-  if (const char* d = std::getenv("STRATA_FAULT_CHECKPOINT_COMMIT_DELAY_MS")) {
-    options.checkpoint_commit_delay_ms = std::atoi(d);
-  }
-  // ... or stop the checkpoint writer for good once checkpoint N is committed, so a kill lands
-  // after N and before any later checkpoint however fast training runs.
-  if (const char* n = std::getenv("STRATA_FAULT_CHECKPOINT_HOLD_AFTER")) {
-    options.checkpoint_hold_after_step = std::atoll(n);
-  }
   return options;
 }
 

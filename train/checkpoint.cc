@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "core/common/clock.h"
+#include "core/common/fault_point.h"
 #include "core/common/logging.h"
 #include "core/common/trace.h"
 #include "google/protobuf/text_format.h"
@@ -874,9 +875,10 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
     STRATA_LOG(INFO) << "checkpoint " << m.step() << ": " << p->copies.size()
                      << " tensors written and synced; committing";
   }
-  if (s.ok() && options_.commit_delay_ms > 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(options_.commit_delay_ms));
-  }
+  // Tests and drills hold a checkpoint here (sleep_ms), so that a kill lands between its extents
+  // and its commit. The step travels as an int64_t.
+  [[maybe_unused]] int64_t step = m.step();
+  if (s.ok()) STRATA_FAULT_POINT("checkpoint.before_commit", &step);
   std::vector<TensorRef> new_versions;
   for (auto& c : p->copies) {
     ToRecord(c.stored, c.ref.mutable_extent());
@@ -948,11 +950,9 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
   }
   writer_status_ = prune;
   writer_done_ = true;
-  if (options_.hold_after_step > 0 && m.step() == options_.hold_after_step) {
-    STRATA_LOG(WARNING) << "checkpoint " << m.step()
-                        << ": holding here (fault injection) until the process is killed";
-    for (;;) pause();
-  }
+  // Tests and drills stop the writer for good here (hold_at_step), still holding mu_, so that a
+  // kill lands after this checkpoint and before any later one however fast training runs.
+  STRATA_FAULT_POINT("checkpoint.after_commit", &step);
 }
 
 Status CheckpointManager::Wait() {

@@ -58,11 +58,6 @@ struct CheckpointOptions {
   uint64_t capacity_bytes = 0;
   // Tests wrap the block I/O to inject faults.
   std::function<std::unique_ptr<storage::BlockIo>(std::unique_ptr<storage::BlockIo>)> wrap_io;
-  // Tests: pause this long between writing a checkpoint's extents and committing it.
-  int commit_delay_ms = 0;
-  // Tests and drills: after committing the checkpoint of this step, the writer never returns, so
-  // a kill lands after it and before any later checkpoint. 0: off.
-  int64_t hold_after_step = 0;
   // Move whatever the folder holds (index, ledger, data files) aside to DIR.old-<time> before
   // opening it, so training starts afresh (`strata train --start-over`). Not with `must_exist`.
   bool start_over = false;

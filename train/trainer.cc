@@ -291,8 +291,6 @@ Status Trainer::OpenCheckpoints(bool continuing) {
   co.file_bytes = cfg.storage().ssd_file_bytes();
   co.capacity_bytes = cfg.storage().ssd_capacity_bytes();
   co.wrap_io = options_.wrap_io;
-  co.commit_delay_ms = options_.checkpoint_commit_delay_ms;
-  co.hold_after_step = options_.checkpoint_hold_after_step;
   co.start_over = options_.start_over && !continuing;
   ASSIGN_OR_RETURN(checkpoints_, CheckpointManager::Open(co, resume && !continuing));
   if (resume || continuing) RETURN_IF_ERROR(checkpoints_->CheckCompatible(cfg));

@@ -75,10 +75,6 @@ struct TrainOptions {
   bool resume = false;
   // Move what config.checkpoint.dir holds aside (to DIR.old-<time>) and train afresh.
   bool start_over = false;
-  // Tests: delay between a checkpoint's extents and its commit.
-  int checkpoint_commit_delay_ms = 0;
-  // Tests: the checkpoint writer stops for good after committing this step (0: never).
-  int64_t checkpoint_hold_after_step = 0;
   // Chrome trace-event JSON of compute, SSD I/O, copies, optimizer and checkpoint spans, written
   // when Run returns; empty for none.
   std::string trace_path;

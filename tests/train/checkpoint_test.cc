@@ -128,7 +128,7 @@ class CheckpointTest : public ::testing::TestWithParam<std::string> {
 TEST_P(CheckpointTest, SigkillMidCheckpointResumesFromLastCompleteOneBitwise) {
   const std::string ck = dir_.File("ck");
   // Hold each commit for 3 s and kill while checkpoint 20 is written but not committed.
-  RunAndKill(ck, "checkpoint 20: ", "STRATA_FAULT_CHECKPOINT_COMMIT_DELAY_MS=3000");
+  RunAndKill(ck, "checkpoint 20: ", "STRATA_FAULTS=checkpoint.before_commit=sleep_ms:3000");
   auto ls = RunCommand(kStrata + " ckpt ls " + ck);
   ASSERT_EQ(ls.exit_code, 0) << ls.output;
   EXPECT_NE(ls.output.find("        10  "), std::string::npos) << ls.output;
@@ -140,7 +140,8 @@ TEST_P(CheckpointTest, SigkillMidCheckpointResumesFromLastCompleteOneBitwise) {
 
 TEST_P(CheckpointTest, FlippedByteIsNamedAndResumeFallsBackToThePreviousCheckpoint) {
   const std::string ck = dir_.File("ck");
-  RunAndKill(ck, "checkpoint 30 committed", "STRATA_FAULT_CHECKPOINT_HOLD_AFTER=30");
+  RunAndKill(ck, "checkpoint 30 committed",
+             "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:30");
   // A tensor version that only checkpoint 30 lists.
   std::string file;
   uint64_t offset = 0;
@@ -183,7 +184,8 @@ TEST_P(CheckpointTest, FlippedByteIsNamedAndResumeFallsBackToThePreviousCheckpoi
 
 TEST_P(CheckpointTest, MissingOrDamagedIndexAndIncompatibleConfigTouchNothing) {
   const std::string ck = dir_.File("ck");
-  RunAndKill(ck, "checkpoint 20 committed", "STRATA_FAULT_CHECKPOINT_HOLD_AFTER=20");
+  RunAndKill(ck, "checkpoint 20 committed",
+             "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:20");
   auto snapshot = [&] {
     std::map<std::string, std::string> files;
     for (const auto& f : std::filesystem::recursive_directory_iterator(ck)) {
@@ -260,7 +262,7 @@ std::map<std::string, std::string> Snapshot(const std::string& dir) {
 class CheckpointFolderDamageTest : public CheckpointTest {
  protected:
   void WriteFourCheckpoints(const std::string& ck) {
-    RunAndKill(ck, "holding here", "STRATA_FAULT_CHECKPOINT_HOLD_AFTER=40");
+    RunAndKill(ck, "holding here", "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:40");
     auto ls = RunCommand(kStrata + " ckpt ls " + ck);
     ASSERT_EQ(ls.exit_code, 0) << ls.output;
     ASSERT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{20, 30, 40})) << ls.output;
@@ -469,7 +471,7 @@ TEST_P(CheckpointFolderDamageTest, ListingWhileTrainingCommitsAndPrunesIsNeverAn
 // recorded but the index never did, which is hidden and finished by the next writable open.
 TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
   const std::string ck = dir_.File("ck");
-  RunAndKill(ck, "holding here", "STRATA_FAULT_CHECKPOINT_HOLD_AFTER=30");
+  RunAndKill(ck, "holding here", "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:30");
   std::vector<storage::CheckpointManifest> written;  // 10, 20, 30
   {
     auto index = storage::TensorIndex::OpenReadOnly(ck + "/index");
@@ -543,7 +545,7 @@ TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
 // A folder written before manifests carried sequence numbers (and before the ledger) still opens.
 TEST_P(CheckpointFolderDamageTest, FolderWithoutSequencesStillOpens) {
   const std::string ck = dir_.File("ck");
-  RunAndKill(ck, "holding here", "STRATA_FAULT_CHECKPOINT_HOLD_AFTER=30");
+  RunAndKill(ck, "holding here", "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:30");
   {
     auto index = storage::TensorIndex::Open(ck + "/index", false);
     ASSERT_TRUE(index.ok()) << index.status();
