@@ -28,12 +28,14 @@
 #include "core/common/clock.h"
 #include "core/common/logging.h"
 #include "core/device/device.h"
+#include "launcher/coordinator_membership.h"
 #include "launcher/coordinator_service.h"
 #include "launcher/flags.h"
 #include "launcher/job_config.h"
 #include "proto/config_io.h"
 #include "proto/memory_estimate.h"
 #include "runtime/data/dataset.h"
+#include "train/elastic_worker.h"
 #include "train/trainer.h"
 
 namespace strata::launcher {
@@ -455,50 +457,6 @@ void OnSignal(int) { g_stop = true; }
 
 namespace {
 
-int64_t SteadyMs() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// Calls `rpc` until the coordinator answers (it may be restarting): UNAVAILABLE,
-// DEADLINE_EXCEEDED, CANCELLED, UNKNOWN and INTERNAL are retried for up to `patience`
-// (elastic.coordinator_patience_ms), other answers returned as they are. Each failed try stores the
-// time (SteadyMs) in *unreachable_ms.
-template <typename Rpc>
-auto Retrying(const char* what, const std::string& address, std::chrono::milliseconds patience,
-              Rpc rpc, std::atomic<int64_t>* unreachable_ms = nullptr) -> decltype(rpc()) {
-  const auto deadline = std::chrono::steady_clock::now() + patience;
-  bool told = false;
-  while (true) {
-    auto r = rpc();
-    const absl::StatusCode code = r.status().code();
-    // CANCELLED, UNKNOWN, INTERNAL: the server went away in the middle of the call (a connection
-    // reset mid-call surfaces as any of them), or could not write its record for a moment.
-    const bool retryable =
-        code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded ||
-        code == absl::StatusCode::kCancelled || code == absl::StatusCode::kUnknown ||
-        code == absl::StatusCode::kInternal;
-    if (r.ok() || !retryable || std::chrono::steady_clock::now() > deadline) {
-      if (!r.ok() && told) {
-        return decltype(rpc())(absl::UnavailableError(absl::StrFormat(
-            "%s: the coordinator at %s did not answer for %d s (elastic.coordinator_patience_ms); "
-            "last error: %s",
-            what, address, patience.count() / 1000, r.status().message())));
-      }
-      return r;
-    }
-    if (unreachable_ms != nullptr) *unreachable_ms = SteadyMs();
-    if (!told) {
-      STRATA_LOG(WARNING) << what << ": the coordinator at " << address
-                          << " does not answer; retrying for up to " << patience.count() / 1000
-                          << " s (" << r.status().message() << ")";
-      told = true;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
-}
-
 // A worker of a coordinator trains with the job's config (the coordinator's record) and this
 // machine's own settings: --threads, --device and --data, or those of a --config FILE, which must
 // agree with the job's on everything else. Job settings given as flags (--steps,
@@ -562,12 +520,12 @@ int JoinAndTrain(const Flags& flags) {
   if (!overrides.ok()) return UsageError(overrides.status(), "worker", WorkerFlags());
   auto connected = CoordinatorClient::Connect(address, *token, flags.String("tls-ca").value_or(""));
   if (!connected.ok()) return Fail(connected.status());
-  CoordinatorClient& client = **connected;
+  CoordinatorMembership membership(connected->get(), address);
   // The job's config is the coordinator's: read it first (the coordinator may be restarting).
-  auto record =
-      Retrying("reading the job's config", address,
-               std::chrono::milliseconds(config::ElasticConfig().coordinator_patience_ms()),
-               [&] { return client.GetStatus(); });
+  auto record = train::RetryWhileUnreachable(
+      "reading the job's config", address,
+      std::chrono::milliseconds(config::ElasticConfig().coordinator_patience_ms()),
+      [&] { return membership.GetStatus(); });
   if (!record.ok()) return Fail(record.status());
   if (record->finished()) {
     std::printf("the job at %s already finished (step %lld); nothing to join\n", address.c_str(),
@@ -582,288 +540,21 @@ int JoinAndTrain(const Flags& flags) {
         "--data PATH",
         cfg->data().path())));
   }
-  std::optional<train::TrainOptions> options = OptionsFor(flags, *cfg, train::WorkerOptions{});
-  const std::chrono::milliseconds patience(cfg->elastic().coordinator_patience_ms());
-  const std::chrono::milliseconds restart_grace(cfg->elastic().restart_grace_ms());
-  coordinator::WorkerInfo info;
-  info.set_id(id);
-  info.set_host(flags.String("hostname").value_or("127.0.0.1"));
-  info.set_threads(options->config.train().threads());
-  info.set_job_config(config::ToText(JobPart(*cfg)));
-  // A job at its maximum may have a place soon: a member that died is declared failed within a
-  // heartbeat timeout (a restarted coordinator's restart grace). Wait for one up to `patience`.
-  // A retried Join the coordinator already recorded answers ALREADY_EXISTS: that is a success
-  // (the worker is pending or a member; the wait below finds its generation).
-  bool join_sent = false;
-  auto join = [&]() -> StatusOr<coordinator::JoinReply> {
-    auto r = client.Join(info);
-    if (join_sent && r.status().code() == absl::StatusCode::kAlreadyExists) {
-      return coordinator::JoinReply();
+  train::ElasticWorkerOptions options;
+  options.train = OptionsFor(flags, *cfg, train::WorkerOptions{});
+  options.info.set_id(id);
+  options.info.set_host(flags.String("hostname").value_or("127.0.0.1"));
+  options.info.set_threads(options.train.config.train().threads());
+  options.info.set_job_config(config::ToText(JobPart(*cfg)));
+  options.on_end = [](const train::ElasticWorkerEnd& end) {
+    if (!end.status.ok()) {
+      Fail(end.status);
+      return;
     }
-    join_sent = true;
-    return r;
+    if (!end.message.empty()) std::printf("%s\n", end.message.c_str());
+    if (end.trainer != nullptr) PrintDone(*end.trainer, end.rank);
   };
-  auto joined = Retrying("joining", address, patience, join);
-  for (auto [full_until, told] = std::pair(std::chrono::steady_clock::now() + patience, false);
-       !joined.ok() && joined.status().code() == absl::StatusCode::kResourceExhausted &&
-       std::chrono::steady_clock::now() < full_until;
-       told = true) {
-    if (!told) {
-      STRATA_LOG(INFO) << "worker " << id << ": " << joined.status().message() << "; waiting up to "
-                       << patience.count() / 1000 << " s for a place";
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
-    joined = Retrying("joining", address, patience, join);
-  }
-  if (!joined.ok()) {
-    // A job that finished while this worker waited has nothing to join: not a failure.
-    if (auto st = client.GetStatus(); st.ok() && st->finished()) {
-      std::printf("the job at %s finished (step %lld) before this worker got in\n", address.c_str(),
-                  static_cast<long long>(st->step()));
-      return 0;
-    }
-    return Fail(joined.status());
-  }
-  // When the coordinator last failed to answer (SteadyMs; 0: never): a restarted coordinator
-  // settles for restart_grace before it declares the members that did not come back failed.
-  std::atomic<int64_t> unreachable_ms{0};
-
-  // Waits for a generation newer than `after` that holds this worker; its rank in *rank.
-  // NOT_FOUND with kJobFinished when the job finishes meanwhile (a joiner still pending then).
-  static constexpr char kJobFinished[] = "the job finished";
-  auto wait_generation = [&](int64_t after, int* rank) -> StatusOr<coordinator::Generation> {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(10);
-    auto next_status_check = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-    for (bool told = false;;) {
-      if (std::chrono::steady_clock::now() > next_status_check) {
-        next_status_check = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-        if (auto st = client.GetStatus(); st.ok() && st->finished()) {
-          return absl::NotFoundError(kJobFinished);
-        }
-      }
-      ASSIGN_OR_RETURN(coordinator::Generation g,
-                       Retrying(
-                           "heartbeat", address, patience, [&] { return client.Heartbeat(id); },
-                           &unreachable_ms));
-      *rank = -1;
-      for (int i = 0; i < g.workers_size(); ++i) {
-        if (g.workers(i).id() == id) *rank = i;
-      }
-      if (*rank >= 0 && g.number() > after) return g;
-      if (std::chrono::steady_clock::now() > deadline) {
-        return absl::DeadlineExceededError(
-            absl::StrFormat("worker '%s' waited 10 minutes at %s for a generation to train in (%s)",
-                            id, address, g.reason()));
-      }
-      if (!told) {
-        STRATA_LOG(INFO) << "worker " << id << ": waiting at " << address << " for the job ("
-                         << g.reason() << ")";
-        told = true;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-  };
-
-  // The coordinator watches this stream: if this process dies, it knows at once.
-  if (Status a = client.Attach(id); !a.ok()) return Fail(a);
-  // Heartbeats go on beside training. A newer generation aborts the collectives in flight, so the
-  // step ends at once and the worker re-forms; a coordinator that went away is reattached to when
-  // it is back.
-  std::mutex mu;
-  train::Trainer* active = nullptr;
-  std::atomic<int64_t> training_generation{-1};
-  // The newest generation the heartbeats have seen (shared: a connect left behind on its own
-  // thread may still ask after this function returns).
-  auto latest_generation = std::make_shared<std::atomic<int64_t>>(-1);
-  std::atomic<bool> done{false};
-  std::thread heartbeats([&] {
-    bool reachable = true;
-    while (!done.load()) {
-      auto hb = client.Heartbeat(id);
-      if (!hb.ok()) {
-        unreachable_ms = SteadyMs();
-        if (reachable) {
-          STRATA_LOG(WARNING) << "worker " << id << ": heartbeat to " << address
-                              << " failed (training pauses at its next step report until it "
-                                 "answers): "
-                              << hb.status().message();
-        }
-        reachable = false;
-      } else {
-        if (!reachable) {
-          unreachable_ms = SteadyMs();
-          Status a = client.Attach(id);
-          STRATA_LOG(INFO) << "worker " << id << ": the coordinator at " << address
-                           << " answers again" << (a.ok() ? "" : "; reattaching failed: ")
-                           << (a.ok() ? "" : a.message());
-          reachable = a.ok();
-        }
-        *latest_generation = std::max(latest_generation->load(), hb->number());
-        std::lock_guard<std::mutex> lock(mu);
-        if (active != nullptr && hb->number() > training_generation.load()) {
-          active->AbortCollectives(
-              absl::StrFormat("generation %d formed (%s)", hb->number(), hb->reason()));
-        }
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  });
-  auto finish = [&](int code) {
-    done = true;
-    heartbeats.join();
-    // A worker that finished stays listed: the job is over, not its membership changed.
-    (void)client.Detach(/*finished=*/code == 0);
-    return code;
-  };
-
-  std::unique_ptr<train::Trainer> trainer;
-  int64_t generation = 0;
-  const std::chrono::milliseconds heartbeat_timeout(
-      options->config.elastic().heartbeat_timeout_ms());
-  options->on_step = [&](const train::StepResult& r) -> Status {
-    auto now = Retrying(
-        "step report", address, patience,
-        [&] {
-          return client.ReportStep(id, generation, r.step, r.loss,
-                                   r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0);
-        },
-        &unreachable_ms);
-    if (!now.ok() && now.status().code() != absl::StatusCode::kFailedPrecondition)
-      return now.status();
-    if (!now.ok() || now->number() != generation) {
-      return absl::AbortedError(absl::StrFormat("the membership changed after step %d", r.step));
-    }
-    return absl::OkStatus();
-  };
-  int last_rank = -1;
-  // Rank 0 keeps the coordinator's checkpoint catalog: a generation may go back to one of them.
-  options->on_checkpoint = [&](int64_t step, bool committed) {
-    // Retried while the coordinator is away: a commit missing from its catalog would keep a later
-    // generation from going back to it.
-    Status c = Retrying(
-                   "checkpoint report", address, patience,
-                   [&]() -> StatusOr<bool> {
-                     RETURN_IF_ERROR(client.Checkpoint(id, generation, step, committed));
-                     return true;
-                   },
-                   &unreachable_ms)
-                   .status();
-    if (!c.ok()) {
-      STRATA_LOG(WARNING) << "worker " << id << ": telling the coordinator about checkpoint "
-                          << step << " failed: " << c.message();
-    }
-  };
-  while (true) {
-    int rank = -1;
-    auto g = wait_generation(generation, &rank);
-    last_rank = rank;
-    if (!g.ok() && g.status().message() == kJobFinished) {
-      std::printf("the job at %s finished before this worker got to train\n", address.c_str());
-      return finish(0);
-    }
-    if (!g.ok()) return finish(Fail(g.status()));
-    generation = g->number();
-    training_generation = generation;
-    train::WorkerOptions w;
-    w.rank = rank;
-    w.world_size = g->workers_size();
-    // A newer generation (another failure while this one connects) ends the rendezvous and the
-    // connecting at once.
-    w.superseded = [latest_generation, generation] {
-      return latest_generation->load() > generation;
-    };
-    w.store = comm::MakeCancellableStore(
-        comm::MakePrefixStore(client.store(), comm::GenerationPrefix(generation)), w.superseded,
-        absl::StrFormat("generation %d was superseded while its workers connected", generation));
-    w.hostname = info.host();
-    w.elastic = true;
-    w.rejoin = generation > 1;
-    w.generation = generation;
-    Status s;
-    if (!trainer) {
-      options->worker = w;
-      options->progress = !flags.Has("quiet") && rank == 0;
-      auto created = train::Trainer::Create(*options);
-      if (created.ok()) {
-        std::lock_guard<std::mutex> lock(mu);
-        trainer = std::move(*created);
-        active = trainer.get();
-      } else {
-        s = created.status();
-      }
-    } else {
-      STRATA_LOG(INFO) << absl::StrFormat(
-          "worker %s: generation %d (%s): rank %d of %d, re-forming at step %d", id, generation,
-          g->reason(), rank, w.world_size, trainer->step());
-      s = trainer->Reform(w);
-    }
-    if (s.ok()) {
-      auto started = Retrying(
-          "start report", address, patience,
-          [&] {
-            return client.ReportStart(
-                id, generation, trainer->step(),
-                rank == 0 ? trainer->experts_per_worker() : std::vector<int64_t>{});
-          },
-          &unreachable_ms);
-      s = started.status();
-      if (s.ok() && started->number() != generation) {
-        s = absl::AbortedError("the membership changed while re-forming");
-      }
-    }
-    if (s.ok()) {
-      s = trainer->Run();
-      if (s.ok()) break;
-    }
-    // A newer generation explains the failure: re-form for it. A peer's death can reach this
-    // worker (a broken connection) before the coordinator has formed the next generation, so a
-    // communication error waits for it up to the failure detector's bound — and, when the
-    // coordinator was down (a peer may have died meanwhile, unseen), until a restarted
-    // coordinator has settled and declared the members that did not come back failed. Anything
-    // else (and no new generation) ends the worker.
-    const bool comm_error = s.code() == absl::StatusCode::kUnavailable ||
-                            s.code() == absl::StatusCode::kDeadlineExceeded ||
-                            s.code() == absl::StatusCode::kAborted;
-    const std::chrono::milliseconds detect = 2 * heartbeat_timeout + std::chrono::seconds(1);
-    const auto failed_at = std::chrono::steady_clock::now();
-    auto wait_until =
-        std::chrono::steady_clock::now() + (comm_error ? detect : std::chrono::milliseconds(0));
-    auto settled_after_restart = [&] {
-      return std::chrono::steady_clock::time_point(
-                 std::chrono::milliseconds(unreachable_ms.load())) +
-             restart_grace + detect;
-    };
-    // A worker that finished the job's last step ended it: this one's failed step is moot.
-    if (auto st = client.GetStatus(); st.ok() && st->finished()) {
-      STRATA_LOG(INFO) << "worker " << id << ": the job finished on its other workers ("
-                       << s.message() << ")";
-      return finish(0);
-    }
-    bool newer = false;
-    while (true) {
-      auto now = Retrying(
-          "heartbeat", address, patience, [&] { return client.Heartbeat(id); }, &unreachable_ms);
-      newer = now.ok() && now->number() > generation;
-      if (comm_error && unreachable_ms.load() > 0) {
-        // Never past patience from the failure, however the coordinator comes and goes.
-        wait_until = std::min(std::max(wait_until, settled_after_restart()), failed_at + patience);
-      }
-      if (!now.ok()) {
-        STRATA_LOG(WARNING) << "worker " << id << ": asking " << address
-                            << " for the next generation failed: " << now.status();
-      }
-      if (newer || !now.ok() || std::chrono::steady_clock::now() >= wait_until) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    if (newer) {
-      STRATA_LOG(INFO) << "worker " << id << ": generation " << generation << " ended ("
-                       << s.message() << ")";
-      continue;
-    }
-    return finish(Fail(s));
-  }
-  PrintDone(*trainer, last_rank);
-  return finish(0);
+  return train::RunElasticWorker(membership, std::move(options)).ok() ? 0 : 1;
 }
 
 // The worker counts a job may run on, [min, max], checked against its config before anything

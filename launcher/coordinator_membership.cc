@@ -1,0 +1,41 @@
+#include "launcher/coordinator_membership.h"
+
+namespace strata::launcher {
+
+StatusOr<coordinator::JoinReply> CoordinatorMembership::Join(const coordinator::WorkerInfo& info) {
+  return client_->Join(info);
+}
+
+StatusOr<coordinator::Generation> CoordinatorMembership::Heartbeat(const std::string& id) {
+  return client_->Heartbeat(id);
+}
+
+StatusOr<coordinator::Generation> CoordinatorMembership::ReportStep(const std::string& id,
+                                                                    int64_t generation,
+                                                                    int64_t step, double loss,
+                                                                    double tokens_per_s) {
+  return client_->ReportStep(id, generation, step, loss, tokens_per_s);
+}
+
+StatusOr<coordinator::Generation> CoordinatorMembership::ReportStart(
+    const std::string& id, int64_t generation, int64_t step,
+    const std::vector<int64_t>& experts_per_worker) {
+  return client_->ReportStart(id, generation, step, experts_per_worker);
+}
+
+Status CoordinatorMembership::ReportCheckpoint(const std::string& id, int64_t generation,
+                                               int64_t step, bool committed) {
+  return client_->Checkpoint(id, generation, step, committed);
+}
+
+Status CoordinatorMembership::Attach(const std::string& id) { return client_->Attach(id); }
+
+Status CoordinatorMembership::Detach(bool finished) { return client_->Detach(finished); }
+
+StatusOr<coordinator::CoordinatorRecord> CoordinatorMembership::GetStatus() {
+  return client_->GetStatus();
+}
+
+std::shared_ptr<comm::Store> CoordinatorMembership::store() { return client_->store(); }
+
+}  // namespace strata::launcher
