@@ -30,6 +30,7 @@ Trainer::~Trainer() {
     if (!s.ok()) STRATA_LOG(ERROR) << s.message();
   }
   if (model_) model_->AttachResidency(nullptr);
+  experts_.reset();
   scheduler_.reset();  // closes the SSD tier's files before its temporary folder goes
   checkpoints_.reset();
   if (!temp_ssd_dir_.empty()) {
@@ -221,23 +222,42 @@ Status Trainer::SetUpWorkers() {
   return absl::OkStatus();
 }
 
+namespace {
+
+Status CheckLossFinite(double loss, int64_t step, double lr) {
+  if (std::isfinite(loss)) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrFormat("the training loss became %f at step %d; lower train.lr (now %g) or raise "
+                      "train.warmup_steps, and check the data file",
+                      loss, step, lr));
+}
+
+// The MoE layers' z-losses of the last forward, summed in layer order.
+double ZLossSum(const model::MoeTransformer& model) {
+  double z = 0;
+  for (const auto& ref : model.moe_layers()) z += ref.layer->stats().z_loss;
+  return z;
+}
+
+// The per-layer MoE figures of the last forward into r, with the means over the layers of the
+// auxiliary loss and of `z_loss` (the batch's sum over the layers).
+void RecordMoeStats(const model::MoeTransformer& model, double z_loss, StepResult* r) {
+  for (const auto& ref : model.moe_layers()) {
+    r->moe.push_back(ref.layer->stats());
+    r->aux_loss += ref.layer->stats().aux_loss;
+  }
+  r->z_loss = z_loss;
+  if (!model.moe_layers().empty()) {
+    r->aux_loss /= static_cast<double>(model.moe_layers().size());
+    r->z_loss /= static_cast<double>(model.moe_layers().size());
+  }
+}
+
+}  // namespace
+
 std::pair<int64_t, int64_t> BatchShare(int64_t global_batch, int workers, int rank) {
   const int64_t first = global_batch * rank / workers;
   return {first, global_batch * (rank + 1) / workers - first};
-}
-
-Status Trainer::SumOverWorkers(double* data, size_t n) {
-  if (!distributed()) return absl::OkStatus();
-  data_parallel_->Sum(data, n);
-  return ParallelStatus();
-}
-
-Status Trainer::ParallelStatus() const {
-  Status s;
-  if (exchange_) s = exchange_->status();
-  if (s.ok() && data_parallel_) s = data_parallel_->status();
-  if (s.ok()) return s;
-  return Status(s.code(), absl::StrFormat("step %d: %s", step_ + 1, s.message()));
 }
 
 Status Trainer::ExportParameters() const {
@@ -341,13 +361,34 @@ Status Trainer::BuildModel(int64_t first, int64_t count) {
       if (exchange_) exchange_->set_tracer(tracer_.get());
     }
   }
-  model::AdamWOptions ao;
-  ao.beta1 = cfg.train().beta1();
-  ao.beta2 = cfg.train().beta2();
-  ao.eps = cfg.train().adam_eps();
-  ao.weight_decay = cfg.train().weight_decay();
-  optimizer_ =
-      std::make_unique<model::AdamW>(tiered ? model_->DenseParameters() : model_->Parameters(), ao);
+  optimizer_ = std::make_unique<model::AdamW>(
+      tiered ? model_->DenseParameters() : model_->Parameters(), AdamWOptionsOf(cfg.train()));
+  // The step's seams for this model and these communicators.
+  if (distributed()) {
+    DataParallelGradients::Options go;
+    go.ctx = &ctx_;
+    go.data_parallel = data_parallel_.get();
+    go.exchange = exchange_.get();
+    go.dense_slices = dense_slices_.get();
+    if (expert_replica_leader_) {
+      const std::vector<model::Parameter*>& dense = model_->DenseParameters();
+      const std::set<const model::Parameter*> is_dense(dense.begin(), dense.end());
+      for (const model::Parameter* p : optimizer_->params()) {
+        if (!is_dense.count(p)) go.counted_experts.push_back(p);
+      }
+    }
+    go.workers = options_.worker.world_size;
+    go.local_batch = local_batch_;
+    go.global_batch = cfg.train().global_batch();
+    gradients_ = std::make_unique<DataParallelGradients>(std::move(go));
+  } else {
+    gradients_ = std::make_unique<LocalGradients>(&ctx_, optimizer_.get());
+  }
+  if (options_.worker.elastic && distributed() && CheckElastic().ok()) {
+    keeping_ = std::make_unique<ElasticKeeping>(*this);
+  } else {
+    keeping_ = std::make_unique<NoKeeping>();
+  }
   const int64_t n = local_batch_ * cfg.model().seq_len();
   inputs_.resize(n);
   targets_.resize(n);
@@ -436,6 +477,10 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   if (tiered) {
     RETURN_IF_ERROR(tr->SetUpTiered());
     tr->scheduler_->set_tracer(tr->tracer_.get());
+    tr->experts_ = std::make_unique<TieredExperts>(
+        tr->scheduler_.get(), cfg.train(), std::max(1, options.worker.world_size), tr->ctx_.tracer);
+  } else {
+    tr->experts_ = std::make_unique<InMemoryExperts>();
   }
 
   if (!options.metrics_path.empty()) {
@@ -449,7 +494,6 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     tr->resumed_from_ = tr->step_;
   }
   tr->live_version_ = tr->step_;
-  tr->elastic_steps_ = options.worker.elastic && tr->CheckElastic().ok();
   tr->tty_ = isatty(STDERR_FILENO);
   return tr;
 }
@@ -459,126 +503,48 @@ StatusOr<StepResult> Trainer::Step() {
   const int64_t B = cfg.train().global_batch();
   Stopwatch watch;
   TraceScope step_span(ctx_.tracer, "step", "step", static_cast<int>(step_ + 1));
-  const int64_t b = local_batch_;
-  dataset_->TrainBatch(cfg.seed(), data::TokenDataset::FirstSample(step_, B) + first_sequence_, b,
-                       inputs_.data(), targets_.data());
-  optimizer_->ZeroGrad(ctx_);
-  model::GateCall call{true, static_cast<uint64_t>(step_), first_sequence_ * cfg.model().seq_len()};
-  // A share other than 1 / workers weighs this worker's tokens by workers * share.
-  call.loss_scale = distributed() ? static_cast<double>(options_.worker.world_size) *
-                                        static_cast<double>(b) / static_cast<double>(B)
-                                  : 1.0;
   StepResult r;
+  // 1. Data: this worker's share of the step's samples.
+  dataset_->TrainBatch(cfg.seed(), data::TokenDataset::FirstSample(step_, B) + first_sequence_,
+                       local_batch_, inputs_.data(), targets_.data());
+  optimizer_->ZeroGrad(ctx_);
+  // 2. Forward with the loss.
+  model::GateCall call{true, static_cast<uint64_t>(step_), first_sequence_ * cfg.model().seq_len()};
+  call.loss_scale = gradients_->loss_scale();
   {
     TraceScope span(ctx_.tracer, "forward", "compute");
-    r.loss = model_->Forward(ctx_, inputs_.data(), targets_.data(), b, call);
+    r.loss = model_->Forward(ctx_, inputs_.data(), targets_.data(), local_batch_, call);
   }
-  if (scheduler_) RETURN_IF_ERROR(scheduler_->status());
-  RETURN_IF_ERROR(ParallelStatus());
-  double expert_sq = 0;
-  if (distributed()) {
-    // Backward, then the loss, the z-loss and the experts' share of the gradient norm summed over
-    // the workers in one go (every worker's loss is the mean over its own tokens).
-    {
-      TraceScope span(ctx_.tracer, "backward", "compute");
-      model_->Backward(ctx_);
-    }
-    RETURN_IF_ERROR(ParallelStatus());
-    if (!data_parallel_->FinishGradients().ok()) return ParallelStatus();
-    const double W = options_.worker.world_size;
-    if (scheduler_) {
-      // The store's expert gradients are this worker's sums, not yet divided by the workers.
-      expert_sq = scheduler_->ExpertGradSumSquares() / (W * W);
-    } else if (expert_replica_leader_) {
-      const std::vector<model::Parameter*>& dense = model_->DenseParameters();
-      const std::set<const model::Parameter*> is_dense(dense.begin(), dense.end());
-      for (const model::Parameter* p : model_->Parameters()) {
-        if (is_dense.count(p)) continue;
-        const float* g = p->grad.f32();
-        for (int64_t i = 0; i < p->grad.numel(); ++i) expert_sq += double{g[i]} * g[i];
-      }
-    }
-    double z = 0;
-    for (const auto& ref : model_->moe_layers()) z += ref.layer->stats().z_loss;
-    // Means over this worker's tokens, weighed by its share of the batch.
-    const double share = static_cast<double>(b) / static_cast<double>(B);
-    double sums[3] = {r.loss * share, z * share, expert_sq};
-    RETURN_IF_ERROR(SumOverWorkers(sums, 3));
-    r.loss = sums[0];
-    r.z_loss = sums[1];
-    expert_sq = sums[2];
-  }
-  if (!std::isfinite(r.loss)) {
-    return absl::InternalError(
-        absl::StrFormat("the training loss became %f at step %d; lower train.lr (now %g) or raise "
-                        "train.warmup_steps, and check the data file",
-                        r.loss, step_ + 1, cfg.train().lr()));
-  }
-  if (!distributed()) {
+  RETURN_IF_ERROR(experts_->status());
+  RETURN_IF_ERROR(gradients_->status(step_ + 1));
+  // 3. Backward (a worker's dense gradients all-reduce in buckets as they fill).
+  {
     TraceScope span(ctx_.tracer, "backward", "compute");
     model_->Backward(ctx_);
   }
-  if (scheduler_) RETURN_IF_ERROR(scheduler_->status());
-  double sq = 0;
-  if (distributed()) {
-    sq = model::GradSumSquares(ctx_, *dense_slices_, &norm_partials_) + expert_sq;
-  } else {
-    sq = optimizer_->GradSumSquares(ctx_);
-  }
-  if (scheduler_ && !distributed()) sq += scheduler_->ExpertGradSumSquares();
-  r.grad_norm = std::sqrt(sq);
+  // 4. Gradient sync: the whole batch's loss, z-loss and gradient norm.
+  ASSIGN_OR_RETURN(const BatchFigures batch,
+                   gradients_->Finish(step_ + 1, r.loss, ZLossSum(*model_), *experts_));
+  RETURN_IF_ERROR(CheckLossFinite(batch.loss, step_ + 1, cfg.train().lr()));
+  RETURN_IF_ERROR(experts_->status());
+  // 5. Update: clipped to train.grad_clip, AdamW at the scheduled rate, the experts where they
+  // live; what a later generation needs is kept around it.
+  r.loss = batch.loss;
+  r.grad_norm = std::sqrt(batch.grad_sum_squares);
   r.lr = LearningRate(cfg.train(), step_);
   const double scale = ops::ClipScale(r.grad_norm, cfg.train().grad_clip());
-  const bool elastic = elastic_steps_ && distributed();
-  if (elastic) TakeRollbackCopy();
+  keeping_->BeforeUpdate();
   {
     TraceScope span(ctx_.tracer, "dense optimizer", "optimizer");
     optimizer_->Step(ctx_, r.lr, scale);
   }
   live_version_ = step_ + 1;
-  if (scheduler_) {
-    TraceScope span(ctx_.tracer, "expert optimizer", "optimizer");
-    model::AdamWOptions ao;
-    ao.beta1 = cfg.train().beta1();
-    ao.beta2 = cfg.train().beta2();
-    ao.eps = cfg.train().adam_eps();
-    ao.weight_decay = cfg.train().weight_decay();
-    // Behind the next step's forward, layer by layer (storage.overlap_optimizer).
-    // Workers' expert gradients are sums over the rows every worker sent; the average divides by
-    // the number of workers (see scheduler/data_parallel.h).
-    const double expert_scale = scale / static_cast<double>(options_.worker.world_size);
-    RETURN_IF_ERROR(scheduler_->StepExperts(ao, r.lr, expert_scale, optimizer_->steps()));
-    scheduler_->EndStep();
-    r.tiered = true;
-    r.store = scheduler_->store().TakeStats();
-  }
-  const double z_over_workers = r.z_loss;
-  r.z_loss = 0;
-  for (const auto& ref : model_->moe_layers()) {
-    r.moe.push_back(ref.layer->stats());
-    r.aux_loss += ref.layer->stats().aux_loss;
-    r.z_loss += ref.layer->stats().z_loss;
-  }
-  if (distributed()) r.z_loss = z_over_workers;
-  if (!model_->moe_layers().empty()) {
-    r.aux_loss /= static_cast<double>(model_->moe_layers().size());
-    r.z_loss /= static_cast<double>(model_->moe_layers().size());
-  }
-  if (elastic) {
-    // Loads steer the placement of the next generation; every worker sees the batch-wide counts.
-    const int64_t E = cfg.model().moe().num_experts();
-    expert_load_.resize(E, 0.0);
-    for (double& l : expert_load_) l *= 0.9;
-    for (const model::MoeStats& m : r.moe) {
-      for (int64_t e = 0; e < E && e < static_cast<int64_t>(m.load.size()); ++e) {
-        expert_load_[e] += static_cast<double>(m.load[e]);
-      }
-    }
-    TraceScope span(ctx_.tracer, "buddy copies", "comm");
-    RETURN_IF_ERROR(RefreshBuddies());
-  }
-  if (data_parallel_) r.comm_seconds = data_parallel_->TakeCommSeconds();
-  if (exchange_) r.comm_seconds += exchange_->TakeTimes().comm_seconds;
+  RETURN_IF_ERROR(experts_->Update(r.lr, scale, optimizer_->steps()));
+  r.tiered = experts_->TakeStats(&r.store);
+  // 6. Step boundary: the step's figures.
+  RecordMoeStats(*model_, batch.z_loss, &r);
+  RETURN_IF_ERROR(keeping_->AfterUpdate(r.moe));
+  r.comm_seconds = gradients_->TakeCommSeconds();
   r.seconds = watch.Seconds();
   r.tokens = B * cfg.model().seq_len();
   r.step = ++step_;
@@ -599,18 +565,11 @@ EvalResult Trainer::Evaluate() {
     sum += model_->Forward(ctx_, inputs_.data(), targets_.data(), local_batch_, call) *
            static_cast<double>(n);
   }
-  if (distributed()) {
-    Status s = ParallelStatus();
-    if (s.ok()) s = SumOverWorkers(&sum, 1);
-    if (!s.ok()) {
-      STRATA_LOG(ERROR) << "evaluation: " << s;
-      sum = std::nan("");
-    }
-  }
-  if (scheduler_) {
-    Status s = scheduler_->status();
-    if (!s.ok()) {
-      STRATA_LOG(ERROR) << "evaluation: " << s;
+  Status s = gradients_->status(step_ + 1);
+  if (s.ok()) s = gradients_->SumOverWorkers(step_ + 1, &sum, 1);
+  for (const Status& failed : {s, experts_->status()}) {
+    if (!failed.ok()) {
+      STRATA_LOG(ERROR) << "evaluation: " << failed;
       sum = std::nan("");
     }
   }

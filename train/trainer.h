@@ -1,9 +1,11 @@
 // Trainer: one process training an MoE Transformer, step by step as in DESIGN.md.
 //
 // One step: fetch the step's samples (a pure function of seed, step and global batch), forward
-// with the loss, backward, global-norm clipping, AdamW with the scheduled learning rate. On
-// schedule it evaluates on the held-out split. Each step appends one JSON object to the metrics
-// file and refreshes the progress line.
+// with the loss, backward, gradient sync, global-norm clipping, AdamW with the scheduled learning
+// rate. What differs between one process, a worker, the tiered store and an elastic job is behind
+// the seams of step_seams.h, chosen when the trainer is built. On schedule it evaluates on the
+// held-out split. Each step appends one JSON object to the metrics file and refreshes the progress
+// line.
 #pragma once
 
 #include <cstdio>
@@ -30,6 +32,7 @@
 #include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/state_sync.h"
+#include "train/step_seams.h"
 
 namespace strata::train {
 
@@ -202,9 +205,6 @@ class Trainer {
   void TakeRollbackCopy();
   [[nodiscard]] Status RefreshBuddies();
   void ResetParallel();
-  // Sum over all workers (identity for one process); fails the step on a communication error.
-  [[nodiscard]] Status SumOverWorkers(double* data, size_t n);
-  [[nodiscard]] Status ParallelStatus() const;
   [[nodiscard]] Status ExportParameters() const;
   bool distributed() const { return options_.worker.world_size > 1; }
   [[nodiscard]] Status RunLoop();
@@ -231,7 +231,23 @@ class Trainer {
   int64_t first_sequence_ = 0;         // this worker's first sequence within the step's batch
   bool expert_replica_leader_ = true;  // counts its experts in the global gradient norm
   std::unique_ptr<model::ParameterSlices> dense_slices_;  // for the dense gradient norm
-  std::vector<double> norm_partials_;
+  // The step's seams (step_seams.h). BuildModel chooses the gradient sync and the keeping for the
+  // model and communicators it builds; Create chooses the expert state once the store exists.
+  std::unique_ptr<GradientSync> gradients_;
+  std::unique_ptr<ExpertState> experts_;
+  std::unique_ptr<StepKeeping> keeping_;  // NoKeeping, or ElasticKeeping for an elastic worker
+  // The rollback copy before the update; the expert loads and the buddy copies after it
+  // (elastic.cc says why).
+  class ElasticKeeping final : public StepKeeping {
+   public:
+    explicit ElasticKeeping(Trainer& trainer);
+    void BeforeUpdate() override;
+    [[nodiscard]] Status AfterUpdate(const std::vector<model::MoeStats>& moe) override;
+
+   private:
+    Trainer& t_;
+  };
+
   std::unique_ptr<MetricsWriter> metrics_;
   std::vector<int32_t> inputs_, targets_;
   int64_t step_ = 0;
@@ -243,7 +259,6 @@ class Trainer {
   std::vector<int64_t> experts_per_worker_;
   int64_t first_expert_ = 0, num_experts_ = 0;  // this worker's range
   Device device_;                               // where the model lives (train.device)
-  bool elastic_steps_ = false;                  // keep rollback and buddy copies every step
   int64_t live_version_ = 0;                    // the step the model's state is the result of
   struct Copy {
     int64_t version = -1;

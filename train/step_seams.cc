@@ -1,0 +1,117 @@
+#include "train/step_seams.h"
+
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "train/trainer.h"
+
+namespace strata::train {
+
+model::AdamWOptions AdamWOptionsOf(const config::TrainConfig& train) {
+  model::AdamWOptions o;
+  o.beta1 = train.beta1();
+  o.beta2 = train.beta2();
+  o.eps = train.adam_eps();
+  o.weight_decay = train.weight_decay();
+  return o;
+}
+
+TieredExperts::TieredExperts(scheduler::TieredExpertScheduler* scheduler,
+                             const config::TrainConfig& train, int workers, Tracer* tracer)
+    : scheduler_(scheduler),
+      adamw_(AdamWOptionsOf(train)),
+      workers_(static_cast<double>(workers)),
+      tracer_(tracer) {}
+
+Status TieredExperts::status() const { return scheduler_->status(); }
+
+double TieredExperts::GradSumSquares() const {
+  // The store's expert gradients are this worker's sums over the rows every worker sent, not yet
+  // divided by the workers (see scheduler/data_parallel.h).
+  return scheduler_->ExpertGradSumSquares() / (workers_ * workers_);
+}
+
+Status TieredExperts::Update(double lr, double grad_scale, int64_t step) {
+  TraceScope span(tracer_, "expert optimizer", "optimizer");
+  // Behind the next step's forward, layer by layer (storage.overlap_optimizer). The average of the
+  // summed gradients divides by the number of workers.
+  RETURN_IF_ERROR(scheduler_->StepExperts(adamw_, lr, grad_scale / workers_, step));
+  scheduler_->EndStep();
+  return absl::OkStatus();
+}
+
+bool TieredExperts::TakeStats(storage::StoreStats* out) {
+  *out = scheduler_->store().TakeStats();
+  return true;
+}
+
+StatusOr<BatchFigures> LocalGradients::Finish(int64_t, double loss, double z_loss,
+                                              const ExpertState& experts) {
+  // The dense AdamW's sum covers every gradient the model holds; the store's come on top.
+  return BatchFigures{loss, z_loss, optimizer_->GradSumSquares(*ctx_) + experts.GradSumSquares()};
+}
+
+DataParallelGradients::DataParallelGradients(Options o)
+    : o_(std::move(o)),
+      share_(static_cast<double>(o_.local_batch) / static_cast<double>(o_.global_batch)),
+      // A share other than 1 / workers weighs this worker's tokens by workers * share.
+      loss_scale_(static_cast<double>(o_.workers) * static_cast<double>(o_.local_batch) /
+                  static_cast<double>(o_.global_batch)) {}
+
+Status DataParallelGradients::status(int64_t step) const {
+  Status s;
+  if (o_.exchange) s = o_.exchange->status();
+  if (s.ok()) s = o_.data_parallel->status();
+  if (s.ok()) return s;
+  return Status(s.code(), absl::StrFormat("step %d: %s", step, s.message()));
+}
+
+StatusOr<BatchFigures> DataParallelGradients::Finish(int64_t step, double loss, double z_loss,
+                                                     const ExpertState& experts) {
+  RETURN_IF_ERROR(status(step));
+  if (!o_.data_parallel->FinishGradients().ok()) return status(step);
+  // The loss, the z-loss and the experts' share of the gradient norm, summed over the workers in
+  // one go: every worker's loss is the mean over its own tokens, weighed here by its share of the
+  // batch; each expert is counted by one worker (its replicas' leader).
+  double expert_sq = 0;
+  for (const model::Parameter* p : o_.counted_experts) {
+    const float* g = p->grad.f32();
+    for (int64_t i = 0; i < p->grad.numel(); ++i) expert_sq += double{g[i]} * g[i];
+  }
+  double sums[3] = {loss * share_, z_loss * share_, expert_sq + experts.GradSumSquares()};
+  RETURN_IF_ERROR(SumOverWorkers(step, sums, 3));
+  // The dense gradients are the batch's on every worker already.
+  return BatchFigures{sums[0], sums[1],
+                      model::GradSumSquares(*o_.ctx, *o_.dense_slices, &norm_partials_) + sums[2]};
+}
+
+Status DataParallelGradients::SumOverWorkers(int64_t step, double* data, size_t n) {
+  o_.data_parallel->Sum(data, n);
+  return status(step);
+}
+
+double DataParallelGradients::TakeCommSeconds() {
+  double seconds = o_.data_parallel->TakeCommSeconds();
+  if (o_.exchange) seconds += o_.exchange->TakeTimes().comm_seconds;
+  return seconds;
+}
+
+Trainer::ElasticKeeping::ElasticKeeping(Trainer& trainer) : t_(trainer) {}
+
+void Trainer::ElasticKeeping::BeforeUpdate() { t_.TakeRollbackCopy(); }
+
+Status Trainer::ElasticKeeping::AfterUpdate(const std::vector<model::MoeStats>& moe) {
+  // Loads steer the placement of the next generation; every worker sees the batch-wide counts.
+  const int64_t E = t_.options_.config.model().moe().num_experts();
+  t_.expert_load_.resize(E, 0.0);
+  for (double& l : t_.expert_load_) l *= 0.9;
+  for (const model::MoeStats& m : moe) {
+    for (int64_t e = 0; e < E && e < static_cast<int64_t>(m.load.size()); ++e) {
+      t_.expert_load_[e] += static_cast<double>(m.load[e]);
+    }
+  }
+  TraceScope span(t_.ctx_.tracer, "buddy copies", "comm");
+  return t_.RefreshBuddies();
+}
+
+}  // namespace strata::train
