@@ -1,5 +1,7 @@
 // The strata subcommands. Each returns the process exit code: 0 on success, 1 when the job
-// failed, 2 for a usage error (bad flags); errors are printed to stderr.
+// failed, 2 for a usage error (bad flags); errors are printed to stderr. Each is defined in a file
+// of its own (train_command.cc, worker_command.cc, ...; their shared helpers in command_util.h),
+// Main in commands.cc. Called on the process's main thread.
 #pragma once
 
 #include <string>

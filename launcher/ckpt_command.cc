@@ -1,0 +1,65 @@
+#include "launcher/commands.h"
+
+#include <cstdio>
+#include <ctime>
+#include <optional>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "launcher/command_util.h"
+#include "train/checkpoint.h"
+
+namespace strata::launcher {
+int CkptCommand(const std::vector<std::string>& args) {
+  static const char* kUsage =
+      "usage: strata ckpt ls DIR            list the checkpoints in DIR\n"
+      "       strata ckpt verify DIR [STEP] read every extent and check its CRC-32C\n"
+      "       strata ckpt rm DIR STEP       remove a checkpoint (not while training into DIR)\n";
+  if (args.empty() || WantsHelp(args)) {
+    std::fprintf(args.empty() ? stderr : stdout, "%s", kUsage);
+    return args.empty() ? 2 : 0;
+  }
+  const std::string& verb = args[0];
+  auto step_arg = [&](size_t i) -> std::optional<int64_t> {
+    int64_t s;
+    if (i < args.size() && absl::SimpleAtoi(args[i], &s) && s >= 0) return s;
+    return std::nullopt;
+  };
+  if (verb == "ls" && args.size() == 2) {
+    auto list = train::CheckpointManager::List(args[1]);
+    if (!list.ok()) return Fail(list.status());
+    std::printf("%10s  %-19s  %8s  %12s  %-9s  %s\n", "step", "created", "tensors", "stored MiB",
+                "storage", "model hash");
+    for (const auto& i : *list) {
+      std::time_t t = static_cast<std::time_t>(i.created_unix_ms / 1000);
+      std::tm tm{};
+      localtime_r(&t, &tm);
+      char when[32];
+      std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S", &tm);
+      std::printf("%10lld  %-19s  %8d  %12.1f  %-9s  %016llx\n", static_cast<long long>(i.step),
+                  when, i.tensors, i.stored_bytes / 1048576.0, i.storage_mode.c_str(),
+                  static_cast<unsigned long long>(i.config_hash));
+    }
+    if (list->empty()) std::printf("(no checkpoints)\n");
+    return 0;
+  }
+  if (verb == "verify" && (args.size() == 2 || (args.size() == 3 && step_arg(2)))) {
+    std::vector<std::string> report;
+    Status s =
+        train::CheckpointManager::Verify(args[1], args.size() == 3 ? *step_arg(2) : -1, &report);
+    for (const auto& line : report) std::printf("%s\n", line.c_str());
+    return s.ok() ? 0 : Fail(s);
+  }
+  if (verb == "rm" && args.size() == 3 && step_arg(2)) {
+    Status s = train::CheckpointManager::Remove(args[1], *step_arg(2));
+    if (!s.ok()) return Fail(s);
+    std::printf("removed checkpoint %lld from %s\n", static_cast<long long>(*step_arg(2)),
+                args[1].c_str());
+    return 0;
+  }
+  std::fprintf(stderr, "strata ckpt: cannot understand '%s'\n\n%s",
+               absl::StrJoin(args, " ").c_str(), kUsage);
+  return 2;
+}
+
+}  // namespace strata::launcher

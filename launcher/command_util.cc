@@ -1,0 +1,279 @@
+#include "launcher/command_util.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "core/common/logging.h"
+#include "core/device/device.h"
+#include "launcher/job_config.h"
+#include "proto/config_io.h"
+
+namespace strata::launcher {
+namespace {
+
+// `strata train` and `strata worker` after their own flags: the config with the flags'
+// overrides, as training options. On failure returns the exit code in *rc.
+std::optional<train::TrainOptions> TrainOptionsFrom(const Flags& flags, const std::string& command,
+                                                    const std::vector<FlagSpec>& specs,
+                                                    const train::WorkerOptions& worker, int* rc) {
+  auto overrides = ParseOverrides(flags);
+  if (!overrides.ok()) {
+    *rc = UsageError(overrides.status(), command, specs);
+    return std::nullopt;
+  }
+  auto cfg = LoadWithOverrides(flags, *overrides);
+  if (!cfg.ok()) {
+    *rc = Fail(cfg.status());
+    return std::nullopt;
+  }
+  return OptionsFor(flags, *std::move(cfg), worker);
+}
+
+}  // namespace
+
+const std::vector<FlagSpec>& TrainFlags() {
+  static const std::vector<FlagSpec> specs = {
+      {"config", "job config in text format (.textproto); required"},
+      {"steps", "override train.steps"},
+      {"threads", "override train.threads (CPU threads; 0 = every core)"},
+      {"device", "override train.device: cpu, cuda or cuda:N (an NVIDIA GPU)"},
+      {"metrics-out", "write one JSON object per step to this file (JSONL)"},
+      {"checkpoint-dir", "folder of checkpoints (overrides checkpoint.dir)"},
+      {"checkpoint-every", "checkpoint every N steps (overrides checkpoint.every)"},
+      {"resume", "continue from the newest valid checkpoint in the checkpoint folder", false},
+      {"start-over", "move what the checkpoint folder holds aside, then train afresh", false},
+      {"trace", "write a Chrome trace-event JSON of compute, I/O and copies (open in Perfetto)"},
+      {"export-params", "when training ends, write every parameter to DIR/<name>.f32 (float32)"},
+      {"quiet", "no progress line", false},
+  };
+  return specs;
+}
+
+int UsageError(const Status& s, const std::string& command, const std::vector<FlagSpec>& specs) {
+  std::fprintf(stderr, "%s\n\nusage: strata %s [flags]\n%s", std::string(s.message()).c_str(),
+               command.c_str(), Flags::Usage(specs).c_str());
+  return 2;
+}
+
+int Fail(const Status& s) {
+  std::fprintf(stderr, "strata: error: %s\n", std::string(s.message()).c_str());
+  return 1;
+}
+
+StatusOr<Overrides> ParseOverrides(const Flags& flags, bool config_required) {
+  Overrides o;
+  if (config_required && !flags.Has("config")) {
+    return absl::InvalidArgumentError("--config FILE is required");
+  }
+  ASSIGN_OR_RETURN(o.steps, flags.Int("steps", 1, 1'000'000'000));
+  ASSIGN_OR_RETURN(o.threads, flags.Int("threads", 0, 1024));
+  ASSIGN_OR_RETURN(o.checkpoint_every, flags.Int("checkpoint-every", 0, 1'000'000'000));
+  if (auto device = flags.String("device")) {
+    auto parsed = Device::Parse(*device);
+    if (!parsed.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--device: ", parsed.status().message()));
+    o.device = *device;
+  }
+  return o;
+}
+
+StatusOr<config::JobConfig> LoadWithOverrides(const Flags& flags, const Overrides& o) {
+  ASSIGN_OR_RETURN(config::JobConfig cfg, config::LoadJobConfig(*flags.String("config")));
+  if (o.steps) cfg.mutable_train()->set_steps(static_cast<int>(*o.steps));
+  if (o.threads) cfg.mutable_train()->set_threads(static_cast<int>(*o.threads));
+  if (o.device) cfg.mutable_train()->set_device(*o.device);
+  if (o.checkpoint_every) {
+    cfg.mutable_checkpoint()->set_every(static_cast<uint32_t>(*o.checkpoint_every));
+  }
+  if (auto dir = flags.String("checkpoint-dir")) cfg.mutable_checkpoint()->set_dir(*dir);
+  RETURN_IF_ERROR(config::ValidateJobConfig(cfg, *flags.String("config") + " with flags"));
+  return cfg;
+}
+
+void MakePathsAbsolute(config::JobConfig* cfg) {
+  auto absolute = [](std::string* path) {
+    if (path->empty()) return;
+    std::error_code ec;
+    const auto abs = std::filesystem::absolute(*path, ec);
+    if (!ec) *path = abs.lexically_normal().string();
+  };
+  absolute(cfg->mutable_data()->mutable_path());
+  if (cfg->has_storage() && cfg->storage().has_ssd_dir()) {
+    absolute(cfg->mutable_storage()->mutable_ssd_dir());
+  }
+  if (cfg->has_checkpoint() && cfg->checkpoint().has_dir()) {
+    absolute(cfg->mutable_checkpoint()->mutable_dir());
+  }
+}
+
+bool WantsHelp(const std::vector<std::string>& args) {
+  for (const auto& a : args) {
+    if (a == "--help" || a == "-h") return true;
+  }
+  return false;
+}
+
+train::TrainOptions OptionsFor(const Flags& flags, config::JobConfig cfg,
+                               const train::WorkerOptions& worker) {
+  train::TrainOptions options;
+  options.config = std::move(cfg);
+  options.worker = worker;
+  options.metrics_path = flags.String("metrics-out").value_or("");
+  // One progress line per job: the first worker's.
+  options.progress = !flags.Has("quiet") && worker.rank == 0;
+  options.trace_path = flags.String("trace").value_or("");
+  options.export_params_dir = flags.String("export-params").value_or("");
+  options.resume = flags.Has("resume");
+  options.start_over = flags.Has("start-over");
+  return options;
+}
+
+void PrintDone(const train::Trainer& trainer, int rank) {
+  if (trainer.evals().empty() || rank != 0) return;
+  const auto& [step, e] = trainer.evals().back();
+  std::string bpb = std::isfinite(e.bits_per_byte)
+                        ? absl::StrFormat(", %.3f bits per byte", e.bits_per_byte)
+                        : std::string();
+  std::printf("done: %d steps, held-out loss %.4f nats per token%s\n", static_cast<int>(step),
+              e.loss, bpb.c_str());
+}
+
+int RunTraining(const Flags& flags, const std::string& command, const std::vector<FlagSpec>& specs,
+                const train::WorkerOptions& worker) {
+  int rc = 0;
+  auto options = TrainOptionsFrom(flags, command, specs, worker, &rc);
+  if (!options) return rc;
+  auto trainer = train::Trainer::Create(*options);
+  if (!trainer.ok()) return Fail(trainer.status());
+  Status s = (*trainer)->Run();
+  if (!s.ok()) return Fail(s);
+  PrintDone(**trainer, worker.rank);
+  return 0;
+}
+
+StatusOr<std::string> TokenFrom(const Flags& flags) {
+  if (auto path = flags.String("token-file")) {
+    std::ifstream in(*path);
+    std::string token;
+    if (!in || !std::getline(in, token)) {
+      return absl::NotFoundError(absl::StrFormat(
+          "cannot read a token from --token-file '%s' (missing, unreadable or empty)", *path));
+    }
+    token = std::string(absl::StripAsciiWhitespace(token));
+    if (token.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("--token-file '%s' holds no token on its first line", *path));
+    }
+    return token;
+  }
+  if (auto t = flags.String("token")) {
+    STRATA_LOG(WARNING) << "--token is visible to every user of this machine (ps); prefer "
+                           "--token-file FILE or $STRATA_JOB_TOKEN";
+    return *t;
+  }
+  const char* env = std::getenv("STRATA_JOB_TOKEN");
+  return std::string(env ? env : "");
+}
+
+std::optional<std::string> RequireToken(const Flags& flags, const std::string& command,
+                                        const std::vector<FlagSpec>& specs, int* rc) {
+  auto token = TokenFrom(flags);
+  if (!token.ok()) {
+    *rc = Fail(token.status());
+    return std::nullopt;
+  }
+  if (token->empty()) {
+    *rc = UsageError(absl::InvalidArgumentError(
+                         "give the job token with --token-file FILE or $STRATA_JOB_TOKEN"),
+                     command, specs);
+    return std::nullopt;
+  }
+  return *token;
+}
+
+Status CheckWorkerRange(const config::JobConfig& cfg, int min, int max) {
+  if (min > max) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--min-workers %d is above --max-workers %d", min, max));
+  }
+  const int64_t B = cfg.train().global_batch();
+  if (B < max) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "train.global_batch = %d gives the %d workers the job may grow to less than one sequence "
+        "each; raise it or lower --max-workers (elastic.max_workers) to at most %d",
+        B, max, B));
+  }
+  const int64_t E = cfg.model().moe().num_experts();
+  if (cfg.parallel().expert_parallel() == 0 && E < max) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "moe.num_experts = %d is fewer than the %d workers the job may grow to; lower "
+        "--max-workers (elastic.max_workers) to at most %d",
+        E, max, E));
+  }
+  return absl::OkStatus();
+}
+
+StatusOr<config::JobConfig> EffectiveJobConfig(const Flags& flags) {
+  ASSIGN_OR_RETURN(Overrides o, ParseOverrides(flags));
+  o.threads.reset();  // the machine's, not the job's: passed to local workers as a flag
+  o.device.reset();
+  ASSIGN_OR_RETURN(config::JobConfig cfg, LoadWithOverrides(flags, o));
+  MakePathsAbsolute(&cfg);
+  return cfg;
+}
+
+CoordinatorOptions CoordinatorOptionsFor(const config::JobConfig& cfg, const std::string& dir,
+                                         const std::string& token) {
+  CoordinatorOptions o;
+  o.dir = dir;
+  o.token = token;
+  o.heartbeat_timeout = std::chrono::milliseconds(cfg.elastic().heartbeat_timeout_ms());
+  o.restart_grace = std::chrono::milliseconds(cfg.elastic().restart_grace_ms());
+  o.check_config = [](const std::string& job, const coordinator::WorkerInfo& w) {
+    return CheckJoinerConfig(job, w.id(), w.job_config());
+  };
+  return o;
+}
+
+Status KeepToken(const std::string& dir, const std::string& token) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const std::string path = dir + "/token";
+  std::ifstream in(path);
+  std::string kept;
+  if (in && std::getline(in, kept)) {
+    if (std::string(absl::StripAsciiWhitespace(kept)) != token) {
+      return absl::PermissionDeniedError(absl::StrFormat(
+          "the job in '%s' has another token (in %s); give that one (--token-file %s), or use "
+          "another --dir for a new job",
+          dir, path, path));
+    }
+    return absl::OkStatus();
+  }
+  // Created readable by this user only from the start; written whole or not at all.
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  const std::string line = token + "\n";
+  const bool written = fd >= 0 &&
+                       write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size()) &&
+                       fsync(fd) == 0;
+  const int err = errno;
+  if (fd >= 0) close(fd);
+  if (!written) {
+    if (fd >= 0) unlink(path.c_str());
+    return absl::PermissionDeniedError(
+        absl::StrFormat("cannot write the job token to '%s': %s", path, std::strerror(err)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace strata::launcher

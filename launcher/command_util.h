@@ -1,0 +1,92 @@
+// What the subcommands of `strata` share: train's flags, the usage and failure exits, the flags
+// that override a job config, the training options from flags, the job token, and the job a
+// coordinator serves (its effective config, worker range, token file and options). Each
+// subcommand has its own file (train_command.cc, worker_command.cc, check_command.cc,
+// launch_command.cc, coordinator_command.cc, status_command.cc, ckpt_command.cc); commands.cc
+// dispatches to them.
+//
+// Functions of the `strata` process's main thread: they read files and the environment and print
+// to stdout and stderr.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/common/status.h"
+#include "launcher/coordinator_state.h"
+#include "launcher/flags.h"
+#include "proto/config.pb.h"
+#include "train/trainer.h"
+
+namespace strata::launcher {
+
+// The flags of `strata train` (and, with --config described differently, of `strata worker`).
+const std::vector<FlagSpec>& TrainFlags();
+
+// Prints `s`, then the usage of `strata command` with `specs`; returns 2 (a usage error).
+int UsageError(const Status& s, const std::string& command, const std::vector<FlagSpec>& specs);
+
+// Prints "strata: error: " and `s`'s message on stderr; returns 1 (the job failed).
+int Fail(const Status& s);
+
+// Whether the arguments ask for help (--help or -h).
+bool WantsHelp(const std::vector<std::string>& args);
+
+// The flags that override fields of the job config.
+struct Overrides {
+  std::optional<int64_t> steps, threads, checkpoint_every;
+  std::optional<std::string> device;
+};
+
+// The numeric flags, checked before anything is loaded so that a typo is a usage error.
+[[nodiscard]] StatusOr<Overrides> ParseOverrides(const Flags& flags, bool config_required = true);
+
+// Loads --config and applies --steps / --threads / --device.
+[[nodiscard]] StatusOr<config::JobConfig> LoadWithOverrides(const Flags& flags, const Overrides& o);
+
+// The config's data and checkpoint paths made absolute (relative ones are relative to this
+// process's folder, where the loader left them), so that they name the same files for every
+// worker whatever folder it runs in.
+void MakePathsAbsolute(config::JobConfig* cfg);
+
+// The training options of `strata train` / `strata worker` for `cfg`, from the flags that are not
+// the config's.
+train::TrainOptions OptionsFor(const Flags& flags, config::JobConfig cfg,
+                               const train::WorkerOptions& worker);
+
+// "done: N steps, held-out loss ..." on stdout, from rank 0's latest evaluation (if any).
+void PrintDone(const train::Trainer& trainer, int rank);
+
+// `strata train` and `strata worker --rank ...` after their own flags: loads the config with the
+// flags' overrides, trains, and returns the exit code.
+int RunTraining(const Flags& flags, const std::string& command, const std::vector<FlagSpec>& specs,
+                const train::WorkerOptions& worker);
+
+// The job token: from --token-file, --token or $STRATA_JOB_TOKEN, in that order ("" when none
+// is given). A file that cannot be read or holds no token is an error.
+[[nodiscard]] StatusOr<std::string> TokenFrom(const Flags& flags);
+
+// The token, or a usage error (exit 2) when none was given.
+std::optional<std::string> RequireToken(const Flags& flags, const std::string& command,
+                                        const std::vector<FlagSpec>& specs, int* rc);
+
+// The worker counts a job may run on, [min, max], checked against its config before anything
+// starts: every worker needs at least one sequence of the batch and one expert.
+[[nodiscard]] Status CheckWorkerRange(const config::JobConfig& cfg, int min, int max);
+
+// The job config a coordinator records: FILE with the job-level flags (--steps, --checkpoint-dir,
+// --checkpoint-every) applied and its paths made absolute, so workers anywhere get one config.
+[[nodiscard]] StatusOr<config::JobConfig> EffectiveJobConfig(const Flags& flags);
+
+// The coordinator's options for job `cfg` (worker counts are the caller's).
+CoordinatorOptions CoordinatorOptionsFor(const config::JobConfig& cfg, const std::string& dir,
+                                         const std::string& token);
+
+// Keeps the token beside the coordinator's record, readable by this user only, so that workers
+// started by hand and a restarted coordinator find it. A token file already there must hold
+// `token`.
+[[nodiscard]] Status KeepToken(const std::string& dir, const std::string& token);
+
+}  // namespace strata::launcher

@@ -1,0 +1,219 @@
+#include "launcher/commands.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <optional>
+#include <thread>
+
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "core/common/logging.h"
+#include "launcher/command_util.h"
+#include "launcher/coordinator_service.h"
+#include "launcher/coordinator_state.h"
+#include "launcher/job_config.h"
+#include "proto/config_io.h"
+
+namespace strata::launcher {
+namespace {
+
+const std::vector<FlagSpec>& CoordinatorFlags() {
+  static const std::vector<FlagSpec> specs = {
+      {"config", "job config in text format (.textproto); required for a new job"},
+      {"dir", "folder of the coordinator's RocksDB record; required (a record there is resumed)"},
+      {"listen",
+       "HOST:PORT to serve on (default: where the record's coordinator served, else "
+       "127.0.0.1:7777; port 0 picks a free one)"},
+      {"token-file",
+       "file holding the job token (default: $STRATA_JOB_TOKEN, else DIR/token); every call must "
+       "carry it"},
+      {"token", "the job token (visible in `ps`: prefer --token-file or $STRATA_JOB_TOKEN)"},
+      {"workers", "workers that form the first generation (default: the record's, else 1)"},
+      {"steps", "override train.steps of a new job"},
+      {"checkpoint-dir", "folder of checkpoints of a new job (overrides checkpoint.dir)"},
+      {"checkpoint-every", "checkpoint every N steps (overrides checkpoint.every) of a new job"},
+      {"keep-serving", "serve until SIGINT/SIGTERM, also after the job finished", false},
+      {"min-workers", "fewer than this and training waits (default: elastic.min_workers, or 1)"},
+      {"max-workers", "more than this are refused (default: elastic.max_workers, or --workers)"},
+      {"tls-cert", "PEM certificate: serve with TLS (needs --tls-key)"},
+      {"tls-key", "PEM private key of --tls-cert"},
+  };
+  return specs;
+}
+
+std::atomic<bool> g_stop{false};
+
+void OnSignal(int) { g_stop = true; }
+
+}  // namespace
+
+int CoordinatorCommand(const std::vector<std::string>& args) {
+  if (WantsHelp(args)) {
+    std::printf(
+        "usage: strata coordinator --dir DIR [--config FILE] [flags]\n"
+        "Serves a job's coordinator. A new job needs --config; a record already in DIR is "
+        "resumed with everything it holds (config, worker counts, address, TLS files, and the "
+        "token in DIR/token), so `strata coordinator --dir DIR` restarts a coordinator that died. "
+        "Exit codes: 0 once its job has finished and its workers are gone (unless "
+        "--keep-serving) or on SIGINT/SIGTERM, 1 on an error, 2 on a usage error.\n%s",
+        Flags::Usage(CoordinatorFlags()).c_str());
+    return 0;
+  }
+  auto flags = Flags::Parse("coordinator", CoordinatorFlags(), args);
+  if (!flags.ok()) return UsageError(flags.status(), "coordinator", CoordinatorFlags());
+  auto workers = flags->Int("workers", 1, 4096);
+  auto min_workers = flags->Int("min-workers", 1, 4096);
+  auto max_workers = flags->Int("max-workers", 1, 4096);
+  for (const auto* v : {&workers, &min_workers, &max_workers}) {
+    if (!v->ok()) return UsageError(v->status(), "coordinator", CoordinatorFlags());
+  }
+  if (!flags->Has("dir")) {
+    return UsageError(absl::InvalidArgumentError("--dir DIR is required"), "coordinator",
+                      CoordinatorFlags());
+  }
+  const std::string dir = *flags->String("dir");
+  auto given_token = TokenFrom(*flags);
+  if (!given_token.ok()) return Fail(given_token.status());
+  std::string token = *given_token;
+  if (token.empty()) {
+    // A restart finds the token beside the record.
+    std::ifstream in(dir + "/token");
+    if (in && std::getline(in, token)) token = std::string(absl::StripAsciiWhitespace(token));
+  }
+  if (token.empty()) {
+    return UsageError(
+        absl::InvalidArgumentError(absl::StrFormat(
+            "give the job token with --token-file FILE or $STRATA_JOB_TOKEN (%s/token "
+            "holds none)",
+            dir)),
+        "coordinator", CoordinatorFlags());
+  }
+  auto record = CoordinatorState::ReadRecord(dir);
+  if (!record.ok()) return Fail(record.status());
+  const bool resumed = record->has_value() && !(*record)->job_config().empty();
+  // The job's config: the record's when resuming (a --config given too must agree with it),
+  // else --config FILE with the job-level flags.
+  config::JobConfig cfg;
+  if (resumed) {
+    auto parsed = config::ParseJobConfig(
+        (*record)->job_config(), absl::StrFormat("the job config recorded in '%s'", dir), "");
+    if (!parsed.ok()) return Fail(parsed.status());
+    cfg = *parsed;
+    if (!flags->Has("config")) {
+      for (const char* f : {"steps", "checkpoint-dir", "checkpoint-every"}) {
+        if (flags->Has(f)) {
+          return UsageError(absl::InvalidArgumentError(absl::StrFormat(
+                                "--%s applies to a new job; the job recorded in '%s' keeps its "
+                                "config",
+                                f, dir)),
+                            "coordinator", CoordinatorFlags());
+        }
+      }
+    }
+    if (flags->Has("config")) {
+      auto given = EffectiveJobConfig(*flags);
+      if (!given.ok()) return Fail(given.status());
+      const std::vector<std::string> diff = JobDifferences(cfg, *given);
+      if (!diff.empty()) {
+        return Fail(absl::FailedPreconditionError(absl::StrFormat(
+            "--config %s differs from the job recorded in '%s' (a running job keeps its "
+            "config):\n  %s\nDrop --config to resume the job, or give an empty --dir for a new "
+            "one",
+            *flags->String("config"), dir, absl::StrJoin(diff, "\n  "))));
+      }
+    }
+  } else {
+    if (!flags->Has("config")) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrFormat("'%s' holds no job yet: give --config FILE for a new job", dir)));
+    }
+    auto given = EffectiveJobConfig(*flags);
+    if (!given.ok()) return Fail(given.status());
+    cfg = *given;
+  }
+  if (Status t = KeepToken(dir, token); !t.ok()) return Fail(t);
+  CoordinatorOptions o = CoordinatorOptionsFor(cfg, dir, token);
+  // Worker counts: the flags, else the record's, else the config's elastic section. A record
+  // that does not hold them counts the workers of its generation.
+  const config::ElasticConfig& el = cfg.elastic();
+  const coordinator::CoordinatorRecord kept =
+      record->has_value() ? **record : coordinator::CoordinatorRecord();
+  const int members = std::max(1, kept.generation().workers_size() + kept.pending_size());
+  o.initial_workers = static_cast<int>(workers->value_or(
+      kept.initial_workers() > 0 ? kept.initial_workers() : (resumed ? members : 1)));
+  o.min_workers = static_cast<int>(min_workers->value_or(
+      kept.min_workers() > 0 ? kept.min_workers() : (el.min_workers() > 0 ? el.min_workers() : 1)));
+  o.max_workers = static_cast<int>(max_workers->value_or(
+      kept.max_workers() > 0
+          ? kept.max_workers()
+          : std::max(el.max_workers() > 0 ? el.max_workers() : o.initial_workers, members)));
+  if (resumed && kept.generation().number() > 0) {
+    // The first generation formed long ago: its size only has to fit the other bounds.
+    o.initial_workers =
+        std::clamp(o.initial_workers, o.min_workers, std::max(o.min_workers, o.max_workers));
+  }
+  // TLS: the flags, else the record's certificate files.
+  o.tls_cert = flags->String("tls-cert").value_or(kept.tls_cert());
+  o.tls_key = flags->String("tls-key").value_or(kept.tls_key());
+  if (Status range =
+          CheckWorkerRange(cfg, std::min(o.min_workers, o.initial_workers), o.max_workers);
+      !range.ok()) {
+    return Fail(range);
+  }
+  if (kept.finished() && !flags->Has("keep-serving")) {
+    std::printf(
+        "the job in %s finished at step %lld; nothing to serve (--keep-serving serves its "
+        "status anyway)\n",
+        dir.c_str(), static_cast<long long>(kept.step()));
+    return 0;
+  }
+  auto state = CoordinatorState::Open(o, config::ToText(cfg), std::chrono::steady_clock::now());
+  if (!state.ok()) return Fail(state.status());
+  // Where to serve: --listen, else where this job's coordinator served before (so its workers
+  // find it again), else the default.
+  if (resumed && kept.listen().empty() && !flags->Has("listen")) {
+    STRATA_LOG(WARNING) << "the record in " << dir
+                        << " does not say where its coordinator served; serving on "
+                           "127.0.0.1:7777 (give --listen HOST:PORT where its workers look)";
+  }
+  std::string listen = flags->String("listen").value_or(
+      !kept.listen().empty() ? kept.listen() : std::string("127.0.0.1:7777"));
+  TlsFiles tls{o.tls_cert, o.tls_key, ""};
+  auto server = CoordinatorServer::Start(state->get(), listen, tls);
+  if (!server.ok()) return Fail(server.status());
+  if (Status l = (*state)->SetListenAddress((*server)->address()); !l.ok()) return Fail(l);
+  const auto snapshot = (*state)->Snapshot();
+  std::printf(
+      "coordinator listening on %s (%s: generation %lld, step %lld, workers %d to %d, record in "
+      "%s)\n",
+      (*server)->address().c_str(), resumed ? "resumed" : "new job",
+      static_cast<long long>(snapshot.generation().number()),
+      static_cast<long long>(snapshot.step()), o.min_workers, o.max_workers, dir.c_str());
+  std::fflush(stdout);
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  const bool keep_serving = flags->Has("keep-serving");
+  // Once the job is done, a few more seconds of service: a joiner still waiting for a place
+  // learns that the job finished instead of finding nobody there.
+  std::optional<std::chrono::steady_clock::time_point> done_since;
+  while (!g_stop.load()) {
+    if (!keep_serving && (*state)->Done()) {
+      if (!done_since) done_since = std::chrono::steady_clock::now();
+      if (std::chrono::steady_clock::now() - *done_since > std::chrono::seconds(2)) {
+        std::printf("the job finished at step %lld; coordinator exits\n",
+                    static_cast<long long>((*state)->Snapshot().step()));
+        return 0;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  std::printf("coordinator stopping\n");
+  return 0;
+}
+
+}  // namespace strata::launcher
