@@ -80,8 +80,9 @@ struct ElasticWorkerEnd {
   // OK without training to the end: why, for the user ("the job at ... finished before this
   // worker got to train"); empty otherwise.
   std::string message;
-  // Trained to the job's last step: the trainer (for its evaluations) and this worker's rank in
-  // the last generation. Null otherwise.
+  // Trained to the job's last step: the trainer (for its evaluations; RunElasticWorker owns it
+  // and it lives only until on_end returns) and this worker's rank in the last generation. Null
+  // otherwise.
   const Trainer* trainer = nullptr;
   int rank = -1;
 };
@@ -115,7 +116,8 @@ inline int64_t SteadyMs() {
 // DEADLINE_EXCEEDED, CANCELLED, UNKNOWN and INTERNAL are retried every 200 ms for up to `patience`
 // (elastic.coordinator_patience_ms), other answers returned as they are. A call still failing
 // after `patience` returns UNAVAILABLE saying so, with the last error. Each failed try stores the
-// time (SteadyMs) in *unreachable_ms. `call` returns a Status-carrying value (StatusOr).
+// time (SteadyMs) in *unreachable_ms. `call` returns a Status-carrying value (StatusOr). Any thread
+// may call it; it blocks that thread while it retries.
 template <typename Call>
 auto RetryWhileUnreachable(const char* what, const std::string& address,
                            std::chrono::milliseconds patience, Call call,
