@@ -154,19 +154,20 @@ void ExpertParallel::Exchange(LayerState& L, int64_t C, const std::string& tag, 
   }
 }
 
-void ExpertParallel::Forward(ops::Context& ctx, int layer, model::MoeLayer& moe, const Tensor& xp,
-                             const std::vector<int64_t>& counts, const Tensor& yp) {
+void ExpertParallel::Forward(ops::Context& ctx, int layer, model::LocalExperts& experts,
+                             const Tensor& xp, const std::vector<int64_t>& counts,
+                             const Tensor& yp) {
   const int K = options_.chunks;
-  const int64_t E = placement_.num_experts(), C = moe.d_model();
+  const int64_t E = placement_.num_experts(), C = experts.d_model();
   CHECK_EQ(static_cast<int64_t>(counts.size()), E);
-  CHECK(moe.first_local_expert() == first_ && moe.num_local_experts() == local_)
-      << "layer " << layer << " holds experts [" << moe.first_local_expert() << ", +"
-      << moe.num_local_experts() << "), the placement gives this worker " << placement_.ToString();
+  CHECK(experts.first() == first_ && experts.count() == local_)
+      << "layer " << layer << " holds experts [" << experts.first() << ", +" << experts.count()
+      << "), the placement gives this worker " << placement_.ToString();
   auto& slot = layers_[layer];
   if (!slot) slot = std::make_unique<LayerState>();
   LayerState& L = *slot;
   L.C = C;
-  L.stride = moe.saved_stride();
+  L.stride = experts.saved_stride();
   L.counts = counts;
   L.offsets.assign(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) L.offsets[e + 1] = L.offsets[e] + counts[e];
@@ -232,15 +233,15 @@ void ExpertParallel::Forward(ops::Context& ctx, int layer, model::MoeLayer& moe,
     walk_received(c, [&](int64_t at, int64_t row, int64_t n) {
       CopyRows(x.f32() + row * C, recv_.f32() + at * C, n, C);
     });
-    moe.RunLocalForward(ctx, L.work[c], x, y, saved);
+    experts.Forward(ctx, L.work[c], x, y, saved);
     walk_received(c, [&](int64_t at, int64_t row, int64_t n) {
       CopyRows(ret_.f32() + at * C, y.f32() + row * C, n, C);
     });
   });
 }
 
-void ExpertParallel::Backward(ops::Context& ctx, int layer, model::MoeLayer& moe, const Tensor& dyp,
-                              const Tensor& dxp) {
+void ExpertParallel::Backward(ops::Context& ctx, int layer, model::LocalExperts& experts,
+                              const Tensor& dyp, const Tensor& dxp) {
   auto it = layers_.find(layer);
   CHECK(it != layers_.end()) << "backward of layer " << layer << " without its forward";
   LayerState& L = *it->second;
@@ -255,7 +256,7 @@ void ExpertParallel::Backward(ops::Context& ctx, int layer, model::MoeLayer& moe
     walk_received(c, [&](int64_t at, int64_t row, int64_t n) {
       CopyRows(dy.f32() + row * C, recv_.f32() + at * C, n, C);
     });
-    moe.RunLocalBackward(ctx, L.work[c], x, dy, dx, saved);
+    experts.Backward(ctx, L.work[c], x, dy, dx, saved);
     walk_received(c, [&](int64_t at, int64_t row, int64_t n) {
       CopyRows(ret_.f32() + at * C, dx.f32() + row * C, n, C);
     });

@@ -19,6 +19,10 @@
 // returns as their compute finishes), so the order on the communication thread matches across
 // ranks. Buffers grow to the largest step seen and are reused; the rows and saved activations of
 // every MoE layer are kept from forward to backward.
+//
+// Of the layer it sees only the LocalExperts it is lent for each call (parallel.h). Forward,
+// Backward, status, TakeTimes and set_tracer are called from one thread (the one running the
+// model); the exchange's own communication thread touches only its staging buffers.
 #pragma once
 
 #include <map>
@@ -27,7 +31,6 @@
 
 #include "kernels/ops.h"
 #include "runtime/comm/communicator.h"
-#include "runtime/model/moe_layer.h"
 #include "runtime/model/parallel.h"
 #include "scheduler/comm_thread.h"
 #include "scheduler/placement.h"
@@ -53,9 +56,10 @@ class ExpertParallel : public model::ExpertExchange {
                  const ExpertParallelOptions& options);
   ~ExpertParallel() override;
 
-  void Forward(ops::Context& ctx, int layer, model::MoeLayer& moe, const Tensor& xp,
+  // From the thread running the layer's pass (parallel.h); `experts` is borrowed for the call.
+  void Forward(ops::Context& ctx, int layer, model::LocalExperts& experts, const Tensor& xp,
                const std::vector<int64_t>& counts, const Tensor& yp) override;
-  void Backward(ops::Context& ctx, int layer, model::MoeLayer& moe, const Tensor& dyp,
+  void Backward(ops::Context& ctx, int layer, model::LocalExperts& experts, const Tensor& dyp,
                 const Tensor& dxp) override;
 
   // The first communication error (OK while none); check after each pass.

@@ -196,7 +196,7 @@ void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, cons
   Tensor xp = xp_.Rows(0, R), yp = yp_.Rows(0, R);
   ops::MoePermuteForward(ctx, xp, x, row_token_);
   if (exchange_ != nullptr) {
-    exchange_->Forward(ctx, layer_, *this, xp, plan_.counts, yp);
+    exchange_->Forward(ctx, layer_, local_, xp, plan_.counts, yp);
   } else {
     CHECK_EQ(num_local_experts(), E) << "experts on other workers need an ExpertExchange";
     RunLocalForward(ctx, plan_.offsets, xp, yp, saved_);
@@ -231,7 +231,7 @@ void MoeLayer::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, co
   // dyp overwrites yp in place (each row is read, then written, by one thread).
   ops::MoeCombineBackward(ctx, yp, dweight, dy, yp, routing_.weight, slot);
   if (exchange_ != nullptr) {
-    exchange_->Backward(ctx, layer_, *this, yp, dxp);
+    exchange_->Backward(ctx, layer_, local_, yp, dxp);
   } else {
     RunLocalBackward(ctx, plan_.offsets, xp, yp, dxp, saved_);
   }

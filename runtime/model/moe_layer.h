@@ -25,8 +25,14 @@
 //
 // Expert parallelism: a layer may hold only some of its experts — [first_local_expert(),
 // first_local_expert() + num_local_experts()) — and an ExpertExchange (parallel.h) that moves the
-// rows of the others to the workers holding them; the exchange calls RunLocalForward /
-// RunLocalBackward for the rows this worker's experts received. Experts keep their global ids.
+// rows of the others to the workers holding them. The layer lends the exchange its LocalExperts
+// (and nothing else of itself) for each pass, to run this worker's experts on the rows they
+// received. Experts keep their global ids.
+//
+// Ownership and threads: the layer owns its gate and experts (an expert's parameters may be bound
+// to a residency's blobs during a call, see expert_residency.h); it does not own the residency or
+// the exchange attached to it. Forward, Backward and the Attach/set calls are made from one thread
+// at a time (the one running the model); the layer fans its experts out over ctx.pool itself.
 #pragma once
 
 #include <memory>
@@ -61,6 +67,9 @@ class MoeLayer {
   MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> gate,
            std::vector<std::unique_ptr<Expert>> experts, int64_t first_expert = 0,
            Device device = Device::Cpu());
+  // Not copyable or movable: the LocalExperts it lends refer to it.
+  MoeLayer(const MoeLayer&) = delete;
+  MoeLayer& operator=(const MoeLayer&) = delete;
 
   // y [T, C] from x [T, C], T <= max_tokens.
   void Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, const GateCall& call);
@@ -80,19 +89,12 @@ class MoeLayer {
   void AttachResidency(ExpertResidency* residency, int layer);
   ExpertResidency* residency() const { return residency_; }
 
-  // Rows of experts on other workers go through `exchange` (null: every expert is local).
+  // Rows of experts on other workers go through `exchange` for block `layer` (null: every expert
+  // is local). The layer does not own the exchange.
   void AttachExchange(ExpertExchange* exchange, int layer) {
     exchange_ = exchange;
     layer_ = layer;
   }
-  // For an ExpertExchange: runs local expert i (global id first_local_expert() + i) on rows
-  // [offsets[i], offsets[i + 1]) of x, writing y, keeping saved[row * SavedPerRow()..]. offsets has
-  // num_local_experts() + 1 entries. saved must hold offsets.back() * saved_stride() floats.
-  void RunLocalForward(ops::Context& ctx, const std::vector<int64_t>& offsets, const Tensor& x,
-                       const Tensor& y, const Tensor& saved);
-  // The backward of RunLocalForward for the same rows: dx from dy; accumulates expert gradients.
-  void RunLocalBackward(ops::Context& ctx, const std::vector<int64_t>& offsets, const Tensor& x,
-                        const Tensor& dy, const Tensor& dx, const Tensor& saved);
   // Floats of saved storage per row (the most any local expert keeps).
   int64_t saved_stride() const { return saved_stride_; }
   int64_t d_model() const { return C_; }
@@ -143,6 +145,35 @@ class MoeLayer {
   ExpertExchange* exchange_ = nullptr;
   int layer_ = -1;
   std::vector<int> needed_;  // experts with rows, for the residency
+
+  // What the layer lends its ExpertExchange: the local experts, run on rows (parallel.h).
+  class Local final : public LocalExperts {
+   public:
+    explicit Local(MoeLayer* layer) : layer_(layer) {}
+    int64_t first() const override { return layer_->first_local_; }
+    int64_t count() const override { return layer_->num_local_experts(); }
+    int64_t d_model() const override { return layer_->C_; }
+    int64_t saved_stride() const override { return layer_->saved_stride_; }
+    void Forward(ops::Context& ctx, const std::vector<int64_t>& offsets, const Tensor& x,
+                 const Tensor& y, const Tensor& saved) override {
+      layer_->RunLocalForward(ctx, offsets, x, y, saved);
+    }
+    void Backward(ops::Context& ctx, const std::vector<int64_t>& offsets, const Tensor& x,
+                  const Tensor& dy, const Tensor& dx, const Tensor& saved) override {
+      layer_->RunLocalBackward(ctx, offsets, x, dy, dx, saved);
+    }
+
+   private:
+    MoeLayer* layer_;
+  };
+  Local local_{this};
+
+  // Local expert i (global id first_local_expert() + i) on rows [offsets[i], offsets[i + 1]) of
+  // x, writing y, keeping saved[row * saved_stride()..]; LocalExperts::Forward/Backward.
+  void RunLocalForward(ops::Context& ctx, const std::vector<int64_t>& offsets, const Tensor& x,
+                       const Tensor& y, const Tensor& saved);
+  void RunLocalBackward(ops::Context& ctx, const std::vector<int64_t>& offsets, const Tensor& x,
+                        const Tensor& dy, const Tensor& dx, const Tensor& saved);
 
   // Per-thread groups over local experts whose rows are [offsets[i], offsets[i + 1]).
   void PlanExpertGroups(int threads, const std::vector<int64_t>& offsets);

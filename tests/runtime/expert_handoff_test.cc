@@ -1,8 +1,9 @@
 // The hand-offs between an MoE layer and what serves its experts: the blob layout both sides of
-// an ExpertResidency share (against offsets computed by hand), and a layer whose experts are
-// unbound running on the blobs a residency hands it — bitwise the same outputs and gradients as
-// the same layer owning its parameters, with the residency never touching a parameter and the
-// layer binding each expert only for its call.
+// an ExpertResidency share (against offsets computed by hand); a layer whose experts are unbound
+// running on the blobs a residency hands it — bitwise the same outputs and gradients as the same
+// layer owning its parameters, with the residency never touching a parameter and the layer
+// binding each expert only for its call; and an ExpertExchange that sees only the layer's
+// LocalExperts, bitwise the same as the layer alone.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -134,6 +135,24 @@ void Fill(ops::Context& ctx, MoeLayer& layer) {
   }
 }
 
+// Forward then backward of layers a and b on the same random x and dy (drawn from `seed`): both
+// outputs and both input gradients must be bitwise equal.
+void ExpectSamePasses(ops::Context& ctx, MoeLayer& a, MoeLayer& b, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> nd(0, 1);
+  Tensor x = Tensor::Empty({kT, kC}), dy = Tensor::Empty({kT, kC});
+  for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = nd(gen);
+  for (int64_t i = 0; i < dy.numel(); ++i) dy.f32()[i] = nd(gen);
+  Tensor ya = Tensor::Empty({kT, kC}), yb = Tensor::Empty({kT, kC});
+  Tensor dxa = Tensor::Empty({kT, kC}), dxb = Tensor::Empty({kT, kC});
+  a.Forward(ctx, x, ya, GateCall{true, seed});
+  b.Forward(ctx, x, yb, GateCall{true, seed});
+  a.Backward(ctx, x, dy, dxa);
+  b.Backward(ctx, x, dy, dxb);
+  EXPECT_TRUE(SameBits(ya, yb));
+  EXPECT_TRUE(SameBits(dxa, dxb));
+}
+
 TEST(ResidencyHandOffTest, LayerRunsOnHandedBlobsBitwiseAsInMemory) {
   ThreadPool one(1);
   ops::Context ctx{&one};  // one thread: both paths run every expert single-threaded
@@ -150,21 +169,7 @@ TEST(ResidencyHandOffTest, LayerRunsOnHandedBlobsBitwiseAsInMemory) {
     }
   }
   unbound->AttachResidency(&residency, 0);
-
-  std::mt19937 gen(8);
-  std::normal_distribution<float> nd(0, 1);
-  Tensor x = Tensor::Empty({kT, kC}), dy = Tensor::Empty({kT, kC});
-  for (int64_t i = 0; i < x.numel(); ++i) x.f32()[i] = nd(gen);
-  for (int64_t i = 0; i < dy.numel(); ++i) dy.f32()[i] = nd(gen);
-  Tensor ya = Tensor::Empty({kT, kC}), yb = Tensor::Empty({kT, kC});
-  Tensor dxa = Tensor::Empty({kT, kC}), dxb = Tensor::Empty({kT, kC});
-  owned->Forward(ctx, x, ya, GateCall{true, 3});
-  unbound->Forward(ctx, x, yb, GateCall{true, 3});
-  owned->Backward(ctx, x, dy, dxa);
-  unbound->Backward(ctx, x, dy, dxb);
-
-  EXPECT_TRUE(SameBits(ya, yb));
-  EXPECT_TRUE(SameBits(dxa, dxb));
+  ExpectSamePasses(ctx, *owned, *unbound, 3);
   EXPECT_EQ(residency.bound_outside_, 0) << "an expert was bound before the layer got its blobs";
   EXPECT_EQ(residency.bound_at_done_, 0) << "the layer kept an expert bound past Done";
   int routed = 0;
@@ -184,6 +189,52 @@ TEST(ResidencyHandOffTest, LayerRunsOnHandedBlobsBitwiseAsInMemory) {
   EXPECT_GE(routed, 3);
   std::vector<Parameter*> ga = owned->GateParameters(), gb = unbound->GateParameters();
   for (size_t i = 0; i < ga.size(); ++i) EXPECT_TRUE(SameBits(ga[i]->grad, gb[i]->grad));
+}
+
+// An exchange that keeps every row on this worker (a one-worker expert-parallel group), seeing
+// only the layer's LocalExperts: the layer through it must give bitwise what it gives alone.
+class LoopbackExchange : public ExpertExchange {
+ public:
+  void Forward(ops::Context& ctx, int, LocalExperts& experts, const Tensor& xp,
+               const std::vector<int64_t>& counts, const Tensor& yp) override {
+    EXPECT_EQ(experts.first(), 0);
+    EXPECT_EQ(experts.count(), kE);
+    EXPECT_EQ(experts.d_model(), kC);
+    EXPECT_EQ(experts.saved_stride(), 2 * kH);  // GELU FFN: pre-activation and activation
+    offsets_.assign(1, 0);
+    for (int64_t n : counts) offsets_.push_back(offsets_.back() + n);
+    x_ = Tensor::Empty(xp.shape());  // kept for backward, as the exchange keeps received rows
+    x_.CopyFrom(xp);
+    saved_ = Tensor::Empty({std::max<int64_t>(1, offsets_.back() * experts.saved_stride())});
+    experts.Forward(ctx, offsets_, x_, yp, saved_);
+    ++passes;
+  }
+  void Backward(ops::Context& ctx, int, LocalExperts& experts, const Tensor& dyp,
+                const Tensor& dxp) override {
+    experts.Backward(ctx, offsets_, x_, dyp, dxp, saved_);
+    ++passes;
+  }
+  int passes = 0;
+
+ private:
+  std::vector<int64_t> offsets_;
+  Tensor x_, saved_;
+};
+
+TEST(LocalExpertsTest, ExchangeRunsTheLayersExpertsBitwiseAsTheLayerAlone) {
+  ThreadPool two(2);
+  ops::Context ctx{&two};
+  auto alone = MakeLayer(false), exchanged = MakeLayer(false);
+  Fill(ctx, *alone);
+  Fill(ctx, *exchanged);
+  LoopbackExchange exchange;
+  exchanged->AttachExchange(&exchange, 0);
+  ExpectSamePasses(ctx, *alone, *exchanged, 5);
+  EXPECT_EQ(exchange.passes, 2);
+  std::vector<Parameter*> pa = alone->Parameters(), pb = exchanged->Parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i)
+    EXPECT_TRUE(SameBits(pa[i]->grad, pb[i]->grad)) << pa[i]->name;
 }
 
 }  // namespace
