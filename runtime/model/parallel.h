@@ -7,6 +7,10 @@
 // attaches them. Model code has no Status return path in its passes, so implementations keep the
 // first communication error and the trainer checks it after each pass (as with ExpertResidency);
 // after an error the values they hand back are unspecified and the step is abandoned.
+//
+// Ownership and threads: the model does not own the implementations attached to it, and calls
+// them only from the thread running its Forward/Backward (never from its pool's workers), so an
+// implementation needs no locking against the model.
 #pragma once
 
 #include <cstddef>

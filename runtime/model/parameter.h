@@ -22,9 +22,11 @@ enum class Init { kNormal, kZeros, kOnes };
 struct Parameter {
   std::string name;
   Shape shape;
-  // value and grad are undefined while the parameter is unbound (an expert in the tiered store
-  // between uses); its MoE layer binds them to views of the resident blobs its ExpertResidency
-  // hands it, for one call (expert_residency.h).
+  // value and grad own their memory (MakeParameter), or are undefined while the parameter is
+  // unbound (an expert in the tiered store between uses); its MoE layer binds them to views of the
+  // resident blobs its ExpertResidency hands it, for one call, and drops the views before handing
+  // the blobs back (expert_residency.h). Not synchronised: one thread at a time writes a
+  // parameter (the one running the step, or the one running its expert).
   Tensor value;
   Tensor grad;
   bool decay = false;  // AdamW weight decay applies (weight matrices)

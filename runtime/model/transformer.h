@@ -9,6 +9,11 @@
 // activation buffers sized for max_batch sequences at construction; the whole step allocates
 // nothing. Forward computes the mean cross-entropy and, when training, also the gradient of the
 // logits in the same pass; Backward then walks the blocks in reverse.
+//
+// Ownership and threads: the model owns its blocks, layers and parameters (Parameters() and
+// FindParameter lend pointers that live as long as the model); it does not own what is attached
+// to it (residency, exchange, reducer, listener), which must outlive its passes. Forward, Backward,
+// ZeroGrad and the Attach calls are made from one thread at a time; the ops fan out over ctx.pool.
 #pragma once
 
 #include <memory>
