@@ -4,6 +4,7 @@
 #include <liburing.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -33,7 +34,7 @@ namespace {
 // One ring; used by one thread at a time.
 class Ring {
  public:
-  Ring(uint32_t depth, const std::vector<iovec>& regions, bool* registered) {
+  Ring(uint32_t depth, const std::vector<iovec>& regions, std::atomic<bool>* registered) {
     int r = io_uring_queue_init(depth, &ring_, 0);
     if (r < 0) {
       error_ = -r;
@@ -254,7 +255,9 @@ class UringIo : public BlockIo {
   UringOptions options_;
   std::mutex mu_;
   std::vector<iovec> regions_;
-  bool registered_ = true;  // becomes false when a registration fails
+  // Becomes false when a registration fails (in a Run, under mu_); registered() reads it from any
+  // thread without the lock.
+  std::atomic<bool> registered_{true};
   std::unordered_map<std::thread::id, std::unique_ptr<Ring>> rings_;
 };
 
@@ -281,6 +284,20 @@ StatusOr<std::unique_ptr<BlockIo>> MakeUringIo(const UringOptions& options) {
   return std::unique_ptr<BlockIo>(new UringIo(options));
 }
 
+namespace {
+
+// Counts `n` more bytes in `used` unless that would pass `budget` (negative: unlimited). Check and
+// count are one atomic step, so calls racing on several threads never pass the budget together.
+bool TakeFromBudget(std::atomic<int64_t>& used, int64_t budget, int64_t n) {
+  int64_t now = used.load();
+  do {
+    if (budget >= 0 && now + n > budget) return false;
+  } while (!used.compare_exchange_weak(now, now + n));
+  return true;
+}
+
+}  // namespace
+
 Status FaultInjectingIo::Run(std::span<const IoRequest> requests, const RequestDone& done) {
   int64_t bytes = 0;
   const IoRequest* first_write = nullptr;
@@ -290,22 +307,18 @@ Status FaultInjectingIo::Run(std::span<const IoRequest> requests, const RequestD
       if (first_write == nullptr) first_write = &r;
     }
   }
-  const int64_t budget = write_budget_.load();
-  if (first_write != nullptr && budget >= 0 && written_.load() + bytes > budget) {
+  if (first_write != nullptr && !TakeFromBudget(written_, write_budget_.load(), bytes)) {
     return IoErrnoStatus(ENOSPC, "write", first_write->path ? *first_write->path : "(file)",
                          first_write->offset);
   }
-  written_ += bytes;
   return base_->Run(requests, done);
 }
 
 Status FaultInjectingIo::Allocate(int fd, uint64_t offset, uint64_t length,
                                   const std::string& path) {
-  const int64_t budget = allocate_budget_.load();
-  if (budget >= 0 && allocated_.load() + static_cast<int64_t>(length) > budget) {
+  if (!TakeFromBudget(allocated_, allocate_budget_.load(), static_cast<int64_t>(length))) {
     return IoErrnoStatus(ENOSPC, "fallocate", path, offset);
   }
-  allocated_ += static_cast<int64_t>(length);
   return base_->Allocate(fd, offset, length, path);
 }
 

@@ -72,7 +72,8 @@ class BlockIo {
                                         const std::string& path) = 0;
   // fdatasync.
   [[nodiscard]] virtual Status Sync(int fd, const std::string& path) = 0;
-  // Whether registered (fixed) buffers are in use; false after a failed registration.
+  // Whether registered (fixed) buffers are in use; false after a failed registration. Any thread,
+  // also while Runs are in flight.
   virtual bool registered() const = 0;
 };
 
@@ -86,8 +87,8 @@ struct UringOptions {
 
 // Passes everything through to `base` until `write_budget` bytes were written (or an Allocate would
 // pass allocate_budget bytes), then fails those with ENOSPC, as a full disk does. Owns `base`. The
-// budgets are atomics, so they may be set from any thread, but the check and the count of a Run
-// are two steps: Runs racing on several threads can together pass the budget by one batch each.
+// budgets are atomics, so they may be set from any thread; a call is checked against its budget
+// and counted in one atomic step, so calls racing on several threads never pass it together.
 class FaultInjectingIo : public BlockIo {
  public:
   explicit FaultInjectingIo(std::unique_ptr<BlockIo> base) : base_(std::move(base)) {}
