@@ -199,12 +199,16 @@ Status SsdTier::Verify(const StoredExtent& e, const std::string& what) {
 
 Status SsdTier::Sync() {
   std::set<uint32_t> files;
+  // Each file's descriptor and name, taken under the lock: a stage thread may open a new file (and
+  // grow fds_) while this thread syncs.
+  std::vector<std::pair<int, const std::string*>> targets;
   {
     std::lock_guard<std::mutex> lock(mu_);
     files.swap(unsynced_);
+    for (uint32_t f : files) targets.emplace_back(fds_[f], &paths_[f]);
   }
-  for (uint32_t f : files) {
-    Status s = io_->Sync(fds_[f], paths_[f]);
+  for (const auto& [fd, path] : targets) {
+    Status s = io_->Sync(fd, *path);
     if (!s.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       unsynced_.insert(files.begin(), files.end());

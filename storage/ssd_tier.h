@@ -12,12 +12,15 @@
 // entry — so the index never points at bytes that may not be on disk.
 //
 // Thread-safe: allocation is under a mutex; transfers from different threads run concurrently
-// (each thread has its own io_uring). The tier owns its BlockIo and its files' descriptors; it is
-// shared (std::shared_ptr) by the tiered store and the checkpoints that use one folder. Every
+// (each thread has its own io_uring), and so does Sync with writes that open new data files (a
+// checkpoint syncing while stage threads spill): a file's descriptor and name, once opened, stay
+// where they are until the tier is destroyed. The tier owns its BlockIo and its files' descriptors;
+// it is shared (std::shared_ptr) by the tiered store and the checkpoints that use one folder. Every
 // buffer, extent and name a call takes is borrowed until the call returns.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -115,8 +118,10 @@ class SsdTier {
   std::unique_ptr<BlockIo> io_;
   mutable std::mutex mu_;
   ExtentAllocator alloc_;
-  std::vector<int> fds_;
-  std::vector<std::string> paths_;
+  std::vector<int> fds_;  // read and grown under mu_ only
+  // Grown under mu_, but requests and Sync keep pointers to its names while their I/O runs outside
+  // the lock: a deque never moves its elements when it grows at the end.
+  std::deque<std::string> paths_;
   std::set<uint32_t> unsynced_;
   SsdStats stats_;
 };
