@@ -8,11 +8,11 @@
 // production uses Env::Default(). Every error is a Status that names the path and the system
 // error, so a user sees which file and why.
 //
-// Ownership and threads: an Env is safe for concurrent use by multiple threads, except that two
-// threads must not WriteFileAtomic the same path at once (the POSIX Env gives both one temporary
-// file, path.tmp.<pid>). The caller owns
-// the region and file it returns; they do not refer back to the Env. A region may be read from
-// any number of threads at once; a WritableFile is used by one thread at a time.
+// Ownership and threads: an Env is safe for concurrent use by multiple threads, also when two of
+// them WriteFileAtomic the same path at once (one of the two contents wins, whole: the POSIX Env
+// gives every call its own temporary, path.tmp.<pid>.<n>). The caller owns the region and file it
+// returns; they do not refer back to the Env. A region may be read from any number of threads at
+// once; a WritableFile is used by one thread at a time.
 #pragma once
 
 #include <cstddef>

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -121,7 +122,10 @@ class PosixEnv : public Env {
   }
 
   Status WriteFileAtomic(const std::string& path, std::string_view data) override {
-    std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+    // A temporary of its own for every call (process id and a counter), so that threads replacing
+    // the same path at once never write into one file: the last rename wins, whole.
+    static std::atomic<uint64_t> calls{0};
+    std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", calls.fetch_add(1));
     {
       ASSIGN_OR_RETURN(auto file, OpenWritable(tmp, /*truncate=*/true));
       Status s = file->Append(data);
