@@ -10,6 +10,12 @@
 // and the call returns when they completed (the same contract as the Gloo communicator: the
 // buffers are free to use on return). Abort (any thread) calls ncclCommAbort, which ends every
 // call in flight; afterwards every call returns ABORTED.
+//
+// ncclCommAbort also frees the communicator, so comm_ is only used under mu_, after checking that
+// no Abort came first, and Abort sets it to null under mu_. That covers the enqueue of an
+// operation too: it is made under the lock, which costs an Abort from another thread no more than
+// the enqueue itself, since on this non-blocking communicator it returns at once (ncclInProgress
+// while NCCL still connects); the waits that follow take the lock only to poll.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -156,6 +162,7 @@ class NcclCommunicator : public Communicator {
  private:
   template <typename Launch>
   Status Run(const char* op, Launch&& launch) {
+    ncclResult_t r;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (aborted_ || finished_) {
@@ -163,9 +170,9 @@ class NcclCommunicator : public Communicator {
             "%s on rank %d of %d: the communicator is finished (%s); build a new one", op,
             options_.rank, options_.world_size, aborted_ ? why_ : "an earlier call failed"));
       }
+      cudaSetDevice(device_);
+      r = launch();  // enqueues only (non-blocking communicator); comm_ is live under the lock
     }
-    cudaSetDevice(device_);
-    ncclResult_t r = launch();
     if (r != ncclSuccess && r != ncclInProgress) return Failed(op, r);
     RETURN_IF_ERROR(WaitComm(op));
     // Wait for the stream, polling so that a dead peer or Abort ends the wait.
@@ -227,7 +234,11 @@ class NcclCommunicator : public Communicator {
   }
 
   Status Failed(const char* op, ncclResult_t r) {
-    const std::string last = comm_ != nullptr ? ncclGetLastError(comm_) : "";
+    std::string last;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (comm_ != nullptr) last = ncclGetLastError(comm_);
+    }
     Abort(absl::StrFormat("%s failed", op));
     return absl::UnavailableError(absl::StrFormat(
         "%s on rank %d of %d failed: %s%s%s (a peer died or the network failed; the communicator "
@@ -238,7 +249,7 @@ class NcclCommunicator : public Communicator {
 
   CommOptions options_;
   int device_;
-  ncclComm_t comm_ = nullptr;
+  ncclComm_t comm_ = nullptr;  // null once aborted; guarded by mu_ once Init returned
   cudaStream_t stream_ = nullptr;
   float* barrier_word_ = nullptr;
   std::mutex mu_;
