@@ -320,6 +320,9 @@ Status Trainer::ImportState(const SyncedState& s) {
 
 void Trainer::ResetParallel() {
   if (model_) model_->AttachParallel(nullptr, nullptr, nullptr);
+  // The seams built over this generation's reducers go with them; BuildModel makes new ones.
+  gradients_.reset();
+  keeping_.reset();
   exchange_.reset();
   data_parallel_.reset();
   std::lock_guard<std::mutex> lock(comm_mu_);

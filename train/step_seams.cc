@@ -45,6 +45,10 @@ bool TieredExperts::TakeStats(storage::StoreStats* out) {
   return true;
 }
 
+Status TieredExperts::Finish() { return scheduler_->FinishExpertStep(); }
+
+void TieredExperts::Quiesce() { scheduler_->Quiesce(); }
+
 StatusOr<BatchFigures> LocalGradients::Finish(int64_t, double loss, double z_loss,
                                               const ExpertState& experts) {
   // The dense AdamW's sum covers every gradient the model holds; the store's come on top.

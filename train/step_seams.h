@@ -64,6 +64,11 @@ class ExpertState {
   [[nodiscard]] virtual Status Update(double lr, double grad_scale, int64_t step) = 0;
   // The store's figures of the step now ended, into *out; false (and *out untouched) in memory.
   virtual bool TakeStats(storage::StoreStats* out) = 0;
+  // At the end of training: waits for the experts' update in flight and returns its error (in
+  // memory: nothing to do).
+  [[nodiscard]] virtual Status Finish() = 0;
+  // Stops the store's background work, also after a failure (in memory: nothing to do).
+  virtual void Quiesce() = 0;
 };
 
 class InMemoryExperts final : public ExpertState {
@@ -72,6 +77,8 @@ class InMemoryExperts final : public ExpertState {
   double GradSumSquares() const override { return 0; }
   Status Update(double, double, int64_t) override { return absl::OkStatus(); }
   bool TakeStats(storage::StoreStats*) override { return false; }
+  Status Finish() override { return absl::OkStatus(); }
+  void Quiesce() override {}
 };
 
 class TieredExperts final : public ExpertState {
@@ -83,6 +90,8 @@ class TieredExperts final : public ExpertState {
   double GradSumSquares() const override;
   Status Update(double lr, double grad_scale, int64_t step) override;
   bool TakeStats(storage::StoreStats* out) override;
+  Status Finish() override;
+  void Quiesce() override;
 
  private:
   scheduler::TieredExpertScheduler* scheduler_;

@@ -584,7 +584,7 @@ EvalResult Trainer::Evaluate() {
 Status Trainer::Run() {
   Status s = RunLoop();
   if (s.ok() && !options_.export_params_dir.empty()) s = ExportParameters();
-  if (scheduler_) scheduler_->Quiesce();
+  experts_->Quiesce();
   if (tracer_) {
     // Also after a failure: the trace shows what led up to it.
     Status w = tracer_->Write(options_.trace_path);
@@ -681,7 +681,7 @@ Status Trainer::RunLoop() {
           checkpoints_->Save(r.step, cfg, *model_, *optimizer_, scheduler_.get(), ctx_));
     }
   }
-  if (scheduler_) RETURN_IF_ERROR(scheduler_->FinishExpertStep());
+  RETURN_IF_ERROR(experts_->Finish());
   if (checkpoints_) RETURN_IF_ERROR(checkpoints_->Wait());
   ReportCommittedCheckpoint();
   return absl::OkStatus();

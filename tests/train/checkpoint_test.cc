@@ -17,12 +17,25 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/common/fault_injection.h"
 #include "google/protobuf/text_format.h"
 #include "proto/config_io.h"
 #include "storage/crc32c.h"
 #include "storage/tensor_index.h"
 #include "tests/test_util.h"
 #include "train/trainer.h"
+
+// Tests that arm fault points in the strata binary (STRATA_FAULTS) need a build that compiled
+// them in (the default; -DSTRATA_FAULT_INJECTION=OFF compiles them out and strata refuses
+// STRATA_FAULTS).
+#ifdef STRATA_FAULT_INJECTION
+#define STRATA_SKIP_WITHOUT_FAULT_POINTS() \
+  do {                                     \
+  } while (0)
+#else
+#define STRATA_SKIP_WITHOUT_FAULT_POINTS() \
+  GTEST_SKIP() << "this build compiled fault points out (-DSTRATA_FAULT_INJECTION=OFF)"
+#endif
 
 namespace strata::train {
 namespace {
@@ -126,6 +139,7 @@ class CheckpointTest : public ::testing::TestWithParam<std::string> {
 };
 
 TEST_P(CheckpointTest, SigkillMidCheckpointResumesFromLastCompleteOneBitwise) {
+  STRATA_SKIP_WITHOUT_FAULT_POINTS();
   const std::string ck = dir_.File("ck");
   // Hold each commit for 3 s and kill while checkpoint 20 is written but not committed.
   RunAndKill(ck, "checkpoint 20: ", "STRATA_FAULTS=checkpoint.before_commit=sleep_ms:3000");
@@ -139,6 +153,7 @@ TEST_P(CheckpointTest, SigkillMidCheckpointResumesFromLastCompleteOneBitwise) {
 }
 
 TEST_P(CheckpointTest, FlippedByteIsNamedAndResumeFallsBackToThePreviousCheckpoint) {
+  STRATA_SKIP_WITHOUT_FAULT_POINTS();
   const std::string ck = dir_.File("ck");
   RunAndKill(ck, "checkpoint 30 committed",
              "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:30");
@@ -183,6 +198,7 @@ TEST_P(CheckpointTest, FlippedByteIsNamedAndResumeFallsBackToThePreviousCheckpoi
 }
 
 TEST_P(CheckpointTest, MissingOrDamagedIndexAndIncompatibleConfigTouchNothing) {
+  STRATA_SKIP_WITHOUT_FAULT_POINTS();
   const std::string ck = dir_.File("ck");
   RunAndKill(ck, "checkpoint 20 committed",
              "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:20");
@@ -470,6 +486,7 @@ TEST_P(CheckpointFolderDamageTest, ListingWhileTrainingCommitsAndPrunesIsNeverAn
 // (killed between the two), if it follows the ledger's newest checkpoint; and a removal the ledger
 // recorded but the index never did, which is hidden and finished by the next writable open.
 TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
+  STRATA_SKIP_WITHOUT_FAULT_POINTS();
   const std::string ck = dir_.File("ck");
   RunAndKill(ck, "holding here", "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:30");
   std::vector<storage::CheckpointManifest> written;  // 10, 20, 30
@@ -544,6 +561,7 @@ TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
 
 // A folder written before manifests carried sequence numbers (and before the ledger) still opens.
 TEST_P(CheckpointFolderDamageTest, FolderWithoutSequencesStillOpens) {
+  STRATA_SKIP_WITHOUT_FAULT_POINTS();
   const std::string ck = dir_.File("ck");
   RunAndKill(ck, "holding here", "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:30");
   {

@@ -27,6 +27,8 @@ class StoreWithGradients final : public ExpertState {
   double GradSumSquares() const override { return sq_; }
   Status Update(double, double, int64_t) override { return absl::OkStatus(); }
   bool TakeStats(storage::StoreStats*) override { return false; }
+  Status Finish() override { return absl::OkStatus(); }
+  void Quiesce() override {}
 
  private:
   double sq_;
