@@ -1,5 +1,10 @@
 // AdamW over a list of parameters, with global-norm gradient clipping. Updates, norms and zeroing
 // run over all parameters as one flat range split across the pool (ParameterSlices).
+//
+// Ownership and threads: AdamW owns its moments (first_moment/second_moment references live as
+// long as it) and borrows the parameters, which must outlive it. Not synchronised: one thread at
+// a time calls it (the one driving the step), and nothing else may write the parameters or their
+// gradients during a call; each call fans out over ctx.pool itself.
 #pragma once
 
 #include <vector>

@@ -12,6 +12,13 @@
 //               probability min(1, 2 * w2) (random routing).
 //   NOISY_TOP_K the logits get N(0,1) * softplus(x W_noise) while training (Shazeer et al.).
 // Random draws are keyed by (seed, step, layer), so they do not depend on threads or workers.
+//
+// Ownership and threads: a gate is owned by its MoE layer and owns its parameters (Parameters()
+// pointers live as long as the gate) and its buffers. A Routing it fills points into those
+// buffers: valid until its next Forward. Not synchronised: the thread running the layer calls
+// Forward, Backward and AttachReducer, one at a time; the ops fan out over ctx.pool. The reducer
+// is not owned, must outlive the gate's passes (or be detached with null), and is called from
+// that same thread.
 #pragma once
 
 #include <cstdint>
