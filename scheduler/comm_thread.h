@@ -3,9 +3,18 @@
 // A Communicator takes calls from one thread at a time, and every rank must issue the same
 // operations in the same order. Submitting them to one FIFO thread keeps both true while the
 // submitting thread goes on computing: the order is the program order of Submit, which is the
-// same on every rank. Wait(ticket) blocks until that operation finished and returns its Status;
-// the first failure is kept and every later operation is skipped with it, so a broken peer ends
-// the step with one clear error.
+// same on every rank. Wait(ticket) blocks until that operation (and every one before it) finished
+// and returns the first failure so far — which may be that of a later operation that has already
+// finished too — or OK; the first failure is kept and every later operation is skipped (not run)
+// with it, so a broken peer ends the step with one clear error.
+//
+// Threads: every member may be called from any thread; they synchronise on one mutex. The
+// operations run on the CommThread's own thread, one at a time, in Submit order; for that order
+// to match across ranks, the submissions of one communicator come from one thread. An operation
+// must not Wait on its own CommThread (it would wait for itself). What an operation captures must
+// live until it has finished (Wait for its ticket) — the destructor waits for everything
+// submitted, skipped operations included, so an owner declares its CommThread after (destroys it
+// before) what the operations use. A skipped operation is destroyed without being run.
 #pragma once
 
 #include <atomic>

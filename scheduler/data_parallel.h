@@ -13,6 +13,16 @@
 // already summed the rows that every worker of its group sent it — divided by the total number of
 // workers too. Each worker's loss is the mean over its own tokens, so this average is the
 // gradient of the mean loss over the global batch.
+//
+// Ownership and threads: DataParallel borrows the model (it keeps pointers to its parameters) and
+// both communicators; all must outlive it. Its members are called from the thread running the
+// model (the trainer's), one at a time: BlockReady from Backward, Sum from the gate's forward and
+// the trainer's gradient sync (it blocks until the sum is done), FinishGradients, status and
+// TakeCommSeconds after backward. From BlockReady(b) until FinishGradients returns, the
+// communication threads read and write the gradients of the buckets block b launched, and use the
+// communicators: nothing else may touch those gradients, and the caller uses a communicator
+// directly only once FinishGradients has returned. The destructor waits for the buckets in
+// flight.
 #pragma once
 
 #include <memory>

@@ -22,7 +22,9 @@
 //
 // Of the layer it sees only the LocalExperts it is lent for each call (parallel.h). Forward,
 // Backward, status, TakeTimes and set_tracer are called from one thread (the one running the
-// model); the exchange's own communication thread touches only its staging buffers.
+// model); the exchange's own communication thread touches only its staging buffers. The exchange
+// borrows its communicator, which must outlive it; nothing else may use it while the exchange
+// lives (Abort excepted, see communicator.h). The destructor waits for the all-to-alls in flight.
 #pragma once
 
 #include <map>

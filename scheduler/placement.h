@@ -4,6 +4,8 @@
 // rows permuted in expert order are also grouped by destination worker and one all-to-all-v moves
 // them. The even split gives every worker E / W experts (the first E % W one more); an uneven
 // split takes explicit counts (e.g. fewer experts on a slower worker).
+//
+// A value type: copies are independent, and its const members may be called from any thread.
 #pragma once
 
 #include <cstdint>

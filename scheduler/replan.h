@@ -13,6 +13,9 @@
 // move the one expert that brings it and the lightest worker with room closest to the average, or,
 // when no single move helps, swap the pair of experts that lowers the heaviest load the most.
 // Deterministic: ties break on the lower worker id and expert index.
+//
+// Both planners are pure functions of their arguments: any thread may call them, and they return
+// values the caller owns.
 #pragma once
 
 #include <cstdint>

@@ -26,9 +26,19 @@
 // gives back with Done.
 //
 // Threads: BeginPass, NextReady and Done are called from the MoE layer's threads as
-// expert_residency.h says; StepExperts, FinishExpertStep, EndStep, set_tracer and Quiesce from the
-// thread that drives the step (the trainer's), never during a pass; status() and the const
-// accessors from any thread.
+// expert_residency.h says; StepExperts, FinishExpertStep, EndStep, ExpertGradSumSquares,
+// set_tracer and Quiesce from the thread that drives the step (the trainer's), never during a pass
+// (ExpertGradSumSquares reads what Done writes, unsynchronised), and set_tracer also never while
+// an expert update is in flight (the optimizer thread reads the tracer). status() may be called
+// from any thread; layout(), Key() and the other const accessors read what Create fixed, from any
+// thread. The scheduler runs one thread of its own, the optimizer thread, which runs the expert
+// update StepExperts queues; the store runs its stage threads. The destructor lets the update in
+// flight finish, then stops the optimizer thread.
+//
+// Ownership: the scheduler owns its store (store() lives as long as the scheduler; the store is
+// safe for concurrent use, see storage/tiered_store.h), shares the SSD tier of
+// options.shared_ssd, and borrows the budgets and the tracer, which must outlive it. The blobs
+// NextReady hands out are lent until Done.
 #pragma once
 
 #include <condition_variable>
