@@ -30,6 +30,19 @@
 // accepted (a crash in between). A missing index beside data files is refused too: training would
 // overwrite them, unless `start_over` moves the folder's contents aside first. Folders written
 // before the ledger (manifests without sequence numbers) open as they are and get one.
+//
+// Threads and ownership. A CheckpointManager runs one thread of its own, the writer, which
+// persists the checkpoint Save snapshotted; it owns the folder's lock and index and shares its SSD
+// tier (ssd()). Its members are called from one thread at a time (the trainer's), except
+// NewestCommitted and PollError, which any thread may call, also while a persist runs.
+// checkpoints() and CheckCompatible read the list the writer appends to and prunes without a lock:
+// call them only while no persist runs (before the first Save, or after Wait). Save and Resume
+// borrow the model, optimizer and context for the call; the TieredExpertScheduler given to them and
+// Save's ctx.tracer are kept (the writer updates the store's references to checkpoint versions and
+// records its span) and must stay alive until no persist runs (Wait). The destructor waits for the
+// persist in flight. The static List, Verify and Remove may run on any thread: List and Verify only
+// read the folder (also while a process trains in it); Remove takes the folder's lock, so it fails
+// while a process trains in it.
 #pragma once
 
 #include <map>

@@ -34,9 +34,11 @@ namespace strata::train {
 // service; errors use its codes (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNKNOWN or INTERNAL
 // while the coordinator cannot be reached or is restarting; they are retried).
 //
-// Threads: RunElasticWorker calls it from its own thread, from its heartbeat thread and from the
-// trainer's checkpoint writer at the same time, so an implementation must be safe for concurrent
-// use. The caller owns it; it must outlive RunElasticWorker.
+// Threads: RunElasticWorker calls it from two threads at the same time — its own, which also runs
+// the trainer and so reports steps, starts and checkpoints, and its heartbeat thread (Heartbeat,
+// and Attach after the coordinator answers again) — so an implementation must be safe for
+// concurrent use. Attach and Detach never overlap each other. The caller owns it; it must outlive
+// RunElasticWorker.
 class Membership {
  public:
   virtual ~Membership() = default;

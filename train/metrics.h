@@ -1,5 +1,8 @@
 // MetricsWriter: the JSONL metrics file, one JSON object per line, flushed line by line so a
 // crash loses at most the line being written.
+//
+// The writer owns its open file; `env` is used only inside Open. Not synchronised: one thread at a
+// time calls Write (the trainer's).
 #pragma once
 
 #include <memory>

@@ -6,6 +6,18 @@
 // the seams of step_seams.h, chosen when the trainer is built. On schedule it evaluates on the
 // held-out split. Each step appends one JSON object to the metrics file and refreshes the progress
 // line.
+//
+// Ownership and threads: the Trainer owns its model, optimizer, store, checkpoint manager,
+// communicators and their threads (the pool's, the communication threads, the store's stages, the
+// expert optimizer thread, the checkpoint writer), and stops them when it is destroyed (all but a
+// connect left behind, see WorkerOptions::superseded). It is not thread-safe: one thread at a time
+// calls its members — in practice the thread that runs it — except AbortCollectives, which any
+// thread may call at any time. References and pointers it hands out live as long as the Trainer,
+// except that Reform may rebuild the model, its optimizer and its seams: model(),
+// optimizer_for_test() and what they lend are valid until the next Reform. The TrainOptions
+// callbacks run on the thread calling the Trainer: on_step and on_checkpoint in Run,
+// after_rendezvous in Create or Reform, expert_factory wherever a model is built (also in Run, for
+// rank 0's checkpoints); `superseded` may also run elsewhere (see WorkerOptions).
 #pragma once
 
 #include <cstdio>
@@ -42,8 +54,9 @@ struct WorkerOptions {
   int world_size = 1;
   std::shared_ptr<comm::Store> store;  // rendezvous of the communicators
   std::string hostname = "127.0.0.1";  // the address peers reach this worker at
-  // Called on rank 0 once every worker has connected all its communicators (the store is no
-  // longer needed): `strata worker` empties its rendezvous folder, so a later job can use it.
+  // Called on rank 0, on the thread in Create or Reform, once every worker has connected all its
+  // communicators (the store is no longer needed): `strata worker` empties its rendezvous folder,
+  // so a later job can use it.
   std::function<void()> after_rendezvous;
   // A job whose membership may change (`strata worker --coordinator`): every step keeps what a
   // later generation needs to go on without this worker or with more — a copy of this worker's
@@ -55,7 +68,11 @@ struct WorkerOptions {
   // just joined gets all of its state this way).
   bool rejoin = false;
   int64_t generation = 0;  // the membership generation, for metrics
-  // True once a newer generation has formed: connecting this one's communicators gives up.
+  // True once a newer generation has formed: connecting this one's communicators gives up. The
+  // Trainer calls it on the thread in Create or Reform while each connect runs on a thread of its
+  // own, which it leaves behind when this turns true (a Gloo connect cannot be interrupted; the
+  // thread may outlive the Trainer). A `store` that consults it too (RunElasticWorker's) calls it
+  // from that thread, so it must be thread-safe and own what it reads (by value or shared_ptr).
   std::function<bool()> superseded;
 };
 
@@ -71,8 +88,9 @@ struct TrainOptions {
   std::string metrics_path;  // JSONL, one object per step; empty for none
   bool progress = true;      // progress line on stderr
   model::ExpertFactory expert_factory;  // null: FFN experts from the config
-  storage::Env* env = nullptr;          // null: storage::Env::Default()
-  // Tests wrap the SSD tier's block I/O to inject faults.
+  storage::Env* env = nullptr;          // null: storage::Env::Default(); must outlive the Trainer
+  // Tests wrap the SSD tier's block I/O to inject faults. Called when a tier is opened; the BlockIo
+  // it returns may be used from several threads at once (SSD stages, the checkpoint writer).
   std::function<std::unique_ptr<storage::BlockIo>(std::unique_ptr<storage::BlockIo>)> wrap_io;
   // Continue from the newest valid checkpoint in config.checkpoint.dir.
   bool resume = false;
@@ -83,10 +101,13 @@ struct TrainOptions {
   std::string trace_path;
   // Distributed training: the step's batch is split over the workers (see ParallelConfig).
   WorkerOptions worker;
-  // Called after every step (its metrics written); an error stops training with it.
+  // Called after every step (its metrics written), on the thread in Run; an error stops training
+  // with it.
   std::function<Status(const StepResult&)> on_step;
-  // The checkpoint writer (rank 0) calls it when it starts writing checkpoint `step` (committed
-  // false) and once it finds the checkpoint committed (true).
+  // On rank 0 (the worker that writes checkpoints), called on the thread in Run — not on the
+  // checkpoint writer thread — when a checkpoint of `step` is about to be written (committed
+  // false), and once Run finds a checkpoint committed (true): after a later step or at the end of
+  // training, so the report may lag the commit.
   std::function<void(int64_t step, bool committed)> on_checkpoint;
   // When Run returns, every parameter this worker holds is written to DIR/<name>.f32 (raw
   // little-endian float32; dense parameters by rank 0 only, experts by the worker that holds
