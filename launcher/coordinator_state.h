@@ -13,6 +13,15 @@
 // reported done — and is appended. Below `min_workers` no generation trains: the next one forms
 // as soon as enough workers are there. Every change is written (synced) to RocksDB before the
 // call returns: the record under "state", each generation under "log/<number>".
+//
+// Threads: safe for concurrent use — the gRPC server's threads and its failure detector (Tick)
+// call it at once. Every member that reads or changes the state takes one mutex, and the RocksDB
+// write happens under it; the token check reads only the options. Wait blocks its caller up to
+// the timeout without holding the mutex. check_config runs under the mutex on the Join caller's
+// thread, so it must not call back into the state. job_config() returns a reference into the
+// record, which other calls replace: use it only while no other thread calls in (Snapshot returns
+// a copy). The state owns its RocksDB handle, and with it the folder's lock, until it is
+// destroyed; nothing may call it then.
 #pragma once
 
 #include <chrono>
@@ -152,7 +161,7 @@ class CoordinatorState {
 };
 
 // The rendezvous Store of workers in the coordinator's process (tests; the gRPC store calls the
-// same methods remotely).
+// same methods remotely). The store keeps `state`, which must outlive it; any thread may use it.
 std::shared_ptr<comm::Store> MakeCoordinatorStore(CoordinatorState* state, std::string token);
 
 }  // namespace strata::launcher

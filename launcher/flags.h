@@ -1,5 +1,7 @@
 // Command-line flags of the strata subcommands: --name value or --name=value, with typed
 // accessors and errors that name the flag and list the known ones.
+//
+// Flags is a value (parsed once, then only read): its const members may be called from any thread.
 #pragma once
 
 #include <map>
