@@ -25,8 +25,10 @@ struct Parameter {
   // value and grad own their memory (MakeParameter), or are undefined while the parameter is
   // unbound (an expert in the tiered store between uses); its MoE layer binds them to views of the
   // resident blobs its ExpertResidency hands it, for one call, and drops the views before handing
-  // the blobs back (expert_residency.h). Not synchronised: one thread at a time writes a
-  // parameter (the one running the step, or the one running its expert).
+  // the blobs back (expert_residency.h). Not synchronised: whoever writes a parameter has it to
+  // itself meanwhile — the thread running the step (whose ops may split it into disjoint slices
+  // over ctx.pool, see ParameterSlices), the thread running its expert, or, for a gradient between
+  // BlockReady and FinishGradients, DataParallel's communication thread (data_parallel.h).
   Tensor value;
   Tensor grad;
   bool decay = false;  // AdamW weight decay applies (weight matrices)
