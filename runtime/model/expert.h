@@ -7,11 +7,11 @@
 // in one step, each with its own saved storage.
 //
 // Different experts of a layer may run at the same time on different threads (see MoeLayer); one
-// expert is never called concurrently with itself. An expert called on a pool thread gets that
-// thread's ctx, whose ops run on it alone, so an expert needs no locking and must not share
-// mutable state with the layer's other experts. The MoE layer owns its experts; an expert owns its
-// parameters (Parameters() pointers live as long as the expert) and borrows the tensors of a call
-// for that call only.
+// expert is never called concurrently with itself. An expert called on a pool thread gets the
+// layer's ctx, and its ops run inline on that thread (the pool does not nest), so an expert needs
+// no locking but must not share mutable state with the layer's other experts. The MoE layer owns
+// its experts; an expert owns its parameters (Parameters() pointers live as long as the expert) and
+// borrows the tensors of a call for that call only.
 //
 // FfnExpert, the two-layer FFN, is the default; examples/custom_expert shows another.
 #pragma once
