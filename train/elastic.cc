@@ -45,6 +45,7 @@ std::string Ranges(const std::vector<int64_t>& counts) {
 
 void Trainer::AbortCollectives(const std::string& why) {
   std::lock_guard<std::mutex> lock(comm_mu_);
+  aborted_why_ = why;
   for (comm::Communicator* c : {world_comm_.get(), ep_comm_.get(), replica_comm_.get()}) {
     if (c != nullptr) c->Abort(why);
   }
@@ -326,9 +327,19 @@ void Trainer::ResetParallel() {
   exchange_.reset();
   data_parallel_.reset();
   std::lock_guard<std::mutex> lock(comm_mu_);
+  aborted_why_.clear();
   replica_comm_.reset();
   ep_comm_.reset();
   world_comm_.reset();
+}
+
+void Trainer::AdoptCommunicator(std::unique_ptr<comm::Communicator> c,
+                                std::unique_ptr<comm::Communicator>* slot) {
+  std::lock_guard<std::mutex> lock(comm_mu_);
+  // A newer generation that formed while this one connected aborts what is connected already;
+  // a communicator that connects after that abort is born aborted.
+  if (!aborted_why_.empty()) c->Abort(aborted_why_);
+  *slot = std::move(c);
 }
 
 Status Trainer::Reform(const WorkerOptions& w) {

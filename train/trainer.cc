@@ -174,7 +174,7 @@ Status Trainer::SetUpWorkers() {
       return Status(c.status().code(),
                     absl::StrCat("connecting the ", prefix, " group: ", c.status().message()));
     }
-    *out = std::move(*c);
+    AdoptCommunicator(std::move(*c), out);
     return absl::OkStatus();
   };
   // Every worker connects the groups in the same order: all workers, its expert-parallel group,
@@ -195,7 +195,7 @@ Status Trainer::SetUpWorkers() {
                       absl::StrCat("connecting the ", ep_prefix,
                                    " group (two-level): ", c.status().message()));
       }
-      ep_comm_ = std::move(*c);
+      AdoptCommunicator(std::move(*c), &ep_comm_);
     } else {
       RETURN_IF_ERROR(connect(ep_prefix, w.rank % ep, ep, &ep_comm_));
     }

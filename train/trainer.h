@@ -185,6 +185,10 @@ class Trainer {
   [[nodiscard]] Status SetUpTiered();
   [[nodiscard]] Status SetUpWorkers();
   // Runs `connect` (a Connect*Gloo call) so that WorkerOptions::superseded can abandon it.
+  // Stores a newly connected communicator in *slot under comm_mu_ (aborting it at once when
+  // AbortCollectives ran since the generation's ResetParallel).
+  void AdoptCommunicator(std::unique_ptr<comm::Communicator> c,
+                         std::unique_ptr<comm::Communicator>* slot);
   [[nodiscard]] StatusOr<std::unique_ptr<comm::Communicator>> ConnectUnlessSuperseded(
       std::function<StatusOr<std::unique_ptr<comm::Communicator>>()> connect) const;
   // Builds model_ (with this worker's `first`, `count` experts when distributed), the exchange and
@@ -277,6 +281,7 @@ class Trainer {
   void ReportCommittedCheckpoint();
   // Elastic state. comm_mu_ guards the communicators against AbortCollectives.
   mutable std::mutex comm_mu_;
+  std::string aborted_why_;  // guarded by comm_mu_: why the collectives were aborted, until reset
   std::vector<int64_t> experts_per_worker_;
   int64_t first_expert_ = 0, num_experts_ = 0;  // this worker's range
   Device device_;                               // where the model lives (train.device)
