@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "core/common/status.h"
@@ -105,6 +106,9 @@ class GradientSync {
   virtual ~GradientSync() = default;
   // The weight of this process's mean per-token loss in the batch's (GateCall::loss_scale).
   virtual double loss_scale() const = 0;
+  // The batch's loss from this process's, when it is known before backward (one process: it is
+  // the batch's; a worker: none, the sum over the workers travels with the gradients).
+  virtual std::optional<double> BatchLossBeforeBackward(double loss) const = 0;
   // The first error of this worker's collectives (one process: none); `step` (1-based) names the
   // step in the message.
   [[nodiscard]] virtual Status status(int64_t step) const = 0;
@@ -123,6 +127,7 @@ class LocalGradients final : public GradientSync {
   LocalGradients(ops::Context* ctx, const model::AdamW* optimizer)
       : ctx_(ctx), optimizer_(optimizer) {}
   double loss_scale() const override { return 1.0; }
+  std::optional<double> BatchLossBeforeBackward(double loss) const override { return loss; }
   Status status(int64_t) const override { return absl::OkStatus(); }
   StatusOr<BatchFigures> Finish(int64_t step, double loss, double z_loss,
                                 const ExpertState& experts) override;
@@ -149,6 +154,7 @@ class DataParallelGradients final : public GradientSync {
   };
   explicit DataParallelGradients(Options o);
   double loss_scale() const override { return loss_scale_; }
+  std::optional<double> BatchLossBeforeBackward(double) const override { return std::nullopt; }
   Status status(int64_t step) const override;
   StatusOr<BatchFigures> Finish(int64_t step, double loss, double z_loss,
                                 const ExpertState& experts) override;

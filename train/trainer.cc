@@ -324,6 +324,10 @@ Status Trainer::OpenCheckpoints(bool continuing) {
 }
 
 Status Trainer::BuildModel(int64_t first, int64_t count) {
+  // The seams point into the model, optimizer and reducers about to be replaced: they go first
+  // and are chosen anew below.
+  gradients_.reset();
+  keeping_.reset();
   const config::JobConfig& cfg = options_.config;
   const bool tiered = cfg.storage().mode() == config::StorageConfig::TIERED;
   model::ModelOptions mo;
@@ -517,6 +521,10 @@ StatusOr<StepResult> Trainer::Step() {
   }
   RETURN_IF_ERROR(experts_->status());
   RETURN_IF_ERROR(gradients_->status(step_ + 1));
+  // A loss that is the batch's already is checked before backward spends time on it.
+  if (const std::optional<double> loss = gradients_->BatchLossBeforeBackward(r.loss)) {
+    RETURN_IF_ERROR(CheckLossFinite(*loss, step_ + 1, cfg.train().lr()));
+  }
   // 3. Backward (a worker's dense gradients all-reduce in buckets as they fill).
   {
     TraceScope span(ctx_.tracer, "backward", "compute");

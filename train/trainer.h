@@ -15,7 +15,7 @@
 // thread may call at any time. References and pointers it hands out live as long as the Trainer,
 // except that Reform may rebuild the model, its optimizer and its seams: model(),
 // optimizer_for_test() and what they lend are valid until the next Reform. The TrainOptions
-// callbacks run on the thread calling the Trainer: on_step and on_checkpoint in Run,
+// callbacks run on the thread calling the Trainer: on_step in Run, on_checkpoint in Run and Reform,
 // after_rendezvous in Create or Reform, expert_factory wherever a model is built (also in Run, for
 // rank 0's checkpoints); `superseded` may also run elsewhere (see WorkerOptions).
 #pragma once
@@ -104,10 +104,11 @@ struct TrainOptions {
   // Called after every step (its metrics written), on the thread in Run; an error stops training
   // with it.
   std::function<Status(const StepResult&)> on_step;
-  // On rank 0 (the worker that writes checkpoints), called on the thread in Run — not on the
-  // checkpoint writer thread — when a checkpoint of `step` is about to be written (committed
-  // false), and once Run finds a checkpoint committed (true): after a later step or at the end of
-  // training, so the report may lag the commit.
+  // On rank 0 (the worker that writes checkpoints), called on the thread in Run (and in Reform, for
+  // a commit the previous generation did not report) — not on the checkpoint writer thread — when a
+  // checkpoint of `step` is about to be written (committed false), and once Run finds a checkpoint
+  // committed (true): after a later step or at the end of training, so the report may lag the
+  // commit.
   std::function<void(int64_t step, bool committed)> on_checkpoint;
   // When Run returns, every parameter this worker holds is written to DIR/<name>.f32 (raw
   // little-endian float32; dense parameters by rank 0 only, experts by the worker that holds
@@ -173,7 +174,8 @@ class Trainer {
   void AbortCollectives(const std::string& why);
   // Re-forms this worker, in place, for a new generation: new communicators under w.store, the
   // state agreed on (see WorkerOptions::rejoin), the experts re-placed by measured load. On
-  // success Run goes on from step(), which may be one step back when a step was cut short.
+  // success Run goes on from step(), which may be one step back when a step was cut short. On
+  // failure the trainer holds no generation: only another Reform (or the destructor) may follow.
   [[nodiscard]] Status Reform(const WorkerOptions& w);
   // Experts each rank of the current generation holds (contiguous ranges in rank order).
   const std::vector<int64_t>& experts_per_worker() const { return experts_per_worker_; }
