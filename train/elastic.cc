@@ -327,7 +327,7 @@ void Trainer::ResetParallel() {
   exchange_.reset();
   data_parallel_.reset();
   std::lock_guard<std::mutex> lock(comm_mu_);
-  aborted_why_.clear();
+  aborted_why_.reset();
   replica_comm_.reset();
   ep_comm_.reset();
   world_comm_.reset();
@@ -338,7 +338,7 @@ void Trainer::AdoptCommunicator(std::unique_ptr<comm::Communicator> c,
   std::lock_guard<std::mutex> lock(comm_mu_);
   // A newer generation that formed while this one connected aborts what is connected already;
   // a communicator that connects after that abort is born aborted.
-  if (!aborted_why_.empty()) c->Abort(aborted_why_);
+  if (aborted_why_) c->Abort(*aborted_why_);
   *slot = std::move(c);
 }
 

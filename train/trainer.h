@@ -24,6 +24,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -283,7 +284,8 @@ class Trainer {
   void ReportCommittedCheckpoint();
   // Elastic state. comm_mu_ guards the communicators against AbortCollectives.
   mutable std::mutex comm_mu_;
-  std::string aborted_why_;  // guarded by comm_mu_: why the collectives were aborted, until reset
+  // Guarded by comm_mu_: why the collectives were aborted, until ResetParallel.
+  std::optional<std::string> aborted_why_;
   std::vector<int64_t> experts_per_worker_;
   int64_t first_expert_ = 0, num_experts_ = 0;  // this worker's range
   Device device_;                               // where the model lives (train.device)
