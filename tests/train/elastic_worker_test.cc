@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -64,7 +65,9 @@ config::JobConfig TinyJob(const std::string& data_path) {
 
 // A coordinator in this process: the first `initial` joiners form generation 1; a later joiner
 // is admitted at the next step a member reports (a new generation holding every member and it).
-// Records every call the workers make.
+// Records every call the workers make. HoldStepUntilJoins makes a report of one step wait (after
+// it is recorded) until enough workers have joined, so that a joiner is admitted at that step
+// however fast the others train.
 class FakeMembership : public Membership {
  public:
   struct Report {
@@ -85,6 +88,7 @@ class FakeMembership : public Membership {
   StatusOr<coordinator::JoinReply> Join(const coordinator::WorkerInfo& info) override {
     std::lock_guard<std::mutex> lock(mu_);
     ++join_calls_;
+    joined_.notify_all();
     if (!join_error_.ok()) return join_error_;
     pending_.push_back(info);
     if (generation_.number() == 0 && static_cast<int>(pending_.size()) == initial_) {
@@ -98,11 +102,16 @@ class FakeMembership : public Membership {
   }
   StatusOr<coordinator::Generation> ReportStep(const std::string& id, int64_t generation,
                                                int64_t step, double loss, double) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (generation != generation_.number()) {
       return absl::FailedPreconditionError("generation is not current");
     }
     reports_.push_back({id, generation, step, loss});
+    if (step == hold_step_ && !joined_.wait_for(lock, std::chrono::seconds(60),
+                                                [&] { return join_calls_ >= hold_joins_; })) {
+      ADD_FAILURE() << "the report of step " << step << " waited 60 s for " << hold_joins_
+                    << " joins and got " << join_calls_;
+    }
     if (step >= kSteps) finished_ = true;
     if (!pending_.empty()) FormGeneration("a worker joined");
     step_ = std::max(step_, step);
@@ -141,6 +150,13 @@ class FakeMembership : public Membership {
   void FailJoinsWith(Status s) {
     std::lock_guard<std::mutex> lock(mu_);
     join_error_ = std::move(s);
+  }
+  // A report of `step` returns only once `joins` Join calls have come (or after 60 s, failing
+  // the test).
+  void HoldStepUntilJoins(int64_t step, int joins) {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_step_ = step;
+    hold_joins_ = joins;
   }
   void FinishJob() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -181,6 +197,7 @@ class FakeMembership : public Membership {
 
   const int initial_;
   mutable std::mutex mu_;
+  std::condition_variable joined_;  // notified at every Join
   std::shared_ptr<comm::Store> store_ = comm::MakeInMemoryStore();
   coordinator::Generation generation_;  // number 0: none formed yet
   std::vector<coordinator::WorkerInfo> pending_;
@@ -188,6 +205,8 @@ class FakeMembership : public Membership {
   bool finished_ = false;
   int64_t step_ = 0;
   int join_calls_ = 0;
+  int64_t hold_step_ = -1;  // none
+  int hold_joins_ = 0;
   std::vector<Report> reports_;
   std::vector<Start> starts_;
   std::vector<std::string> attached_;
@@ -327,6 +346,8 @@ TEST_F(ElasticWorkerTest, AJoinerSupersedesTheGenerationAndBothWorkersReformAndF
   ASSERT_EQ(single.size(), kSteps + 1u);
 
   FakeMembership coordinator(/*initial=*/1);
+  // a's report of step 1 waits for b's Join, so b is admitted at step 1 however fast a trains.
+  coordinator.HoldStepUntilJoins(/*step=*/1, /*joins=*/2);
   SeenEnd seen_a, seen_b;
   Status status_a, status_b;
   std::thread a([&] {
@@ -334,7 +355,8 @@ TEST_F(ElasticWorkerTest, AJoinerSupersedesTheGenerationAndBothWorkersReformAndF
     o.on_end = Record(&seen_a);
     status_a = RunElasticWorker(coordinator, std::move(o));
   });
-  // b joins once a trains alone; the fake admits it at a's next step report.
+  // b joins once a trains alone (a has reported step 1 and waits there for b's Join); the fake
+  // admits it at that report.
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (coordinator.reports().empty() && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
