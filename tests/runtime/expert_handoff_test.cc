@@ -52,7 +52,7 @@ TEST(ExpertLayoutTest, PacksParametersInOrderWithoutPadding) {
 
 // Hands out per-expert blobs it owns, the way the tiered store hands out its device slots, and
 // checks that nobody but the layer binds the experts' parameters, and only between NextReady and
-// Done.
+// Done, and that the layer hands back the blobs it got, their weights unchanged.
 class BlobResidency : public ExpertResidency {
  public:
   BlobResidency(MoeLayer* layer, const ExpertLayout& layout) : layer_(layer) {
@@ -66,6 +66,10 @@ class BlobResidency : public ExpertResidency {
     std::lock_guard<std::mutex> lock(mu_);
     pass_ = pass;
     pending_.assign(experts.begin(), experts.end());
+    for (int e : experts) {
+      before_[e] = Tensor::Empty(weights[e].shape());
+      before_[e].CopyFrom(weights[e]);
+    }
   }
 
   ResidentExpert NextReady(int, Pass pass) override {
@@ -81,8 +85,15 @@ class BlobResidency : public ExpertResidency {
 
   void Done(int, Pass pass, const ResidentExpert& r) override {
     std::lock_guard<std::mutex> lock(mu_);
-    EXPECT_TRUE(SameBits(r.weights, weights[r.expert]));
+    // The handles handed out, not others; the weights as they were before the pass, bitwise.
+    ASSERT_TRUE(r.weights.defined()) << "expert " << r.expert;
+    EXPECT_EQ(r.weights.f32(), weights[r.expert].f32()) << "expert " << r.expert;
+    EXPECT_EQ(r.weights.numel(), weights[r.expert].numel()) << "expert " << r.expert;
+    EXPECT_TRUE(SameBits(r.weights, before_[r.expert])) << "expert " << r.expert;
     EXPECT_EQ(r.grad.defined(), pass == Pass::kBackward);
+    if (r.grad.defined()) {
+      EXPECT_EQ(r.grad.f32(), grads[r.expert].f32()) << "expert " << r.expert;
+    }
     bound_at_done_ += BoundParameters(r.expert);
   }
 
@@ -101,6 +112,7 @@ class BlobResidency : public ExpertResidency {
   std::mutex mu_;
   Pass pass_ = Pass::kForward;
   std::vector<int> pending_;
+  std::map<int, Tensor> before_;  // each expert's weights as BeginPass found them
 };
 
 std::unique_ptr<MoeLayer> MakeLayer(bool unbound) {
