@@ -23,11 +23,36 @@ constexpr FaultPointInfo kKnownPoints[] = {
      "in the checkpoint writer, between a checkpoint's synced extents and its commit; "
      "train/checkpoint.cc"},
     {"checkpoint.after_commit", true,
-     "in the checkpoint writer, once a checkpoint is committed and the ledger updated; "
-     "train/checkpoint.cc"},
+     "in the checkpoint writer, once a checkpoint is committed and the ledger updated, holding "
+     "the CheckpointManager's mutex: a callback must not call that CheckpointManager "
+     "(NewestCommitted, PollError, ...), it would deadlock; train/checkpoint.cc"},
 };
 
 constexpr int64_t kMaxSleepMs = 3600000;
+
+// Variables earlier strata read in place of STRATA_FAULTS, and the entry that does what each did.
+// A drill still setting one would run without its fault: the environment check refuses them.
+struct RetiredVariable {
+  const char* name;
+  const char* replacement;  // a STRATA_FAULTS entry but its value: the old variable's
+};
+constexpr RetiredVariable kRetiredVariables[] = {
+    {"STRATA_FAULT_CHECKPOINT_COMMIT_DELAY_MS", "checkpoint.before_commit=sleep_ms:"},
+    {"STRATA_FAULT_CHECKPOINT_HOLD_AFTER", "checkpoint.after_commit=hold_at_step:"},
+};
+
+// An error naming the first retired variable set, or OK.
+Status CheckNoRetiredVariables() {
+  for (const RetiredVariable& v : kRetiredVariables) {
+    const char* value = std::getenv(v.name);
+    if (value == nullptr) continue;
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s is set ('%s'), but strata no longer reads it, so the fault it asks for would not "
+        "happen; unset %s and set %s=\"%s%s\" instead",
+        v.name, value, v.name, kFaultsEnvVar, v.replacement, value));
+  }
+  return absl::OkStatus();
+}
 
 const FaultPointInfo* FindPoint(std::string_view name) {
   for (const FaultPointInfo& p : kKnownPoints) {
@@ -117,6 +142,8 @@ FaultPoints& FaultPoints::Instance() {
 }
 
 FaultPoints::FaultPoints() {
+  env_status_ = CheckNoRetiredVariables();
+  if (!env_status_.ok()) return;
   const char* spec = std::getenv(kFaultsEnvVar);
   if (spec == nullptr) return;
 #ifdef STRATA_FAULT_INJECTION

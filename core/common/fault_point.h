@@ -33,6 +33,11 @@
 // thread that reached the point, without any lock of FaultPoints held, so it may Set or Clear
 // points itself. Clear does not wait for a callback another thread is running: stop the threads
 // that reach a point before destroying what its callback uses.
+//
+// A point may run under its caller's locks (checkpoint.after_commit runs holding the
+// CheckpointManager's mutex): a callback (and whatever it waits for) must not call back into the
+// object that reached the point unless the point's description in KnownFaultPoints() says it may;
+// it would deadlock.
 #pragma once
 
 #include <atomic>
@@ -82,7 +87,9 @@ class FaultPoints {
   static FaultPoints& Instance();
 
   // Whether STRATA_FAULTS (as read once) was valid. Not OK also when it is set in a build without
-  // fault points, where it could only be ignored.
+  // fault points, where it could only be ignored, and when a variable strata no longer reads is
+  // set (STRATA_FAULT_CHECKPOINT_COMMIT_DELAY_MS, STRATA_FAULT_CHECKPOINT_HOLD_AFTER; the message
+  // names the STRATA_FAULTS entry that replaces it), so that a drill never runs without its fault.
   Status EnvironmentStatus() const { return env_status_; }
 
   // Runs `callback` whenever a thread reaches the point `name` (any name; the most recent Set of

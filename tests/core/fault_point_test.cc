@@ -252,6 +252,43 @@ TEST(FaultEnvironmentTest, ReadOnceAtFirstUseAndRefusedWhenBad) {
 #endif
 }
 
+// The variables STRATA_FAULTS replaced are refused, naming the entry that does what each did: a
+// drill still setting one would otherwise run without its fault. Also in a build without fault
+// points, and also beside a valid STRATA_FAULTS. Each case in a fresh process.
+TEST(FaultEnvironmentTest, RetiredVariablesAreRefusedNamingTheirReplacement) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  struct Case {
+    const char* faults;  // STRATA_FAULTS, or null: unset
+    const char* variable;
+    const char* value;
+    const char* says;  // a regular expression
+  };
+  const Case cases[] = {
+      {nullptr, "STRATA_FAULT_CHECKPOINT_COMMIT_DELAY_MS", "3000",
+       "status: STRATA_FAULT_CHECKPOINT_COMMIT_DELAY_MS is set \\('3000'\\), but strata no longer "
+       "reads it, so the fault it asks for would not happen; unset "
+       "STRATA_FAULT_CHECKPOINT_COMMIT_DELAY_MS and set "
+       "STRATA_FAULTS=\"checkpoint.before_commit=sleep_ms:3000\" instead"},
+      {"checkpoint.before_commit=sleep_ms:10", "STRATA_FAULT_CHECKPOINT_HOLD_AFTER", "30",
+       "status: STRATA_FAULT_CHECKPOINT_HOLD_AFTER is set \\('30'\\), but strata no longer reads "
+       "it, so the fault it asks for would not happen; unset STRATA_FAULT_CHECKPOINT_HOLD_AFTER "
+       "and "
+       "set STRATA_FAULTS=\"checkpoint.after_commit=hold_at_step:30\" instead"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EXIT(
+        {
+          if (c.faults != nullptr) setenv("STRATA_FAULTS", c.faults, 1);
+          setenv(c.variable, c.value, 1);
+          const Status s = FaultPoints::Instance().EnvironmentStatus();
+          fprintf(stderr, "status: %s\n", std::string(s.message()).c_str());
+          _exit(s.code() == absl::StatusCode::kInvalidArgument ? 2 : 0);
+        },
+        ::testing::ExitedWithCode(2), c.says)
+        << c.variable;
+  }
+}
+
 TEST(FaultPointCompiledOutTest, APointWithoutTheMacroEvaluatesNothingAndRunsNothing) {
   int callbacks = 0;
   FaultPoints::Instance().Set("test.compiled_out", [&](void*) { ++callbacks; });
