@@ -63,9 +63,11 @@ class Communicator {
   [[nodiscard]] virtual Status Barrier() = 0;
   // Unblocks every call in flight on this rank with ABORTED and fails every later one; closes the
   // connections so that peers waiting on this rank fail fast too. Safe from any thread, also while
-  // another thread is inside a call; idempotent. Over Gloo it returns once that call has returned;
-  // over NCCL once an enqueue under way (immediate: the communicator is non-blocking) and
-  // ncclCommAbort have.
+  // another thread is inside a call; idempotent. Over Gloo the Abort that finishes the
+  // communicator returns once the call in flight has returned; an Abort after that one (also one
+  // concurrent with it) or after a call failed returns at once, while a call may still be
+  // returning. Over NCCL every Abort returns once an enqueue under way (immediate: the
+  // communicator is non-blocking) and the first Abort's ncclCommAbort have.
   virtual void Abort(const std::string& why) = 0;
 
   template <typename T>

@@ -181,7 +181,10 @@ class NcclCommunicator : public Communicator {
       cudaError_t e = cudaStreamQuery(stream_);
       if (e == cudaSuccess) return absl::OkStatus();
       if (e != cudaErrorNotReady) {
-        finished_ = true;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          finished_ = true;
+        }
         return absl::InternalError(absl::StrFormat("%s on rank %d of %d: CUDA error %s", op,
                                                    options_.rank, options_.world_size,
                                                    cudaGetErrorString(e)));
