@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <fstream>
 #include <sstream>
 
@@ -105,9 +106,11 @@ class CoordinatorServer::Service final : public coordinator::Coordinator::Servic
     while (!finished && reader->Read(&m)) finished = m.finished();
     if (finished) {
       state_->Finished(id);
-    } else {
+    } else if (!stopping_.load()) {
       (void)state_->StreamBroken(id, Now::now());
     }
+    // A stream the stopping server cut is not the worker's failure: the record keeps it, and a
+    // restarted coordinator gives it elastic.restart_grace_ms to come back.
     return grpc::Status::OK;
   }
   grpc::Status KvSet(grpc::ServerContext* ctx, const coordinator::KeyValue* req,
@@ -143,8 +146,12 @@ class CoordinatorServer::Service final : public coordinator::Coordinator::Servic
     return grpc::Status::OK;
   }
 
+  // From the server's destructor, before gRPC cancels the calls still open.
+  void Stop() { stopping_ = true; }
+
  private:
   CoordinatorState* state_;
+  std::atomic<bool> stopping_{false};
 };
 
 StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(CoordinatorState* state,
@@ -184,6 +191,7 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(Coordinato
 CoordinatorServer::~CoordinatorServer() {
   stop_ = true;
   if (ticker_.joinable()) ticker_.join();
+  if (service_) service_->Stop();
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
 }
 

@@ -10,12 +10,13 @@
 // as long as the worker is attached, a KvWait up to its timeout) and a thread of its own calls
 // CoordinatorState::Tick every 100 ms; the state, safe for concurrent use, must outlive the
 // server. Its destructor stops that thread, then shuts gRPC down, cancelling the calls still open
-// after one second (an Attach stream so ended counts as the worker's failure) and waiting for
-// them. CoordinatorClient: every call is one RPC on a thread-safe stub and may run on any thread
-// at the same time as others, except that Attach and Detach (which replace the open stream) come
-// from one thread at a time; set rpc_timeout before the calls begin. The destructor cancels a
-// stream still open, which the coordinator counts as a failure. store() returns a Store that
-// shares the channel, may outlive the client and may be used from any thread.
+// after one second (an Attach stream so ended is not the worker's failure: the record keeps it
+// in its generation for a restarted coordinator) and waiting for them. CoordinatorClient: every
+// call is one RPC on a thread-safe stub and may run on any thread at the same time as others,
+// except that Attach and Detach (which replace the open stream) come from one thread at a time; set
+// rpc_timeout before the calls begin. The destructor cancels a stream still open, which the
+// coordinator counts as a failure. store() returns a Store that shares the channel, may outlive the
+// client and may be used from any thread.
 #pragma once
 
 #include <atomic>

@@ -124,6 +124,29 @@ TEST_F(CoordinatorServiceTest, WorkersJoinReportAndSeeTheirGenerationOverGrpc) {
   EXPECT_NE(again.status().message().find("'b' has already joined"), std::string::npos);
 }
 
+// A coordinator that stops (SIGTERM, a rolled pod) cuts its workers' Attach streams: that is not
+// their failure. The record keeps them in their generation, so a restarted coordinator gives them
+// elastic.restart_grace_ms to come back instead of re-forming without them.
+TEST_F(CoordinatorServiceTest, StoppingTheServerIsNotTheFailureOfItsAttachedWorkers) {
+  auto a = Client(), b = Client();
+  ASSERT_TRUE(a->Join(Worker("a")).ok());
+  auto jb = b->Join(Worker("b"));
+  ASSERT_TRUE(jb.ok()) << jb.status();
+  ASSERT_TRUE(jb->admitted());
+  ASSERT_TRUE(a->Attach("a").ok());
+  ASSERT_TRUE(b->Attach("b").ok());
+  const coordinator::CoordinatorRecord before = state_->Snapshot();
+  ASSERT_EQ(before.generation().number(), 1);
+  ASSERT_EQ(before.generation().workers_size(), 2);
+  server_.reset();  // as `strata coordinator` does when it stops
+  const coordinator::CoordinatorRecord after = state_->Snapshot();
+  EXPECT_EQ(after.generation().number(), 1) << after.generation().reason();
+  EXPECT_EQ(after.generation().workers_size(), 2);
+  // The streams' ends reach the clients, which may now be torn down.
+  a.reset();
+  b.reset();
+}
+
 TEST_F(CoordinatorServiceTest, ACallWithoutTheTokenIsRefusedAndChangesNothing) {
   auto intruder = Client("not-the-token");
   const std::string before = state_->Snapshot().SerializeAsString();
