@@ -669,29 +669,26 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
       return absl::DataLossError(
           absl::StrFormat("%s has no place in the model", Describe(r, m.step())));
     }
+    // The blob has the tiered store's layout (model::ExpertLayout), whichever mode wrote it.
     std::vector<model::Parameter*> ps = layer->expert(r.expert()).Parameters();
-    uint64_t floats = 0;
-    for (auto* p : ps) floats += static_cast<uint64_t>(p->shape.numel());
+    const model::ExpertLayout layout = model::ExpertLayout::Of(ps);
+    const uint64_t floats = static_cast<uint64_t>(layout.floats);
     std::vector<float> blob(floats, 0.0f);
     if (r.generated()) {
       if (r.kind() == 0) {
-        uint64_t off = 0;
-        for (auto* p : ps) {
-          model::InitialValues(*p, config.seed(), blob.data() + off);
-          off += static_cast<uint64_t>(p->shape.numel());
+        for (size_t i = 0; i < ps.size(); ++i) {
+          model::InitialValues(*ps[i], config.seed(), blob.data() + layout.segments[i].offset);
         }
       }
     } else {
       RETURN_IF_ERROR(read_into(r, blob.data(), floats * sizeof(float)));
     }
-    uint64_t off = 0;
-    for (auto* p : ps) {
-      const size_t oi = opt_index.at(p);
-      const Tensor& dst = r.kind() == 0   ? p->value
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const size_t oi = opt_index.at(ps[i]);
+      const Tensor& dst = r.kind() == 0   ? ps[i]->value
                           : r.kind() == 2 ? optimizer.first_moment(oi)
                                           : optimizer.second_moment(oi);
-      dst.CopyFromHost(blob.data() + off);
-      off += static_cast<uint64_t>(p->shape.numel());
+      dst.CopyFromHost(blob.data() + layout.segments[i].offset);
     }
   }
   optimizer.set_steps(m.optimizer_steps());
@@ -830,17 +827,15 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
           continue;
         }
         std::vector<model::Parameter*> ps = ref.layer->expert(e).Parameters();
-        uint64_t floats = 0;
-        for (auto* prm : ps) floats += static_cast<uint64_t>(prm->shape.numel());
+        const model::ExpertLayout layout = model::ExpertLayout::Of(ps);
+        const uint64_t floats = static_cast<uint64_t>(layout.floats);
         std::vector<float> blob(floats);
-        uint64_t off = 0;
-        for (auto* prm : ps) {
-          const size_t oi = opt_index.at(prm);
-          const Tensor& src = kind == 0   ? prm->value
+        for (size_t i = 0; i < ps.size(); ++i) {
+          const size_t oi = opt_index.at(ps[i]);
+          const Tensor& src = kind == 0   ? ps[i]->value
                               : kind == 2 ? optimizer.first_moment(oi)
                                           : optimizer.second_moment(oi);
-          src.CopyToHost(blob.data() + off);
-          off += static_cast<uint64_t>(prm->shape.numel());
+          src.CopyToHost(blob.data() + layout.segments[i].offset);
         }
         r.set_version(next_version(ref.block, e, kind));
         const uint64_t bytes = floats * sizeof(float);
