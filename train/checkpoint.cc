@@ -27,6 +27,7 @@
 #include "google/protobuf/text_format.h"
 #include "storage/crc32c.h"
 #include "storage/env.h"
+#include "train/ledger_text.h"
 
 namespace strata::train {
 namespace {
@@ -126,26 +127,18 @@ StatusOr<std::optional<std::string>> ReadLedgerText(const std::string& dir) {
 
 // DIR/LEDGER holds the ledger in text form, then a line with the CRC-32C of that text.
 StatusOr<storage::CheckpointLedger> ParseLedger(const std::string& dir, const std::string& text) {
-  const size_t at = text.rfind("# crc32c ");
-  storage::CheckpointLedger ledger;
-  uint32_t crc = 0;
-  if (at == std::string::npos ||
-      !absl::SimpleHexAtoi(absl::StripAsciiWhitespace(text.substr(at + 9)), &crc) ||
-      crc != storage::Crc32c(text.data(), at) ||
-      !google::protobuf::TextFormat::ParseFromString(text.substr(0, at), &ledger)) {
+  std::optional<storage::CheckpointLedger> ledger = ParseLedgerText(text);
+  if (!ledger) {
     return absl::DataLossError(absl::StrFormat(
         "the checkpoint ledger '%s' is damaged (its checksum or its contents are wrong), so "
         "the checkpoint list cannot be checked; %s",
         LedgerPath(dir), storage::kDamagedIndexRemedy));
   }
-  return ledger;
+  return *std::move(ledger);
 }
 
 Status StoreLedger(const std::string& dir, const storage::CheckpointLedger& ledger) {
-  std::string text;
-  google::protobuf::TextFormat::PrintToString(ledger, &text);
-  text += absl::StrFormat("# crc32c %08x\n", storage::Crc32c(text.data(), text.size()));
-  return storage::Env::Default()->WriteFileAtomic(LedgerPath(dir), text);
+  return storage::Env::Default()->WriteFileAtomic(LedgerPath(dir), LedgerText(ledger));
 }
 
 std::string Steps(const std::vector<int64_t>& steps) { return absl::StrJoin(steps, ", "); }
@@ -164,17 +157,11 @@ struct CheckedList {
 StatusOr<CheckedList> CheckList(const std::string& dir, const std::optional<std::string>& before,
                                 const std::optional<std::string>& after,
                                 std::vector<CheckpointManifest> indexed) {
-  std::optional<storage::CheckpointLedger> old_ledger, ledger;
-  if (before) {
-    ASSIGN_OR_RETURN(old_ledger, ParseLedger(dir, *before));
-  }
-  if (after && after != before) {
-    ASSIGN_OR_RETURN(ledger, ParseLedger(dir, *after));
-  } else {
-    ledger = old_ledger;
-  }
-  if (!old_ledger) old_ledger = ledger;  // the first ledger was written meanwhile
-  if (!ledger) ledger = old_ledger;
+  ASSIGN_OR_RETURN(LedgerReads reads, ParseLedgerReads(before, after, [&](const std::string& text) {
+                     return ParseLedger(dir, text);
+                   }));
+  std::optional<storage::CheckpointLedger> old_ledger = std::move(reads.before);
+  std::optional<storage::CheckpointLedger> ledger = std::move(reads.after);
   CheckedList out;
   for (const CheckpointManifest& m : indexed) {
     out.last_sequence = std::max(out.last_sequence, m.sequence());

@@ -26,6 +26,9 @@ constexpr FaultPointInfo kKnownPoints[] = {
      "in the checkpoint writer, once a checkpoint is committed and the ledger updated, holding "
      "the CheckpointManager's mutex: a callback must not call that CheckpointManager "
      "(NewestCommitted, PollError, ...), it would deadlock; train/checkpoint.cc"},
+    {"checkpoint_set.before_ledger", true,
+     "in CommitCheckpointSet, between the rename of a global manifest and the global ledger's "
+     "update; train/checkpoint_set.cc"},
 };
 
 constexpr int64_t kMaxSleepMs = 3600000;

@@ -1,0 +1,574 @@
+#include "train/checkpoint_set.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <set>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "core/common/fault_point.h"
+#include "storage/crc32c.h"
+#include "train/ledger_text.h"
+
+namespace strata::train {
+namespace {
+
+using storage::CheckpointLedger;
+using storage::LedgerEntry;
+
+constexpr char kManifestSuffix[] = ".manifest";
+
+std::string ManifestsDir(const std::string& dir) { return dir + "/manifests"; }
+std::string GlobalLedgerPath(const std::string& dir) { return dir + "/manifests/LEDGER"; }
+std::string ManifestPath(const std::string& dir, int64_t step) {
+  return absl::StrCat(ManifestsDir(dir), "/", step, kManifestSuffix);
+}
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// fsync of a folder, so that a rename or unlink in it survives a crash of the machine.
+Status SyncFolder(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::InternalError(
+        absl::StrFormat("cannot open folder '%s': %s", path, std::strerror(errno)));
+  }
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) {
+    return absl::InternalError(
+        absl::StrFormat("cannot sync folder '%s': %s", path, std::strerror(err)));
+  }
+  return absl::OkStatus();
+}
+
+// A manifest on disk: the serialized set, then its CRC-32C in 4 bytes, little-endian.
+std::string EncodeManifest(const CheckpointSet& set) {
+  std::string bytes = set.SerializeAsString();
+  const uint32_t crc = storage::Crc32c(bytes.data(), bytes.size());
+  for (int i = 0; i < 4; ++i) bytes.push_back(static_cast<char>((crc >> (8 * i)) & 0xff));
+  return bytes;
+}
+
+// The set in `bytes` read from the manifest of `step`, or why it cannot be trusted.
+StatusOr<CheckpointSet> DecodeManifest(const std::string& bytes, int64_t step) {
+  if (bytes.size() < 4) {
+    return absl::DataLossError(
+        absl::StrFormat("is %d bytes, too short to hold its checksum", bytes.size()));
+  }
+  const size_t n = bytes.size() - 4;
+  uint32_t stored = 0;
+  for (int i = 0; i < 4; ++i)
+    stored |= static_cast<uint32_t>(static_cast<uint8_t>(bytes[n + i])) << (8 * i);
+  const uint32_t crc = storage::Crc32c(bytes.data(), n);
+  if (crc != stored) {
+    return absl::DataLossError(absl::StrFormat(
+        "fails its checksum (CRC-32C %08x of its %d bytes, %08x stored): it is damaged or cut "
+        "short",
+        crc, n, stored));
+  }
+  CheckpointSet set;
+  if (!set.ParseFromArray(bytes.data(), static_cast<int>(n))) {
+    return absl::DataLossError("passes its checksum but does not parse as a CheckpointSet");
+  }
+  if (set.step() != step) {
+    return absl::DataLossError(absl::StrFormat("holds step %d", set.step()));
+  }
+  return set;
+}
+
+StatusOr<CheckpointLedger> DecodeLedger(const std::string& dir, const std::string& text) {
+  std::optional<CheckpointLedger> ledger = ParseLedgerText(text);
+  if (!ledger) {
+    return absl::DataLossError(absl::StrFormat(
+        "the global checkpoint ledger '%s' is damaged (its checksum or its contents are wrong), "
+        "so the sharded checkpoints of '%s' cannot be listed; restore the folder from a copy",
+        GlobalLedgerPath(dir), dir));
+  }
+  return *std::move(ledger);
+}
+
+// The ledger's text; nullopt when there is none.
+StatusOr<std::optional<std::string>> ReadLedgerBytes(const std::string& dir, storage::Env* env) {
+  const std::string path = GlobalLedgerPath(dir);
+  if (!env->FileExists(path)) return std::optional<std::string>();
+  StatusOr<std::string> text = env->ReadFile(path);
+  // Replaced between the two calls by a commit that ran beside: read the new one.
+  if (!text.ok() && absl::IsNotFound(text.status())) text = env->ReadFile(path);
+  if (!text.ok()) return text.status();
+  return std::optional<std::string>(std::move(*text));
+}
+
+// One file DIR/manifests/<step>.manifest.
+struct ManifestFile {
+  int64_t step = 0;
+  std::string path;
+  StatusOr<CheckpointSet> set;  // or why it cannot be trusted
+};
+
+// The manifests in DIR/manifests (none when the folder is missing), by step. Other files
+// (the ledger, temporaries of an interrupted write) are not manifests.
+StatusOr<std::vector<ManifestFile>> ScanManifests(const std::string& dir, storage::Env* env) {
+  std::vector<ManifestFile> files;
+  std::error_code ec;
+  if (!std::filesystem::exists(ManifestsDir(dir), ec)) return files;
+  for (const auto& e : std::filesystem::directory_iterator(ManifestsDir(dir), ec)) {
+    const std::string name = e.path().filename().string();
+    const size_t suffix = name.size() - std::strlen(kManifestSuffix);
+    int64_t step = 0;
+    if (name.size() <= std::strlen(kManifestSuffix) || name.substr(suffix) != kManifestSuffix ||
+        !std::all_of(name.begin(), name.begin() + suffix, absl::ascii_isdigit) ||
+        !absl::SimpleAtoi(name.substr(0, suffix), &step)) {
+      continue;
+    }
+    files.push_back({step, e.path().string(), absl::UnknownError("not read")});
+  }
+  if (ec) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("cannot list folder '%s': %s", ManifestsDir(dir), ec.message()));
+  }
+  std::sort(files.begin(), files.end(),
+            [](const auto& a, const auto& b) { return a.step < b.step; });
+  std::vector<ManifestFile> read;
+  for (ManifestFile& f : files) {
+    StatusOr<std::string> bytes = env->ReadFile(f.path);
+    // Removed since the folder was listed, by a removal running beside: not there.
+    if (!bytes.ok() && absl::IsNotFound(bytes.status())) continue;
+    f.set = bytes.ok() ? DecodeManifest(*bytes, f.step) : StatusOr<CheckpointSet>(bytes.status());
+    read.push_back(std::move(f));
+  }
+  return read;
+}
+
+using Key = std::pair<int64_t, uint64_t>;  // step, sequence
+
+// What the folder holds, checked against the ledger read before and after the manifests.
+struct Listing {
+  CheckpointLedger ledger;          // the newer of the two (empty: there is none)
+  std::vector<CheckpointSet> live;  // by increasing step
+  std::vector<ManifestFile> files;
+  std::vector<std::string> problems;  // each names a step and its file
+};
+
+// A commit writes its manifest, then the ledger; a removal records it in the ledger, removes the
+// manifest, then updates the ledger again. A reader that runs beside them reads the ledger
+// before and after the manifests, and accepts a manifest either ledger accounts for; a manifest
+// is missing only if both list it.
+StatusOr<Listing> ReadListing(const std::string& dir, storage::Env* env) {
+  ASSIGN_OR_RETURN(std::optional<std::string> before, ReadLedgerBytes(dir, env));
+  ASSIGN_OR_RETURN(std::vector<ManifestFile> files, ScanManifests(dir, env));
+  ASSIGN_OR_RETURN(std::optional<std::string> after, ReadLedgerBytes(dir, env));
+  ASSIGN_OR_RETURN(LedgerReads reads, ParseLedgerReads(before, after, [&](const std::string& text) {
+                     return DecodeLedger(dir, text);
+                   }));
+  const CheckpointLedger old_ledger = reads.before.value_or(CheckpointLedger());
+  const CheckpointLedger ledger = reads.after.value_or(CheckpointLedger());
+
+  Listing out;
+  std::set<Key> old_live, live, in_files;
+  std::set<int64_t> removing;
+  for (const auto& e : old_ledger.live()) old_live.insert({e.step(), e.sequence()});
+  for (const auto& e : ledger.live()) live.insert({e.step(), e.sequence()});
+  for (const auto* l : {&old_ledger, &ledger}) {
+    for (const auto& e : l->removing()) removing.insert(e.step());
+  }
+  std::vector<const ManifestFile*> newer;
+  for (const ManifestFile& f : files) {
+    if (!f.set.ok()) {
+      if (!removing.count(f.step)) {
+        out.problems.push_back(absl::StrFormat("checkpoint %d: its manifest '%s' %s", f.step,
+                                               f.path, f.set.status().message()));
+      }
+      continue;
+    }
+    const Key k{f.step, f.set->sequence()};
+    in_files.insert(k);
+    if (old_live.count(k) || live.count(k)) {
+      out.live.push_back(*f.set);
+    } else if (removing.count(f.step) ||
+               (k.second > old_ledger.last_sequence() && k.second <= ledger.last_sequence())) {
+      // Being removed, or committed and removed while the manifests were read.
+    } else if (k.second > ledger.last_sequence()) {
+      newer.push_back(&f);
+    } else {
+      out.problems.push_back(absl::StrFormat(
+          "checkpoint %d: its manifest '%s' (sequence %d) is not in the global ledger, which "
+          "has given sequences up to %d: a removed checkpoint came back",
+          f.step, f.path, k.second, ledger.last_sequence()));
+    }
+  }
+  for (const auto& e : ledger.live()) {
+    const Key k{e.step(), e.sequence()};
+    const bool damaged = std::any_of(files.begin(), files.end(), [&](const ManifestFile& f) {
+      return f.step == e.step() && !f.set.ok();
+    });
+    if (old_live.count(k) && !in_files.count(k) && !damaged) {
+      out.problems.push_back(absl::StrFormat(
+          "checkpoint %d: its manifest '%s' (sequence %d) is missing, but the global ledger "
+          "lists it",
+          e.step(), ManifestPath(dir, e.step()), e.sequence()));
+    }
+  }
+  // Commits the ledger missed (a committer stopped before the ledger's update, maybe more than
+  // once in a row) are accepted when they chain from the newest set the ledger records.
+  const LedgerEntry* newest = nullptr;
+  for (const auto& e : ledger.live()) {
+    if (newest == nullptr || e.sequence() > newest->sequence()) newest = &e;
+  }
+  std::optional<Key> previous;
+  if (newest != nullptr) previous = Key{newest->step(), newest->sequence()};
+  std::sort(newer.begin(), newer.end(),
+            [](const auto* a, const auto* b) { return a->set->sequence() < b->set->sequence(); });
+  for (const ManifestFile* f : newer) {
+    const CheckpointSet& s = *f->set;
+    const bool follows = previous ? s.has_previous_step() && s.previous_step() == previous->first &&
+                                        s.previous_sequence() == previous->second
+                                  : !s.has_previous_step();
+    if (follows) {
+      out.live.push_back(s);
+      previous = Key{s.step(), s.sequence()};
+      continue;
+    }
+    out.problems.push_back(absl::StrFormat(
+        "checkpoint %d: its manifest '%s' (sequence %d) is not in the global ledger and does "
+        "not follow the newest checkpoint before it (%s), so it was never committed as it is",
+        s.step(), f->path, s.sequence(),
+        previous ? absl::StrFormat("step %d, sequence %d", previous->first, previous->second)
+                 : std::string("none")));
+  }
+  std::sort(out.live.begin(), out.live.end(),
+            [](const auto& a, const auto& b) { return a.step() < b.step(); });
+  out.ledger = ledger;
+  out.files = std::move(files);
+  return out;
+}
+
+Status ProblemsError(const std::string& dir, const std::vector<std::string>& problems) {
+  return absl::DataLossError(absl::StrFormat(
+      "the sharded checkpoints of '%s' do not match their global ledger '%s': %s. Restore the "
+      "named manifests from a copy of the folder, or remove those checkpoints "
+      "(RemoveCheckpointSet)",
+      dir, GlobalLedgerPath(dir), absl::StrJoin(problems, "; ")));
+}
+
+// "expert 3" or "experts 3-5".
+std::string ExpertRun(int32_t first, int32_t last) {
+  return first == last ? absl::StrCat("expert ", first)
+                       : absl::StrCat("experts ", first, "-", last);
+}
+
+// Why `set` is not whole for `layout` (empty: it is).
+std::vector<std::string> WholenessProblems(const CheckpointSetLayout& layout,
+                                           const CheckpointSet& set) {
+  std::vector<std::string> problems;
+  std::map<std::string, int> names;
+  for (const auto& shard : set.shards()) {
+    if (Status s = ValidateShardName(shard.name()); !s.ok()) {
+      problems.push_back(std::string(s.message()));
+    }
+    if (++names[shard.name()] == 2) {
+      problems.push_back(absl::StrFormat("shard name '%s' is used twice", shard.name()));
+    }
+  }
+  if (set.shards_size() == 0) problems.push_back("the set has no shards");
+  // holders[layer][expert]: the shards that hold it.
+  std::map<int32_t, std::vector<std::vector<std::string>>> holders;
+  for (int32_t layer : layout.moe_layers) holders[layer].resize(layout.experts_per_layer);
+  std::map<std::string, std::vector<std::string>> dense;
+  for (const auto& shard : set.shards()) {
+    for (const auto& r : shard.experts()) {
+      auto it = holders.find(r.layer());
+      if (it == holders.end()) {
+        problems.push_back(absl::StrFormat(
+            "shard '%s' lists experts of layer %d, which is not an MoE layer (those are: %s)",
+            shard.name(), r.layer(), absl::StrJoin(layout.moe_layers, ", ")));
+        continue;
+      }
+      if (r.count() < 1 || r.first() < 0 ||
+          int64_t{r.first()} + r.count() > layout.experts_per_layer) {
+        problems.push_back(absl::StrFormat(
+            "shard '%s' lists experts first %d count %d of layer %d, outside the layer's "
+            "experts 0-%d",
+            shard.name(), r.first(), r.count(), r.layer(), layout.experts_per_layer - 1));
+        continue;
+      }
+      for (int32_t e = r.first(); e < r.first() + r.count(); ++e) {
+        it->second[e].push_back(shard.name());
+      }
+    }
+    for (const std::string& name : shard.dense()) dense[name].push_back(shard.name());
+  }
+  // Runs of experts with the same holders, reported when they are not exactly one.
+  for (const auto& [layer, experts] : holders) {
+    for (int32_t e = 0; e < static_cast<int32_t>(experts.size());) {
+      int32_t last = e;
+      while (last + 1 < static_cast<int32_t>(experts.size()) && experts[last + 1] == experts[e]) {
+        ++last;
+      }
+      if (experts[e].empty()) {
+        problems.push_back(absl::StrFormat("layer %d, %s: in no shard", layer, ExpertRun(e, last)));
+      } else if (experts[e].size() > 1) {
+        problems.push_back(absl::StrFormat("layer %d, %s: in more than one shard (%s)", layer,
+                                           ExpertRun(e, last), absl::StrJoin(experts[e], ", ")));
+      }
+      e = last + 1;
+    }
+  }
+  for (const auto& [name, in] : dense) {
+    if (in.size() > 1) {
+      problems.push_back(absl::StrFormat("dense tensor '%s' is in more than one shard (%s)", name,
+                                         absl::StrJoin(in, ", ")));
+    }
+  }
+  if (!layout.dense.empty()) {
+    const std::set<std::string> expected(layout.dense.begin(), layout.dense.end());
+    std::vector<std::string> missing, unknown;
+    for (const std::string& name : layout.dense) {
+      if (!dense.count(name)) missing.push_back(name);
+    }
+    for (const auto& [name, in] : dense) {
+      if (!expected.count(name)) unknown.push_back(absl::StrFormat("'%s' (%s)", name, in[0]));
+    }
+    if (!missing.empty()) {
+      problems.push_back(
+          absl::StrFormat("dense tensors in no shard: '%s'", absl::StrJoin(missing, "', '")));
+    }
+    if (!unknown.empty()) {
+      problems.push_back(absl::StrFormat("dense tensors the model does not have: %s",
+                                         absl::StrJoin(unknown, ", ")));
+    }
+  }
+  return problems;
+}
+
+LedgerEntry EntryOf(int64_t step, uint64_t sequence) {
+  LedgerEntry e;
+  e.set_step(step);
+  e.set_sequence(sequence);
+  return e;
+}
+
+// The ledger listing `live` (by step), none being removed, with `last_sequence`.
+CheckpointLedger LedgerOf(const std::vector<LedgerEntry>& live, uint64_t last_sequence) {
+  CheckpointLedger ledger;
+  ledger.set_format(1);
+  ledger.set_last_sequence(last_sequence);
+  std::vector<LedgerEntry> sorted = live;
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto& a, const auto& b) { return a.step() < b.step(); });
+  for (const LedgerEntry& e : sorted) *ledger.add_live() = e;
+  return ledger;
+}
+
+// Removes the manifests of steps the ledger records as being removed, then syncs the folder.
+Status FinishRemovals(const std::string& dir, const Listing& listing) {
+  bool removed = false;
+  for (const auto& e : listing.ledger.removing()) {
+    const std::string path = ManifestPath(dir, e.step());
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return absl::InternalError(
+          absl::StrFormat("cannot remove '%s': %s", path, std::strerror(errno)));
+    }
+    removed = true;
+  }
+  return removed ? SyncFolder(ManifestsDir(dir)) : absl::OkStatus();
+}
+
+}  // namespace
+
+CheckpointSetLayout ExpertLayoutOf(const config::ModelConfig& model) {
+  CheckpointSetLayout layout;
+  for (int32_t i = 0; i < model.n_layers(); ++i) {
+    if (model.moe_every() > 0 && (i + 1) % model.moe_every() == 0) layout.moe_layers.push_back(i);
+  }
+  layout.experts_per_layer = model.moe().num_experts();
+  return layout;
+}
+
+Status ValidateShardName(const std::string& name) {
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "shard name '%s' %s; a shard is named p0 (one process), r<rank> (e.g. r3) or w<worker "
+        "id> (e.g. w7, 1 to 64 characters of A-Z a-z 0-9 . _ -)",
+        absl::CHexEscape(name), why));
+  };
+  if (name == "p0") return absl::OkStatus();
+  if (name.empty()) return bad("is empty");
+  const std::string rest = name.substr(1);
+  if (name[0] == 'r') {
+    int32_t rank = 0;
+    if (rest.empty() || !std::all_of(rest.begin(), rest.end(), absl::ascii_isdigit) ||
+        (rest.size() > 1 && rest[0] == '0') || !absl::SimpleAtoi(rest, &rank)) {
+      return bad("is not r followed by a rank (0 to 2147483647, no leading zeros)");
+    }
+    return absl::OkStatus();
+  }
+  if (name[0] == 'w') {
+    if (rest.empty() || rest.size() > 64 || !std::all_of(rest.begin(), rest.end(), [](char c) {
+          return absl::ascii_isalnum(c) || c == '.' || c == '_' || c == '-';
+        })) {
+      return bad("is not w followed by 1 to 64 characters of A-Z a-z 0-9 . _ -");
+    }
+    return absl::OkStatus();
+  }
+  return bad("does not start with p0, r or w");
+}
+
+StatusOr<CheckpointSet> CommitCheckpointSet(const std::string& dir,
+                                            const CheckpointSetLayout& layout, CheckpointSet set,
+                                            storage::Env* env) {
+  if (!set.has_step() || set.step() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("a checkpoint set needs a step of 0 or more, not %s",
+                        set.has_step() ? absl::StrCat(set.step()) : std::string("none")));
+  }
+  if (std::vector<std::string> problems = WholenessProblems(layout, set); !problems.empty()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the checkpoint set of step %d is not whole, so nothing was written to '%s': %s. Each "
+        "expert of every MoE layer and each dense tensor must be in exactly one shard",
+        set.step(), dir, absl::StrJoin(problems, "; ")));
+  }
+  ASSIGN_OR_RETURN(Listing listing, ReadListing(dir, env));
+  if (!listing.problems.empty()) return ProblemsError(dir, listing.problems);
+  for (const CheckpointSet& s : listing.live) {
+    if (s.step() == set.step()) {
+      return absl::AlreadyExistsError(absl::StrFormat(
+          "checkpoint %d is already committed in '%s' (sequence %d); remove it first to commit "
+          "it again",
+          set.step(), dir, s.sequence()));
+    }
+  }
+  const bool fresh = !env->FileExists(ManifestsDir(dir));
+  RETURN_IF_ERROR(env->CreateDirs(ManifestsDir(dir)));
+  if (fresh) RETURN_IF_ERROR(SyncFolder(dir));
+  RETURN_IF_ERROR(FinishRemovals(dir, listing));
+
+  uint64_t last_sequence = listing.ledger.last_sequence();
+  const CheckpointSet* previous = nullptr;
+  std::vector<LedgerEntry> live;
+  for (const CheckpointSet& s : listing.live) {
+    last_sequence = std::max(last_sequence, s.sequence());
+    if (previous == nullptr || s.sequence() > previous->sequence()) previous = &s;
+    live.push_back(EntryOf(s.step(), s.sequence()));
+  }
+  set.set_sequence(last_sequence + 1);
+  set.clear_previous_step();
+  set.clear_previous_sequence();
+  if (previous != nullptr) {
+    set.set_previous_step(previous->step());
+    set.set_previous_sequence(previous->sequence());
+  }
+  if (!set.has_created_unix_ms()) set.set_created_unix_ms(NowMs());
+  RETURN_IF_ERROR(env->WriteFileAtomic(ManifestPath(dir, set.step()), EncodeManifest(set)));
+  // The set exists from here on; a process stopped before the ledger's update leaves it
+  // unrecorded, which listing accepts (it follows the ledger's newest) and the next commit records.
+  int64_t step = set.step();
+  STRATA_FAULT_POINT("checkpoint_set.before_ledger", &step);
+  live.push_back(EntryOf(set.step(), set.sequence()));
+  RETURN_IF_ERROR(
+      env->WriteFileAtomic(GlobalLedgerPath(dir), LedgerText(LedgerOf(live, set.sequence()))));
+  return set;
+}
+
+StatusOr<std::vector<CheckpointSet>> ListCheckpointSets(const std::string& dir, storage::Env* env) {
+  ASSIGN_OR_RETURN(Listing listing, ReadListing(dir, env));
+  if (!listing.problems.empty()) return ProblemsError(dir, listing.problems);
+  return std::move(listing.live);
+}
+
+Status VerifyShardRefs(const std::string& dir, const CheckpointSet& set,
+                       const LocalManifestReader& reader) {
+  std::vector<std::string> failures;
+  absl::StatusCode code = absl::StatusCode::kDataLoss;
+  for (const auto& shard : set.shards()) {
+    StatusOr<std::string> bytes = reader(shard.name(), shard.local_sequence());
+    if (!bytes.ok()) {
+      if (!absl::IsNotFound(bytes.status())) code = bytes.status().code();
+      failures.push_back(absl::StrFormat("shard '%s' (local manifest sequence %d): %s",
+                                         shard.name(), shard.local_sequence(),
+                                         bytes.status().message()));
+      continue;
+    }
+    const uint32_t crc = storage::Crc32c(bytes->data(), bytes->size());
+    if (crc != shard.local_manifest_crc32c()) {
+      failures.push_back(absl::StrFormat(
+          "shard '%s' (local manifest sequence %d): its local manifest's CRC-32C is %08x, but "
+          "the checkpoint set recorded %08x: the shard was damaged or rewritten after the set "
+          "committed",
+          shard.name(), shard.local_sequence(), crc, shard.local_manifest_crc32c()));
+    }
+  }
+  if (failures.empty()) return absl::OkStatus();
+  return Status(code,
+                absl::StrFormat("checkpoint %d in '%s': %d of %d shards fail: %s", set.step(), dir,
+                                failures.size(), set.shards_size(), absl::StrJoin(failures, "; ")));
+}
+
+Status RemoveCheckpointSet(const std::string& dir, int64_t step, storage::Env* env) {
+  ASSIGN_OR_RETURN(Listing listing, ReadListing(dir, env));
+  const CheckpointLedger& ledger = listing.ledger;
+  // The ledger's entries (damaged ones too) and a committed set it missed, less `step`.
+  std::vector<LedgerEntry> live;
+  std::vector<int64_t> steps;
+  std::optional<LedgerEntry> target;
+  uint64_t last_sequence = ledger.last_sequence();
+  for (const auto& e : ledger.live()) {
+    steps.push_back(e.step());
+    if (e.step() == step) {
+      target = e;
+    } else {
+      live.push_back(e);
+    }
+  }
+  for (const CheckpointSet& s : listing.live) {
+    last_sequence = std::max(last_sequence, s.sequence());
+    if (std::none_of(ledger.live().begin(), ledger.live().end(),
+                     [&](const auto& e) { return e.step() == s.step(); })) {
+      steps.push_back(s.step());
+      if (s.step() == step) {
+        target = EntryOf(s.step(), s.sequence());
+      } else {
+        live.push_back(EntryOf(s.step(), s.sequence()));
+      }
+    }
+  }
+  const bool on_disk = std::any_of(listing.files.begin(), listing.files.end(),
+                                   [&](const ManifestFile& f) { return f.step == step; });
+  if (!target && on_disk) target = EntryOf(step, 0);  // a manifest the ledger never knew
+  if (!target) {
+    std::sort(steps.begin(), steps.end());
+    return absl::NotFoundError(
+        absl::StrFormat("no checkpoint %d in '%s' (its sharded checkpoints: %s)", step, dir,
+                        steps.empty() ? std::string("none") : absl::StrJoin(steps, ", ")));
+  }
+  for (const ManifestFile& f : listing.files) {
+    if (f.set.ok()) last_sequence = std::max(last_sequence, f.set->sequence());
+  }
+  // Record the removal, remove the manifest (and any a crash left), then forget it.
+  CheckpointLedger removing = LedgerOf(live, last_sequence);
+  *removing.mutable_removing() = ledger.removing();
+  *removing.add_removing() = *target;
+  RETURN_IF_ERROR(env->WriteFileAtomic(GlobalLedgerPath(dir), LedgerText(removing)));
+  listing.ledger = removing;
+  RETURN_IF_ERROR(FinishRemovals(dir, listing));
+  return env->WriteFileAtomic(GlobalLedgerPath(dir), LedgerText(LedgerOf(live, last_sequence)));
+}
+
+}  // namespace strata::train

@@ -1,0 +1,99 @@
+// The global manifests and the global ledger of a sharded checkpoint folder
+// (docs/sharded_checkpoints.md): the commit that makes a checkpoint of many shards exist, and the
+// list of committed checkpoints a resume chooses from.
+//
+//   DIR/manifests/<step>.manifest   one CheckpointSet per committed checkpoint (binary proto,
+//                                   then its CRC-32C in 4 bytes, little-endian)
+//   DIR/manifests/LEDGER            the global ledger: a CheckpointLedger in text form, then a line
+//                                   with the CRC-32C of that text (the local ledger's format)
+//
+// Design decisions:
+// - A set exists from the rename of its manifest on; the ledger is replaced after it. A crash in
+//   between leaves a manifest the ledger does not know: it is listed (it committed) when its
+//   sequence is above the ledger's last and it follows the ledger's newest set (its previous_step
+//   and previous_sequence name that set; none when the ledger lists none), or follows such a
+//   manifest (a committer stopped twice in a row), and the next commit records it. Any other
+//   manifest the ledger does not know, a ledger entry whose manifest is missing, and a manifest
+//   whose bytes fail their CRC or do not parse make ListCheckpointSets fail with DATA_LOSS naming
+//   each step and file: the list never lies, and a resume must not silently fall back past a
+//   checkpoint it was told exists. RemoveCheckpointSet works on any listed or damaged step, so `rm`
+//   of the named step is the way out.
+// - Removal is recorded first (the ledger moves the entry to `removing`), then the manifest goes,
+//   then the ledger forgets it: a crash leaves the set either listed or gone, never half there.
+//   A pending removal is finished by the next commit or removal.
+// - The ledger lives in manifests/, not at DIR/LEDGER: a folder written before sharding has its
+//   one shard's local ledger there, and it opens as a shard named ".".
+//
+// Threads and ownership: these are free functions over files, with no state of their own; the
+// caller owns every argument and keeps nothing of theirs after the call. One committer per folder:
+// CommitCheckpointSet and RemoveCheckpointSet must not run at the same time on one folder, in one
+// process or several (the committer is one thread: the coordinator's record, or rank 0's writer;
+// `strata ckpt rm` will take the folder's lock). ListCheckpointSets and VerifyShardRefs only read
+// and may run on any thread beside a committer: a listing that races commits and removals lists
+// what was committed before it ended (a set removed meanwhile may still be in it), never an error.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/common/status.h"
+#include "proto/config.pb.h"
+#include "proto/storage.pb.h"
+#include "storage/env.h"
+
+namespace strata::train {
+
+using storage::CheckpointSet;
+
+// What a whole set holds: every expert 0 .. experts_per_layer - 1 of every layer in `moe_layers`
+// (Transformer block indices), and, when `dense` is not empty, exactly those dense tensors.
+struct CheckpointSetLayout {
+  std::vector<int32_t> moe_layers;
+  int32_t experts_per_layer = 0;
+  std::vector<std::string> dense;  // empty: only checked for names held twice
+};
+
+// The MoE layers and experts a model config has (block i has an MoE FFN when
+// (i + 1) % moe_every == 0); no dense names.
+CheckpointSetLayout ExpertLayoutOf(const config::ModelConfig& model);
+
+// Shard names become folder names (DIR/shards/<name>): "p0", "r<rank>" (a decimal rank without
+// leading zeros, below 2^31) or "w<id>" (1 to 64 characters of A-Z a-z 0-9 . _ -; a worker id
+// with other characters is encoded by its caller). INVALID_ARGUMENT naming the name otherwise.
+[[nodiscard]] Status ValidateShardName(const std::string& name);
+
+// Commits `set` to the folder `dir` (created if need be): checks it is whole for `layout` (every
+// expert in exactly one shard, no dense name twice, every shard name valid and used once) and
+// refuses it naming what is missing or doubled, writing nothing; refuses a step already
+// committed. Otherwise gives the set the next sequence and the newest set as its predecessor
+// (created_unix_ms: now, unless set), writes DIR/manifests/<step>.manifest atomically through
+// `env`, then replaces the global ledger. Returns the set as written. REQUIRES: no other commit or
+// removal of `dir` runs.
+[[nodiscard]] StatusOr<CheckpointSet> CommitCheckpointSet(
+    const std::string& dir, const CheckpointSetLayout& layout, CheckpointSet set,
+    storage::Env* env = storage::Env::Default());
+
+// The committed sets of `dir`, by increasing step, checked against the global ledger (see the
+// top of this file). An empty list for a folder without manifests/LEDGER and manifests.
+[[nodiscard]] StatusOr<std::vector<CheckpointSet>> ListCheckpointSets(
+    const std::string& dir, storage::Env* env = storage::Env::Default());
+
+// Returns the bytes of shard `shard`'s local manifest with sequence `local_sequence`; NOT_FOUND
+// when the shard or that manifest is missing.
+using LocalManifestReader =
+    std::function<StatusOr<std::string>(const std::string& shard, uint64_t local_sequence)>;
+
+// Checks that every shard of `set` has its local manifest and that its bytes have the CRC the set
+// recorded. DATA_LOSS naming each failing shard, its local sequence and the set's step.
+[[nodiscard]] Status VerifyShardRefs(const std::string& dir, const CheckpointSet& set,
+                                     const LocalManifestReader& reader);
+
+// Removes the set of `step` (listed or damaged): the ledger records the removal, the manifest
+// goes, the ledger forgets it. NOT_FOUND naming the steps there are when the folder has none of
+// that step. REQUIRES: no other commit or removal of `dir` runs.
+[[nodiscard]] Status RemoveCheckpointSet(const std::string& dir, int64_t step,
+                                         storage::Env* env = storage::Env::Default());
+
+}  // namespace strata::train
