@@ -43,8 +43,9 @@ std::string Ranges(const std::vector<int64_t>& counts) {
 
 }  // namespace
 
-void Trainer::AbortCollectives(const std::string& why) {
+void Trainer::AbortCollectives(const std::string& why, int64_t newer_generation) {
   std::lock_guard<std::mutex> lock(comm_mu_);
+  if (newer_generation <= comm_generation_) return;  // late: that generation is this one
   aborted_why_ = why;
   for (comm::Communicator* c : {world_comm_.get(), ep_comm_.get(), replica_comm_.get()}) {
     if (c != nullptr) c->Abort(why);
@@ -319,7 +320,7 @@ Status Trainer::ImportState(const SyncedState& s) {
   return RefreshBuddies();
 }
 
-void Trainer::ResetParallel() {
+void Trainer::ResetParallel(int64_t generation) {
   if (model_) model_->AttachParallel(nullptr, nullptr, nullptr);
   // The seams built over this generation's reducers go with them; BuildModel makes new ones.
   gradients_.reset();
@@ -328,6 +329,7 @@ void Trainer::ResetParallel() {
   data_parallel_.reset();
   std::lock_guard<std::mutex> lock(comm_mu_);
   aborted_why_.reset();
+  comm_generation_ = generation;
   replica_comm_.reset();
   ep_comm_.reset();
   world_comm_.reset();
@@ -346,7 +348,7 @@ Status Trainer::Reform(const WorkerOptions& w) {
   RETURN_IF_ERROR(CheckElastic());
   // The previous generation's communicators are finished (aborted or failed); their threads stop.
   AbortCollectives("a new generation forms");
-  ResetParallel();
+  ResetParallel(w.generation);
   options_.worker = w;
   options_.worker.rejoin = true;
   if (distributed()) RETURN_IF_ERROR(SetUpWorkers());

@@ -153,7 +153,8 @@ Status RunElasticWorker(Membership& membership, ElasticWorkerOptions opts) {
         std::lock_guard<std::mutex> lock(mu);
         if (active != nullptr && hb->number() > training_generation.load()) {
           active->AbortCollectives(
-              absl::StrFormat("generation %d formed (%s)", hb->number(), hb->reason()));
+              absl::StrFormat("generation %d formed (%s)", hb->number(), hb->reason()),
+              hb->number());
         }
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));

@@ -402,6 +402,7 @@ Status Trainer::BuildModel(int64_t first, int64_t count) {
 StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   std::unique_ptr<Trainer> tr(new Trainer);
   tr->options_ = options;
+  tr->comm_generation_ = options.worker.generation;  // not yet shared with another thread
   const config::JobConfig& cfg = tr->options_.config;
   RETURN_IF_ERROR(config::ValidateJobConfig(cfg, "job config"));
   // This process's share of the job against this machine's memory, before anything is allocated.

@@ -22,6 +22,7 @@
 
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -172,7 +173,10 @@ class Trainer {
 
   // Elastic jobs. Unblocks the collectives in flight with ABORTED (from any thread, e.g. when a
   // new membership generation forms): the step fails and Run returns, so the caller can Reform.
-  void AbortCollectives(const std::string& why);
+  // With `newer_generation`, only when this trainer is in an older generation: a late call for the
+  // generation it has already re-formed into does nothing.
+  void AbortCollectives(const std::string& why,
+                        int64_t newer_generation = std::numeric_limits<int64_t>::max());
   // Re-forms this worker, in place, for a new generation: new communicators under w.store, the
   // state agreed on (see WorkerOptions::rejoin), the experts re-placed by measured load. On
   // success Run goes on from step(), which may be one step back when a step was cut short. On
@@ -232,7 +236,8 @@ class Trainer {
   void ReadExpert(int64_t e, float* out) const;
   void TakeRollbackCopy();
   [[nodiscard]] Status RefreshBuddies();
-  void ResetParallel();
+  // Drops this generation's reducers and communicators; `generation` is the one to come.
+  void ResetParallel(int64_t generation);
   [[nodiscard]] Status ExportParameters() const;
   bool distributed() const { return options_.worker.world_size > 1; }
   [[nodiscard]] Status RunLoop();
@@ -286,6 +291,7 @@ class Trainer {
   mutable std::mutex comm_mu_;
   // Guarded by comm_mu_: why the collectives were aborted, until ResetParallel.
   std::optional<std::string> aborted_why_;
+  int64_t comm_generation_ = 0;  // guarded by comm_mu_: the generation of the communicators
   std::vector<int64_t> experts_per_worker_;
   int64_t first_expert_ = 0, num_experts_ = 0;  // this worker's range
   Device device_;                               // where the model lives (train.device)

@@ -432,6 +432,50 @@ TEST_F(ElasticWorkerTest, AJoinerSupersedesTheGenerationAndBothWorkersReformAndF
   EXPECT_EQ(coordinator.detached(), std::vector<bool>({true, true}));
 }
 
+// The heartbeat thread aborts a generation's collectives when it sees a newer one, and may do so
+// late: after the worker has already re-formed into that newer generation. Such a late abort must
+// not touch the generation it names; an abort for a generation beyond it still stops the step.
+TEST_F(ElasticWorkerTest, ALateAbortForTheCurrentGenerationLeavesItTraining) {
+  auto store = comm::MakeInMemoryStore();
+  std::vector<std::unique_ptr<Trainer>> trainers(2);
+  {
+    std::vector<std::thread> create;
+    for (int rank = 0; rank < 2; ++rank) {
+      create.emplace_back([&, rank] {
+        TrainOptions o;
+        o.config = TinyJob(dir_.File("text.txt"));
+        o.progress = false;
+        o.worker.rank = rank;
+        o.worker.world_size = 2;
+        o.worker.store = store;
+        o.worker.elastic = true;
+        o.worker.generation = 3;
+        auto t = Trainer::Create(o);
+        ASSERT_TRUE(t.ok()) << t.status();
+        trainers[rank] = std::move(*t);
+      });
+    }
+    for (auto& t : create) t.join();
+  }
+  ASSERT_TRUE(trainers[0] && trainers[1]);
+  auto step_both = [&] {
+    std::vector<Status> status(2);
+    std::vector<std::thread> steps;
+    for (int rank = 0; rank < 2; ++rank) {
+      steps.emplace_back([&, rank] { status[rank] = trainers[rank]->Step().status(); });
+    }
+    for (auto& t : steps) t.join();
+    return status;
+  };
+  for (auto& t : trainers) t->AbortCollectives("generation 3 formed (late)", 3);
+  for (const Status& s : step_both()) EXPECT_TRUE(s.ok()) << s;
+  for (auto& t : trainers) t->AbortCollectives("generation 4 formed", 4);
+  for (const Status& s : step_both()) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+    EXPECT_NE(s.message().find("generation 4 formed"), std::string::npos) << s;
+  }
+}
+
 TEST_F(ElasticWorkerTest, AJobThatFinishesWhileTheWorkerWaitsEndsItCleanly) {
   // Two workers form the first generation; only one comes, and the job finishes meanwhile.
   FakeMembership coordinator(/*initial=*/2);
