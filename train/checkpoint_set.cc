@@ -128,17 +128,22 @@ struct ManifestFile {
 StatusOr<std::vector<ManifestFile>> ScanManifests(const std::string& dir, storage::Env* env) {
   std::vector<ManifestFile> files;
   std::error_code ec;
-  if (!std::filesystem::exists(ManifestsDir(dir), ec)) return files;
-  for (const auto& e : std::filesystem::directory_iterator(ManifestsDir(dir), ec)) {
-    const std::string name = e.path().filename().string();
+  const bool exists = std::filesystem::exists(ManifestsDir(dir), ec);
+  if (!ec && !exists) return files;
+  std::filesystem::directory_iterator it;
+  if (!ec) it = std::filesystem::directory_iterator(ManifestsDir(dir), ec);
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    const std::string name = it->path().filename().string();
     const size_t suffix = name.size() - std::strlen(kManifestSuffix);
     int64_t step = 0;
+    // Only the canonical name of a step ("10.manifest", not "010.manifest") is its manifest.
     if (name.size() <= std::strlen(kManifestSuffix) || name.substr(suffix) != kManifestSuffix ||
         !std::all_of(name.begin(), name.begin() + suffix, absl::ascii_isdigit) ||
-        !absl::SimpleAtoi(name.substr(0, suffix), &step)) {
+        !absl::SimpleAtoi(name.substr(0, suffix), &step) ||
+        name != absl::StrCat(step, kManifestSuffix)) {
       continue;
     }
-    files.push_back({step, e.path().string(), absl::UnknownError("not read")});
+    files.push_back({step, it->path().string(), absl::UnknownError("not read")});
   }
   if (ec) {
     return absl::PermissionDeniedError(
@@ -263,8 +268,8 @@ StatusOr<Listing> ReadListing(const std::string& dir, storage::Env* env) {
 Status ProblemsError(const std::string& dir, const std::vector<std::string>& problems) {
   return absl::DataLossError(absl::StrFormat(
       "the sharded checkpoints of '%s' do not match their global ledger '%s': %s. Restore the "
-      "named manifests from a copy of the folder, or remove those checkpoints "
-      "(RemoveCheckpointSet)",
+      "named manifests from a copy of the folder, or remove those checkpoints (by their "
+      "steps) to go on with the others",
       dir, GlobalLedgerPath(dir), absl::StrJoin(problems, "; ")));
 }
 

@@ -28,7 +28,7 @@
 // caller owns every argument and keeps nothing of theirs after the call. One committer per folder:
 // CommitCheckpointSet and RemoveCheckpointSet must not run at the same time on one folder, in one
 // process or several (the committer is one thread: the coordinator's record, or rank 0's writer;
-// `strata ckpt rm` will take the folder's lock). ListCheckpointSets and VerifyShardRefs only read
+// `strata ckpt rm` will take DIR/manifests/LOCK). ListCheckpointSets and VerifyShardRefs only read
 // and may run on any thread beside a committer: a listing that races commits and removals lists
 // what was committed before it ended (a set removed meanwhile may still be in it), never an error.
 #pragma once

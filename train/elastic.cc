@@ -375,6 +375,9 @@ Status Trainer::AdoptState(const SyncedState& s, bool rebuild) {
     ASSIGN_OR_RETURN(scheduler::ExpertPlacement placement,
                      scheduler::ExpertPlacement::FromCounts(experts_per_worker_));
     const int rank = options_.worker.rank;
+    // The seams point into what goes next; BuildModel chooses new ones.
+    gradients_.reset();
+    keeping_.reset();
     optimizer_.reset();
     dense_slices_.reset();
     if (model_) model_->AttachParallel(nullptr, nullptr, nullptr);
