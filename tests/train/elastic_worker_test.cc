@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "proto/config_io.h"
 #include "tests/test_util.h"
+#include "tests/train/tiny_job.h"
 
 namespace strata::train {
 namespace {
@@ -29,23 +30,7 @@ using strata::testing::WriteFile;
 constexpr int kSteps = 8;
 
 config::JobConfig TinyJob(const std::string& data_path) {
-  const std::string text = R"pb(
-    name: "tiny"
-    seed: 7
-    model {
-      seq_len: 32
-      d_model: 32
-      n_layers: 2
-      n_heads: 2
-      moe_every: 1
-      moe {
-        num_experts: 4
-        top_k: 2
-        d_expert: 32
-        gate { capacity_factor_train: 1.25 }
-      }
-    }
-    data { path: "set below" eval_fraction: 0.1 }
+  return strata::testing::TinyMoeJob(data_path, R"pb(
     train {
       steps: 8
       global_batch: 8
@@ -56,11 +41,7 @@ config::JobConfig TinyJob(const std::string& data_path) {
       threads: 1
     }
     elastic { heartbeat_timeout_ms: 100 restart_grace_ms: 100 coordinator_patience_ms: 1000 }
-  )pb";
-  auto cfg = config::ParseJobConfig(text, "tiny.textproto", "");
-  EXPECT_TRUE(cfg.ok()) << cfg.status();
-  cfg->mutable_data()->set_path(data_path);
-  return *cfg;
+  )pb");
 }
 
 // A coordinator in this process: the first `initial` joiners form generation 1; a later joiner

@@ -9,6 +9,7 @@
 #include "absl/strings/str_split.h"
 #include "proto/config_io.h"
 #include "tests/test_util.h"
+#include "tests/train/tiny_job.h"
 #include "train/trainer.h"
 
 namespace strata::train {
@@ -19,30 +20,11 @@ using strata::testing::TempDir;
 using strata::testing::WriteFile;
 
 config::JobConfig TinyJob(const std::string& data_path, int threads) {
-  const std::string text = R"pb(
-    name: "tiny"
-    seed: 7
-    model {
-      seq_len: 32
-      d_model: 32
-      n_layers: 2
-      n_heads: 2
-      moe_every: 1
-      moe {
-        num_experts: 4
-        top_k: 2
-        d_expert: 32
-        gate { capacity_factor_train: 1.25 }
-      }
-    }
-    data { path: "set below" eval_fraction: 0.1 }
+  config::JobConfig cfg = strata::testing::TinyMoeJob(data_path, R"pb(
     train { steps: 60 global_batch: 8 lr: 0.003 warmup_steps: 10 eval_every: 20 eval_batches: 2 }
-  )pb";
-  auto cfg = config::ParseJobConfig(text, "tiny.textproto", "");
-  EXPECT_TRUE(cfg.ok()) << cfg.status();
-  cfg->mutable_data()->set_path(data_path);
-  cfg->mutable_train()->set_threads(threads);
-  return *cfg;
+  )pb");
+  cfg.mutable_train()->set_threads(threads);
+  return cfg;
 }
 
 class TrainerTest : public ::testing::Test {

@@ -1,0 +1,37 @@
+// The small MoE model the trainer's tests train (2 blocks, 4 experts, top-2), on `data_path`,
+// with the job's other sections (train, elastic, ...) given by each test in text format.
+#pragma once
+
+#include <string>
+
+#include <gtest/gtest.h>
+#include "proto/config_io.h"
+
+namespace strata::testing {
+
+inline config::JobConfig TinyMoeJob(const std::string& data_path, const std::string& sections) {
+  const std::string model = R"pb(
+    name: "tiny"
+    seed: 7
+    model {
+      seq_len: 32
+      d_model: 32
+      n_layers: 2
+      n_heads: 2
+      moe_every: 1
+      moe {
+        num_experts: 4
+        top_k: 2
+        d_expert: 32
+        gate { capacity_factor_train: 1.25 }
+      }
+    }
+    data { path: "set below" eval_fraction: 0.1 }
+  )pb";
+  auto cfg = config::ParseJobConfig(model + sections, "tiny.textproto", "");
+  EXPECT_TRUE(cfg.ok()) << cfg.status();
+  cfg->mutable_data()->set_path(data_path);
+  return *cfg;
+}
+
+}  // namespace strata::testing
