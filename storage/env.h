@@ -1,5 +1,6 @@
 // Env: the seam for strata's whole-file work (after LevelDB's Env): mapping the token file, the
-// metrics log, the checkpoint ledger. The SSD tier's data files go through BlockIo (block_io.h)
+// metrics log, the checkpoint ledger, the global manifests of sharded checkpoints and the folders
+// that hold them. The SSD tier's data files go through BlockIo (block_io.h)
 // and its index through RocksDB instead; neither uses this seam.
 //
 // Why a seam: storage code must be testable against faults it cannot provoke on a healthy disk
@@ -20,6 +21,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "core/common/status.h"
 
@@ -66,6 +68,17 @@ class Env {
   [[nodiscard]] virtual StatusOr<uint64_t> FileSize(const std::string& path) = 0;
   virtual bool FileExists(const std::string& path) = 0;
   [[nodiscard]] virtual Status CreateDirs(const std::string& path) = 0;
+  // Removes the file `path` (not a folder). NOT_FOUND naming the path when there is none, so a
+  // caller that finishes an interrupted removal tests absl::IsNotFound and goes on. The removal
+  // survives a crash of the machine only after a SyncDir of the folder that held it.
+  [[nodiscard]] virtual Status DeleteFile(const std::string& path) = 0;
+  // The names in the folder `path` (files, folders, anything but "." and ".."), sorted bytewise.
+  // NOT_FOUND naming the path when the folder is missing; any other failure (not a folder, no
+  // permission, an error while reading it) is an error too, never a shorter list.
+  [[nodiscard]] virtual StatusOr<std::vector<std::string>> ListDir(const std::string& path) = 0;
+  // fsync of the folder `path`: the creates, renames and removals in it survive a crash of the
+  // machine.
+  [[nodiscard]] virtual Status SyncDir(const std::string& path) = 0;
 };
 
 }  // namespace strata::storage

@@ -1,13 +1,17 @@
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "storage/env.h"
@@ -142,14 +146,7 @@ class PosixEnv : public Env {
       return IoError("cannot rename into", path, err);
     }
     const std::filesystem::path parent = std::filesystem::path(path).parent_path();
-    const std::string dir = parent.empty() ? std::string(".") : parent.string();
-    int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd < 0) return IoError("cannot open folder", dir, errno);
-    int rc = ::fsync(dfd);
-    int err = errno;
-    ::close(dfd);
-    if (rc != 0) return IoError("cannot sync folder", dir, err);
-    return absl::OkStatus();
+    return SyncDir(parent.empty() ? std::string(".") : parent.string());
   }
 
   StatusOr<std::string> ReadFile(const std::string& path) override {
@@ -169,6 +166,40 @@ class PosixEnv : public Env {
     std::error_code ec;
     std::filesystem::create_directories(path, ec);
     if (ec) return IoError("cannot create folder", path, ec.value());
+    return absl::OkStatus();
+  }
+
+  Status DeleteFile(const std::string& path) override {
+    if (::unlink(path.c_str()) != 0) return IoError("cannot remove", path, errno);
+    return absl::OkStatus();
+  }
+
+  StatusOr<std::vector<std::string>> ListDir(const std::string& path) override {
+    DIR* d = ::opendir(path.c_str());
+    if (d == nullptr) return IoError("cannot list folder", path, errno);
+    std::vector<std::string> names;
+    // readdir returns null both at the end and on an error; only errno tells them apart.
+    for (;;) {
+      errno = 0;
+      const struct dirent* e = ::readdir(d);
+      if (e == nullptr) break;
+      const std::string_view name = e->d_name;
+      if (name != "." && name != "..") names.emplace_back(name);
+    }
+    const int err = errno;
+    ::closedir(d);
+    if (err != 0) return IoError("cannot list folder", path, err);
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  Status SyncDir(const std::string& path) override {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return IoError("cannot open folder", path, errno);
+    const int rc = ::fsync(fd);
+    const int err = errno;
+    ::close(fd);
+    if (rc != 0) return IoError("cannot sync folder", path, err);
     return absl::OkStatus();
   }
 };

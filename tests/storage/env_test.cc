@@ -1,4 +1,5 @@
-// The POSIX Env: mapping, writing, atomic replace, and errors that name the path.
+// The POSIX Env: mapping, writing, atomic replace, removing, listing and syncing folders, and
+// errors that name the path.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
@@ -83,6 +84,52 @@ TEST(PosixEnvTest, CreateDirsAndExists) {
   EXPECT_FALSE(Env::Default()->FileExists(dir.File("x/y")));
   ASSERT_TRUE(Env::Default()->CreateDirs(dir.File("x/y")).ok());
   EXPECT_TRUE(Env::Default()->FileExists(dir.File("x/y")));
+}
+
+TEST(PosixEnvTest, DeleteFileRemovesAndNamesAMissingPath) {
+  TempDir dir;
+  WriteFile(dir.File("a"), "x");
+  ASSERT_TRUE(Env::Default()->DeleteFile(dir.File("a")).ok());
+  EXPECT_FALSE(std::filesystem::exists(dir.File("a")));
+  const Status again = Env::Default()->DeleteFile(dir.File("a"));
+  EXPECT_TRUE(absl::IsNotFound(again)) << again;
+  EXPECT_NE(again.message().find("cannot remove '" + dir.File("a") + "'"), std::string::npos)
+      << again;
+  // A folder is not a file: refused, and left there.
+  ASSERT_TRUE(std::filesystem::create_directory(dir.File("sub")));
+  EXPECT_FALSE(Env::Default()->DeleteFile(dir.File("sub")).ok());
+  EXPECT_TRUE(std::filesystem::is_directory(dir.File("sub")));
+}
+
+TEST(PosixEnvTest, ListDirNamesEverythingSortedAndFailsOnWhatIsNoFolder) {
+  TempDir dir;
+  auto empty = Env::Default()->ListDir(dir.path());
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_TRUE(empty->empty());  // no "." or ".."
+  for (const char* name : {"b.manifest", "LEDGER", "a", "10.manifest"})
+    WriteFile(dir.File(name), "");
+  ASSERT_TRUE(std::filesystem::create_directory(dir.File("sub")));
+  auto names = Env::Default()->ListDir(dir.path());
+  ASSERT_TRUE(names.ok()) << names.status();
+  // Bytewise order: digits, then upper case, then lower case.
+  EXPECT_EQ(*names, (std::vector<std::string>{"10.manifest", "LEDGER", "a", "b.manifest", "sub"}));
+  auto missing = Env::Default()->ListDir(dir.File("none"));
+  EXPECT_TRUE(absl::IsNotFound(missing.status())) << missing.status();
+  EXPECT_NE(missing.status().message().find(dir.File("none")), std::string::npos);
+  auto file = Env::Default()->ListDir(dir.File("a"));
+  ASSERT_FALSE(file.ok());
+  EXPECT_FALSE(absl::IsNotFound(file.status())) << file.status();
+  EXPECT_NE(file.status().message().find(dir.File("a")), std::string::npos) << file.status();
+}
+
+TEST(PosixEnvTest, SyncDirSyncsAFolderAndNamesAMissingOne) {
+  TempDir dir;
+  EXPECT_TRUE(Env::Default()->SyncDir(dir.path()).ok());
+  const Status missing = Env::Default()->SyncDir(dir.File("none"));
+  EXPECT_TRUE(absl::IsNotFound(missing)) << missing;
+  EXPECT_NE(missing.message().find(dir.File("none")), std::string::npos) << missing;
+  WriteFile(dir.File("a"), "x");
+  EXPECT_FALSE(Env::Default()->SyncDir(dir.File("a")).ok());  // a file, not a folder
 }
 
 }  // namespace
