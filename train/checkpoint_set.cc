@@ -1,13 +1,8 @@
 #include "train/checkpoint_set.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <filesystem>
 #include <map>
 #include <optional>
 #include <set>
@@ -19,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/common/fault_point.h"
+#include "proto/config_io.h"
 #include "storage/crc32c.h"
 #include "train/ledger_text.h"
 
@@ -40,23 +36,6 @@ int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
-}
-
-// fsync of a folder, so that a rename or unlink in it survives a crash of the machine.
-Status SyncFolder(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) {
-    return absl::InternalError(
-        absl::StrFormat("cannot open folder '%s': %s", path, std::strerror(errno)));
-  }
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) {
-    return absl::InternalError(
-        absl::StrFormat("cannot sync folder '%s': %s", path, std::strerror(err)));
-  }
-  return absl::OkStatus();
 }
 
 // A manifest on disk: the serialized set, then its CRC-32C in 4 bytes, little-endian.
@@ -127,13 +106,14 @@ struct ManifestFile {
 // (the ledger, temporaries of an interrupted write) are not manifests.
 StatusOr<std::vector<ManifestFile>> ScanManifests(const std::string& dir, storage::Env* env) {
   std::vector<ManifestFile> files;
-  std::error_code ec;
-  const bool exists = std::filesystem::exists(ManifestsDir(dir), ec);
-  if (!ec && !exists) return files;
-  std::filesystem::directory_iterator it;
-  if (!ec) it = std::filesystem::directory_iterator(ManifestsDir(dir), ec);
-  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
-    const std::string name = it->path().filename().string();
+  StatusOr<std::vector<std::string>> names = env->ListDir(ManifestsDir(dir));
+  if (absl::IsNotFound(names.status())) return files;
+  if (!names.ok()) {
+    return Status(names.status().code(),
+                  absl::StrFormat("the sharded checkpoints of '%s' cannot be listed: %s", dir,
+                                  names.status().message()));
+  }
+  for (const std::string& name : *names) {
     const size_t suffix = name.size() - std::strlen(kManifestSuffix);
     int64_t step = 0;
     // Only the canonical name of a step ("10.manifest", not "010.manifest") is its manifest.
@@ -143,11 +123,7 @@ StatusOr<std::vector<ManifestFile>> ScanManifests(const std::string& dir, storag
         name != absl::StrCat(step, kManifestSuffix)) {
       continue;
     }
-    files.push_back({step, it->path().string(), absl::UnknownError("not read")});
-  }
-  if (ec) {
-    return absl::PermissionDeniedError(
-        absl::StrFormat("cannot list folder '%s': %s", ManifestsDir(dir), ec.message()));
+    files.push_back({step, ManifestPath(dir, step), absl::UnknownError("not read")});
   }
   std::sort(files.begin(), files.end(),
             [](const auto& a, const auto& b) { return a.step < b.step; });
@@ -163,6 +139,16 @@ StatusOr<std::vector<ManifestFile>> ScanManifests(const std::string& dir, storag
 }
 
 using Key = std::pair<int64_t, uint64_t>;  // step, sequence
+
+// Whether one of the `removing` entries covers the manifest `f`: an entry names the step and the
+// sequence of the set it removes, so a set committed again at a step being removed (a new
+// sequence) is not covered. A manifest too damaged to tell its sequence is covered by any entry of
+// its step. (Sequences start at 1; an entry of sequence 0 was recorded for such a manifest.)
+bool BeingRemoved(const std::vector<LedgerEntry>& removing, const ManifestFile& f) {
+  return std::any_of(removing.begin(), removing.end(), [&](const LedgerEntry& e) {
+    return e.step() == f.step && (!f.set.ok() || e.sequence() == f.set->sequence());
+  });
+}
 
 // What the folder holds, checked against the ledger read before and after the manifests.
 struct Listing {
@@ -188,16 +174,16 @@ StatusOr<Listing> ReadListing(const std::string& dir, storage::Env* env) {
 
   Listing out;
   std::set<Key> old_live, live, in_files;
-  std::set<int64_t> removing;
+  std::vector<LedgerEntry> removing;
   for (const auto& e : old_ledger.live()) old_live.insert({e.step(), e.sequence()});
   for (const auto& e : ledger.live()) live.insert({e.step(), e.sequence()});
   for (const auto* l : {&old_ledger, &ledger}) {
-    for (const auto& e : l->removing()) removing.insert(e.step());
+    removing.insert(removing.end(), l->removing().begin(), l->removing().end());
   }
   std::vector<const ManifestFile*> newer;
   for (const ManifestFile& f : files) {
     if (!f.set.ok()) {
-      if (!removing.count(f.step)) {
+      if (!BeingRemoved(removing, f)) {
         out.problems.push_back(absl::StrFormat("checkpoint %d: its manifest '%s' %s", f.step,
                                                f.path, f.set.status().message()));
       }
@@ -207,7 +193,7 @@ StatusOr<Listing> ReadListing(const std::string& dir, storage::Env* env) {
     in_files.insert(k);
     if (old_live.count(k) || live.count(k)) {
       out.live.push_back(*f.set);
-    } else if (removing.count(f.step) ||
+    } else if (BeingRemoved(removing, f) ||
                (k.second > old_ledger.last_sequence() && k.second <= ledger.last_sequence())) {
       // Being removed, or committed and removed while the manifests were read.
     } else if (k.second > ledger.last_sequence()) {
@@ -342,26 +328,27 @@ std::vector<std::string> WholenessProblems(const CheckpointSetLayout& layout,
                                          absl::StrJoin(in, ", ")));
     }
   }
-  if (!layout.dense.empty()) {
-    const std::set<std::string> expected(layout.dense.begin(), layout.dense.end());
-    std::vector<std::string> missing, unknown;
-    for (const std::string& name : layout.dense) {
-      if (!dense.count(name)) missing.push_back(name);
-    }
-    for (const auto& [name, in] : dense) {
-      if (!expected.count(name)) unknown.push_back(absl::StrFormat("'%s' (%s)", name, in[0]));
-    }
-    if (!missing.empty()) {
-      problems.push_back(
-          absl::StrFormat("dense tensors in no shard: '%s'", absl::StrJoin(missing, "', '")));
-    }
-    if (!unknown.empty()) {
-      problems.push_back(absl::StrFormat("dense tensors the model does not have: %s",
-                                         absl::StrJoin(unknown, ", ")));
-    }
+  const std::set<std::string> expected(layout.dense.begin(), layout.dense.end());
+  std::vector<std::string> missing, unknown;
+  for (const std::string& name : expected) {
+    if (!dense.count(name)) missing.push_back(name);
+  }
+  for (const auto& [name, in] : dense) {
+    if (!expected.count(name)) unknown.push_back(absl::StrFormat("'%s' (%s)", name, in[0]));
+  }
+  if (!missing.empty()) {
+    problems.push_back(
+        absl::StrFormat("dense tensors in no shard: '%s'", absl::StrJoin(missing, "', '")));
+  }
+  if (!unknown.empty()) {
+    problems.push_back(
+        absl::StrFormat("dense tensors the model does not have: %s", absl::StrJoin(unknown, ", ")));
   }
   return problems;
 }
+
+// The characters a worker id keeps in its shard name; '_' starts an escape, so it is not kept.
+bool KeptInShardName(char c) { return absl::ascii_isalnum(c) || c == '.' || c == '-'; }
 
 LedgerEntry EntryOf(int64_t step, uint64_t sequence) {
   LedgerEntry e;
@@ -382,28 +369,32 @@ CheckpointLedger LedgerOf(const std::vector<LedgerEntry>& live, uint64_t last_se
   return ledger;
 }
 
-// Removes the manifests of steps the ledger records as being removed, then syncs the folder.
-Status FinishRemovals(const std::string& dir, const Listing& listing) {
-  bool removed = false;
-  for (const auto& e : listing.ledger.removing()) {
-    const std::string path = ManifestPath(dir, e.step());
-    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
-      return absl::InternalError(
-          absl::StrFormat("cannot remove '%s': %s", path, std::strerror(errno)));
-    }
-    removed = true;
+// Removes the manifests in `listing.files` that the ledger records as being removed, then syncs
+// the folder, also when they were gone already: a remover stopped between its delete and its sync
+// may have left a delete that a crash of the machine would undo after the ledger forgets it.
+Status FinishRemovals(const std::string& dir, const Listing& listing, storage::Env* env) {
+  const std::vector<LedgerEntry> removing(listing.ledger.removing().begin(),
+                                          listing.ledger.removing().end());
+  if (removing.empty()) return absl::OkStatus();
+  for (const ManifestFile& f : listing.files) {
+    if (!BeingRemoved(removing, f)) continue;
+    int64_t step = f.step;
+    STRATA_FAULT_POINT("checkpoint_set.before_delete", &step);
+    if (Status s = env->DeleteFile(f.path); !s.ok() && !absl::IsNotFound(s)) return s;
   }
-  return removed ? SyncFolder(ManifestsDir(dir)) : absl::OkStatus();
+  return env->SyncDir(ManifestsDir(dir));
 }
 
 }  // namespace
 
-CheckpointSetLayout ExpertLayoutOf(const config::ModelConfig& model) {
+CheckpointSetLayout CheckpointSetLayoutOf(const config::ModelConfig& model,
+                                          std::vector<std::string> dense_names) {
   CheckpointSetLayout layout;
   for (int32_t i = 0; i < model.n_layers(); ++i) {
-    if (model.moe_every() > 0 && (i + 1) % model.moe_every() == 0) layout.moe_layers.push_back(i);
+    if (config::IsMoeLayer(model, i)) layout.moe_layers.push_back(i);
   }
   layout.experts_per_layer = model.moe().num_experts();
+  layout.dense = std::move(dense_names);
   return layout;
 }
 
@@ -411,8 +402,8 @@ Status ValidateShardName(const std::string& name) {
   auto bad = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "shard name '%s' %s; a shard is named p0 (one process), r<rank> (e.g. r3) or w<worker "
-        "id> (e.g. w7, 1 to 64 characters of A-Z a-z 0-9 . _ -)",
-        absl::CHexEscape(name), why));
+        "id> (e.g. w7, 1 to %d characters of A-Z a-z 0-9 . _ -)",
+        absl::CHexEscape(name), why, kMaxWorkerShardIdChars));
   };
   if (name == "p0") return absl::OkStatus();
   if (name.empty()) return bad("is empty");
@@ -426,14 +417,38 @@ Status ValidateShardName(const std::string& name) {
     return absl::OkStatus();
   }
   if (name[0] == 'w') {
-    if (rest.empty() || rest.size() > 64 || !std::all_of(rest.begin(), rest.end(), [](char c) {
-          return absl::ascii_isalnum(c) || c == '.' || c == '_' || c == '-';
-        })) {
-      return bad("is not w followed by 1 to 64 characters of A-Z a-z 0-9 . _ -");
+    if (rest.empty() || rest.size() > kMaxWorkerShardIdChars ||
+        !std::all_of(rest.begin(), rest.end(),
+                     [](char c) { return KeptInShardName(c) || c == '_'; })) {
+      return bad(absl::StrFormat("is not w followed by 1 to %d characters of A-Z a-z 0-9 . _ -",
+                                 kMaxWorkerShardIdChars));
     }
     return absl::OkStatus();
   }
   return bad("does not start with p0, r or w");
+}
+
+StatusOr<std::string> ShardNameOfWorker(const std::string& worker_id) {
+  if (worker_id.empty()) {
+    return absl::InvalidArgumentError(
+        "a worker with an empty id has no shard name; every coordinator worker has an id");
+  }
+  std::string name = "w";
+  for (const char c : worker_id) {
+    if (KeptInShardName(c)) {
+      name.push_back(c);
+    } else {
+      absl::StrAppendFormat(&name, "_%02x", static_cast<uint8_t>(c));
+    }
+  }
+  if (name.size() - 1 > kMaxWorkerShardIdChars) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "worker id '%s' (%d bytes) makes a shard name of %d characters after 'w' (every byte "
+        "but A-Z a-z 0-9 . - takes 3), more than the %d a folder name allows; start the worker "
+        "with a shorter --id",
+        absl::CHexEscape(worker_id), worker_id.size(), name.size() - 1, kMaxWorkerShardIdChars));
+  }
+  return name;
 }
 
 StatusOr<CheckpointSet> CommitCheckpointSet(const std::string& dir,
@@ -462,8 +477,7 @@ StatusOr<CheckpointSet> CommitCheckpointSet(const std::string& dir,
   }
   const bool fresh = !env->FileExists(ManifestsDir(dir));
   RETURN_IF_ERROR(env->CreateDirs(ManifestsDir(dir)));
-  if (fresh) RETURN_IF_ERROR(SyncFolder(dir));
-  RETURN_IF_ERROR(FinishRemovals(dir, listing));
+  if (fresh) RETURN_IF_ERROR(env->SyncDir(dir));
 
   uint64_t last_sequence = listing.ledger.last_sequence();
   const CheckpointSet* previous = nullptr;
@@ -472,6 +486,14 @@ StatusOr<CheckpointSet> CommitCheckpointSet(const std::string& dir,
     last_sequence = std::max(last_sequence, s.sequence());
     if (previous == nullptr || s.sequence() > previous->sequence()) previous = &s;
     live.push_back(EntryOf(s.step(), s.sequence()));
+  }
+  // Pending removals are finished, and the ledger forgets them, before this set's manifest
+  // appears: a `removing` entry of this step must never stand beside it, should this process stop
+  // before its own ledger update below.
+  if (listing.ledger.removing_size() > 0) {
+    RETURN_IF_ERROR(FinishRemovals(dir, listing, env));
+    RETURN_IF_ERROR(
+        env->WriteFileAtomic(GlobalLedgerPath(dir), LedgerText(LedgerOf(live, last_sequence))));
   }
   set.set_sequence(last_sequence + 1);
   set.clear_previous_step();
@@ -532,47 +554,41 @@ Status RemoveCheckpointSet(const std::string& dir, int64_t step, storage::Env* e
   // The ledger's entries (damaged ones too) and a committed set it missed, less `step`.
   std::vector<LedgerEntry> live;
   std::vector<int64_t> steps;
-  std::optional<LedgerEntry> target;
+  std::vector<LedgerEntry> targets;  // what of `step` to remove
   uint64_t last_sequence = ledger.last_sequence();
   for (const auto& e : ledger.live()) {
     steps.push_back(e.step());
-    if (e.step() == step) {
-      target = e;
-    } else {
-      live.push_back(e);
-    }
+    (e.step() == step ? targets : live).push_back(e);
   }
   for (const CheckpointSet& s : listing.live) {
     last_sequence = std::max(last_sequence, s.sequence());
     if (std::none_of(ledger.live().begin(), ledger.live().end(),
                      [&](const auto& e) { return e.step() == s.step(); })) {
       steps.push_back(s.step());
-      if (s.step() == step) {
-        target = EntryOf(s.step(), s.sequence());
-      } else {
-        live.push_back(EntryOf(s.step(), s.sequence()));
-      }
+      (s.step() == step ? targets : live).push_back(EntryOf(s.step(), s.sequence()));
     }
   }
-  const bool on_disk = std::any_of(listing.files.begin(), listing.files.end(),
-                                   [&](const ManifestFile& f) { return f.step == step; });
-  if (!target && on_disk) target = EntryOf(step, 0);  // a manifest the ledger never knew
-  if (!target) {
+  // The manifest on disk, when it is not the one the ledger names (a stray copy, or one the
+  // ledger never knew): sequence 0 when it is too damaged to tell.
+  for (const ManifestFile& f : listing.files) {
+    if (f.set.ok()) last_sequence = std::max(last_sequence, f.set->sequence());
+    if (f.step == step && !BeingRemoved(targets, f)) {
+      targets.push_back(EntryOf(step, f.set.ok() ? f.set->sequence() : 0));
+    }
+  }
+  if (targets.empty()) {
     std::sort(steps.begin(), steps.end());
     return absl::NotFoundError(
         absl::StrFormat("no checkpoint %d in '%s' (its sharded checkpoints: %s)", step, dir,
                         steps.empty() ? std::string("none") : absl::StrJoin(steps, ", ")));
   }
-  for (const ManifestFile& f : listing.files) {
-    if (f.set.ok()) last_sequence = std::max(last_sequence, f.set->sequence());
-  }
   // Record the removal, remove the manifest (and any a crash left), then forget it.
   CheckpointLedger removing = LedgerOf(live, last_sequence);
   *removing.mutable_removing() = ledger.removing();
-  *removing.add_removing() = *target;
+  for (const LedgerEntry& e : targets) *removing.add_removing() = e;
   RETURN_IF_ERROR(env->WriteFileAtomic(GlobalLedgerPath(dir), LedgerText(removing)));
   listing.ledger = removing;
-  RETURN_IF_ERROR(FinishRemovals(dir, listing));
+  RETURN_IF_ERROR(FinishRemovals(dir, listing, env));
   return env->WriteFileAtomic(GlobalLedgerPath(dir), LedgerText(LedgerOf(live, last_sequence)));
 }
 

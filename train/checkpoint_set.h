@@ -20,19 +20,28 @@
 //   of the named step is the way out.
 // - Removal is recorded first (the ledger moves the entry to `removing`), then the manifest goes,
 //   then the ledger forgets it: a crash leaves the set either listed or gone, never half there.
-//   A pending removal is finished by the next commit or removal.
+//   A pending removal is finished by the next commit or removal. A `removing` entry names the
+//   step and the sequence of the set being removed, and hides or deletes only the manifest of that
+//   step with that sequence (or one too damaged to tell): a step removed and committed again is a
+//   new set with a new sequence. A commit finishes pending removals and writes the ledger without
+//   them before it renames its manifest, so a committer stopped before its own ledger update never
+//   leaves its set next to a `removing` entry of its step.
 // - The ledger lives in manifests/, not at DIR/LEDGER: a folder written before sharding has its
 //   one shard's local ledger there, and it opens as a shard named ".".
 //
 // Threads and ownership: these are free functions over files, with no state of their own; the
-// caller owns every argument and keeps nothing of theirs after the call. One committer per folder:
-// CommitCheckpointSet and RemoveCheckpointSet must not run at the same time on one folder, in one
-// process or several (the committer is one thread: the coordinator's record, or rank 0's writer;
-// `strata ckpt rm` will take DIR/manifests/LOCK). ListCheckpointSets and VerifyShardRefs only read
-// and may run on any thread beside a committer: a listing that races commits and removals lists
-// what was committed before it ended (a set removed meanwhile may still be in it), never an error.
+// caller owns every argument (the Env too) and keeps nothing of theirs after the call. Every file
+// operation goes through the `env` argument, on the calling thread. CheckpointSetLayoutOf,
+// ValidateShardName and ShardNameOfWorker touch no file and may run anywhere. One committer per
+// folder: CommitCheckpointSet and RemoveCheckpointSet must not run at the same time on one folder,
+// in one process or several (the committer is one thread: the coordinator's record, or rank 0's
+// writer; `strata ckpt rm` will take DIR/manifests/LOCK). ListCheckpointSets and VerifyShardRefs
+// only read and may run on any thread beside a committer: a listing that races commits and removals
+// lists what was committed before it ended (a set removed meanwhile may still be in it), never an
+// error.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -48,29 +57,45 @@ namespace strata::train {
 using storage::CheckpointSet;
 
 // What a whole set holds: every expert 0 .. experts_per_layer - 1 of every layer in `moe_layers`
-// (Transformer block indices), and, when `dense` is not empty, exactly those dense tensors.
+// (Transformer block indices), and exactly the dense tensors named in `dense` (none when it is
+// empty), each in one shard.
 struct CheckpointSetLayout {
   std::vector<int32_t> moe_layers;
   int32_t experts_per_layer = 0;
-  std::vector<std::string> dense;  // empty: only checked for names held twice
+  std::vector<std::string> dense;
 };
 
-// The MoE layers and experts a model config has (block i has an MoE FFN when
-// (i + 1) % moe_every == 0); no dense names.
-CheckpointSetLayout ExpertLayoutOf(const config::ModelConfig& model);
+// The layout of `model`'s checkpoints: its MoE layers (config::IsMoeLayer), its experts per layer,
+// and `dense_names`, every dense parameter of the model (the names of Model::DenseParameters(),
+// in the model's order), which the layout keeps as given.
+CheckpointSetLayout CheckpointSetLayoutOf(const config::ModelConfig& model,
+                                          std::vector<std::string> dense_names);
 
 // Shard names become folder names (DIR/shards/<name>): "p0", "r<rank>" (a decimal rank without
-// leading zeros, below 2^31) or "w<id>" (1 to 64 characters of A-Z a-z 0-9 . _ -; a worker id
-// with other characters is encoded by its caller). INVALID_ARGUMENT naming the name otherwise.
+// leading zeros, below 2^31) or "w<id>" (1 to kMaxWorkerShardIdChars characters of A-Z a-z 0-9 .
+// _ -, so that the folder name fits the 255 bytes Linux file systems allow; ShardNameOfWorker
+// makes one of any worker id that is not too long). INVALID_ARGUMENT naming the name otherwise.
+inline constexpr size_t kMaxWorkerShardIdChars = 254;
 [[nodiscard]] Status ValidateShardName(const std::string& name);
 
+// The shard name of a coordinator's worker: "w" followed by its id with A-Z a-z 0-9 . - kept and
+// every other byte, '_' included, written as '_' and two lowercase hex digits ("host:1234" ->
+// "whost_3a1234", "a_b" -> "wa_5fb"). Injective: a kept character is never '_' and an escape is
+// always three characters, so the name decodes back to the one id it came from; two workers never
+// share a shard. ValidateShardName accepts every name it returns. INVALID_ARGUMENT for an empty id,
+// and for an id whose encoding is longer than kMaxWorkerShardIdChars (a shorter prefix or a hash
+// could name two workers alike, so such an id is refused, naming it, rather than shortened).
+[[nodiscard]] StatusOr<std::string> ShardNameOfWorker(const std::string& worker_id);
+
 // Commits `set` to the folder `dir` (created if need be): checks it is whole for `layout` (every
-// expert in exactly one shard, no dense name twice, every shard name valid and used once) and
-// refuses it naming what is missing or doubled, writing nothing; refuses a step already
-// committed. Otherwise gives the set the next sequence and the newest set as its predecessor
-// (created_unix_ms: now, unless set), writes DIR/manifests/<step>.manifest atomically through
-// `env`, then replaces the global ledger. Returns the set as written. REQUIRES: no other commit or
-// removal of `dir` runs.
+// expert and every dense tensor of the layout in exactly one shard, no dense tensor the layout
+// does not have, every shard name valid and used once) and refuses it naming what is missing,
+// doubled or unknown, writing nothing; refuses a step already committed. Otherwise finishes any
+// pending removal (and records that in the ledger) before anything of the new set is written,
+// gives the set the next sequence and the newest set as its predecessor (created_unix_ms: now,
+// unless set), writes DIR/manifests/<step>.manifest atomically, then replaces the global ledger.
+// Every file operation goes through `env`. Returns the set as written. REQUIRES: no other commit
+// or removal of `dir` runs.
 [[nodiscard]] StatusOr<CheckpointSet> CommitCheckpointSet(
     const std::string& dir, const CheckpointSetLayout& layout, CheckpointSet set,
     storage::Env* env = storage::Env::Default());
@@ -90,9 +115,11 @@ using LocalManifestReader =
 [[nodiscard]] Status VerifyShardRefs(const std::string& dir, const CheckpointSet& set,
                                      const LocalManifestReader& reader);
 
-// Removes the set of `step` (listed or damaged): the ledger records the removal, the manifest
-// goes, the ledger forgets it. NOT_FOUND naming the steps there are when the folder has none of
-// that step. REQUIRES: no other commit or removal of `dir` runs.
+// Removes the set of `step` (listed or damaged): the ledger records the removal (the step and the
+// sequence of the ledger's entry and of the manifest on disk, where they differ), the manifest
+// goes, the folder is synced, the ledger forgets it; pending removals are finished with it.
+// NOT_FOUND naming the steps there are when the folder has none of that step. REQUIRES: no other
+// commit or removal of `dir` runs.
 [[nodiscard]] Status RemoveCheckpointSet(const std::string& dir, int64_t step,
                                          storage::Env* env = storage::Env::Default());
 

@@ -1,7 +1,9 @@
 // The global manifests and ledger of a sharded checkpoint folder, on real files: sets committed
 // and listed back field by field, sets that are not whole refused with nothing written, manifests
-// deleted, cut and flipped on disk, a committer SIGKILLed between its manifest and its ledger, and
-// listings beside a committer.
+// deleted, cut and flipped on disk, a committer SIGKILLed between its manifest and its ledger (also
+// right after an interrupted removal of its step), a remover SIGKILLed between its ledger and its
+// delete, file operations failed through the Env, listings beside a committer, and the shard names
+// of worker ids.
 #include "train/checkpoint_set.h"
 
 #include <gtest/gtest.h>
@@ -12,6 +14,7 @@
 #include <atomic>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include "core/common/fault_point.h"
@@ -109,6 +112,104 @@ std::vector<int64_t> StepsOf(const std::vector<CheckpointSet>& sets) {
   return steps;
 }
 
+// Writes the ledger that a remover of `removing` (step, sequence) leaves when it stops right after
+// recording the removal: `live` listed, `removing` being removed, sequences given up to `last`.
+void WriteRemovingLedger(const std::string& dir, std::vector<std::pair<int64_t, uint64_t>> live,
+                         std::pair<int64_t, uint64_t> removing, uint64_t last) {
+  storage::CheckpointLedger ledger;
+  ledger.set_format(1);
+  ledger.set_last_sequence(last);
+  for (const auto& [step, sequence] : live) {
+    storage::LedgerEntry* e = ledger.add_live();
+    e->set_step(step);
+    e->set_sequence(sequence);
+  }
+  storage::LedgerEntry* e = ledger.add_removing();
+  e->set_step(removing.first);
+  e->set_sequence(removing.second);
+  WriteFile(dir + "/manifests/LEDGER", LedgerText(ledger));
+}
+
+// Runs `work` in a child process that is SIGKILLed when it reaches the fault point `point` at
+// step `step`; fails the test unless it died there.
+void RunAndKillAt(const std::string& point, int64_t step, const std::function<void()>& work) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    FaultPoints::Instance().Set(point, [step](void* arg) {
+      if (*static_cast<int64_t*>(arg) == step) raise(SIGKILL);
+    });
+    work();
+    _exit(0);  // the point was not reached
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
+      << "the child was not killed at " << point << " (status " << status << ")";
+}
+
+// The POSIX Env, with every call recorded as "Operation path", and DeleteFile failing while
+// `fail_deletes` is set.
+class RecordingEnv : public storage::Env {
+ public:
+  StatusOr<std::unique_ptr<storage::ReadOnlyRegion>> MapReadOnly(const std::string& path) override {
+    Record("MapReadOnly", path);
+    return base_->MapReadOnly(path);
+  }
+  StatusOr<std::unique_ptr<storage::WritableFile>> OpenWritable(const std::string& path,
+                                                                bool truncate) override {
+    Record("OpenWritable", path);
+    return base_->OpenWritable(path, truncate);
+  }
+  Status WriteFileAtomic(const std::string& path, std::string_view data) override {
+    Record("WriteFileAtomic", path);
+    return base_->WriteFileAtomic(path, data);
+  }
+  StatusOr<std::string> ReadFile(const std::string& path) override {
+    Record("ReadFile", path);
+    return base_->ReadFile(path);
+  }
+  StatusOr<uint64_t> FileSize(const std::string& path) override {
+    Record("FileSize", path);
+    return base_->FileSize(path);
+  }
+  bool FileExists(const std::string& path) override {
+    Record("FileExists", path);
+    return base_->FileExists(path);
+  }
+  Status CreateDirs(const std::string& path) override {
+    Record("CreateDirs", path);
+    return base_->CreateDirs(path);
+  }
+  Status DeleteFile(const std::string& path) override {
+    Record("DeleteFile", path);
+    if (fail_deletes) return absl::UnavailableError("injected: the disk went away");
+    return base_->DeleteFile(path);
+  }
+  StatusOr<std::vector<std::string>> ListDir(const std::string& path) override {
+    Record("ListDir", path);
+    return base_->ListDir(path);
+  }
+  Status SyncDir(const std::string& path) override {
+    Record("SyncDir", path);
+    return base_->SyncDir(path);
+  }
+
+  // The calls since the last Take, and none after it.
+  std::vector<std::string> Take() { return std::exchange(calls_, {}); }
+  bool fail_deletes = false;
+
+ private:
+  void Record(const char* op, const std::string& path) {
+    calls_.push_back(std::string(op) + " " + path);
+  }
+  storage::Env* base_ = storage::Env::Default();
+  std::vector<std::string> calls_;
+};
+
+bool Has(const std::vector<std::string>& calls, const std::string& call) {
+  return std::find(calls.begin(), calls.end(), call) != calls.end();
+}
+
 class CheckpointSetTest : public ::testing::Test {
  protected:
   void Commit(int64_t step) {
@@ -197,6 +298,9 @@ TEST_F(CheckpointSetTest, ASetThatIsNotWholeIsRefusedNamingWhatAndWritesNothing)
       {"a dense name missing",
        [](CheckpointSet& s) { s.mutable_shards(1)->mutable_dense()->RemoveLast(); },
        {"dense tensors in no shard: 'block0.attn'"}},
+      {"a dense name the model does not have",
+       [](CheckpointSet& s) { s.mutable_shards(0)->add_dense("block9.attn"); },
+       {"dense tensors the model does not have: 'block9.attn' (r0)"}},
       {"a layer that is not MoE",
        [](CheckpointSet& s) { AddRange(s.mutable_shards(0), 2, 0, 1); },
        {"shard 'r0' lists experts of layer 2, which is not an MoE layer (those are: 1, 3)"}},
@@ -409,29 +513,133 @@ TEST_F(CheckpointSetTest, VerifyShardRefsNamesTheShardThatFails) {
 }
 
 TEST(ShardNameTest, AcceptsTheThreeFormsAndRefusesTheRest) {
-  for (const std::string& ok : std::vector<std::string>{
-           "p0", "r0", "r7", "r2147483647", "w7", "wnode-3.a_b", "w" + std::string(64, 'x')}) {
+  // A w-name fills at most a folder name of 255 bytes: "w" and 254 characters.
+  for (const std::string& ok :
+       std::vector<std::string>{"p0", "r0", "r7", "r2147483647", "w7", "wnode-3.a_b",
+                                "w" + std::string(64, 'x'), "w" + std::string(254, 'x')}) {
     EXPECT_TRUE(ValidateShardName(ok).ok()) << ok << ": " << ValidateShardName(ok);
   }
-  for (const std::string& bad :
-       std::vector<std::string>{"", "p1", "p", "r", "r01", "r-1", "r2147483648", "rx", "x3", "w",
-                                "w/..", "w a", "../r0", "r0/", "w:1", "w" + std::string(65, 'x')}) {
+  for (const std::string& bad : std::vector<std::string>{
+           "", "p1", "p", "r", "r01", "r-1", "r2147483648", "rx", "x3", "w", "w/..", "w a", "../r0",
+           "r0/", "w:1", "w" + std::string(255, 'x')}) {
     Status s = ValidateShardName(bad);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "'" << bad << "'";
     EXPECT_NE(s.message().find("shard name '" + bad + "'"), std::string::npos) << s;
   }
 }
 
-TEST(ExpertLayoutTest, FollowsMoeEvery) {
+// The inverse of the encoding the header documents, written here from that text: kept characters
+// as they are, "_XX" as the byte XX. nullopt for what no worker id encodes to.
+std::optional<std::string> DecodeWorkerShardName(const std::string& name) {
+  if (name.empty() || name[0] != 'w') return std::nullopt;
+  std::string id;
+  for (size_t i = 1; i < name.size(); ++i) {
+    if (name[i] != '_') {
+      id.push_back(name[i]);
+      continue;
+    }
+    if (i + 2 >= name.size()) return std::nullopt;
+    const std::string hex = name.substr(i + 1, 2);
+    if (hex.find_first_not_of("0123456789abcdef") != std::string::npos) return std::nullopt;
+    id.push_back(static_cast<char>(std::stoi(hex, nullptr, 16)));
+    i += 2;
+  }
+  return id;
+}
+
+TEST(ShardNameTest, WorkerIdsEncodeOneToOneIntoValidNames) {
+  const std::vector<std::pair<std::string, std::string>> by_hand = {
+      {"7", "w7"},
+      {"host:1234", "whost_3a1234"},
+      {"node-3.example.org", "wnode-3.example.org"},
+      {"a_b", "wa_5fb"},
+      {"a_", "wa_5f"},
+      {"a_5f", "wa_5f5f"},
+      {"A B/..", "wA_20B_2f.."},
+      {std::string("\x00\xff", 2), "w_00_ff"},
+  };
+  for (const auto& [id, expected] : by_hand) {
+    auto name = ShardNameOfWorker(id);
+    ASSERT_TRUE(name.ok()) << name.status();
+    EXPECT_EQ(*name, expected);
+  }
+  // Pairs an encoding that is not one to one would confuse: an escape and the text it spells, '_'
+  // and its own escape, case in the hex digits, bytes above 0x7f.
+  std::vector<std::string> ids = {"a_", "a_5f",   "a_5F",   "a:",      "a_3a",     "a_3A", "_",
+                                  "__", "_5f",    "5f",     "a",       "A",        ".",    "..",
+                                  "-",  "host:1", "host_1", "host:1:", "\xc3\xa9", "\xe9"};
+  for (int b = 0; b < 256; ++b) ids.push_back(std::string(1, static_cast<char>(b)) + "x");
+  std::map<std::string, std::string> owner;  // name -> id
+  for (const std::string& id : ids) {
+    auto name = ShardNameOfWorker(id);
+    ASSERT_TRUE(name.ok()) << name.status();
+    EXPECT_TRUE(ValidateShardName(*name).ok()) << ValidateShardName(*name);
+    EXPECT_EQ(DecodeWorkerShardName(*name), id) << *name;
+    auto [it, fresh] = owner.emplace(*name, id);
+    EXPECT_TRUE(fresh) << "'" << it->second << "' and '" << id << "' both make " << *name;
+  }
+  // The longest id that fits, and one byte more; an empty id.
+  auto longest = ShardNameOfWorker(std::string(84, ':') + "ab");  // 84 * 3 + 2 = 254
+  ASSERT_TRUE(longest.ok()) << longest.status();
+  EXPECT_EQ(longest->size(), 255u);
+  EXPECT_TRUE(ValidateShardName(*longest).ok());
+  auto too_long = ShardNameOfWorker(std::string(84, ':') + "abc");
+  EXPECT_EQ(too_long.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(too_long.status().message().find("worker id '" + std::string(84, ':') +
+                                             "abc' (87 "
+                                             "bytes) makes a shard name of 255 characters"),
+            std::string::npos)
+      << too_long.status();
+  EXPECT_NE(too_long.status().message().find("shorter --id"), std::string::npos);
+  EXPECT_EQ(ShardNameOfWorker("").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CheckpointSetLayoutTest, FollowsTheModelsMoeLayersAndKeepsItsDenseNames) {
   config::ModelConfig model;
   model.set_n_layers(5);
-  model.set_moe_every(2);
   model.mutable_moe()->set_num_experts(6);
-  const CheckpointSetLayout layout = ExpertLayoutOf(model);
-  EXPECT_EQ(layout.moe_layers, (std::vector<int32_t>{1, 3}));  // (i + 1) % 2 == 0
-  EXPECT_EQ(layout.experts_per_layer, 6);
-  model.set_moe_every(0);
-  EXPECT_TRUE(ExpertLayoutOf(model).moe_layers.empty());
+  // Block i has an MoE FFN when (i + 1) % moe_every == 0, by hand:
+  for (const auto& [moe_every, layers] : std::vector<std::pair<int, std::vector<int32_t>>>{
+           {2, {1, 3}}, {1, {0, 1, 2, 3, 4}}, {3, {2}}, {6, {}}, {0, {}}}) {
+    model.set_moe_every(moe_every);
+    const CheckpointSetLayout layout = CheckpointSetLayoutOf(model, {"embed", "ln_f"});
+    EXPECT_EQ(layout.moe_layers, layers) << "moe_every " << moe_every;
+    EXPECT_EQ(layout.experts_per_layer, 6);
+    EXPECT_EQ(layout.dense, (std::vector<std::string>{"embed", "ln_f"}));
+  }
+}
+
+// The layout a model gives checks the dense tensors: one the set leaves out and one the model does
+// not have are refused, each named; a model with no dense names refuses a set that holds one.
+TEST(CheckpointSetLayoutTest, ACommitChecksTheModelsDenseNames) {
+  config::ModelConfig model;
+  model.set_n_layers(4);
+  model.set_moe_every(2);  // blocks 1 and 3, as WholeSet's shards hold
+  model.mutable_moe()->set_num_experts(8);
+  const CheckpointSetLayout layout =
+      CheckpointSetLayoutOf(model, {"embed", "block0.attn", "ln_f", "lm_head"});
+  TempDir dir;
+  CheckpointSet set = WholeSet(10);  // holds embed, ln_f, block0.attn
+  set.mutable_shards(0)->add_dense("block5.attn");
+  auto s = CommitCheckpointSet(dir.path(), layout, set);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("dense tensors in no shard: 'lm_head'"), std::string::npos)
+      << s.status();
+  EXPECT_NE(s.status().message().find("dense tensors the model does not have: 'block5.attn' (r0)"),
+            std::string::npos)
+      << s.status();
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+  set.mutable_shards(0)->mutable_dense()->RemoveLast();
+  set.mutable_shards(0)->add_dense("lm_head");
+  s = CommitCheckpointSet(dir.path(), layout, set);
+  ASSERT_TRUE(s.ok()) << s.status();
+
+  auto none = CommitCheckpointSet(dir.path(), CheckpointSetLayoutOf(model, {}), WholeSet(20));
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(none.status().message().find(
+                "dense tensors the model does not have: 'block0.attn' (r1), 'embed' (r0)"),
+            std::string::npos)
+      << none.status();
 }
 
 // A committer SIGKILLed between the rename of its manifest and the ledger's update: the set
@@ -444,17 +652,8 @@ TEST_F(CheckpointSetTest, ACommitterKilledBeforeTheLedgerLeavesACommittedSet) {
   for (int64_t step : {10, 20, 30}) Commit(step);
   const std::string ledger_before = ReadFile(dir_.File("manifests/LEDGER"));
   auto commit_and_die = [&](int64_t step) {
-    pid_t pid = fork();
-    if (pid == 0) {
-      FaultPoints::Instance().Set("checkpoint_set.before_ledger", [](void* arg) {
-        if (*static_cast<int64_t*>(arg) > 0) raise(SIGKILL);
-      });
-      (void)CommitCheckpointSet(dir_.path(), Layout(), WholeSet(step));
-      _exit(0);  // not reached
-    }
-    int status = 0;
-    ASSERT_EQ(waitpid(pid, &status, 0), pid);
-    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << status;
+    RunAndKillAt("checkpoint_set.before_ledger", step,
+                 [&] { (void)CommitCheckpointSet(dir_.path(), Layout(), WholeSet(step)); });
   };
   commit_and_die(40);
   EXPECT_TRUE(std::filesystem::exists(ManifestFile(dir_.path(), 40)));
@@ -500,6 +699,151 @@ TEST_F(CheckpointSetTest, ACommitterKilledBeforeTheLedgerLeavesACommittedSet) {
                 "checkpoint before it (step 50, sequence 5)"),
             std::string::npos)
       << stray_list.status();
+}
+
+// A removal of step 20 stopped after its ledger update (its manifest still there, or deleted
+// already), then a new commit of step 20 SIGKILLed between its manifest and its ledger: the new
+// set committed, so it is listed, and the next commit keeps and records it; the old removal never
+// hides or deletes it.
+TEST_F(CheckpointSetTest, ACommitOfAStepBeingRemovedKilledBeforeItsLedgerStaysCommitted) {
+#ifndef STRATA_FAULT_INJECTION
+  GTEST_SKIP() << "this build compiled fault points out (-DSTRATA_FAULT_INJECTION=OFF)";
+#endif
+  for (const bool manifest_left : {true, false}) {
+    SCOPED_TRACE(manifest_left ? "old manifest still there" : "old manifest deleted");
+    TempDir dir;
+    ASSERT_TRUE(CommitCheckpointSet(dir.path(), Layout(), WholeSet(10)).ok());
+    ASSERT_TRUE(CommitCheckpointSet(dir.path(), Layout(), WholeSet(20)).ok());
+    WriteRemovingLedger(dir.path(), {{10, 1}}, {20, 2}, 2);
+    if (!manifest_left) std::filesystem::remove(ManifestFile(dir.path(), 20));
+    auto sets = ListCheckpointSets(dir.path());
+    ASSERT_TRUE(sets.ok()) << sets.status();
+    ASSERT_EQ(StepsOf(*sets), (std::vector<int64_t>{10}));
+
+    CheckpointSet again = WholeSet(20);
+    again.set_seed(6);  // tells the new set from the old one
+    RunAndKillAt("checkpoint_set.before_ledger", 20,
+                 [&] { (void)CommitCheckpointSet(dir.path(), Layout(), again); });
+    // The commit finished the removal, and the ledger forgot it, before its manifest appeared.
+    EXPECT_EQ(ReadLedger(dir.path()).removing_size(), 0);
+    sets = ListCheckpointSets(dir.path());
+    ASSERT_TRUE(sets.ok()) << sets.status();
+    ASSERT_EQ(StepsOf(*sets), (std::vector<int64_t>{10, 20}));
+    EXPECT_EQ((*sets)[1].seed(), 6u);
+    EXPECT_EQ((*sets)[1].sequence(), 3u);  // 2 was the removed set's
+    EXPECT_EQ((*sets)[1].previous_step(), 10);
+
+    ASSERT_TRUE(CommitCheckpointSet(dir.path(), Layout(), WholeSet(30)).ok());
+    sets = ListCheckpointSets(dir.path());
+    ASSERT_TRUE(sets.ok()) << sets.status();
+    ASSERT_EQ(StepsOf(*sets), (std::vector<int64_t>{10, 20, 30}));
+    EXPECT_EQ((*sets)[1].seed(), 6u);
+    const storage::CheckpointLedger ledger = ReadLedger(dir.path());
+    EXPECT_EQ(LiveOf(ledger),
+              (std::vector<std::pair<int64_t, uint64_t>>{{10, 1}, {20, 3}, {30, 4}}));
+    EXPECT_EQ(ledger.removing_size(), 0);
+  }
+}
+
+// A `removing` entry names a sequence: beside it, the manifest of the same step with another
+// sequence (committed again, unrecorded) is listed, and finishing the removal leaves it.
+TEST_F(CheckpointSetTest, ARemovingEntryCoversOnlyItsOwnSequence) {
+  Commit(10);
+  Commit(20);
+  ASSERT_TRUE(RemoveCheckpointSet(dir_.path(), 20).ok());
+  CheckpointSet again = WholeSet(20);
+  again.set_seed(6);
+  ASSERT_TRUE(CommitCheckpointSet(dir_.path(), Layout(), again).ok());  // sequence 3
+  WriteRemovingLedger(dir_.path(), {{10, 1}}, {20, 2}, 2);
+  auto sets = ListCheckpointSets(dir_.path());
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  ASSERT_EQ(StepsOf(*sets), (std::vector<int64_t>{10, 20}));
+  EXPECT_EQ((*sets)[1].sequence(), 3u);
+  Commit(30);
+  EXPECT_EQ(ReadFile(ManifestFile(dir_.path(), 20)).empty(), false);
+  const storage::CheckpointLedger ledger = ReadLedger(dir_.path());
+  EXPECT_EQ(LiveOf(ledger), (std::vector<std::pair<int64_t, uint64_t>>{{10, 1}, {20, 3}, {30, 4}}));
+  EXPECT_EQ(ledger.removing_size(), 0);
+}
+
+// A remover SIGKILLed between the ledger's record of the removal and the manifest's delete: the
+// set is hidden, its manifest still there, and the next commit, or the next removal, finishes it.
+TEST_F(CheckpointSetTest, ARemoverKilledBeforeTheDeleteLeavesTheSetHiddenUntilFinished) {
+#ifndef STRATA_FAULT_INJECTION
+  GTEST_SKIP() << "this build compiled fault points out (-DSTRATA_FAULT_INJECTION=OFF)";
+#endif
+  for (const bool by_commit : {true, false}) {
+    SCOPED_TRACE(by_commit ? "finished by a commit" : "finished by a removal");
+    TempDir dir;
+    for (int64_t step : {10, 20, 30}) {
+      ASSERT_TRUE(CommitCheckpointSet(dir.path(), Layout(), WholeSet(step)).ok());
+    }
+    RunAndKillAt("checkpoint_set.before_delete", 20,
+                 [&] { (void)RemoveCheckpointSet(dir.path(), 20); });
+    EXPECT_TRUE(std::filesystem::exists(ManifestFile(dir.path(), 20)));
+    storage::CheckpointLedger ledger = ReadLedger(dir.path());
+    EXPECT_EQ(LiveOf(ledger), (std::vector<std::pair<int64_t, uint64_t>>{{10, 1}, {30, 3}}));
+    ASSERT_EQ(ledger.removing_size(), 1);
+    EXPECT_EQ(ledger.removing(0).step(), 20);
+    EXPECT_EQ(ledger.removing(0).sequence(), 2u);
+    auto sets = ListCheckpointSets(dir.path());
+    ASSERT_TRUE(sets.ok()) << sets.status();
+    EXPECT_EQ(StepsOf(*sets), (std::vector<int64_t>{10, 30}));
+
+    if (by_commit) {
+      ASSERT_TRUE(CommitCheckpointSet(dir.path(), Layout(), WholeSet(40)).ok());
+    } else {
+      ASSERT_TRUE(RemoveCheckpointSet(dir.path(), 10).ok());
+    }
+    EXPECT_FALSE(std::filesystem::exists(ManifestFile(dir.path(), 20)));
+    ledger = ReadLedger(dir.path());
+    EXPECT_EQ(ledger.removing_size(), 0);
+    EXPECT_EQ(LiveOf(ledger),
+              by_commit ? (std::vector<std::pair<int64_t, uint64_t>>{{10, 1}, {30, 3}, {40, 4}})
+                        : (std::vector<std::pair<int64_t, uint64_t>>{{30, 3}}));
+    sets = ListCheckpointSets(dir.path());
+    ASSERT_TRUE(sets.ok()) << sets.status();
+    EXPECT_EQ(StepsOf(*sets),
+              by_commit ? (std::vector<int64_t>{10, 30, 40}) : (std::vector<int64_t>{30}));
+  }
+}
+
+// Every file operation goes through the Env it is given: the folder is listed, the manifest
+// deleted and the folder synced through it, and a delete that fails there fails the removal,
+// leaving the set hidden until a removal that succeeds.
+TEST_F(CheckpointSetTest, FileOperationsGoThroughTheEnv) {
+  RecordingEnv env;
+  const std::string manifests = dir_.File("manifests");
+  ASSERT_TRUE(CommitCheckpointSet(dir_.path(), Layout(), WholeSet(10), &env).ok());
+  ASSERT_TRUE(CommitCheckpointSet(dir_.path(), Layout(), WholeSet(20), &env).ok());
+  std::vector<std::string> calls = env.Take();
+  EXPECT_TRUE(Has(calls, "SyncDir " + dir_.path())) << "a new manifests/ folder is synced";
+  EXPECT_TRUE(Has(calls, "ListDir " + manifests));
+  EXPECT_TRUE(Has(calls, "WriteFileAtomic " + ManifestFile(dir_.path(), 20)));
+
+  env.fail_deletes = true;
+  const Status failed = RemoveCheckpointSet(dir_.path(), 10, &env);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kUnavailable) << failed;
+  EXPECT_NE(failed.message().find("injected"), std::string::npos) << failed;
+  calls = env.Take();
+  EXPECT_TRUE(Has(calls, "DeleteFile " + ManifestFile(dir_.path(), 10)));
+  EXPECT_TRUE(std::filesystem::exists(ManifestFile(dir_.path(), 10)));
+  auto sets = ListCheckpointSets(dir_.path(), &env);
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  EXPECT_EQ(StepsOf(*sets), (std::vector<int64_t>{20}));
+
+  env.fail_deletes = false;
+  ASSERT_TRUE(RemoveCheckpointSet(dir_.path(), 20, &env).ok());
+  calls = env.Take();
+  EXPECT_TRUE(Has(calls, "DeleteFile " + ManifestFile(dir_.path(), 10)));
+  EXPECT_TRUE(Has(calls, "DeleteFile " + ManifestFile(dir_.path(), 20)));
+  EXPECT_TRUE(Has(calls, "SyncDir " + manifests));
+  EXPECT_FALSE(std::filesystem::exists(ManifestFile(dir_.path(), 10)));
+  EXPECT_FALSE(std::filesystem::exists(ManifestFile(dir_.path(), 20)));
+  sets = ListCheckpointSets(dir_.path(), &env);
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  EXPECT_TRUE(sets->empty());
+  EXPECT_EQ(ReadLedger(dir_.path()).removing_size(), 0);
 }
 
 // Listings beside a committer that commits and removes: never an error.
