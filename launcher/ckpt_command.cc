@@ -12,8 +12,10 @@
 namespace strata::launcher {
 int CkptCommand(const std::vector<std::string>& args) {
   static const char* kUsage =
-      "usage: strata ckpt ls DIR            list the checkpoints in DIR\n"
-      "       strata ckpt verify DIR [STEP] read every extent and check its CRC-32C\n"
+      "usage: strata ckpt ls DIR            list the checkpoints in DIR and the shards holding "
+      "them\n"
+      "       strata ckpt verify DIR [STEP] check every shard's part: its local manifest against\n"
+      "                                     the global one, every extent's CRC-32C\n"
       "       strata ckpt rm DIR STEP       remove a checkpoint (not while training into DIR)\n";
   if (args.empty() || WantsHelp(args)) {
     std::fprintf(args.empty() ? stderr : stdout, "%s", kUsage);
@@ -28,17 +30,20 @@ int CkptCommand(const std::vector<std::string>& args) {
   if (verb == "ls" && args.size() == 2) {
     auto list = train::CheckpointManager::List(args[1]);
     if (!list.ok()) return Fail(list.status());
-    std::printf("%10s  %-19s  %8s  %12s  %-9s  %s\n", "step", "created", "tensors", "stored MiB",
-                "storage", "model hash");
+    std::printf("%10s  %-19s  %8s  %12s  %-9s  %-16s  %s\n", "step", "created", "tensors",
+                "stored MiB", "storage", "model hash", "shards");
     for (const auto& i : *list) {
       std::time_t t = static_cast<std::time_t>(i.created_unix_ms / 1000);
       std::tm tm{};
       localtime_r(&t, &tm);
       char when[32];
       std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S", &tm);
-      std::printf("%10lld  %-19s  %8d  %12.1f  %-9s  %016llx\n", static_cast<long long>(i.step),
+      std::printf("%10lld  %-19s  %8d  %12.1f  %-9s  %016llx  %s\n", static_cast<long long>(i.step),
                   when, i.tensors, i.stored_bytes / 1048576.0, i.storage_mode.c_str(),
-                  static_cast<unsigned long long>(i.config_hash));
+                  static_cast<unsigned long long>(i.config_hash),
+                  absl::StrJoin(i.shards, ",").c_str());
+      // A part that cannot be read: `verify` says more, `--resume` skips the checkpoint.
+      if (!i.problem.empty()) std::printf("%10s  ! %s\n", "", i.problem.c_str());
     }
     if (list->empty()) std::printf("(no checkpoints)\n");
     return 0;

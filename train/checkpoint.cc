@@ -66,14 +66,20 @@ void ToRecord(const StoredExtent& s, storage::ExtentRecord* r) {
   r->set_crc32c(s.crc);
 }
 
-std::string Describe(const TensorRef& r, int64_t step) {
+// "checkpoint 10" or "checkpoint 10, shard p0" (a folder written before sharding is shard ".").
+std::string Where(int64_t step, const std::string& shard) {
+  if (shard.empty() || shard == ".") return absl::StrFormat("checkpoint %d", step);
+  return absl::StrFormat("checkpoint %d, shard %s", step, shard);
+}
+
+std::string Describe(const TensorRef& r, int64_t step, const std::string& shard) {
   if (r.expert() < 0) {
-    return absl::StrFormat("checkpoint %d: %s (%s) v%d", step, r.name(),
+    return absl::StrFormat("%s: %s (%s) v%d", Where(step, shard), r.name(),
                            storage::KindName(static_cast<storage::TensorKind>(r.kind())),
                            r.version());
   }
   return absl::StrFormat(
-      "checkpoint %d: %s v%d", step,
+      "%s: %s v%d", Where(step, shard),
       storage::TensorKey{r.layer(), r.expert(), static_cast<storage::TensorKind>(r.kind())}
           .ToString(),
       r.version());
@@ -105,17 +111,99 @@ int64_t NowMs() {
       .count();
 }
 
-StatusOr<std::unique_ptr<storage::SsdTier>> OpenSsd(const CheckpointOptions& o) {
+// The SSD tier of the shard folder `dir`.
+StatusOr<std::unique_ptr<storage::SsdTier>> OpenSsd(const CheckpointOptions& o,
+                                                    const std::string& dir) {
   ASSIGN_OR_RETURN(std::unique_ptr<storage::BlockIo> io, storage::MakeUringIo(o.io));
   if (o.wrap_io) io = o.wrap_io(std::move(io));
   storage::SsdOptions so;
-  so.dir = o.dir;
+  so.dir = dir;
   so.file_bytes = o.file_bytes;
   so.capacity_bytes = o.capacity_bytes;
   return storage::SsdTier::Open(so, std::move(io));
 }
 
 std::string LedgerPath(const std::string& dir) { return dir + "/LEDGER"; }
+
+// A folder written before sharding has its one shard's index, data files or ledger directly in
+// it: it is the shard ".".
+bool IsFolderShard(const std::string& dir) {
+  return storage::TensorIndex::Exists(dir + "/index") ||
+         !storage::SsdTier::DataFiles(dir).empty() ||
+         storage::Env::Default()->FileExists(LedgerPath(dir));
+}
+
+std::string ShardDir(const std::string& dir, const std::string& shard) {
+  return shard == "." ? dir : absl::StrCat(dir, "/shards/", shard);
+}
+
+// Takes the lock file `path` of `folder` for this process (writing its pid), or says who has it.
+StatusOr<int> LockFolder(const std::string& path, const std::string& folder) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("cannot open '%s': %s", path, std::strerror(errno)));
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char pid[32] = {0};
+    ssize_t n = ::pread(fd, pid, sizeof(pid) - 1, 0);
+    if (n > 0) pid[n] = 0;
+    ::close(fd);
+    return absl::UnavailableError(absl::StrFormat(
+        "checkpoint folder '%s' is in use by another strata process (pid %s); wait for it to "
+        "finish or use another folder",
+        folder, absl::StripAsciiWhitespace(pid)));
+  }
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+    STRATA_LOG(WARNING) << "could not record the pid in " << path;
+  }
+  return fd;
+}
+
+void Unlock(int fd) {
+  if (fd < 0) return;
+  ::flock(fd, LOCK_UN);
+  ::close(fd);
+}
+
+// The shard entry named `shard` in `set`, or null.
+const storage::ShardEntry* FindShard(const storage::CheckpointSet& set, const std::string& shard) {
+  for (const storage::ShardEntry& e : set.shards()) {
+    if (e.name() == shard) return &e;
+  }
+  return nullptr;
+}
+
+uint32_t ManifestCrc(const CheckpointManifest& m) {
+  const std::string bytes = m.SerializeAsString();
+  return storage::Crc32c(bytes.data(), bytes.size());
+}
+
+// Whether the local manifest `m` of `shard` is the one `set` names (same sequence and bytes);
+// otherwise why not.
+Status MatchesSet(const CheckpointManifest& m, const storage::CheckpointSet& set,
+                  const std::string& shard) {
+  const storage::ShardEntry* e = FindShard(set, shard);
+  if (e == nullptr) {
+    return absl::DataLossError(absl::StrFormat("%s: the global manifest does not name this shard",
+                                               Where(set.step(), shard)));
+  }
+  if (m.sequence() != e->local_sequence()) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: the shard's local checkpoint has sequence %d, the global manifest names %d: the "
+        "shard was rewritten after the checkpoint committed",
+        Where(set.step(), shard), m.sequence(), e->local_sequence()));
+  }
+  const uint32_t crc = ManifestCrc(m);
+  if (crc != e->local_manifest_crc32c()) {
+    return absl::DataLossError(absl::StrFormat(
+        "%s: the shard's local manifest has CRC-32C %08x, the global manifest recorded %08x: it "
+        "changed after the checkpoint committed",
+        Where(set.step(), shard), crc, e->local_manifest_crc32c()));
+  }
+  return absl::OkStatus();
+}
 
 // DIR/LEDGER's bytes; nullopt when there is none.
 StatusOr<std::optional<std::string>> ReadLedgerText(const std::string& dir) {
@@ -341,6 +429,10 @@ struct CheckpointManager::Pending {
   std::vector<Copy> copies;
   std::vector<TensorRef> refs;  // stored already (a store reference was taken) or generated
   Tracer* tracer = nullptr;
+  // The global manifest to commit once the local one is durable (its shard entry's sequence and
+  // CRC filled in then), and what a whole set of this model holds.
+  CheckpointSet set;
+  CheckpointSetLayout layout;
 };
 
 uint64_t CheckpointManager::ConfigHash(const config::ModelConfig& model) {
@@ -367,28 +459,9 @@ StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
     return absl::PermissionDeniedError(
         absl::StrFormat("cannot create checkpoint folder '%s': %s", dir, ec.message()));
   }
-  // One process at a time: training, or `strata ckpt rm`.
-  const std::string lock_path = dir + "/LOCK";
-  m->lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (m->lock_fd_ < 0) {
-    return absl::PermissionDeniedError(
-        absl::StrFormat("cannot open '%s': %s", lock_path, std::strerror(errno)));
-  }
-  if (::flock(m->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-    char pid[32] = {0};
-    ssize_t n = ::pread(m->lock_fd_, pid, sizeof(pid) - 1, 0);
-    if (n > 0) pid[n] = 0;
-    ::close(m->lock_fd_);
-    m->lock_fd_ = -1;
-    return absl::UnavailableError(absl::StrFormat(
-        "checkpoint folder '%s' is in use by another strata process (pid %s); wait for it to "
-        "finish or use another folder",
-        dir, absl::StripAsciiWhitespace(pid)));
-  }
-  const std::string pid = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(m->lock_fd_, 0) != 0 || ::pwrite(m->lock_fd_, pid.data(), pid.size(), 0) < 0) {
-    STRATA_LOG(WARNING) << "could not record the pid in " << lock_path;
-  }
+  // One process at a time: training (the committer of the folder's checkpoints), or `strata
+  // ckpt rm`.
+  ASSIGN_OR_RETURN(m->lock_fd_, LockFolder(dir + "/LOCK", dir));
   if (options.start_over) {
     if (must_exist) {
       return absl::InvalidArgumentError(
@@ -397,21 +470,62 @@ StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
     }
     RETURN_IF_ERROR(MoveAside(dir));
   }
-  if (!storage::TensorIndex::Exists(dir + "/index")) RETURN_IF_ERROR(CheckNoIndexIsNoLoss(dir));
-  // Resuming opens the index read-only: nothing in the folder changes until the checkpoint has
-  // passed every check (Resume reopens it for writing).
-  if (must_exist) {
-    ASSIGN_OR_RETURN(m->index_, storage::TensorIndex::OpenReadOnly(dir + "/index"));
+  // The committed sets first: a folder whose global manifests are damaged is not trained into.
+  ASSIGN_OR_RETURN(m->sets_, ListCheckpointSets(dir));
+  if (IsFolderShard(dir)) {
+    m->shard_name_ = ".";
+    m->shard_dir_ = dir;
   } else {
-    ASSIGN_OR_RETURN(m->index_, storage::TensorIndex::Open(dir + "/index", true));
+    RETURN_IF_ERROR(ValidateShardName(options.shard));
+    if (options.shard == ".") {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "the shard '.' is the folder '%s' itself, kept for folders written before sharding; "
+          "write a shard named p0, r<rank> or w<id>",
+          dir));
+    }
+    m->shard_name_ = options.shard;
+    m->shard_dir_ = ShardDir(dir, options.shard);
+    std::filesystem::create_directories(m->shard_dir_, ec);
+    if (ec) {
+      return absl::PermissionDeniedError(
+          absl::StrFormat("cannot create checkpoint shard '%s': %s", m->shard_dir_, ec.message()));
+    }
+    ASSIGN_OR_RETURN(m->shard_lock_fd_, LockFolder(m->shard_dir_ + "/LOCK", m->shard_dir_));
   }
-  ASSIGN_OR_RETURN(m->ssd_, OpenSsd(options));
+  const std::string& shard = m->shard_dir_;
+  const bool has_index = storage::TensorIndex::Exists(shard + "/index");
+  if (!has_index) RETURN_IF_ERROR(CheckNoIndexIsNoLoss(shard));
+  // Resuming opens the index read-only: nothing in the folder changes until the checkpoint has
+  // passed every check (Resume reopens it for writing). A shard that is gone while sets name it
+  // starts empty: those sets fail their checks, and older ones may still resume.
+  if (must_exist && (has_index || m->sets_.empty())) {
+    ASSIGN_OR_RETURN(m->index_, storage::TensorIndex::OpenReadOnly(shard + "/index"));
+  } else {
+    ASSIGN_OR_RETURN(m->index_, storage::TensorIndex::Open(shard + "/index", true));
+  }
+  ASSIGN_OR_RETURN(m->ssd_, OpenSsd(options, shard));
   ASSIGN_OR_RETURN(std::vector<CheckpointManifest> indexed, m->index_->Checkpoints());
-  ASSIGN_OR_RETURN(std::optional<std::string> ledger, ReadLedgerText(dir));
-  ASSIGN_OR_RETURN(CheckedList list, CheckList(dir, ledger, ledger, std::move(indexed)));
-  m->manifests_ = std::move(list.live);
+  ASSIGN_OR_RETURN(std::optional<std::string> ledger, ReadLedgerText(shard));
+  ASSIGN_OR_RETURN(CheckedList list, CheckList(shard, ledger, ledger, std::move(indexed)));
   m->removing_ = std::move(list.removing);
   m->last_sequence_ = list.last_sequence;
+  // A local checkpoint of a set exists only if the set committed naming it; one no committed set
+  // names was prepared by a process stopped before the commit (or its set was removed), and goes.
+  for (CheckpointManifest& cm : list.live) {
+    const CheckpointSet* set = nullptr;
+    for (const CheckpointSet& cs : m->sets_) {
+      if (cs.step() == cm.step()) set = &cs;
+    }
+    const storage::ShardEntry* e = set ? FindShard(*set, m->shard_name_) : nullptr;
+    if (!cm.sharded() || (e != nullptr && e->local_sequence() == cm.sequence())) {
+      m->manifests_.push_back(std::move(cm));
+      continue;
+    }
+    STRATA_LOG(INFO) << "shard " << m->shard_name_ << " of " << dir
+                     << ": the local checkpoint of step " << cm.step()
+                     << " was prepared but never committed; its space is reclaimed";
+    m->removing_.push_back(std::move(cm));
+  }
   for (const CheckpointManifest& cm : m->manifests_) {
     for (const TensorRef& r : cm.tensors()) {
       if (r.has_extent()) m->listed_[KeyOf(r)]++;
@@ -442,7 +556,7 @@ StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
 
 Status CheckpointManager::ReopenWritable() {
   index_.reset();
-  ASSIGN_OR_RETURN(index_, storage::TensorIndex::Open(options_.dir + "/index", false));
+  ASSIGN_OR_RETURN(index_, storage::TensorIndex::Open(shard_dir_ + "/index", false));
   return Tidy();
 }
 
@@ -452,8 +566,8 @@ Status CheckpointManager::Tidy() {
     for (const TensorRef& r : cm.tensors()) {
       if (r.has_extent() && !listed_.count(KeyOf(r))) unreferenced.push_back(r);
     }
-    STRATA_LOG(INFO) << "finishing the removal of checkpoint " << cm.step() << " from "
-                     << options_.dir;
+    STRATA_LOG(INFO) << "finishing the removal of the local checkpoint " << cm.step() << " from "
+                     << shard_dir_;
     RETURN_IF_ERROR(index_->RemoveCheckpoint(cm.step(), unreferenced));
   }
   removing_.clear();
@@ -469,28 +583,63 @@ Status CheckpointManager::WriteLedger(const CheckpointManifest* removing) {
     e->set_step(cm.step());
     e->set_sequence(cm.sequence());
   }
-  Status s = StoreLedger(options_.dir, ledger);
+  Status s = StoreLedger(shard_dir_, ledger);
   if (!s.ok()) {
     return absl::Status(s.code(), absl::StrFormat("updating the checkpoint ledger of '%s': %s",
-                                                  options_.dir, s.message()));
+                                                  shard_dir_, s.message()));
   }
   return absl::OkStatus();
 }
 
 CheckpointManager::~CheckpointManager() {
   if (writer_.joinable()) writer_.join();
-  if (lock_fd_ >= 0) {
-    ::flock(lock_fd_, LOCK_UN);
-    ::close(lock_fd_);
-  }
+  index_.reset();
+  Unlock(shard_lock_fd_);
+  Unlock(lock_fd_);
+}
+
+std::vector<int64_t> CheckpointManager::Steps() const {
+  std::set<int64_t> steps;
+  for (const CheckpointSet& cs : sets_) steps.insert(cs.step());
+  for (const CheckpointManifest& cm : manifests_) steps.insert(cm.step());
+  return {steps.begin(), steps.end()};
 }
 
 Status CheckpointManager::VerifyManifest(const CheckpointManifest& m) const {
   for (const TensorRef& r : m.tensors()) {
     if (!r.has_extent()) continue;
-    RETURN_IF_ERROR(ssd_->Verify(FromRecord(r.extent()), Describe(r, m.step())));
+    RETURN_IF_ERROR(ssd_->Verify(FromRecord(r.extent()), Describe(r, m.step(), shard_name_)));
   }
   return absl::OkStatus();
+}
+
+Status CheckpointManager::CheckCheckpoint(int64_t step, const CheckpointManifest** local) const {
+  *local = nullptr;
+  for (const CheckpointManifest& cm : manifests_) {
+    if (cm.step() == step) *local = &cm;
+  }
+  for (const CheckpointSet& cs : sets_) {
+    if (cs.step() != step) continue;
+    for (const storage::ShardEntry& e : cs.shards()) {
+      if (e.name() == shard_name_) continue;
+      return absl::UnimplementedError(absl::StrFormat(
+          "checkpoint %d was written as %d shards (%s among them); this process reads only its "
+          "own shard %s",
+          step, cs.shards_size(), e.name(), shard_name_));
+    }
+    if (*local == nullptr) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s: the shard has no local checkpoint of that step (the global manifest names "
+          "sequence %d in '%s'): the shard was deleted or rewritten",
+          Where(step, shard_name_), FindShard(cs, shard_name_)->local_sequence(), shard_dir_));
+    }
+    RETURN_IF_ERROR(MatchesSet(**local, cs, shard_name_));
+  }
+  if (*local == nullptr) {
+    return absl::NotFoundError(
+        absl::StrFormat("no checkpoint of step %d in '%s'", step, options_.dir));
+  }
+  return VerifyManifest(**local);
 }
 
 void CheckpointManager::ReleaseVersion(const TensorRef& r) {
@@ -511,10 +660,20 @@ void CheckpointManager::ReleaseVersion(const TensorRef& r) {
 Status CheckpointManager::RemoveLocked(int64_t step) {
   auto it = std::find_if(manifests_.begin(), manifests_.end(),
                          [&](const CheckpointManifest& m) { return m.step() == step; });
-  if (it == manifests_.end()) {
+  auto set = std::find_if(sets_.begin(), sets_.end(),
+                          [&](const CheckpointSet& cs) { return cs.step() == step; });
+  if (it == manifests_.end() && set == sets_.end()) {
     return absl::NotFoundError(
         absl::StrFormat("no checkpoint of step %d in '%s'", step, options_.dir));
   }
+  // The global manifest goes first: from then on the checkpoint does not exist, and a process
+  // stopped before the local one goes leaves a local checkpoint no set names, which the next open
+  // reclaims.
+  if (set != sets_.end()) {
+    RETURN_IF_ERROR(RemoveCheckpointSet(options_.dir, step));
+    sets_.erase(set);
+  }
+  if (it == manifests_.end()) return absl::OkStatus();  // the shard had lost it
   // The ledger records the removal first: a process killed before the index forgets the
   // checkpoint leaves one that the next open neither lists nor takes for a resurrected one.
   RETURN_IF_ERROR(WriteLedger(&*it));
@@ -541,14 +700,15 @@ Status CheckpointManager::RemoveLocked(int64_t step) {
 
 Status CheckpointManager::CheckCompatible(const config::JobConfig& config) const {
   const uint64_t hash = ConfigHash(config.model());
-  for (const CheckpointManifest& m : manifests_) {
-    if (m.config_hash() != hash) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "checkpoint %d in '%s' was written for a different model (%s); resume it with the "
-          "model it was trained with, or start a new run in another folder. Nothing was changed",
-          m.step(), options_.dir, ConfigDiff(m.model_config(), ModelText(config.model()))));
-    }
-  }
+  auto check = [&](const auto& m) -> Status {
+    if (m.config_hash() == hash) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "checkpoint %d in '%s' was written for a different model (%s); resume it with the "
+        "model it was trained with, or start a new run in another folder. Nothing was changed",
+        m.step(), options_.dir, ConfigDiff(m.model_config(), ModelText(config.model()))));
+  };
+  for (const CheckpointSet& cs : sets_) RETURN_IF_ERROR(check(cs));
+  for (const CheckpointManifest& m : manifests_) RETURN_IF_ERROR(check(m));
   return absl::OkStatus();
 }
 
@@ -557,7 +717,8 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
                                             scheduler::TieredExpertScheduler* tiered,
                                             ops::Context& ctx) {
   (void)ctx;
-  if (manifests_.empty()) {
+  const std::vector<int64_t> steps = Steps();
+  if (steps.empty()) {
     return absl::NotFoundError(absl::StrFormat(
         "checkpoint folder '%s' holds no checkpoint to resume from; drop --resume to start "
         "afresh",
@@ -565,38 +726,37 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
   }
   RETURN_IF_ERROR(CheckCompatible(config));
   // Newest first; nothing is changed until one passes every check.
-  int chosen = -1;
+  const CheckpointManifest* chosen = nullptr;
   std::vector<int64_t> invalid;
   Status first_error;
-  for (int i = static_cast<int>(manifests_.size()) - 1; i >= 0; --i) {
-    const CheckpointManifest& m = manifests_[i];
-    Status s = VerifyManifest(m);
-    if (s.ok()) {
-      chosen = i;
-      break;
-    }
-    STRATA_LOG(ERROR) << "checkpoint " << m.step() << " cannot be used: " << s.message();
+  for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
+    Status s = CheckCheckpoint(*step, &chosen);
+    if (s.ok()) break;
+    chosen = nullptr;
+    STRATA_LOG(ERROR) << "checkpoint " << *step << " cannot be used: " << s.message();
     if (first_error.ok()) first_error = s;
-    invalid.push_back(m.step());
+    // A set of other shards is not damaged, only not readable here: it stays.
+    if (!absl::IsUnimplemented(s)) invalid.push_back(*step);
   }
-  if (chosen < 0) {
+  if (chosen == nullptr) {
     return absl::DataLossError(
         absl::StrFormat("no checkpoint in '%s' passes its checks; the newest failed with: %s",
                         options_.dir, first_error.message()));
   }
   // Older checkpoints with extents beyond the end of their data file go too: that space was never
   // marked used, so new data would overwrite what they list.
-  for (int i = 0; i < chosen; ++i) {
-    for (const TensorRef& r : manifests_[i].tensors()) {
+  for (const CheckpointManifest& older : manifests_) {
+    if (older.step() >= chosen->step()) break;
+    for (const TensorRef& r : older.tensors()) {
       if (!r.has_extent() || !outside_.count(KeyOf(r))) continue;
-      Status s = ssd_->Verify(FromRecord(r.extent()), Describe(r, manifests_[i].step()));
-      STRATA_LOG(ERROR) << "checkpoint " << manifests_[i].step()
+      Status s = ssd_->Verify(FromRecord(r.extent()), Describe(r, older.step(), shard_name_));
+      STRATA_LOG(ERROR) << "checkpoint " << older.step()
                         << " cannot be used either: " << s.message();
-      invalid.push_back(manifests_[i].step());
+      invalid.push_back(older.step());
       break;
     }
   }
-  const CheckpointManifest m = manifests_[chosen];
+  const CheckpointManifest m = *chosen;
   if (m.seed() != config.seed()) {
     STRATA_LOG(WARNING) << "resuming with seed " << config.seed() << " but checkpoint " << m.step()
                         << " was trained with seed " << m.seed()
@@ -610,10 +770,12 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
   auto read_into = [&](const TensorRef& r, float* dst, uint64_t bytes) -> Status {
     if (r.extent().bytes() != bytes) {
       return absl::DataLossError(absl::StrFormat("%s has %d bytes where the model needs %d",
-                                                 Describe(r, m.step()), r.extent().bytes(), bytes));
+                                                 Describe(r, m.step(), shard_name_),
+                                                 r.extent().bytes(), bytes));
     }
     AlignedBuffer buf(bytes);
-    RETURN_IF_ERROR(ssd_->Read(FromRecord(r.extent()), buf.data, Describe(r, m.step())));
+    RETURN_IF_ERROR(
+        ssd_->Read(FromRecord(r.extent()), buf.data, Describe(r, m.step(), shard_name_)));
     std::memcpy(dst, buf.data, bytes);
     return absl::OkStatus();
   };
@@ -622,7 +784,7 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
     if (r.layer() < 0 || r.layer() >= static_cast<int>(dense.size()) ||
         dense[r.layer()]->name != r.name()) {
       return absl::DataLossError(absl::StrFormat("%s does not match the model's dense parameter %d",
-                                                 Describe(r, m.step()), r.layer()));
+                                                 Describe(r, m.step(), shard_name_), r.layer()));
     }
     model::Parameter* p = dense[r.layer()];
     const uint64_t bytes = static_cast<uint64_t>(p->shape.numel()) * sizeof(float);
@@ -654,7 +816,7 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
     if (layer == nullptr || r.expert() < layer->first_local_expert() ||
         r.expert() >= layer->first_local_expert() + layer->num_local_experts()) {
       return absl::DataLossError(
-          absl::StrFormat("%s has no place in the model", Describe(r, m.step())));
+          absl::StrFormat("%s has no place in the model", Describe(r, m.step(), shard_name_)));
     }
     // The blob has the tiered store's layout (model::ExpertLayout), whichever mode wrote it.
     std::vector<model::Parameter*> ps = layer->expert(r.expert()).Parameters();
@@ -734,6 +896,29 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
   m.set_optimizer_steps(optimizer.steps());
   m.set_storage_mode(tiered ? "TIERED" : "IN_MEMORY");
   m.set_workers(1);
+  m.set_sharded(true);
+  // The global manifest: the same header, and where each part lies (one shard: this one).
+  CheckpointSet& set = p->set;
+  set.set_step(step);
+  set.set_config_hash(m.config_hash());
+  set.set_model_config(m.model_config());
+  set.set_seed(m.seed());
+  set.set_optimizer_steps(m.optimizer_steps());
+  set.set_storage_mode(m.storage_mode());
+  set.set_workers(1);
+  storage::ShardEntry* entry = set.add_shards();
+  entry->set_name(shard_name_);
+  for (const auto& ref : model.moe_layers()) {
+    if (ref.layer->num_local_experts() == 0) continue;
+    storage::ExpertRange* range = entry->add_experts();
+    range->set_layer(ref.block);
+    range->set_first(static_cast<int32_t>(ref.layer->first_local_expert()));
+    range->set_count(static_cast<int32_t>(ref.layer->num_local_experts()));
+  }
+  std::vector<std::string> dense_names;
+  for (const model::Parameter* prm : model.DenseParameters()) dense_names.push_back(prm->name);
+  for (const std::string& name : dense_names) entry->add_dense(name);
+  p->layout = CheckpointSetLayoutOf(config.model(), dense_names);
   {
     std::lock_guard<std::mutex> lock(mu_);
     m.set_sequence(++last_sequence_);
@@ -840,7 +1025,8 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
 
 int64_t CheckpointManager::NewestCommitted() {
   std::lock_guard<std::mutex> lock(mu_);
-  return manifests_.empty() ? 0 : manifests_.back().step();
+  const std::vector<int64_t> steps = Steps();
+  return steps.empty() ? 0 : steps.back();
 }
 
 void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
@@ -875,6 +1061,25 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
     }
   }
   if (s.ok()) s = index_->CommitCheckpoint(m, new_versions);
+  // The shard is prepared; the global manifest makes the checkpoint exist. A process stopped here
+  // leaves a local checkpoint that no set names, reclaimed when the shard is next opened.
+  if (s.ok()) {
+    STRATA_FAULT_POINT("checkpoint.before_set_commit", &step);
+    storage::ShardEntry* entry = p->set.mutable_shards(0);
+    entry->set_local_sequence(m.sequence());
+    entry->set_local_manifest_crc32c(ManifestCrc(m));
+    StatusOr<CheckpointSet> committed = CommitCheckpointSet(options_.dir, p->layout, p->set);
+    if (committed.ok()) {
+      p->set = *std::move(committed);
+    } else {
+      s = committed.status();
+      Status undo = index_->RemoveCheckpoint(m.step(), new_versions);
+      if (!undo.ok()) {
+        STRATA_LOG(WARNING) << "the local checkpoint " << m.step() << " in " << shard_dir_
+                            << " stays until the shard is next opened: " << undo.message();
+      }
+    }
+  }
   if (p->tracer != nullptr) {
     p->tracer->SpanOn("checkpoint writer", absl::StrFormat("checkpoint persist %d", m.step()),
                       "checkpoint", started, NowSeconds());
@@ -917,6 +1122,7 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
     if (r.has_extent()) listed_[KeyOf(r)]++;
   }
   manifests_.push_back(m);
+  sets_.push_back(p->set);
   STRATA_LOG(INFO) << "checkpoint " << m.step() << " committed in " << options_.dir << " ("
                    << p->copies.size() << " tensors written)";
   // The checkpoint exists; should the ledger not learn of it, the next open still accepts it (it
@@ -927,8 +1133,9 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
         prune.code(),
         absl::StrFormat("checkpoint of step %d was committed, but %s", m.step(), prune.message()));
   }
-  while (prune.ok() && manifests_.size() > std::max<uint32_t>(1, options_.keep)) {
-    prune = RemoveLocked(manifests_.front().step());
+  for (std::vector<int64_t> steps = Steps();
+       prune.ok() && steps.size() > std::max<uint32_t>(1, options_.keep); steps = Steps()) {
+    prune = RemoveLocked(steps.front());
   }
   writer_status_ = prune;
   writer_done_ = true;
@@ -959,50 +1166,171 @@ StatusOr<std::vector<CheckpointManifest>> CheckpointManager::ReadList(const std:
   return std::move(list.live);
 }
 
+// One checkpoint of a folder as `strata ckpt` sees it: a committed set, or a checkpoint of a folder
+// written before sharding; and for each shard, its local manifest or why it cannot be read.
+struct CheckpointManager::FolderEntry {
+  int64_t step = 0;
+  std::optional<CheckpointSet> set;
+  struct Part {
+    std::string shard;
+    StatusOr<CheckpointManifest> local = absl::UnknownError("not read");
+  };
+  std::vector<Part> parts;
+};
+
+StatusOr<std::vector<CheckpointManager::FolderEntry>> CheckpointManager::ReadFolder(
+    const std::string& dir) {
+  if (!std::filesystem::is_directory(dir)) {
+    return absl::NotFoundError(absl::StrFormat("checkpoint folder '%s' does not exist", dir));
+  }
+  ASSIGN_OR_RETURN(std::vector<CheckpointSet> sets, ListCheckpointSets(dir));
+  // Each shard's live local checkpoints, read once (read-only: a process may be training). A
+  // shard whose folder is gone fails only the checkpoints that name it; one whose index or ledger
+  // cannot be trusted makes the whole listing fail, as a damaged folder does.
+  std::map<std::string, StatusOr<std::vector<CheckpointManifest>>> shards;
+  for (const std::string& name :
+       IsFolderShard(dir) ? std::vector<std::string>{"."} : std::vector<std::string>{}) {
+    ASSIGN_OR_RETURN(std::vector<CheckpointManifest> local, ReadList(dir));
+    shards.emplace(name, std::move(local));
+  }
+  for (const CheckpointSet& cs : sets) {
+    for (const storage::ShardEntry& se : cs.shards()) {
+      if (shards.count(se.name())) continue;
+      const std::string sdir = ShardDir(dir, se.name());
+      if (!std::filesystem::is_directory(sdir)) {
+        shards.emplace(se.name(), absl::NotFoundError(
+                                      absl::StrFormat("the shard's folder '%s' is missing", sdir)));
+        continue;
+      }
+      StatusOr<std::vector<CheckpointManifest>> local = ReadList(sdir);
+      if (!local.ok()) {
+        return Status(local.status().code(), absl::StrFormat("shard %s of '%s': %s", se.name(), dir,
+                                                             local.status().message()));
+      }
+      shards.emplace(se.name(), std::move(local));
+    }
+  }
+  // A set removed while the shards were read (a run prunes beside `strata ckpt`) is not listed:
+  // its shards may have let its local checkpoints go already.
+  ASSIGN_OR_RETURN(std::vector<CheckpointSet> after, ListCheckpointSets(dir));
+  std::set<int64_t> still;
+  for (const CheckpointSet& cs : after) still.insert(cs.step());
+  std::erase_if(sets, [&](const CheckpointSet& cs) { return !still.count(cs.step()); });
+  auto shard_list =
+      [&](const std::string& name) -> const StatusOr<std::vector<CheckpointManifest>>& {
+    return shards.at(name);
+  };
+  std::map<int64_t, FolderEntry> entries;
+  if (shards.count(".")) {
+    const auto& local = shard_list(".");
+    for (const CheckpointManifest& m : *local) {
+      if (m.sharded()) continue;  // part of a set: listed with it
+      FolderEntry& e = entries[m.step()];
+      e.step = m.step();
+      e.parts.push_back({".", m});
+    }
+  }
+  for (CheckpointSet& cs : sets) {
+    FolderEntry& e = entries[cs.step()];
+    e.step = cs.step();
+    e.parts.clear();
+    for (const storage::ShardEntry& se : cs.shards()) {
+      FolderEntry::Part part{se.name()};
+      const auto& local = shard_list(se.name());
+      if (!local.ok()) {
+        part.local = Status(local.status().code(), absl::StrCat(Where(cs.step(), se.name()), ": ",
+                                                                local.status().message()));
+      } else {
+        part.local = absl::NotFoundError(absl::StrFormat(
+            "%s: the shard has no local checkpoint of that step (the global manifest names "
+            "sequence %d): the shard was deleted or rewritten",
+            Where(cs.step(), se.name()), se.local_sequence()));
+        for (const CheckpointManifest& m : *local) {
+          if (m.step() != cs.step()) continue;
+          Status match = MatchesSet(m, cs, se.name());
+          part.local = match.ok() ? StatusOr<CheckpointManifest>(m) : match;
+        }
+      }
+      e.parts.push_back(std::move(part));
+    }
+    e.set = std::move(cs);
+  }
+  std::vector<FolderEntry> out;
+  for (auto& [step, e] : entries) out.push_back(std::move(e));
+  return out;
+}
+
 StatusOr<std::vector<CheckpointInfo>> CheckpointManager::List(const std::string& dir) {
-  ASSIGN_OR_RETURN(auto manifests, ReadList(dir));
+  ASSIGN_OR_RETURN(std::vector<FolderEntry> entries, ReadFolder(dir));
   std::vector<CheckpointInfo> out;
-  for (const CheckpointManifest& m : manifests) {
+  for (const FolderEntry& e : entries) {
     CheckpointInfo i;
-    i.step = m.step();
-    i.created_unix_ms = m.created_unix_ms();
-    i.tensors = m.tensors_size();
-    for (const TensorRef& r : m.tensors()) i.stored_bytes += r.extent().length();
-    i.config_hash = m.config_hash();
-    i.storage_mode = m.storage_mode();
-    out.push_back(i);
+    i.step = e.step;
+    for (const FolderEntry::Part& part : e.parts) {
+      i.shards.push_back(part.shard);
+      if (!part.local.ok()) {
+        if (i.problem.empty()) i.problem = std::string(part.local.status().message());
+        continue;
+      }
+      const CheckpointManifest& m = *part.local;
+      if (!e.set) {
+        i.created_unix_ms = m.created_unix_ms();
+        i.config_hash = m.config_hash();
+        i.storage_mode = m.storage_mode();
+      }
+      i.tensors += m.tensors_size();
+      for (const TensorRef& r : m.tensors()) i.stored_bytes += r.extent().length();
+    }
+    if (e.set) {
+      i.created_unix_ms = e.set->created_unix_ms();
+      i.config_hash = e.set->config_hash();
+      i.storage_mode = e.set->storage_mode();
+    }
+    out.push_back(std::move(i));
   }
   return out;
 }
 
 Status CheckpointManager::Verify(const std::string& dir, int64_t step,
                                  std::vector<std::string>* report) {
-  ASSIGN_OR_RETURN(auto manifests, ReadList(dir));
-  CheckpointOptions o;
-  o.dir = dir;
-  ASSIGN_OR_RETURN(std::unique_ptr<storage::SsdTier> ssd, OpenSsd(o));
+  ASSIGN_OR_RETURN(std::vector<FolderEntry> entries, ReadFolder(dir));
+  std::map<std::string, std::unique_ptr<storage::SsdTier>> ssds;  // by shard, opened once
   int bad = 0, checked = 0;
-  for (const CheckpointManifest& m : manifests) {
-    if (step >= 0 && m.step() != step) continue;
+  for (const FolderEntry& e : entries) {
+    if (step >= 0 && e.step != step) continue;
     ++checked;
     Status s;
     uint64_t bytes = 0;
     int extents = 0;
-    for (const TensorRef& r : m.tensors()) {
-      if (!r.has_extent()) continue;
-      s = ssd->Verify(FromRecord(r.extent()), Describe(r, m.step()));
+    for (const FolderEntry::Part& part : e.parts) {
+      s = part.local.status();
       if (!s.ok()) break;
-      bytes += r.extent().bytes();
-      ++extents;
+      auto& ssd = ssds[part.shard];
+      if (!ssd) {
+        CheckpointOptions o;
+        StatusOr<std::unique_ptr<storage::SsdTier>> opened = OpenSsd(o, ShardDir(dir, part.shard));
+        if (!opened.ok()) {
+          s = opened.status();
+          break;
+        }
+        ssd = *std::move(opened);
+      }
+      for (const TensorRef& r : part.local->tensors()) {
+        if (!r.has_extent()) continue;
+        s = ssd->Verify(FromRecord(r.extent()), Describe(r, e.step, part.shard));
+        if (!s.ok()) break;
+        bytes += r.extent().bytes();
+        ++extents;
+      }
+      if (!s.ok()) break;
     }
     if (s.ok()) {
-      report->push_back(
-          absl::StrFormat("checkpoint %d: ok (%d extents, %.1f MiB, every CRC-32C "
-                          "matches)",
-                          m.step(), extents, bytes / 1048576.0));
+      report->push_back(absl::StrFormat(
+          "checkpoint %d: ok (%d shard%s, %d extents, %.1f MiB, every CRC-32C matches)", e.step,
+          e.parts.size(), e.parts.size() == 1 ? "" : "s", extents, bytes / 1048576.0));
     } else {
       ++bad;
-      report->push_back(absl::StrFormat("checkpoint %d: FAILED: %s", m.step(), s.message()));
+      report->push_back(absl::StrFormat("checkpoint %d: FAILED: %s", e.step, s.message()));
     }
   }
   if (checked == 0) {
@@ -1018,6 +1346,14 @@ Status CheckpointManager::Verify(const std::string& dir, int64_t step,
 }
 
 Status CheckpointManager::Remove(const std::string& dir, int64_t step) {
+  if (!ListCheckpointSets(dir).ok()) {
+    // Damaged global manifests keep the folder from opening; removing the named step is the way
+    // out, and needs no shard: a local checkpoint its set named is reclaimed at the next open.
+    ASSIGN_OR_RETURN(const int fd, LockFolder(dir + "/LOCK", dir));
+    Status s = RemoveCheckpointSet(dir, step);
+    Unlock(fd);
+    return s;
+  }
   CheckpointOptions o;
   o.dir = dir;
   ASSIGN_OR_RETURN(auto m, Open(o, /*must_exist=*/true));

@@ -1,48 +1,59 @@
 // Checkpoints on the storage tiers, and resuming from them.
 //
-// A checkpoint folder is the SSD tier's folder: data files of checksummed extents, a RocksDB
-// index (DIR/index) and a lock (DIR/LOCK) held by the process training into it. A checkpoint is
-// one version of every tensor — dense parameters with their Adam moments, and every expert's
-// weights and moments (as one blob per expert and kind, the tiered store's format, so a
-// checkpoint written in memory resumes in the tiered store and back) — plus a manifest: step,
-// model-config hash, seed, optimizer step count. Data order and gate randomness are pure
-// functions of (seed, step), so the step is the whole cursor.
+// A checkpoint folder DIR holds sharded checkpoints (docs/sharded_checkpoints.md): each shard
+// DIR/shards/<name>/ is one writer's SSD tier folder — data files of checksummed extents, a
+// RocksDB index, a local ledger and a lock — and a checkpoint exists once its global manifest
+// DIR/manifests/<step>.manifest commits (train/checkpoint_set.h), naming the local checkpoint each
+// shard holds for it. This manager is one process's view: it writes the shard options.shard
+// ("p0" for one process) and commits each checkpoint's one-shard set itself, holding DIR/LOCK (the
+// committer's lock) and the shard's LOCK. A folder written before sharding (an index, data files
+// or a ledger directly in DIR) is itself the shard "." and is written on in place: its old
+// checkpoints stand alone, new ones get global manifests naming shard ".".
+//
+// A local checkpoint is one version of every tensor — dense parameters with their Adam moments,
+// and every expert's weights and moments (as one blob per expert and kind, the tiered store's
+// format, so a checkpoint written in memory resumes in the tiered store and back) — plus a
+// manifest: step, model-config hash, seed, optimizer step count. Data order and gate randomness
+// are pure functions of (seed, step), so the step is the whole cursor.
 //
 // Save snapshots what is not already on the SSD tier into host memory (tensors whose current SSD
 // version is clean are only referenced, never-written tensors only named), returns, and persists
-// in the background while training goes on: extents, fdatasync, then the manifest and index
-// entries in one synced RocksDB batch. Only then does the checkpoint exist; a process killed
-// before leaves extents nobody refers to, which the next open reclaims. The last `keep`
-// checkpoints are kept; an extent is freed only when no checkpoint and no live tensor uses it.
+// in the background while training goes on: extents, fdatasync, then the local manifest and index
+// entries in one synced RocksDB batch (the shard is prepared), then the global manifest. Only then
+// does the checkpoint exist; a process killed before leaves extents and perhaps a prepared local
+// manifest that nobody refers to, which the next open reclaims. The last `keep` checkpoints are
+// kept; an extent is freed only when no checkpoint and no live tensor uses it.
 //
-// Resume takes the newest checkpoint whose every extent passes its CRC check and lies within the
-// data files, removes newer ones that do not (saying which tensor in which file failed), and
-// refuses a checkpoint of a different model before anything is changed. `strata ckpt verify`
-// applies the same checks and reports them per checkpoint; `strata ckpt rm` removes any
-// checkpoint, damaged or not.
+// Resume takes the newest checkpoint whose shard reference matches (the local manifest the global
+// one names, with its CRC) and whose every extent passes its CRC check and lies within the data
+// files, removes newer ones that do not (saying which shard, tensor and file failed), and refuses a
+// checkpoint of a different model before anything is changed. `strata ckpt verify` applies the
+// same checks and reports them per checkpoint and shard; `strata ckpt rm` removes any checkpoint,
+// damaged or not.
 //
-// The checkpoint list never lies. Every manifest carries a sequence number and its predecessor's
-// step and number, and DIR/LEDGER (outside RocksDB, replaced atomically after each commit and
-// removal) records the live list and the highest number given. Opening the folder compares the
-// index with the ledger: an index that lost committed checkpoints or regained removed ones (a
-// damaged or cut write-ahead log that RocksDB took for a crash's torn tail) is refused, naming
-// them; only checkpoints committed after the ledger's last update, following its newest, are
-// accepted (a crash in between). A missing index beside data files is refused too: training would
+// The checkpoint list never lies. Every local manifest carries a sequence number and its
+// predecessor's step and number, and the shard's LEDGER (outside RocksDB, replaced atomically after
+// each commit and removal) records the live list and the highest number given. Opening the shard
+// compares the index with the ledger: an index that lost committed checkpoints or regained removed
+// ones (a damaged or cut write-ahead log that RocksDB took for a crash's torn tail) is refused,
+// naming them; only checkpoints committed after the ledger's last update, following its newest,
+// are accepted (a crash in between). The global manifests have their own ledger with the same
+// rules (train/checkpoint_set.h). A missing index beside data files is refused too: training would
 // overwrite them, unless `start_over` moves the folder's contents aside first. Folders written
 // before the ledger (manifests without sequence numbers) open as they are and get one.
 //
 // Threads and ownership. A CheckpointManager runs one thread of its own, the writer, which
-// persists the checkpoint Save snapshotted; it owns the folder's lock and index and shares its SSD
-// tier (ssd()). Its members are called from one thread at a time (the trainer's), except
-// NewestCommitted and PollError, which any thread may call, also while a persist runs.
-// checkpoints() and CheckCompatible read the list the writer appends to and prunes without a lock:
-// call them only while no persist runs (before the first Save, or after Wait). Save and Resume
-// borrow the model, optimizer and context for the call; the TieredExpertScheduler given to them and
-// Save's ctx.tracer are kept (the writer updates the store's references to checkpoint versions and
-// records its span) and must stay alive until no persist runs (Wait). The destructor waits for the
-// persist in flight. The static List, Verify and Remove may run on any thread: List and Verify only
-// read the folder (also while a process trains in it); Remove takes the folder's lock, so it fails
-// while a process trains in it.
+// persists and commits the checkpoint Save snapshotted; it owns the folder's and the shard's locks
+// and the shard's index and shares its SSD tier (ssd()). Its members are called from one thread at
+// a time (the trainer's), except NewestCommitted and PollError, which any thread may call, also
+// while a persist runs. Steps() and CheckCompatible read the lists the writer appends to and prunes
+// without a lock: call them only while no persist runs (before the first Save, or after Wait). Save
+// and Resume borrow the model, optimizer and context for the call; the TieredExpertScheduler given
+// to them and Save's ctx.tracer are kept (the writer updates the store's references to checkpoint
+// versions and records its span) and must stay alive until no persist runs (Wait). The destructor
+// waits for the persist in flight. The static List, Verify and Remove may run on any thread: List
+// and Verify only read the folder (also while a process trains in it); Remove takes the folder's
+// lock, so it fails while a process trains in it.
 #pragma once
 
 #include <map>
@@ -60,11 +71,15 @@
 #include "scheduler/tiered_scheduler.h"
 #include "storage/ssd_tier.h"
 #include "storage/tensor_index.h"
+#include "train/checkpoint_set.h"
 
 namespace strata::train {
 
 struct CheckpointOptions {
-  std::string dir;
+  std::string dir;  // the checkpoint folder DIR
+  // The shard this process writes, DIR/shards/<shard> (see ValidateShardName); ignored in a folder
+  // written before sharding, which is itself the one shard ".".
+  std::string shard = "p0";
   uint32_t keep = 3;
   storage::UringOptions io;
   uint64_t file_bytes = 1ull << 30;
@@ -83,6 +98,8 @@ struct CheckpointInfo {
   uint64_t stored_bytes = 0;  // bytes of extents the checkpoint refers to
   uint64_t config_hash = 0;
   std::string storage_mode;
+  std::vector<std::string> shards;  // where it lies: shard names ("." for the folder itself)
+  std::string problem;              // why a shard's part could not be read ("": none)
 };
 
 class CheckpointManager {
@@ -96,7 +113,12 @@ class CheckpointManager {
   ~CheckpointManager();
 
   std::shared_ptr<storage::SsdTier> ssd() const { return ssd_; }
-  const std::vector<storage::CheckpointManifest>& checkpoints() const { return manifests_; }
+  // The steps of the folder's checkpoints (committed sets, and those of a folder written before
+  // sharding), increasing.
+  std::vector<int64_t> Steps() const;
+  // The shard this process writes ("." for a folder written before sharding) and its folder.
+  const std::string& shard_name() const { return shard_name_; }
+  const std::string& shard_dir() const { return shard_dir_; }
 
   // Fails, naming the differences, when a checkpoint in the folder was written for another model.
   [[nodiscard]] Status CheckCompatible(const config::JobConfig& config) const;
@@ -140,9 +162,16 @@ class CheckpointManager {
   // The folder's checkpoints, the index read-only and checked against the ledger.
   [[nodiscard]] static StatusOr<std::vector<storage::CheckpointManifest>> ReadList(
       const std::string& dir);
+  // The folder's checkpoints for `strata ckpt`, each with its shards' local manifests (read-only).
+  struct FolderEntry;
+  [[nodiscard]] static StatusOr<std::vector<FolderEntry>> ReadFolder(const std::string& dir);
   // Reads every stored extent of a checkpoint; the first failure.
   Status VerifyManifest(const storage::CheckpointManifest& m) const;
-  // Drops a checkpoint from the ledger and the index and releases the extents only it used.
+  // The checks of checkpoint `step` before it is resumed: its set names this shard's local
+  // checkpoint with the CRC it has, and every extent of it reads back. Sets `local`.
+  Status CheckCheckpoint(int64_t step, const storage::CheckpointManifest** local) const;
+  // Drops a checkpoint: its global manifest first, then the local one from the ledger and the
+  // index, releasing the extents only it used.
   [[nodiscard]] Status RemoveLocked(int64_t step);
   // Reopens the index for writing, then Tidy.
   [[nodiscard]] Status ReopenWritable();
@@ -155,11 +184,17 @@ class CheckpointManager {
   void ReleaseVersion(const storage::TensorRef& r);
 
   CheckpointOptions options_;
-  int lock_fd_ = -1;
+  int lock_fd_ = -1;        // DIR/LOCK: the committer's (and a folder-shard's) lock
+  int shard_lock_fd_ = -1;  // DIR/shards/<name>/LOCK
+  std::string shard_name_, shard_dir_;
   std::shared_ptr<storage::SsdTier> ssd_;
   std::unique_ptr<storage::TensorIndex> index_;
-  std::vector<storage::CheckpointManifest> manifests_;  // by increasing step
-  // Still in the index, but the ledger says they were being removed: finished by Tidy.
+  // The shard's committed local checkpoints, by increasing step: those a committed set names, and
+  // those of a folder written before sharding.
+  std::vector<storage::CheckpointManifest> manifests_;
+  std::vector<storage::CheckpointSet> sets_;  // the folder's committed sets, by increasing step
+  // Still in the index, but the ledger says they were being removed, or no committed set names
+  // them (prepared, never committed): finished by Tidy.
   std::vector<storage::CheckpointManifest> removing_;
   uint64_t last_sequence_ = 0;        // the highest sequence given to a checkpoint
   std::map<VersionKey, int> listed_;  // how many checkpoints list each stored version

@@ -401,11 +401,13 @@ CheckpointSetLayout CheckpointSetLayoutOf(const config::ModelConfig& model,
 Status ValidateShardName(const std::string& name) {
   auto bad = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "shard name '%s' %s; a shard is named p0 (one process), r<rank> (e.g. r3) or w<worker "
-        "id> (e.g. w7, 1 to %d characters of A-Z a-z 0-9 . _ -)",
+        "shard name '%s' %s; a shard is named p0 (one process), r<rank> (e.g. r3), w<worker "
+        "id> (e.g. w7, 1 to %d characters of A-Z a-z 0-9 . _ -) or . (a folder written before "
+        "sharding)",
         absl::CHexEscape(name), why, kMaxWorkerShardIdChars));
   };
-  if (name == "p0") return absl::OkStatus();
+  // "." is the folder itself: a folder written before sharding is its one shard.
+  if (name == "p0" || name == ".") return absl::OkStatus();
   if (name.empty()) return bad("is empty");
   const std::string rest = name.substr(1);
   if (name[0] == 'r') {

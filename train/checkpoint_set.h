@@ -72,7 +72,8 @@ CheckpointSetLayout CheckpointSetLayoutOf(const config::ModelConfig& model,
                                           std::vector<std::string> dense_names);
 
 // Shard names become folder names (DIR/shards/<name>): "p0", "r<rank>" (a decimal rank without
-// leading zeros, below 2^31) or "w<id>" (1 to kMaxWorkerShardIdChars characters of A-Z a-z 0-9 .
+// leading zeros, below 2^31), "." (DIR itself: a folder written before sharding is its one shard,
+// and is written on in place) or "w<id>" (1 to kMaxWorkerShardIdChars characters of A-Z a-z 0-9 .
 // _ -, so that the folder name fits the 255 bytes Linux file systems allow; ShardNameOfWorker
 // makes one of any worker id that is not too long). INVALID_ARGUMENT naming the name otherwise.
 inline constexpr size_t kMaxWorkerShardIdChars = 254;

@@ -314,11 +314,11 @@ Status Trainer::OpenCheckpoints(bool continuing) {
   co.start_over = options_.start_over && !continuing;
   ASSIGN_OR_RETURN(checkpoints_, CheckpointManager::Open(co, resume && !continuing));
   if (resume || continuing) RETURN_IF_ERROR(checkpoints_->CheckCompatible(cfg));
-  if (!resume && !continuing && !checkpoints_->checkpoints().empty()) {
+  if (!resume && !continuing && !checkpoints_->Steps().empty()) {
     return absl::AlreadyExistsError(absl::StrFormat(
         "checkpoint folder '%s' already holds checkpoints (the newest of step %d); pass "
         "--resume to continue from it, or choose an empty folder",
-        co.dir, checkpoints_->checkpoints().back().step()));
+        co.dir, checkpoints_->Steps().back()));
   }
   return absl::OkStatus();
 }

@@ -512,16 +512,17 @@ TEST_F(CheckpointSetTest, VerifyShardRefsNamesTheShardThatFails) {
   EXPECT_NE(s.message().find("1 of 2 shards fail"), std::string::npos) << s;
 }
 
-TEST(ShardNameTest, AcceptsTheThreeFormsAndRefusesTheRest) {
-  // A w-name fills at most a folder name of 255 bytes: "w" and 254 characters.
+TEST(ShardNameTest, AcceptsTheFourFormsAndRefusesTheRest) {
+  // A w-name fills at most a folder name of 255 bytes: "w" and 254 characters. "." is the folder
+  // itself (written before sharding).
   for (const std::string& ok :
-       std::vector<std::string>{"p0", "r0", "r7", "r2147483647", "w7", "wnode-3.a_b",
+       std::vector<std::string>{"p0", ".", "r0", "r7", "r2147483647", "w7", "wnode-3.a_b",
                                 "w" + std::string(64, 'x'), "w" + std::string(254, 'x')}) {
     EXPECT_TRUE(ValidateShardName(ok).ok()) << ok << ": " << ValidateShardName(ok);
   }
   for (const std::string& bad : std::vector<std::string>{
-           "", "p1", "p", "r", "r01", "r-1", "r2147483648", "rx", "x3", "w", "w/..", "w a", "../r0",
-           "r0/", "w:1", "w" + std::string(255, 'x')}) {
+           "", "p1", "p", "..", "./", "r", "r01", "r-1", "r2147483648", "rx", "x3", "w", "w/..",
+           "w a", "../r0", "r0/", "w:1", "w" + std::string(255, 'x')}) {
     Status s = ValidateShardName(bad);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << "'" << bad << "'";
     EXPECT_NE(s.message().find("shard name '" + bad + "'"), std::string::npos) << s;

@@ -23,6 +23,7 @@
 #include "storage/crc32c.h"
 #include "storage/tensor_index.h"
 #include "tests/test_util.h"
+#include "train/checkpoint_set.h"
 #include "train/trainer.h"
 
 // Tests that arm fault points in the strata binary (STRATA_FAULTS) need a build that compiled
@@ -46,6 +47,9 @@ using strata::testing::TempDir;
 using strata::testing::WriteFile;
 
 const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
+
+// The one shard `strata train` writes in the checkpoint folder `ck`.
+std::string Shard(const std::string& ck) { return ck + "/shards/p0"; }
 
 std::string ConfigText(const std::string& mode, int d_model = 32) {
   return "seed: 5\n"
@@ -76,6 +80,17 @@ std::map<int, std::string> Losses(const std::string& metrics) {
     out[step] = l.substr(at, l.find(',', at) - at);  // the printed digits
   }
   return out;
+}
+
+// The steps `strata ckpt ls` printed, in order.
+std::vector<int64_t> ListedSteps(const std::string& output) {
+  std::vector<int64_t> steps;
+  for (const auto& line : absl::StrSplit(output, '\n', absl::SkipEmpty())) {
+    std::vector<std::string> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    int64_t step = 0;
+    if (!words.empty() && absl::SimpleAtoi(words[0], &step)) steps.push_back(step);
+  }
+  return steps;
 }
 
 class CheckpointTest : public ::testing::TestWithParam<std::string> {
@@ -161,7 +176,7 @@ TEST_P(CheckpointTest, FlippedByteIsNamedAndResumeFallsBackToThePreviousCheckpoi
   std::string file;
   uint64_t offset = 0;
   {
-    auto index = storage::TensorIndex::OpenReadOnly(ck + "/index");
+    auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
     ASSERT_TRUE(index.ok()) << index.status();
     auto cps = (*index)->Checkpoints();
     ASSERT_TRUE(cps.ok());
@@ -175,7 +190,7 @@ TEST_P(CheckpointTest, FlippedByteIsNamedAndResumeFallsBackToThePreviousCheckpoi
       if (t.has_extent() && !older.count(storage::TensorIndex::TensorKey(t))) {
         char name[32];
         std::snprintf(name, sizeof(name), "/data-%05u.bin", t.extent().file());
-        file = ck + name;
+        file = Shard(ck) + name;
         offset = t.extent().offset() + t.extent().bytes() / 2;
         break;
       }
@@ -195,6 +210,152 @@ TEST_P(CheckpointTest, FlippedByteIsNamedAndResumeFallsBackToThePreviousCheckpoi
   EXPECT_NE(verify.output.find(file), std::string::npos) << "the error names the file";
   EXPECT_NE(verify.output.find("checkpoint 20: ok"), std::string::npos) << verify.output;
   ResumeAndCompare(ck, 20);
+}
+
+// The folder's layout, read with the storage layer's own tools: one shard p0 holding each
+// checkpoint's local manifest, and for each checkpoint a global manifest naming that local manifest
+// by sequence and CRC, with every expert of every MoE layer and every dense tensor in it.
+TEST_P(CheckpointTest, OneProcessWritesOneShardAndAGlobalManifestPerCheckpoint) {
+  const std::string ck = dir_.File("ck");
+  auto r = RunCommand(Strata("--checkpoint-dir " + ck + " --checkpoint-every 10"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(ck + "/index")) << "the shard's index lives in its folder";
+  auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
+  ASSERT_TRUE(index.ok()) << index.status();
+  auto locals = (*index)->Checkpoints();
+  ASSERT_TRUE(locals.ok()) << locals.status();
+  auto sets = ListCheckpointSets(ck);
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  ASSERT_EQ(sets->size(), 3u) << "keep 3";
+  ASSERT_EQ(locals->size(), 3u) << "the shard keeps what the sets name, nothing more";
+  for (size_t i = 0; i < 3; ++i) {
+    const CheckpointSet& cs = (*sets)[i];
+    const storage::CheckpointManifest& m = (*locals)[i];
+    EXPECT_EQ(cs.step(), static_cast<int64_t>(20 + 10 * i));
+    EXPECT_EQ(m.step(), cs.step());
+    EXPECT_TRUE(m.sharded());
+    EXPECT_EQ(cs.storage_mode(), GetParam());
+    EXPECT_EQ(cs.optimizer_steps(), m.optimizer_steps());
+    EXPECT_EQ(cs.config_hash(), m.config_hash());
+    ASSERT_EQ(cs.shards_size(), 1);
+    const storage::ShardEntry& e = cs.shards(0);
+    EXPECT_EQ(e.name(), "p0");
+    EXPECT_EQ(e.local_sequence(), m.sequence());
+    const std::string bytes = m.SerializeAsString();
+    EXPECT_EQ(e.local_manifest_crc32c(), storage::Crc32c(bytes.data(), bytes.size()));
+    // Every expert of both MoE blocks, in one range each.
+    ASSERT_EQ(e.experts_size(), 2);
+    for (int b = 0; b < 2; ++b) {
+      EXPECT_EQ(e.experts(b).layer(), b);
+      EXPECT_EQ(e.experts(b).first(), 0);
+      EXPECT_EQ(e.experts(b).count(), 8);
+    }
+    // The dense names are those the local manifest stores, each once.
+    std::set<std::string> dense;
+    for (const auto& t : m.tensors()) {
+      if (t.expert() < 0) dense.insert(t.name());
+    }
+    EXPECT_EQ(std::set<std::string>(e.dense().begin(), e.dense().end()), dense);
+    EXPECT_EQ(static_cast<size_t>(e.dense_size()), dense.size());
+  }
+}
+
+// A process killed with its shard prepared (the local checkpoint committed) but before the global
+// manifest: that checkpoint never existed. The previous one is the newest, resumes bitwise, and
+// the prepared local checkpoint is reclaimed.
+TEST_P(CheckpointTest, KilledBetweenTheShardAndTheGlobalCommitLeavesThePreviousCheckpoint) {
+  STRATA_SKIP_WITHOUT_FAULT_POINTS();
+  const std::string ck = dir_.File("ck");
+  RunAndKill(ck, "holding here", "STRATA_FAULTS=checkpoint.before_set_commit=hold_at_step:20");
+  {
+    auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
+    ASSERT_TRUE(index.ok()) << index.status();
+    auto locals = (*index)->Checkpoints();
+    ASSERT_TRUE(locals.ok());
+    ASSERT_EQ(locals->size(), 2u) << "the shard holds the prepared 20 beside 10";
+    EXPECT_EQ(locals->back().step(), 20);
+  }
+  auto ls = RunCommand(kStrata + " ckpt ls " + ck);
+  ASSERT_EQ(ls.exit_code, 0) << ls.output;
+  EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{10})) << ls.output;
+  auto verify = RunCommand(kStrata + " ckpt verify " + ck);
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
+  ResumeAndCompare(ck, 10);
+  EXPECT_NE(resume_output_.find("local checkpoint of step 20 was prepared but never committed"),
+            std::string::npos)
+      << resume_output_;
+  ls = RunCommand(kStrata + " ckpt ls " + ck);
+  EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{20, 30, 40})) << ls.output;
+  verify = RunCommand(kStrata + " ckpt verify " + ck);
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
+}
+
+// The global manifest of 30 names a local manifest the shard does not have (its CRC differs): the
+// shard changed after the commit. `verify` names the checkpoint and the shard; resume skips 30 for
+// 20 and continues bitwise.
+TEST_P(CheckpointTest, AShardThatNoLongerMatchesItsGlobalManifestIsNamedAndSkipped) {
+  STRATA_SKIP_WITHOUT_FAULT_POINTS();
+  const std::string ck = dir_.File("ck");
+  RunAndKill(ck, "holding here", "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:30");
+  const std::string path = ck + "/manifests/30.manifest";
+  std::string bytes = ReadFile(path);
+  ASSERT_GT(bytes.size(), 4u);
+  CheckpointSet cs;
+  ASSERT_TRUE(cs.ParseFromArray(bytes.data(), static_cast<int>(bytes.size() - 4)));
+  cs.mutable_shards(0)->set_local_manifest_crc32c(cs.shards(0).local_manifest_crc32c() ^ 1);
+  // Rewritten whole, with a checksum of its own that matches: only the reference is wrong.
+  bytes = cs.SerializeAsString();
+  const uint32_t crc = storage::Crc32c(bytes.data(), bytes.size());
+  for (int i = 0; i < 4; ++i) bytes.push_back(static_cast<char>((crc >> (8 * i)) & 0xff));
+  WriteFile(path, bytes);
+  auto verify = RunCommand(kStrata + " ckpt verify " + ck);
+  EXPECT_EQ(verify.exit_code, 1) << verify.output;
+  EXPECT_NE(verify.output.find("checkpoint 30: FAILED: checkpoint 30, shard p0: the shard's local "
+                               "manifest has CRC-32C"),
+            std::string::npos)
+      << verify.output;
+  EXPECT_NE(verify.output.find("checkpoint 20: ok"), std::string::npos) << verify.output;
+  ResumeAndCompare(ck, 20);
+  EXPECT_NE(resume_output_.find("checkpoint 30 cannot be used"), std::string::npos)
+      << resume_output_;
+}
+
+// A checkpoint's only shard deleted: `ls` still lists the checkpoints and says what is missing,
+// `verify` fails naming the shard's folder, `--resume` refuses saying why, and `rm`
+// removes the checkpoints that can no longer be read.
+TEST_P(CheckpointTest, ADeletedShardIsNamedByEveryTool) {
+  STRATA_SKIP_WITHOUT_FAULT_POINTS();
+  const std::string ck = dir_.File("ck");
+  RunAndKill(ck, "holding here", "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:20");
+  std::filesystem::remove_all(Shard(ck));
+  auto ls = RunCommand(kStrata + " ckpt ls " + ck);
+  ASSERT_EQ(ls.exit_code, 0) << ls.output;
+  EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{10, 20})) << ls.output;
+  EXPECT_NE(ls.output.find("the shard's folder '" + Shard(ck) + "' is missing"), std::string::npos)
+      << ls.output;
+  auto verify = RunCommand(kStrata + " ckpt verify " + ck);
+  EXPECT_EQ(verify.exit_code, 1) << verify.output;
+  EXPECT_NE(verify.output.find("checkpoint 20: FAILED: checkpoint 20, shard p0: the shard's "
+                               "folder"),
+            std::string::npos)
+      << verify.output;
+  EXPECT_NE(verify.output.find("2 of 2 checkpoints"), std::string::npos) << verify.output;
+  auto r = RunCommand(Strata("--checkpoint-dir " + ck + " --resume"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("no checkpoint in '" + ck + "' passes its checks"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("shard p0"), std::string::npos) << r.output;
+  // Not resuming: the folder still holds checkpoints, so a fresh run is refused as well.
+  r = RunCommand(Strata("--checkpoint-dir " + ck));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("already holds checkpoints (the newest of step 20)"), std::string::npos)
+      << r.output;
+  for (const char* step : {"20", "10"}) {
+    auto rm = RunCommand(kStrata + " ckpt rm " + ck + " " + step);
+    EXPECT_EQ(rm.exit_code, 0) << rm.output;
+  }
+  ls = RunCommand(kStrata + " ckpt ls " + ck);
+  EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{})) << ls.output;
 }
 
 TEST_P(CheckpointTest, MissingOrDamagedIndexAndIncompatibleConfigTouchNothing) {
@@ -222,7 +383,7 @@ TEST_P(CheckpointTest, MissingOrDamagedIndexAndIncompatibleConfigTouchNothing) {
   EXPECT_TRUE(snapshot() == before) << "an incompatible resume changed the folder";
   WriteFile(dir_.File("job.textproto"), ConfigText(GetParam()));
   // Damaged index.
-  for (const auto& f : std::filesystem::directory_iterator(ck + "/index")) {
+  for (const auto& f : std::filesystem::directory_iterator(Shard(ck) + "/index")) {
     if (f.path().filename().string().rfind("MANIFEST", 0) == 0) {
       std::ofstream(f.path(), std::ios::binary | std::ios::trunc) << "not a manifest";
     }
@@ -231,10 +392,10 @@ TEST_P(CheckpointTest, MissingOrDamagedIndexAndIncompatibleConfigTouchNothing) {
   r = RunCommand(Strata("--checkpoint-dir " + ck + " --resume"));
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("checkpoint index"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find(ck + "/index"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(Shard(ck) + "/index"), std::string::npos) << r.output;
   EXPECT_TRUE(snapshot() == before) << "a damaged index must not be modified";
   // Missing index.
-  std::filesystem::remove_all(ck + "/index");
+  std::filesystem::remove_all(Shard(ck) + "/index");
   before = snapshot();
   r = RunCommand(Strata("--checkpoint-dir " + ck + " --resume"));
   EXPECT_EQ(r.exit_code, 1);
@@ -242,21 +403,10 @@ TEST_P(CheckpointTest, MissingOrDamagedIndexAndIncompatibleConfigTouchNothing) {
   EXPECT_TRUE(snapshot() == before);
 }
 
-// The steps `strata ckpt ls` printed, in order.
-std::vector<int64_t> ListedSteps(const std::string& output) {
-  std::vector<int64_t> steps;
-  for (const auto& line : absl::StrSplit(output, '\n', absl::SkipEmpty())) {
-    std::vector<std::string> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
-    int64_t step = 0;
-    if (!words.empty() && absl::SimpleAtoi(words[0], &step)) steps.push_back(step);
-  }
-  return steps;
-}
-
 // The RocksDB write-ahead logs of a checkpoint folder's index that hold data.
 std::vector<std::string> WalFiles(const std::string& ck) {
   std::vector<std::string> out;
-  for (const auto& f : std::filesystem::directory_iterator(ck + "/index")) {
+  for (const auto& f : std::filesystem::directory_iterator(Shard(ck) + "/index")) {
     if (f.path().extension() == ".log" && f.file_size() > 0) out.push_back(f.path().string());
   }
   return out;
@@ -310,7 +460,7 @@ TEST_P(CheckpointFolderDamageTest, FlippedBytesInTheIndexWalAreAnErrorAtOpen) {
   std::string bytes = ReadFile(wal);
   for (size_t i = bytes.size() / 2; i < bytes.size() / 2 + 64; ++i) bytes[i] ^= 0x5a;
   WriteFile(wal, bytes);
-  ExpectEveryToolRefuses(ck, {ck + "/index", "write-ahead log", wal, "--start-over"});
+  ExpectEveryToolRefuses(ck, {Shard(ck) + "/index", "write-ahead log", wal, "--start-over"});
 }
 
 TEST_P(CheckpointFolderDamageTest, IndexWalCutInHalfIsDetected) {
@@ -321,7 +471,7 @@ TEST_P(CheckpointFolderDamageTest, IndexWalCutInHalfIsDetected) {
   // What the index alone now says: RocksDB may replay the first half as if its tail had been torn
   // by a crash. The checkpoints it lost and the ones it brought back must be named.
   std::vector<std::string> expect = {ck, "--start-over"};
-  auto index = storage::TensorIndex::OpenReadOnly(ck + "/index");
+  auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
   if (index.ok()) {
     auto cps = (*index)->Checkpoints();
     ASSERT_TRUE(cps.ok()) << cps.status();
@@ -351,9 +501,9 @@ TEST_P(CheckpointFolderDamageTest, IndexWalCutInHalfIsDetected) {
 TEST_P(CheckpointFolderDamageTest, MissingIndexBesideDataIsRefusedUnlessStartingOver) {
   const std::string ck = dir_.File("ck");
   WriteFourCheckpoints(ck);
-  std::filesystem::remove_all(ck + "/index");
+  std::filesystem::remove_all(Shard(ck) + "/index");
   uint64_t data_bytes = 0;
-  for (const auto& f : std::filesystem::directory_iterator(ck)) {
+  for (const auto& f : std::filesystem::directory_iterator(Shard(ck))) {
     if (f.path().filename().string().rfind("data-", 0) == 0) data_bytes += f.file_size();
   }
   ASSERT_GT(data_bytes, 0u);
@@ -401,7 +551,7 @@ TEST_P(CheckpointFolderDamageTest, TruncatedDataFileDamagesOnlyTheCheckpointsCut
   uint64_t keep_end = 0, cut_40 = 0;
   std::string file;
   {
-    auto index = storage::TensorIndex::OpenReadOnly(ck + "/index");
+    auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
     ASSERT_TRUE(index.ok()) << index.status();
     auto cps = (*index)->Checkpoints();
     ASSERT_TRUE(cps.ok());
@@ -419,7 +569,7 @@ TEST_P(CheckpointFolderDamageTest, TruncatedDataFileDamagesOnlyTheCheckpointsCut
     }
   }
   ASSERT_GT(cut_40, 0u) << "no extent of checkpoint 40 lies after those of 20 and 30";
-  file = ck + "/data-00000.bin";
+  file = Shard(ck) + "/data-00000.bin";
   ASSERT_GT(std::filesystem::file_size(file), keep_end);
   std::filesystem::resize_file(file, keep_end);
   std::filesystem::copy(ck, dir_.File("ck2"), std::filesystem::copy_options::recursive);
@@ -470,7 +620,7 @@ TEST_P(CheckpointFolderDamageTest, ListingWhileTrainingCommitsAndPrunesIsNeverAn
   int listings = 0, status = 0;
   std::set<int64_t> seen;
   while (waitpid(pid, &status, WNOHANG) == 0) {
-    if (!std::filesystem::exists(ck + "/LEDGER")) continue;
+    if (!std::filesystem::exists(ck + "/manifests/LEDGER")) continue;
     auto ls = RunCommand(kStrata + " ckpt ls " + ck);
     ASSERT_EQ(ls.exit_code, 0) << "listing " << listings << " while training:\n" << ls.output;
     for (int64_t step : ListedSteps(ls.output)) seen.insert(step);
@@ -491,7 +641,7 @@ TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
   RunAndKill(ck, "holding here", "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:30");
   std::vector<storage::CheckpointManifest> written;  // 10, 20, 30
   {
-    auto index = storage::TensorIndex::OpenReadOnly(ck + "/index");
+    auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
     ASSERT_TRUE(index.ok()) << index.status();
     auto cps = (*index)->Checkpoints();
     ASSERT_TRUE(cps.ok());
@@ -499,8 +649,12 @@ TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
   }
   ASSERT_EQ(written.size(), 3u);
   ASSERT_LT(written[1].sequence(), written[2].sequence());
-  auto commit = [&](int64_t step, uint64_t sequence, uint64_t previous_sequence) {
-    auto index = storage::TensorIndex::Open(ck + "/index", false);
+  auto sets = ListCheckpointSets(ck);
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  ASSERT_EQ(sets->size(), 3u);
+  // A local checkpoint in the shard (and, with `set`, the global manifest naming it).
+  auto commit = [&](int64_t step, uint64_t sequence, uint64_t previous_sequence, bool set) {
+    auto index = storage::TensorIndex::Open(Shard(ck) + "/index", false);
     ASSERT_TRUE(index.ok()) << index.status();
     storage::CheckpointManifest m = written[2];  // the same tensors as checkpoint 30
     m.set_step(step);
@@ -508,26 +662,45 @@ TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
     m.set_previous_step(30);
     m.set_previous_sequence(previous_sequence);
     ASSERT_TRUE((*index)->CommitCheckpoint(m, {}).ok());
+    if (!set) return;
+    CheckpointSet cs = sets->back();
+    cs.set_step(step);
+    cs.clear_sequence();
+    cs.clear_previous_step();
+    cs.clear_previous_sequence();
+    cs.mutable_shards(0)->set_local_sequence(sequence);
+    const std::string bytes = m.SerializeAsString();
+    cs.mutable_shards(0)->set_local_manifest_crc32c(storage::Crc32c(bytes.data(), bytes.size()));
+    CheckpointSetLayout layout;
+    for (const auto& r : cs.shards(0).experts()) layout.moe_layers.push_back(r.layer());
+    layout.experts_per_layer = 8;
+    layout.dense.assign(cs.shards(0).dense().begin(), cs.shards(0).dense().end());
+    auto committed = CommitCheckpointSet(ck, layout, cs);
+    ASSERT_TRUE(committed.ok()) << committed.status();
   };
   auto forget = [&](int64_t step) {
-    auto index = storage::TensorIndex::Open(ck + "/index", false);
+    auto index = storage::TensorIndex::Open(Shard(ck) + "/index", false);
     ASSERT_TRUE(index.ok()) << index.status();
     ASSERT_TRUE((*index)->RemoveCheckpoint(step, {}).ok());
+    Status removed = RemoveCheckpointSet(ck, step);
+    ASSERT_TRUE(removed.ok() || absl::IsNotFound(removed)) << removed;
   };
-  // Committed after checkpoint 30, the ledger not told: listed.
-  commit(40, written[2].sequence() + 1, written[2].sequence());
+  // Committed after checkpoint 30, the shard's ledger not told: listed.
+  commit(40, written[2].sequence() + 1, written[2].sequence(), /*set=*/true);
   auto ls = RunCommand(kStrata + " ckpt ls " + ck);
   EXPECT_EQ(ls.exit_code, 0) << ls.output;
   EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{10, 20, 30, 40})) << ls.output;
   forget(40);
   // One that does not follow checkpoint 30 came from elsewhere.
-  commit(50, written[2].sequence() + 7, written[1].sequence());
+  commit(50, written[2].sequence() + 7, written[1].sequence(), /*set=*/false);
   ls = RunCommand(kStrata + " ckpt ls " + ck);
   EXPECT_EQ(ls.exit_code, 1) << ls.output;
   EXPECT_NE(ls.output.find("checkpoints the ledger never recorded: 50"), std::string::npos)
       << ls.output;
   forget(50);
-  // The ledger recorded the removal of 10; the index still has it.
+  // A removal of 10 stopped after its global manifest went and the shard's ledger recorded the
+  // removal, before the shard's index forgot it.
+  ASSERT_TRUE(RemoveCheckpointSet(ck, 10).ok());
   storage::CheckpointLedger ledger;
   ledger.set_format(1);
   ledger.set_last_sequence(written[2].sequence());
@@ -539,7 +712,7 @@ TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
   ledger.mutable_removing(0)->set_sequence(written[0].sequence());
   std::string text;
   ASSERT_TRUE(google::protobuf::TextFormat::PrintToString(ledger, &text));
-  WriteFile(ck + "/LEDGER",
+  WriteFile(Shard(ck) + "/LEDGER",
             text + absl::StrFormat("# crc32c %08x\n", storage::Crc32c(text.data(), text.size())));
   ls = RunCommand(kStrata + " ckpt ls " + ck);
   EXPECT_EQ(ls.exit_code, 0) << ls.output;
@@ -549,7 +722,7 @@ TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
   // The next writable open finishes the removal in the index.
   auto rm = RunCommand(kStrata + " ckpt rm " + ck + " 20");
   EXPECT_EQ(rm.exit_code, 0) << rm.output;
-  auto index = storage::TensorIndex::OpenReadOnly(ck + "/index");
+  auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
   ASSERT_TRUE(index.ok()) << index.status();
   auto cps = (*index)->Checkpoints();
   ASSERT_TRUE(cps.ok());
@@ -559,11 +732,22 @@ TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
   ResumeAndCompare(ck, 30);
 }
 
-// A folder written before manifests carried sequence numbers (and before the ledger) still opens.
-TEST_P(CheckpointFolderDamageTest, FolderWithoutSequencesStillOpens) {
+// A folder written before sharding, and before manifests carried sequence numbers and the ledger,
+// still opens: it is the shard ".", its checkpoints stand alone, and new ones are written beside
+// them with global manifests naming that shard.
+TEST_P(CheckpointFolderDamageTest, FolderWrittenBeforeShardingStillOpens) {
   STRATA_SKIP_WITHOUT_FAULT_POINTS();
   const std::string ck = dir_.File("ck");
   RunAndKill(ck, "holding here", "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:30");
+  // The old layout: the one shard's index and data files directly in the folder.
+  for (const auto& f : std::filesystem::directory_iterator(Shard(ck))) {
+    const std::string name = f.path().filename().string();
+    if (name == "index" || name.rfind("data-", 0) == 0) {
+      std::filesystem::rename(f.path(), ck + "/" + name);
+    }
+  }
+  std::filesystem::remove_all(ck + "/shards");
+  std::filesystem::remove_all(ck + "/manifests");
   {
     auto index = storage::TensorIndex::Open(ck + "/index", false);
     ASSERT_TRUE(index.ok()) << index.status();
@@ -591,6 +775,15 @@ TEST_P(CheckpointFolderDamageTest, FolderWithoutSequencesStillOpens) {
   ResumeAndCompare(ck, 30);
   ls = RunCommand(kStrata + " ckpt ls " + ck);
   EXPECT_EQ(ListedSteps(ls.output), (std::vector<int64_t>{20, 30, 40})) << ls.output;
+  EXPECT_FALSE(std::filesystem::exists(ck + "/shards")) << "written on in place";
+  auto sets = ListCheckpointSets(ck);
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  ASSERT_EQ(sets->size(), 1u) << "the old checkpoints have no global manifest, 40 has one";
+  EXPECT_EQ((*sets)[0].step(), 40);
+  ASSERT_EQ((*sets)[0].shards_size(), 1);
+  EXPECT_EQ((*sets)[0].shards(0).name(), ".");
+  verify = RunCommand(kStrata + " ckpt verify " + ck);
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, CheckpointFolderDamageTest,
