@@ -20,7 +20,9 @@
 // flips on a near tie: uninterrupted 2- and 3-worker runs of this config depart from the single
 // process by up to 8.6e-4 within 48 steps (measured), while a 4-worker one stays at 1e-7. A step
 // cut short by a failure is redone by the next generation, so a metrics file may list a step
-// twice: the line of the highest generation is the one that counted.
+// twice: the line of the highest generation is the one that counted. A worker killed between a
+// step's last collective and its metrics line leaves that step trained but without its line (see
+// Read).
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -33,6 +35,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "launcher/coordinator_state.h"
@@ -67,33 +70,60 @@ std::string Config(int steps, const std::string& extra = "") {
 }
 
 // What a job's metrics files say, per step: the loss and the sample ranges of the generation that
-// counted (the highest one that finished the step).
+// counted (the highest one that wrote the step).
 struct Trajectory {
   std::map<int64_t, int64_t> generation;                               // step -> generation
   std::map<int64_t, double> loss;                                      // step -> loss
   std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> ranges;  // step -> [first, count)
+  std::map<int64_t, std::vector<int>> unwritten;  // step -> ranks without a line (see Read)
   std::set<int64_t> generations;
   std::map<int64_t, int> workers;  // generation -> workers
 };
 
+// A worker killed after a step's last collective and before it wrote the step's line leaves the
+// step trained (the others could finish it only with its gradients; their lines report the loss of
+// the whole batch, its share included, which ExpectMatches compares) but unwritten. That can only
+// be the last step its generation wrote, and one the next generation went on from instead of
+// redoing it. There its share is its share of the step before in the same generation, one batch
+// on; a share missing anywhere else is lost.
 Trajectory Read(const std::vector<std::string>& files) {
+  struct Line {
+    int rank;
+    int64_t first, count;
+  };
   Trajectory t;
-  std::map<std::pair<int64_t, int64_t>, std::vector<std::pair<int64_t, int64_t>>> by_gen;
+  std::map<std::pair<int64_t, int64_t>, std::vector<Line>> by_gen;  // (step, generation) -> lines
   std::map<std::pair<int64_t, int64_t>, double> loss_by_gen;
+  std::map<int64_t, int64_t> last_written;  // generation -> the last step a worker wrote in it
   for (const std::string& f : files) {
     for (const auto& l : absl::StrSplit(ReadFile(f), '\n', absl::SkipEmpty())) {
       const std::string line(l);
       const int64_t step = IntField(line, "step"), gen = IntField(line, "generation");
-      by_gen[{step, gen}].emplace_back(IntField(line, "first_sample"), IntField(line, "samples"));
+      by_gen[{step, gen}].push_back({static_cast<int>(IntField(line, "rank")),
+                                     IntField(line, "first_sample"), IntField(line, "samples")});
       loss_by_gen[{step, gen}] = DoubleField(line, "loss");
       t.generations.insert(gen);
       t.workers[gen] = static_cast<int>(IntField(line, "workers"));
+      last_written[gen] = std::max(last_written[gen], step);
       if (!t.generation.count(step) || t.generation[step] < gen) t.generation[step] = gen;
     }
   }
   for (const auto& [step, gen] : t.generation) {
     t.loss[step] = loss_by_gen[{step, gen}];
-    t.ranges[step] = by_gen[{step, gen}];
+    std::set<int> written;
+    for (const Line& l : by_gen[{step, gen}]) {
+      t.ranges[step].emplace_back(l.first, l.count);
+      written.insert(l.rank);
+    }
+    const auto next = t.generation.find(step + 1);
+    if (step != last_written[gen] || next == t.generation.end() || next->second <= gen) continue;
+    const auto before = by_gen.find({step - 1, gen});
+    if (before == by_gen.end()) continue;
+    for (const Line& l : before->second) {
+      if (written.count(l.rank)) continue;
+      t.ranges[step].emplace_back(l.first + kBatch, l.count);
+      t.unwritten[step].push_back(l.rank);
+    }
   }
   return t;
 }
@@ -104,29 +134,32 @@ void ExpectEveryStepTiled(const Trajectory& t, int steps) {
   for (int64_t s = 1; s <= steps; ++s) {
     auto r = t.ranges.at(s);
     std::sort(r.begin(), r.end());
+    const auto unwritten = t.unwritten.find(s);
+    const std::string where = absl::StrCat(
+        "step ", s, " (generation ", t.generation.at(s), ", ", r.size(), " shares",
+        unwritten == t.unwritten.end()
+            ? std::string()
+            : absl::StrCat(", the share of rank ", absl::StrJoin(unwritten->second, ", "),
+                           " taken from the step before"),
+        ")");
     int64_t next = (s - 1) * kBatch;
     for (const auto& [first, count] : r) {
-      EXPECT_EQ(first, next) << "step " << s << ": samples lost or seen twice";
+      EXPECT_EQ(first, next) << where << ": samples lost or seen twice";
       next = first + count;
     }
-    EXPECT_EQ(next, s * kBatch) << "step " << s;
+    EXPECT_EQ(next, s * kBatch) << where;
   }
 }
 
 // Every step 1..steps trained exactly the step's samples, and its loss matches the reference.
 void ExpectMatches(const Trajectory& t, const std::map<int64_t, double>& reference, int steps) {
   ASSERT_EQ(static_cast<int>(reference.size()), steps);
-  ASSERT_EQ(static_cast<int>(t.loss.size()), steps) << "steps missing from the metrics";
-  for (int64_t s = 1; s <= steps; ++s) {
-    EXPECT_NEAR(t.loss.at(s), reference.at(s), 1e-5) << "step " << s;
-    auto r = t.ranges.at(s);
-    std::sort(r.begin(), r.end());
-    int64_t next = (s - 1) * kBatch;
-    for (const auto& [first, count] : r) {
-      EXPECT_EQ(first, next) << "step " << s << ": samples lost or seen twice";
-      next = first + count;
+  ExpectEveryStepTiled(t, steps);
+  for (const auto& [s, want] : reference) {
+    const auto loss = t.loss.find(s);
+    if (loss != t.loss.end()) {
+      EXPECT_NEAR(loss->second, want, 1e-5) << "step " << s;
     }
-    EXPECT_EQ(next, s * kBatch) << "step " << s;
   }
 }
 
