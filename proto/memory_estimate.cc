@@ -167,7 +167,7 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
   return e;
 }
 
-MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers) {
+MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers, bool elastic) {
   if (workers <= 1) return EstimateMemory(config);
   const uint64_t W = U(workers);
   // The activations of the worker's share of the batch.
@@ -195,9 +195,9 @@ MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers) {
     e.parameter_bytes = e.gradient_bytes = Mul(4, Add(dense, held));
     e.optimizer_bytes = Mul(8, Add(dense, held));
   }
-  // With checkpoints, rank 0 writes them (and restores lost state from them) through a model with
+  // In an elastic job with checkpoints, rank 0 restores lost state from them through a model with
   // every expert: values, gradients and both moments of every parameter.
-  if (!config.checkpoint().dir().empty()) {
+  if (elastic && !config.checkpoint().dir().empty()) {
     e.full_copy_bytes = Mul(16, Add(dense, U(e.expert_parameters)));
   }
   e.total_bytes = Add(Add(Add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes),

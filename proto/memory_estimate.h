@@ -17,9 +17,9 @@
 // estimated at 805 MiB + 256 MiB and peaks at 982 MiB resident.
 //
 // One of W workers holds less: its expert-parallel group's share of the experts and 1/W of the
-// batch — but with checkpoints rank 0 also keeps every expert with its Adam moments, to write
-// them and to restore state lost with failed workers (EstimateWorkerMemory, an upper bound per
-// worker). The
+// batch — but in an elastic job with checkpoints rank 0 also keeps every expert with its Adam
+// moments, to restore state lost with failed workers from a checkpoint (EstimateWorkerMemory, an
+// upper bound per worker; checkpoints themselves are written and read shard by shard). The
 // machine check is the caller's: `strata check` and `strata train` for one process, a worker for
 // its share, `strata launch` for its N local workers together; a coordinator trains nothing.
 //
@@ -47,9 +47,9 @@ struct MemoryEstimate {
   uint64_t optimizer_bytes = 0;   // AdamW's first and second moments
   uint64_t activation_bytes = 0;  // buffers for one batch, the token ids included
   uint64_t store_bytes = 0;       // TIERED: the device and host tiers' expert slots
-  // One of several workers with checkpoints: rank 0's model with every expert and its Adam
-  // moments (writing checkpoints, restoring lost state); counted for every worker, since any may
-  // become rank 0.
+  // One of several workers of an elastic job with checkpoints: rank 0's model with every expert and
+  // its Adam moments (restoring lost state from a checkpoint); counted for every worker, since any
+  // may become rank 0.
   uint64_t full_copy_bytes = 0;
   uint64_t total_bytes = 0;  // the sum of the six above
 
@@ -67,8 +67,11 @@ struct MemoryEstimate {
 MemoryEstimate EstimateMemory(const JobConfig& config);
 
 // What one of `workers` workers of the job holds at most (workers <= 1: EstimateMemory). Its
-// expert_parameters stay the model's; the byte figures are the worker's.
-MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers);
+// expert_parameters stay the model's; the byte figures are the worker's. `elastic`: a worker of a
+// coordinator's job, which may become rank 0 and restore state lost with failed workers from a
+// checkpoint through a model with every expert (full_copy_bytes); a `strata worker --store`
+// worker writes and reads only its own shard.
+MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers, bool elastic = true);
 
 // One line per figure, human-readable ("parameters  1.2 M (4.6 MiB) ..."), for `strata check`.
 std::string FormatMemoryEstimate(const MemoryEstimate& estimate);

@@ -101,6 +101,27 @@ inline double DoubleField(const std::string& line, const std::string& key) {
   return std::stod(line.substr(at + key.size() + 3));
 }
 
+// The exit code of a child process (128 + the signal if a signal ended it), once it ends.
+inline int WaitExit(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// The steps `strata ckpt ls` printed, in order (the first word of each line that is a number).
+inline std::vector<int64_t> ListedSteps(const std::string& output) {
+  std::vector<int64_t> steps;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream words(line);
+    std::string first;
+    words >> first;
+    if (first.empty() || first.find_first_not_of("0123456789") != std::string::npos) continue;
+    steps.push_back(std::stoll(first));
+  }
+  return steps;
+}
+
 // step -> loss of a metrics file (JSONL) written by --metrics-out.
 inline std::map<int64_t, double> StepLosses(const std::string& path) {
   std::map<int64_t, double> out;

@@ -133,6 +133,13 @@ bool IsFolderShard(const std::string& dir) {
          storage::Env::Default()->FileExists(LedgerPath(dir));
 }
 
+// DIR/prepared/<generation>/<step>/<shard>: a worker's report that its shard is prepared for a
+// checkpoint (its ShardEntry, serialized), for the committer to collect.
+std::string PreparedRoot(const std::string& dir) { return dir + "/prepared"; }
+std::string PreparedDir(const std::string& dir, int64_t generation, int64_t step) {
+  return absl::StrCat(dir, "/prepared/", generation, "/", step);
+}
+
 std::string ShardDir(const std::string& dir, const std::string& shard) {
   return shard == "." ? dir : absl::StrCat(dir, "/shards/", shard);
 }
@@ -433,6 +440,7 @@ struct CheckpointManager::Pending {
   // CRC filled in then), and what a whole set of this model holds.
   CheckpointSet set;
   CheckpointSetLayout layout;
+  std::vector<std::string> other_shards;  // the committer's: shards whose reports it waits for
 };
 
 uint64_t CheckpointManager::ConfigHash(const config::ModelConfig& model) {
@@ -459,10 +467,11 @@ StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
     return absl::PermissionDeniedError(
         absl::StrFormat("cannot create checkpoint folder '%s': %s", dir, ec.message()));
   }
-  // One process at a time: training (the committer of the folder's checkpoints), or `strata
-  // ckpt rm`.
-  ASSIGN_OR_RETURN(m->lock_fd_, LockFolder(dir + "/LOCK", dir));
-  if (options.start_over) {
+  // One committer at a time: a training job's (one process, or rank 0), or `strata ckpt rm`.
+  if (options.committer) {
+    ASSIGN_OR_RETURN(m->lock_fd_, LockFolder(dir + "/LOCK", dir));
+  }
+  if (options.start_over && options.committer) {
     if (must_exist) {
       return absl::InvalidArgumentError(
           "--start-over moves the checkpoint folder's contents aside, --resume continues from "
@@ -472,7 +481,9 @@ StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
   }
   // The committed sets first: a folder whose global manifests are damaged is not trained into.
   ASSIGN_OR_RETURN(m->sets_, ListCheckpointSets(dir));
-  if (IsFolderShard(dir)) {
+  // A folder written before sharding is written on in place by one process; workers write their
+  // own shards beside it.
+  if (IsFolderShard(dir) && options.committer && options.shard == "p0") {
     m->shard_name_ = ".";
     m->shard_dir_ = dir;
   } else {
@@ -491,6 +502,53 @@ StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
           absl::StrFormat("cannot create checkpoint shard '%s': %s", m->shard_dir_, ec.message()));
     }
     ASSIGN_OR_RETURN(m->shard_lock_fd_, LockFolder(m->shard_dir_ + "/LOCK", m->shard_dir_));
+  }
+  // Reports of checkpoints no longer in flight (a job stopped while saving): a new job's committer
+  // opens before any worker saves. They are not checkpoints: a resume clears them too.
+  if (options.committer) {
+    std::filesystem::remove_all(PreparedRoot(dir), ec);
+    if (ec) {
+      return absl::PermissionDeniedError(absl::StrFormat(
+          "cannot clear '%s' of old prepared reports: %s", PreparedRoot(dir), ec.message()));
+    }
+  }
+  // Workers beside a folder written before sharding read its checkpoints as one-shard sets of the
+  // shard "." (never written, pruned or removed by them).
+  if (m->shard_name_ != "." && IsFolderShard(dir)) {
+    ASSIGN_OR_RETURN(std::vector<CheckpointManifest> old, ReadList(dir));
+    for (const CheckpointManifest& cm : old) {
+      if (cm.sharded()) continue;
+      CheckpointSet cs;
+      cs.set_step(cm.step());
+      cs.set_config_hash(cm.config_hash());
+      cs.set_model_config(cm.model_config());
+      cs.set_seed(cm.seed());
+      cs.set_optimizer_steps(cm.optimizer_steps());
+      cs.set_storage_mode(cm.storage_mode());
+      storage::ShardEntry* e = cs.add_shards();
+      e->set_name(".");
+      e->set_local_sequence(cm.sequence());
+      e->set_local_manifest_crc32c(ManifestCrc(cm));
+      std::map<int32_t, std::pair<int32_t, int32_t>> ranges;  // block -> first, last
+      std::set<std::string> dense;
+      for (const TensorRef& r : cm.tensors()) {
+        if (r.expert() < 0) {
+          dense.insert(r.name());
+          continue;
+        }
+        auto [it, fresh] = ranges.try_emplace(r.layer(), r.expert(), r.expert());
+        it->second.first = std::min(it->second.first, r.expert());
+        it->second.second = std::max(it->second.second, r.expert());
+      }
+      for (const auto& [block, range] : ranges) {
+        storage::ExpertRange* er = e->add_experts();
+        er->set_layer(block);
+        er->set_first(range.first);
+        er->set_count(range.second - range.first + 1);
+      }
+      for (const std::string& d : dense) e->add_dense(d);
+      m->folder_sets_.push_back(std::move(cs));
+    }
   }
   const std::string& shard = m->shard_dir_;
   const bool has_index = storage::TensorIndex::Exists(shard + "/index");
@@ -592,6 +650,7 @@ Status CheckpointManager::WriteLedger(const CheckpointManifest* removing) {
 }
 
 CheckpointManager::~CheckpointManager() {
+  cancel_ = true;
   if (writer_.joinable()) writer_.join();
   index_.reset();
   Unlock(shard_lock_fd_);
@@ -601,6 +660,7 @@ CheckpointManager::~CheckpointManager() {
 std::vector<int64_t> CheckpointManager::Steps() const {
   std::set<int64_t> steps;
   for (const CheckpointSet& cs : sets_) steps.insert(cs.step());
+  for (const CheckpointSet& cs : folder_sets_) steps.insert(cs.step());
   for (const CheckpointManifest& cm : manifests_) steps.insert(cm.step());
   return {steps.begin(), steps.end()};
 }
@@ -662,6 +722,12 @@ Status CheckpointManager::RemoveLocked(int64_t step) {
                          [&](const CheckpointManifest& m) { return m.step() == step; });
   auto set = std::find_if(sets_.begin(), sets_.end(),
                           [&](const CheckpointSet& cs) { return cs.step() == step; });
+  auto folder_set = std::find_if(folder_sets_.begin(), folder_sets_.end(),
+                                 [&](const CheckpointSet& cs) { return cs.step() == step; });
+  if (folder_set != folder_sets_.end()) {
+    folder_sets_.erase(folder_set);  // not this process's to remove: only no longer counted
+    if (it == manifests_.end() && set == sets_.end()) return absl::OkStatus();
+  }
   if (it == manifests_.end() && set == sets_.end()) {
     return absl::NotFoundError(
         absl::StrFormat("no checkpoint of step %d in '%s'", step, options_.dir));
@@ -669,7 +735,7 @@ Status CheckpointManager::RemoveLocked(int64_t step) {
   // The global manifest goes first: from then on the checkpoint does not exist, and a process
   // stopped before the local one goes leaves a local checkpoint no set names, which the next open
   // reclaims.
-  if (set != sets_.end()) {
+  if (set != sets_.end() && options_.committer) {
     RETURN_IF_ERROR(RemoveCheckpointSet(options_.dir, step));
     sets_.erase(set);
   }
@@ -712,10 +778,232 @@ Status CheckpointManager::CheckCompatible(const config::JobConfig& config) const
   return absl::OkStatus();
 }
 
+// Reads the parts of a committed set from the shards that hold them: each shard is opened
+// read-only when first needed, its local manifest checked against the set.
+struct CheckpointManager::SetReader {
+  SetReader(const CheckpointOptions& o, CheckpointSet s) : options(o), set(std::move(s)) {}
+  struct Shard {
+    Status status;
+    CheckpointManifest local;
+    std::unique_ptr<storage::SsdTier> ssd;
+    std::map<std::tuple<int32_t, int32_t, int32_t>, TensorRef> experts;  // layer, expert, kind
+    std::map<std::pair<std::string, int32_t>, TensorRef> dense;          // name, kind
+  };
+  // The shard named `name`, opened (or why it cannot be read).
+  Shard& Open(const std::string& name) {
+    auto [it, fresh] = shards.try_emplace(name);
+    Shard& sh = it->second;
+    if (!fresh) return sh;
+    const std::string sdir = ShardDir(options.dir, name);
+    if (!std::filesystem::is_directory(sdir)) {
+      sh.status = absl::NotFoundError(
+          absl::StrFormat("%s: the shard's folder '%s' is missing", Where(set.step(), name), sdir));
+      return sh;
+    }
+    StatusOr<std::vector<CheckpointManifest>> list = ReadList(sdir);
+    if (!list.ok()) {
+      sh.status = Status(list.status().code(),
+                         absl::StrCat(Where(set.step(), name), ": ", list.status().message()));
+      return sh;
+    }
+    sh.status = absl::NotFoundError(absl::StrFormat(
+        "%s: the shard has no local checkpoint of that step: the shard was deleted or rewritten",
+        Where(set.step(), name)));
+    for (CheckpointManifest& m : *list) {
+      if (m.step() != set.step()) continue;
+      sh.status = MatchesSet(m, set, name);
+      sh.local = std::move(m);
+    }
+    if (!sh.status.ok()) return sh;
+    StatusOr<std::unique_ptr<storage::SsdTier>> ssd = OpenSsd(options, sdir);
+    if (!ssd.ok()) {
+      sh.status = ssd.status();
+      return sh;
+    }
+    sh.ssd = *std::move(ssd);
+    for (const TensorRef& r : sh.local.tensors()) {
+      if (r.expert() >= 0) {
+        sh.experts[{r.layer(), r.expert(), r.kind()}] = r;
+      } else {
+        sh.dense[{r.name(), r.kind()}] = r;
+      }
+    }
+    return sh;
+  }
+  // The shard holding expert `e` of block `layer` / the dense parameter `name`, and its entry.
+  StatusOr<std::pair<Shard*, std::string>> HolderOfExpert(int32_t layer, int64_t e) {
+    for (const storage::ShardEntry& se : set.shards()) {
+      for (const storage::ExpertRange& r : se.experts()) {
+        if (r.layer() == layer && e >= r.first() && e < r.first() + r.count()) {
+          return std::make_pair(&Open(se.name()), se.name());
+        }
+      }
+    }
+    return absl::DataLossError(absl::StrFormat(
+        "checkpoint %d: no shard holds expert %d of block %d", set.step(), e, layer));
+  }
+  StatusOr<std::pair<Shard*, std::string>> HolderOfDense(const std::string& name) {
+    for (const storage::ShardEntry& se : set.shards()) {
+      for (const std::string& d : se.dense()) {
+        if (d == name) return std::make_pair(&Open(se.name()), se.name());
+      }
+    }
+    return absl::DataLossError(
+        absl::StrFormat("checkpoint %d: no shard holds the dense parameter %s", set.step(), name));
+  }
+  // The stored version of one tensor the set places in `holder`.
+  StatusOr<const TensorRef*> Find(const std::pair<Shard*, std::string>& holder, int32_t layer,
+                                  int64_t e, const std::string& name, int32_t kind) {
+    Shard& sh = *holder.first;
+    RETURN_IF_ERROR(sh.status);
+    const TensorRef* r = nullptr;
+    if (e >= 0) {
+      auto it = sh.experts.find({layer, static_cast<int32_t>(e), kind});
+      if (it != sh.experts.end()) r = &it->second;
+    } else {
+      auto it = sh.dense.find({name, kind});
+      if (it != sh.dense.end()) r = &it->second;
+    }
+    if (r == nullptr) {
+      return absl::DataLossError(absl::StrFormat(
+          "%s: the global manifest places %s (%s) there, but the shard's local checkpoint does "
+          "not hold it",
+          Where(set.step(), holder.second),
+          e >= 0 ? absl::StrFormat("expert %d of block %d", e, layer) : name,
+          storage::KindName(static_cast<storage::TensorKind>(kind))));
+    }
+    return r;
+  }
+  // The shard holding one tensor of the model (expert e >= 0 of block `layer`, or the dense
+  // parameter `name`) and its stored version there.
+  struct Located {
+    std::pair<Shard*, std::string> holder;
+    const TensorRef* ref = nullptr;
+  };
+  StatusOr<Located> Locate(int32_t layer, int64_t e, const std::string& name, int32_t kind) {
+    StatusOr<std::pair<Shard*, std::string>> holder =
+        e >= 0 ? HolderOfExpert(layer, e) : HolderOfDense(name);
+    RETURN_IF_ERROR(holder.status());
+    ASSIGN_OR_RETURN(const TensorRef* r, Find(*holder, layer, e, name, kind));
+    return Located{*holder, r};
+  }
+  // Reads a stored tensor's `bytes` into `dst`, checking its CRC.
+  Status Read(const std::pair<Shard*, std::string>& holder, const TensorRef& r, void* dst,
+              uint64_t bytes) {
+    const std::string what = Describe(r, set.step(), holder.second);
+    if (r.extent().bytes() != bytes) {
+      return absl::DataLossError(absl::StrFormat("%s has %d bytes where the model needs %d", what,
+                                                 r.extent().bytes(), bytes));
+    }
+    AlignedBuffer buf(bytes);
+    RETURN_IF_ERROR(holder.first->ssd->Read(FromRecord(r.extent()), buf.data, what));
+    std::memcpy(dst, buf.data, bytes);
+    return absl::OkStatus();
+  }
+
+  CheckpointOptions options;
+  CheckpointSet set;
+  std::map<std::string, Shard> shards;
+};
+
+namespace {
+
+// Calls `f(layer, expert, name, kind)` for every tensor `model` holds: its dense parameters by
+// name (expert -1), and its own experts of every MoE block, each with its three kinds.
+template <typename F>
+Status ForEachHeldTensor(const model::MoeTransformer& model, F&& f) {
+  for (const model::Parameter* p : model.DenseParameters()) {
+    for (int32_t kind : {0, 2, 3}) RETURN_IF_ERROR(f(-1, -1, p->name, kind));
+  }
+  for (const auto& ref : model.moe_layers()) {
+    const int64_t first = ref.layer->first_local_expert();
+    for (int64_t e = first; e < first + ref.layer->num_local_experts(); ++e) {
+      for (int32_t kind : {0, 2, 3}) RETURN_IF_ERROR(f(ref.block, e, std::string(), kind));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Status CheckpointManager::CheckSetParts(SetReader& reader,
+                                        const model::MoeTransformer& model) const {
+  return ForEachHeldTensor(
+      model, [&](int32_t layer, int64_t e, const std::string& name, int32_t kind) -> Status {
+        ASSIGN_OR_RETURN(SetReader::Located at, reader.Locate(layer, e, name, kind));
+        if (!at.ref->has_extent()) return absl::OkStatus();  // generated: nothing stored
+        return at.holder.first->ssd->Verify(FromRecord(at.ref->extent()),
+                                            Describe(*at.ref, reader.set.step(), at.holder.second));
+      });
+}
+
+Status CheckpointManager::ReadSetParts(SetReader& reader, const config::JobConfig& config,
+                                       model::MoeTransformer& model, model::AdamW& optimizer,
+                                       scheduler::TieredExpertScheduler* tiered) {
+  std::map<const model::Parameter*, size_t> opt_index;
+  for (size_t i = 0; i < optimizer.params().size(); ++i) opt_index[optimizer.params()[i]] = i;
+  std::map<std::string, model::Parameter*> dense;
+  for (model::Parameter* p : model.DenseParameters()) dense[p->name] = p;
+  auto target = [&](model::Parameter* p, int32_t kind) -> const Tensor& {
+    const size_t oi = opt_index.at(p);
+    return kind == 0   ? p->value
+           : kind == 2 ? optimizer.first_moment(oi)
+                       : optimizer.second_moment(oi);
+  };
+  return ForEachHeldTensor(
+      model, [&](int32_t layer, int64_t e, const std::string& name, int32_t kind) -> Status {
+        ASSIGN_OR_RETURN(SetReader::Located at, reader.Locate(layer, e, name, kind));
+        const auto* holder = &at.holder;
+        const TensorRef* r = at.ref;
+        if (e < 0) {
+          model::Parameter* p = dense.at(name);
+          std::vector<float> host(static_cast<size_t>(p->shape.numel()));
+          RETURN_IF_ERROR(reader.Read(*holder, *r, host.data(), host.size() * sizeof(float)));
+          target(p, kind).CopyFromHost(host.data());
+          return absl::OkStatus();
+        }
+        const storage::TensorKey key{layer, static_cast<int32_t>(e),
+                                     static_cast<storage::TensorKind>(kind)};
+        if (tiered != nullptr) {
+          // Into this process's own SSD tier: the store takes it as the tensor's stored copy.
+          if (r->generated()) return absl::OkStatus();
+          const uint64_t bytes = tiered->store().tensor_bytes();
+          AlignedBuffer buf(bytes);
+          RETURN_IF_ERROR(reader.Read(*holder, *r, buf.data, bytes));
+          StoredExtent stored;
+          std::vector<storage::SsdTier::WriteItem> items{{buf.data, bytes, &stored}};
+          RETURN_IF_ERROR(ssd_->WriteMany(items));
+          tiered->store().ReserveVersions(key, r->version());
+          tiered->store().SetStored(key, r->version(), stored);
+          return absl::OkStatus();
+        }
+        model::MoeLayer* moe = nullptr;
+        for (const auto& ref : model.moe_layers()) {
+          if (ref.block == layer) moe = ref.layer;
+        }
+        std::vector<model::Parameter*> ps = moe->expert(e).Parameters();
+        const model::ExpertLayout layout = model::ExpertLayout::Of(ps);
+        std::vector<float> blob(static_cast<size_t>(layout.floats), 0.0f);
+        if (r->generated()) {
+          if (kind == 0) {
+            for (size_t i = 0; i < ps.size(); ++i) {
+              model::InitialValues(*ps[i], config.seed(), blob.data() + layout.segments[i].offset);
+            }
+          }
+        } else {
+          RETURN_IF_ERROR(reader.Read(*holder, *r, blob.data(), blob.size() * sizeof(float)));
+        }
+        for (size_t i = 0; i < ps.size(); ++i) {
+          target(ps[i], kind).CopyFromHost(blob.data() + layout.segments[i].offset);
+        }
+        return absl::OkStatus();
+      });
+}
+
 StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
                                             model::MoeTransformer& model, model::AdamW& optimizer,
                                             scheduler::TieredExpertScheduler* tiered,
-                                            ops::Context& ctx) {
+                                            ops::Context& ctx, const ResumeAgreement& agree) {
   (void)ctx;
   const std::vector<int64_t> steps = Steps();
   if (steps.empty()) {
@@ -725,20 +1013,45 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
         options_.dir));
   }
   RETURN_IF_ERROR(CheckCompatible(config));
-  // Newest first; nothing is changed until one passes every check.
+  // Newest first; nothing is changed until one passes every check. A checkpoint wholly in this
+  // shard is read from it (a TIERED store takes its extents as they are); any other is read from
+  // the shards that hold what this model needs.
   const CheckpointManifest* chosen = nullptr;
+  std::unique_ptr<SetReader> reader;
+  int64_t chosen_step = -1;
   std::vector<int64_t> invalid;
   Status first_error;
   for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
-    Status s = CheckCheckpoint(*step, &chosen);
-    if (s.ok()) break;
+    const CheckpointSet* set = nullptr;
+    for (const CheckpointSet& cs : folder_sets_) {
+      if (cs.step() == *step) set = &cs;
+    }
+    for (const CheckpointSet& cs : sets_) {
+      if (cs.step() == *step) set = &cs;
+    }
+    Status s;
+    if (set == nullptr || (set->shards_size() == 1 && set->shards(0).name() == shard_name_)) {
+      s = CheckCheckpoint(*step, &chosen);
+    } else {
+      reader = std::make_unique<SetReader>(options_, *set);
+      s = CheckSetParts(*reader, model);
+    }
+    bool ok = s.ok();
+    if (agree) {
+      ASSIGN_OR_RETURN(ok, agree(ok));
+    }
+    if (ok) {
+      chosen_step = *step;
+      break;
+    }
     chosen = nullptr;
+    reader.reset();
+    if (s.ok()) s = absl::DataLossError("another worker found its part of it damaged");
     STRATA_LOG(ERROR) << "checkpoint " << *step << " cannot be used: " << s.message();
     if (first_error.ok()) first_error = s;
-    // A set of other shards is not damaged, only not readable here: it stays.
-    if (!absl::IsUnimplemented(s)) invalid.push_back(*step);
+    invalid.push_back(*step);
   }
-  if (chosen == nullptr) {
+  if (chosen_step < 0) {
     return absl::DataLossError(
         absl::StrFormat("no checkpoint in '%s' passes its checks; the newest failed with: %s",
                         options_.dir, first_error.message()));
@@ -746,7 +1059,7 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
   // Older checkpoints with extents beyond the end of their data file go too: that space was never
   // marked used, so new data would overwrite what they list.
   for (const CheckpointManifest& older : manifests_) {
-    if (older.step() >= chosen->step()) break;
+    if (older.step() >= chosen_step) break;
     for (const TensorRef& r : older.tensors()) {
       if (!r.has_extent() || !outside_.count(KeyOf(r))) continue;
       Status s = ssd_->Verify(FromRecord(r.extent()), Describe(r, older.step(), shard_name_));
@@ -756,91 +1069,104 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
       break;
     }
   }
-  const CheckpointManifest m = *chosen;
-  if (m.seed() != config.seed()) {
-    STRATA_LOG(WARNING) << "resuming with seed " << config.seed() << " but checkpoint " << m.step()
-                        << " was trained with seed " << m.seed()
-                        << ": data order and gate noise will not continue the original run";
-  }
+  if (reader) {
+    const CheckpointSet& set = reader->set;
+    if (set.seed() != config.seed()) {
+      STRATA_LOG(WARNING) << "resuming with seed " << config.seed() << " but checkpoint "
+                          << set.step() << " was trained with seed " << set.seed()
+                          << ": data order and gate noise will not continue the original run";
+    }
+    RETURN_IF_ERROR(ReadSetParts(*reader, config, model, optimizer, tiered));
+    optimizer.set_steps(set.optimizer_steps());
+  } else {
+    const CheckpointManifest m = *chosen;
+    if (m.seed() != config.seed()) {
+      STRATA_LOG(WARNING) << "resuming with seed " << config.seed() << " but checkpoint "
+                          << m.step() << " was trained with seed " << m.seed()
+                          << ": data order and gate noise will not continue the original run";
+    }
 
-  // Dense parameters and their moments.
-  const std::vector<model::Parameter*>& dense = model.DenseParameters();
-  std::map<const model::Parameter*, size_t> opt_index;
-  for (size_t i = 0; i < optimizer.params().size(); ++i) opt_index[optimizer.params()[i]] = i;
-  auto read_into = [&](const TensorRef& r, float* dst, uint64_t bytes) -> Status {
-    if (r.extent().bytes() != bytes) {
-      return absl::DataLossError(absl::StrFormat("%s has %d bytes where the model needs %d",
-                                                 Describe(r, m.step(), shard_name_),
-                                                 r.extent().bytes(), bytes));
-    }
-    AlignedBuffer buf(bytes);
-    RETURN_IF_ERROR(
-        ssd_->Read(FromRecord(r.extent()), buf.data, Describe(r, m.step(), shard_name_)));
-    std::memcpy(dst, buf.data, bytes);
-    return absl::OkStatus();
-  };
-  for (const TensorRef& r : m.tensors()) {
-    if (r.expert() >= 0) continue;
-    if (r.layer() < 0 || r.layer() >= static_cast<int>(dense.size()) ||
-        dense[r.layer()]->name != r.name()) {
-      return absl::DataLossError(absl::StrFormat("%s does not match the model's dense parameter %d",
-                                                 Describe(r, m.step(), shard_name_), r.layer()));
-    }
-    model::Parameter* p = dense[r.layer()];
-    const uint64_t bytes = static_cast<uint64_t>(p->shape.numel()) * sizeof(float);
-    const size_t oi = opt_index.at(p);
-    const Tensor& dst = r.kind() == 0   ? p->value
-                        : r.kind() == 2 ? optimizer.first_moment(oi)
-                                        : optimizer.second_moment(oi);
-    if (dst.device().is_cpu()) {
-      RETURN_IF_ERROR(read_into(r, dst.f32(), bytes));
-    } else {  // a model on a GPU: through host memory
-      std::vector<float> host(static_cast<size_t>(p->shape.numel()));
-      RETURN_IF_ERROR(read_into(r, host.data(), bytes));
-      dst.CopyFromHost(host.data());
-    }
-  }
-  // Experts.
-  for (const TensorRef& r : m.tensors()) {
-    if (r.expert() < 0) continue;
-    const storage::TensorKey key{r.layer(), r.expert(), static_cast<storage::TensorKind>(r.kind())};
-    if (tiered != nullptr) {
-      if (!r.generated()) tiered->store().SetStored(key, r.version(), FromRecord(r.extent()));
-      continue;
-    }
-    // In memory: scatter the blob into the expert's parameters or their moments.
-    model::MoeLayer* layer = nullptr;
-    for (const auto& ref : model.moe_layers()) {
-      if (ref.block == r.layer()) layer = ref.layer;
-    }
-    if (layer == nullptr || r.expert() < layer->first_local_expert() ||
-        r.expert() >= layer->first_local_expert() + layer->num_local_experts()) {
-      return absl::DataLossError(
-          absl::StrFormat("%s has no place in the model", Describe(r, m.step(), shard_name_)));
-    }
-    // The blob has the tiered store's layout (model::ExpertLayout), whichever mode wrote it.
-    std::vector<model::Parameter*> ps = layer->expert(r.expert()).Parameters();
-    const model::ExpertLayout layout = model::ExpertLayout::Of(ps);
-    const uint64_t floats = static_cast<uint64_t>(layout.floats);
-    std::vector<float> blob(floats, 0.0f);
-    if (r.generated()) {
-      if (r.kind() == 0) {
-        for (size_t i = 0; i < ps.size(); ++i) {
-          model::InitialValues(*ps[i], config.seed(), blob.data() + layout.segments[i].offset);
-        }
+    // Dense parameters and their moments.
+    const std::vector<model::Parameter*>& dense = model.DenseParameters();
+    std::map<const model::Parameter*, size_t> opt_index;
+    for (size_t i = 0; i < optimizer.params().size(); ++i) opt_index[optimizer.params()[i]] = i;
+    auto read_into = [&](const TensorRef& r, float* dst, uint64_t bytes) -> Status {
+      if (r.extent().bytes() != bytes) {
+        return absl::DataLossError(absl::StrFormat("%s has %d bytes where the model needs %d",
+                                                   Describe(r, m.step(), shard_name_),
+                                                   r.extent().bytes(), bytes));
       }
-    } else {
-      RETURN_IF_ERROR(read_into(r, blob.data(), floats * sizeof(float)));
-    }
-    for (size_t i = 0; i < ps.size(); ++i) {
-      const size_t oi = opt_index.at(ps[i]);
-      const Tensor& dst = r.kind() == 0   ? ps[i]->value
+      AlignedBuffer buf(bytes);
+      RETURN_IF_ERROR(
+          ssd_->Read(FromRecord(r.extent()), buf.data, Describe(r, m.step(), shard_name_)));
+      std::memcpy(dst, buf.data, bytes);
+      return absl::OkStatus();
+    };
+    for (const TensorRef& r : m.tensors()) {
+      if (r.expert() >= 0) continue;
+      if (r.layer() < 0 || r.layer() >= static_cast<int>(dense.size()) ||
+          dense[r.layer()]->name != r.name()) {
+        return absl::DataLossError(
+            absl::StrFormat("%s does not match the model's dense parameter %d",
+                            Describe(r, m.step(), shard_name_), r.layer()));
+      }
+      model::Parameter* p = dense[r.layer()];
+      const uint64_t bytes = static_cast<uint64_t>(p->shape.numel()) * sizeof(float);
+      const size_t oi = opt_index.at(p);
+      const Tensor& dst = r.kind() == 0   ? p->value
                           : r.kind() == 2 ? optimizer.first_moment(oi)
                                           : optimizer.second_moment(oi);
-      dst.CopyFromHost(blob.data() + layout.segments[i].offset);
+      if (dst.device().is_cpu()) {
+        RETURN_IF_ERROR(read_into(r, dst.f32(), bytes));
+      } else {  // a model on a GPU: through host memory
+        std::vector<float> host(static_cast<size_t>(p->shape.numel()));
+        RETURN_IF_ERROR(read_into(r, host.data(), bytes));
+        dst.CopyFromHost(host.data());
+      }
     }
+    // Experts.
+    for (const TensorRef& r : m.tensors()) {
+      if (r.expert() < 0) continue;
+      const storage::TensorKey key{r.layer(), r.expert(),
+                                   static_cast<storage::TensorKind>(r.kind())};
+      if (tiered != nullptr) {
+        if (!r.generated()) tiered->store().SetStored(key, r.version(), FromRecord(r.extent()));
+        continue;
+      }
+      // In memory: scatter the blob into the expert's parameters or their moments.
+      model::MoeLayer* layer = nullptr;
+      for (const auto& ref : model.moe_layers()) {
+        if (ref.block == r.layer()) layer = ref.layer;
+      }
+      if (layer == nullptr || r.expert() < layer->first_local_expert() ||
+          r.expert() >= layer->first_local_expert() + layer->num_local_experts()) {
+        return absl::DataLossError(
+            absl::StrFormat("%s has no place in the model", Describe(r, m.step(), shard_name_)));
+      }
+      // The blob has the tiered store's layout (model::ExpertLayout), whichever mode wrote it.
+      std::vector<model::Parameter*> ps = layer->expert(r.expert()).Parameters();
+      const model::ExpertLayout layout = model::ExpertLayout::Of(ps);
+      const uint64_t floats = static_cast<uint64_t>(layout.floats);
+      std::vector<float> blob(floats, 0.0f);
+      if (r.generated()) {
+        if (r.kind() == 0) {
+          for (size_t i = 0; i < ps.size(); ++i) {
+            model::InitialValues(*ps[i], config.seed(), blob.data() + layout.segments[i].offset);
+          }
+        }
+      } else {
+        RETURN_IF_ERROR(read_into(r, blob.data(), floats * sizeof(float)));
+      }
+      for (size_t i = 0; i < ps.size(); ++i) {
+        const size_t oi = opt_index.at(ps[i]);
+        const Tensor& dst = r.kind() == 0   ? ps[i]->value
+                            : r.kind() == 2 ? optimizer.first_moment(oi)
+                                            : optimizer.second_moment(oi);
+        dst.CopyFromHost(blob.data() + layout.segments[i].offset);
+      }
+    }
+    optimizer.set_steps(m.optimizer_steps());
   }
-  optimizer.set_steps(m.optimizer_steps());
 
   // Only now is anything changed. The index is reopened for writing and the invalid checkpoints
   // go, giving back the space only they used (the store holds no checkpoint versions yet); then
@@ -873,14 +1199,16 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
       }
     }
   }
-  STRATA_LOG(INFO) << "resumed from checkpoint " << m.step() << " in " << options_.dir;
-  return m.step();
+  STRATA_LOG(INFO) << "resumed from checkpoint " << chosen_step << " in " << options_.dir;
+  return chosen_step;
 }
 
 Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
                                model::MoeTransformer& model, model::AdamW& optimizer,
-                               scheduler::TieredExpertScheduler* tiered, ops::Context& ctx) {
+                               scheduler::TieredExpertScheduler* tiered, ops::Context& ctx,
+                               const CheckpointShare& share) {
   RETURN_IF_ERROR(Wait());
+  if (!options_.committer) RETURN_IF_ERROR(ReclaimUnnamed());
   // The experts' update of the last step runs behind the caller: snapshot what it wrote.
   if (tiered) RETURN_IF_ERROR(tiered->FinishExpertStep());
   TraceScope span(ctx.tracer, "checkpoint snapshot", "checkpoint", static_cast<int>(step));
@@ -895,7 +1223,7 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
   m.set_seed(config.seed());
   m.set_optimizer_steps(optimizer.steps());
   m.set_storage_mode(tiered ? "TIERED" : "IN_MEMORY");
-  m.set_workers(1);
+  m.set_workers(share.workers);
   m.set_sharded(true);
   // The global manifest: the same header, and where each part lies (one shard: this one).
   CheckpointSet& set = p->set;
@@ -905,11 +1233,17 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
   set.set_seed(m.seed());
   set.set_optimizer_steps(m.optimizer_steps());
   set.set_storage_mode(m.storage_mode());
-  set.set_workers(1);
+  set.set_workers(share.workers);
   storage::ShardEntry* entry = set.add_shards();
   entry->set_name(shard_name_);
+  for (const std::string& shard : share.shards) {
+    if (shard != shard_name_) p->other_shards.push_back(shard);
+  }
+  auto writes_dense = [&](const std::string& name) {
+    return !share.dense || share.dense->count(name) > 0;
+  };
   for (const auto& ref : model.moe_layers()) {
-    if (ref.layer->num_local_experts() == 0) continue;
+    if (!share.experts || ref.layer->num_local_experts() == 0) continue;
     storage::ExpertRange* range = entry->add_experts();
     range->set_layer(ref.block);
     range->set_first(static_cast<int32_t>(ref.layer->first_local_expert()));
@@ -917,7 +1251,9 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
   }
   std::vector<std::string> dense_names;
   for (const model::Parameter* prm : model.DenseParameters()) dense_names.push_back(prm->name);
-  for (const std::string& name : dense_names) entry->add_dense(name);
+  for (const std::string& name : dense_names) {
+    if (writes_dense(name)) entry->add_dense(name);
+  }
   p->layout = CheckpointSetLayoutOf(config.model(), dense_names);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -947,6 +1283,7 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
   const std::vector<model::Parameter*>& dense = model.DenseParameters();
   for (size_t i = 0; i < dense.size(); ++i) {
     model::Parameter* prm = dense[i];
+    if (!writes_dense(prm->name)) continue;
     const size_t oi = opt_index.at(prm);
     const uint64_t bytes = static_cast<uint64_t>(prm->shape.numel()) * sizeof(float);
     for (int kind : {0, 2, 3}) {
@@ -965,6 +1302,7 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
 
   // Experts: one blob per expert and kind.
   for (const auto& ref : model.moe_layers()) {
+    if (!share.experts) break;
     const int first = static_cast<int>(ref.layer->first_local_expert());
     for (int e = first; e < first + ref.layer->num_local_experts(); ++e) {
       for (int kind : {0, 2, 3}) {
@@ -1068,11 +1406,23 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
     storage::ShardEntry* entry = p->set.mutable_shards(0);
     entry->set_local_sequence(m.sequence());
     entry->set_local_manifest_crc32c(ManifestCrc(m));
-    StatusOr<CheckpointSet> committed = CommitCheckpointSet(options_.dir, p->layout, p->set);
-    if (committed.ok()) {
-      p->set = *std::move(committed);
+    if (!options_.committer) {
+      s = ReportPrepared(*p);
     } else {
-      s = committed.status();
+      s = CollectPrepared(*p);
+      if (s.ok()) {
+        StatusOr<CheckpointSet> committed = CommitCheckpointSet(options_.dir, p->layout, p->set);
+        if (committed.ok()) {
+          p->set = *std::move(committed);
+        } else {
+          s = committed.status();
+        }
+      }
+      // The reports are in the set now (or of a checkpoint that failed).
+      std::error_code ec;
+      std::filesystem::remove_all(PreparedDir(options_.dir, options_.generation, m.step()), ec);
+    }
+    if (!s.ok()) {
       Status undo = index_->RemoveCheckpoint(m.step(), new_versions);
       if (!undo.ok()) {
         STRATA_LOG(WARNING) << "the local checkpoint " << m.step() << " in " << shard_dir_
@@ -1122,9 +1472,21 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
     if (r.has_extent()) listed_[KeyOf(r)]++;
   }
   manifests_.push_back(m);
+  if (!options_.committer) {
+    // Prepared and reported: the committer makes it exist once every shard has reported.
+    STRATA_LOG(INFO) << "checkpoint " << m.step() << ": shard " << shard_name_ << " prepared in "
+                     << options_.dir << " (" << p->copies.size() << " tensors written)";
+    writer_status_ = WriteLedger();
+    writer_done_ = true;
+    return;
+  }
   sets_.push_back(p->set);
   STRATA_LOG(INFO) << "checkpoint " << m.step() << " committed in " << options_.dir << " ("
-                   << p->copies.size() << " tensors written)";
+                   << p->copies.size() << " tensors written"
+                   << (p->other_shards.empty()
+                           ? ""
+                           : absl::StrFormat(", %d shards", p->set.shards_size()))
+                   << ")";
   // The checkpoint exists; should the ledger not learn of it, the next open still accepts it (it
   // follows the ledger's newest), but nothing may be committed or removed after it.
   Status prune = WriteLedger();
@@ -1142,6 +1504,89 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
   // Tests and drills stop the writer for good here (hold_at_step), still holding mu_, so that a
   // kill lands after this checkpoint and before any later one however fast training runs.
   STRATA_FAULT_POINT("checkpoint.after_commit", &step);
+}
+
+Status CheckpointManager::ReportPrepared(const Pending& p) {
+  storage::Env* env = storage::Env::Default();
+  const std::string folder = PreparedDir(options_.dir, options_.generation, p.manifest.step());
+  RETURN_IF_ERROR(env->CreateDirs(folder));
+  return env->WriteFileAtomic(folder + "/" + shard_name_, p.set.shards(0).SerializeAsString());
+}
+
+Status CheckpointManager::CollectPrepared(Pending& p) {
+  storage::Env* env = storage::Env::Default();
+  const std::string folder = PreparedDir(options_.dir, options_.generation, p.manifest.step());
+  const auto deadline = std::chrono::steady_clock::now() + options_.commit_timeout;
+  std::vector<std::string> waiting = p.other_shards;
+  while (!waiting.empty()) {
+    std::vector<std::string> still;
+    for (const std::string& shard : waiting) {
+      const std::string path = folder + "/" + shard;
+      if (!env->FileExists(path)) {
+        still.push_back(shard);
+        continue;
+      }
+      ASSIGN_OR_RETURN(std::string bytes, env->ReadFile(path));
+      storage::ShardEntry entry;
+      if (!entry.ParseFromString(bytes) || entry.name() != shard) {
+        return absl::DataLossError(absl::StrFormat(
+            "the prepared report '%s' is damaged (it does not parse as shard %s's entry)", path,
+            shard));
+      }
+      *p.set.add_shards() = std::move(entry);
+    }
+    waiting = std::move(still);
+    if (waiting.empty()) break;
+    if (cancel_) {
+      return absl::AbortedError("the checkpoint was abandoned while waiting for the other shards");
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrFormat(
+          "shard%s %s did not report prepared within %d ms (a worker stopped or cannot write "
+          "'%s'?)",
+          waiting.size() == 1 ? "" : "s", absl::StrJoin(waiting, ", "),
+          options_.commit_timeout.count(), options_.dir));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return absl::OkStatus();
+}
+
+Status CheckpointManager::ReclaimUnnamed() {
+  ASSIGN_OR_RETURN(std::vector<CheckpointSet> sets, ListCheckpointSets(options_.dir));
+  std::lock_guard<std::mutex> lock(mu_);
+  sets_ = std::move(sets);
+  if (sets_.empty()) return absl::OkStatus();
+  const int64_t newest = sets_.back().step();
+  std::vector<int64_t> unnamed;
+  for (const CheckpointManifest& cm : manifests_) {
+    if (!cm.sharded() || cm.step() >= newest) continue;
+    const storage::ShardEntry* e = nullptr;
+    for (const CheckpointSet& cs : sets_) {
+      if (cs.step() == cm.step()) e = FindShard(cs, shard_name_);
+    }
+    if (e == nullptr || e->local_sequence() != cm.sequence()) unnamed.push_back(cm.step());
+  }
+  for (int64_t step : unnamed) RETURN_IF_ERROR(RemoveLocked(step));
+  return absl::OkStatus();
+}
+
+std::vector<std::set<std::string>> DealDenseParameters(const model::MoeTransformer& model,
+                                                       int shards) {
+  std::vector<std::set<std::string>> out(static_cast<size_t>(std::max(1, shards)));
+  std::vector<const model::Parameter*> dense(model.DenseParameters().begin(),
+                                             model.DenseParameters().end());
+  std::stable_sort(dense.begin(), dense.end(), [](const auto* a, const auto* b) {
+    return a->shape.numel() > b->shape.numel();
+  });
+  std::vector<int64_t> bytes(out.size(), 0);
+  for (const model::Parameter* p : dense) {
+    const size_t w =
+        static_cast<size_t>(std::min_element(bytes.begin(), bytes.end()) - bytes.begin());
+    out[w].insert(p->name);
+    bytes[w] += p->shape.numel();
+  }
+  return out;
 }
 
 Status CheckpointManager::Wait() {
@@ -1346,7 +1791,8 @@ Status CheckpointManager::Verify(const std::string& dir, int64_t step,
 }
 
 Status CheckpointManager::Remove(const std::string& dir, int64_t step) {
-  if (!ListCheckpointSets(dir).ok()) {
+  StatusOr<std::vector<CheckpointSet>> sets = ListCheckpointSets(dir);
+  if (!sets.ok()) {
     // Damaged global manifests keep the folder from opening; removing the named step is the way
     // out, and needs no shard: a local checkpoint its set named is reclaimed at the next open.
     ASSIGN_OR_RETURN(const int fd, LockFolder(dir + "/LOCK", dir));
@@ -1354,12 +1800,37 @@ Status CheckpointManager::Remove(const std::string& dir, int64_t step) {
     Unlock(fd);
     return s;
   }
-  CheckpointOptions o;
-  o.dir = dir;
-  ASSIGN_OR_RETURN(auto m, Open(o, /*must_exist=*/true));
-  std::lock_guard<std::mutex> lock(m->mu_);
-  RETURN_IF_ERROR(m->ReopenWritable());
-  return m->RemoveLocked(step);
+  auto set = std::find_if(sets->begin(), sets->end(),
+                          [&](const CheckpointSet& cs) { return cs.step() == step; });
+  if (set == sets->end() || (set->shards_size() == 1 && set->shards(0).name() == ".")) {
+    // A checkpoint of a folder written before sharding (or written on in place): one process's.
+    CheckpointOptions o;
+    o.dir = dir;
+    ASSIGN_OR_RETURN(auto m, Open(o, /*must_exist=*/true));
+    std::lock_guard<std::mutex> lock(m->mu_);
+    RETURN_IF_ERROR(m->ReopenWritable());
+    return m->RemoveLocked(step);
+  }
+  // The global manifest goes under the committer's lock (refused while a job trains here); then
+  // each shard still there opens as its writer would, which lets go of the local checkpoint no
+  // set names any more.
+  ASSIGN_OR_RETURN(const int fd, LockFolder(dir + "/LOCK", dir));
+  Status s = RemoveCheckpointSet(dir, step);
+  for (const storage::ShardEntry& e : set->shards()) {
+    if (!s.ok()) break;
+    if (!std::filesystem::is_directory(ShardDir(dir, e.name()))) continue;
+    CheckpointOptions o;
+    o.dir = dir;
+    o.shard = e.name();
+    o.committer = false;
+    StatusOr<std::unique_ptr<CheckpointManager>> shard = Open(o, /*must_exist=*/false);
+    if (!shard.ok()) {
+      STRATA_LOG(WARNING) << "checkpoint " << step << " is removed; shard " << e.name()
+                          << " lets its part go when it is next opened: " << shard.status();
+    }
+  }
+  Unlock(fd);
+  return s;
 }
 
 }  // namespace strata::train

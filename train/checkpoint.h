@@ -56,8 +56,12 @@
 // lock, so it fails while a process trains in it.
 #pragma once
 
+#include <atomic>
+#include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -89,7 +93,35 @@ struct CheckpointOptions {
   // Move whatever the folder holds (index, ledger, data files) aside to DIR.old-<time> before
   // opening it, so training starts afresh (`strata train --start-over`). Not with `must_exist`.
   bool start_over = false;
+  // Whether this process commits the folder's checkpoints and holds DIR/LOCK: one process, or rank
+  // 0 of a distributed job. Every other worker writes its shard and reports it prepared (a file
+  // DIR/prepared/<generation>/<step>/<shard>, read by the committer), nothing more.
+  bool committer = true;
+  int64_t generation = 0;  // membership generation: prepared reports are kept apart by it
+  // How long the committer waits for every shard's report before the checkpoint fails.
+  std::chrono::milliseconds commit_timeout{600000};
 };
+
+// What this process's shard of a checkpoint holds, and which shards make the checkpoint.
+struct CheckpointShare {
+  bool experts = true;  // this process's experts (false: a replica that is not its group's writer)
+  // The dense parameters this shard holds, by name; nullopt: every one.
+  std::optional<std::set<std::string>> dense;
+  // Committer: every shard of the set, its own included (empty: only its own).
+  std::vector<std::string> shards;
+  int workers = 1;  // how many processes wrote the set
+};
+
+// The dense parameters of a checkpoint dealt out over `shards` writers, largest first, each to
+// the writer holding the fewest bytes so far (ties: the lower index), so that every dense
+// parameter has one writer and the shares are even. Every worker computes the same deal.
+std::vector<std::set<std::string>> DealDenseParameters(const model::MoeTransformer& model,
+                                                       int shards);
+
+// Agreement of every worker on a resume candidate: called with whether this worker found what it
+// needs of the candidate intact; returns whether every worker did (a collective: every worker
+// calls it for the same candidates in the same order). Null: one process.
+using ResumeAgreement = std::function<StatusOr<bool>(bool ok_here)>;
 
 struct CheckpointInfo {
   int64_t step = 0;
@@ -124,17 +156,26 @@ class CheckpointManager {
   [[nodiscard]] Status CheckCompatible(const config::JobConfig& config) const;
 
   // Restores the newest valid checkpoint into the model, optimizer and (TIERED) the store, and
-  // returns its step. The model must have been built from `config`.
+  // returns its step. The model must have been built from `config`; it may hold some of the
+  // experts (a worker), and the checkpoint may have been written by any number of workers: each
+  // expert and dense parameter the model holds is read from the shard that has it (read-only),
+  // nothing else. With `agree` (workers), every worker takes the same checkpoint: the newest that
+  // every worker found intact.
   [[nodiscard]] StatusOr<int64_t> Resume(const config::JobConfig& config,
                                          model::MoeTransformer& model, model::AdamW& optimizer,
                                          scheduler::TieredExpertScheduler* tiered,
-                                         ops::Context& ctx);
+                                         ops::Context& ctx, const ResumeAgreement& agree = nullptr);
 
-  // Checkpoints the state after `step` steps: snapshots now, persists in the background. Waits
-  // for the previous checkpoint's persist first.
+  // Checkpoints the state after `step` steps: snapshots `share` of it now, persists in the
+  // background. Waits for the previous checkpoint's persist first.
   [[nodiscard]] Status Save(int64_t step, const config::JobConfig& config,
                             model::MoeTransformer& model, model::AdamW& optimizer,
-                            scheduler::TieredExpertScheduler* tiered, ops::Context& ctx);
+                            scheduler::TieredExpertScheduler* tiered, ops::Context& ctx,
+                            const CheckpointShare& share = {});
+  bool committer() const { return options_.committer; }
+  // A committer waiting for other shards' reports gives up (the checkpoint fails, the previous
+  // ones stay); a persist's own writes still finish. Any thread; the destructor does the same.
+  void Abandon() { cancel_ = true; }
   // The step of the newest committed checkpoint (0: none); safe while a persist runs.
   int64_t NewestCommitted();
   // Waits for the persist in flight; returns its error, if any.
@@ -193,6 +234,9 @@ class CheckpointManager {
   // those of a folder written before sharding.
   std::vector<storage::CheckpointManifest> manifests_;
   std::vector<storage::CheckpointSet> sets_;  // the folder's committed sets, by increasing step
+  // A worker's view of the checkpoints of a folder written before sharding (in the shard "."),
+  // each as a one-shard set.
+  std::vector<storage::CheckpointSet> folder_sets_;
   // Still in the index, but the ledger says they were being removed, or no committed set names
   // them (prepared, never committed): finished by Tidy.
   std::vector<storage::CheckpointManifest> removing_;
@@ -203,6 +247,22 @@ class CheckpointManager {
   std::set<VersionKey> outside_;
   std::map<std::tuple<int32_t, int32_t, int32_t>, uint64_t> next_version_;  // in-memory mode
   scheduler::TieredExpertScheduler* tiered_ = nullptr;  // owner of live extent references
+
+  // The committer: waits for the other shards' prepared reports of `p`'s step and adds their
+  // entries to its set.
+  [[nodiscard]] Status CollectPrepared(Pending& p);
+  // A worker: reports its shard prepared for `p`'s step.
+  [[nodiscard]] Status ReportPrepared(const Pending& p);
+  // A worker: removes the local checkpoints of its shard that no committed set names, older than
+  // the newest committed one (the committer pruned or never committed them).
+  [[nodiscard]] Status ReclaimUnnamed();
+  // The newest checkpoint whose parts this model holds are intact, read into it (see Resume).
+  struct SetReader;
+  [[nodiscard]] Status CheckSetParts(SetReader& reader, const model::MoeTransformer& model) const;
+  [[nodiscard]] Status ReadSetParts(SetReader& reader, const config::JobConfig& config,
+                                    model::MoeTransformer& model, model::AdamW& optimizer,
+                                    scheduler::TieredExpertScheduler* tiered);
+  std::atomic<bool> cancel_{false};  // the destructor stops a committer waiting for reports
 
   std::mutex mu_;
   std::thread writer_;

@@ -348,13 +348,19 @@ Status Trainer::Reform(const WorkerOptions& w) {
   RETURN_IF_ERROR(CheckElastic());
   // The previous generation's communicators are finished (aborted or failed); their threads stop.
   AbortCollectives("a new generation forms");
+  // Each worker writes the shard of its rank, which may change: the shards are opened again once
+  // every worker has let go of its old one (a checkpoint being written is abandoned: the new
+  // generation saves again at its own schedule).
+  checkpoints_.reset();
   ResetParallel(w.generation);
   options_.worker = w;
   options_.worker.rejoin = true;
-  if (distributed()) RETURN_IF_ERROR(SetUpWorkers());
-  // The lowest surviving rank becomes rank 0, the checkpoint writer (the folder's lock went with
-  // the process that held it).
-  if (w.rank == 0 && !checkpoints_ && !options_.config.checkpoint().dir().empty()) {
+  if (distributed()) {
+    RETURN_IF_ERROR(SetUpWorkers());
+    // The lowest surviving rank becomes rank 0, the committer (the folder's lock went with the
+    // process that held it).
+    RETURN_IF_ERROR(OpenWorkerCheckpoints(/*continuing=*/true));
+  } else if (!options_.config.checkpoint().dir().empty()) {
     RETURN_IF_ERROR(OpenCheckpoints(/*continuing=*/true));
   }
   ASSIGN_OR_RETURN(SyncedState s, SyncState());
@@ -402,46 +408,6 @@ Status Trainer::EnsureFullModel() {
   return absl::OkStatus();
 }
 
-Status Trainer::SaveDistributed(int64_t step) {
-  const int W = options_.worker.world_size, rank = options_.worker.rank;
-  const size_t S = ExpertBlobFloats();
-  std::vector<float> mine(S * static_cast<size_t>(num_experts_));
-  for (int64_t i = 0; i < num_experts_; ++i) ReadExpert(first_expert_ + i, &mine[i * S]);
-  std::vector<int64_t> send_counts(W, 0), recv_counts(W, 0);
-  if (rank != 0) send_counts[0] = static_cast<int64_t>(mine.size());
-  int64_t total = 0;
-  if (rank == 0) {
-    for (int w = 1; w < W; ++w) total += recv_counts[w] = experts_per_worker_[w] * S;
-  }
-  std::vector<float> recv(total);
-  {
-    TraceScope span(ctx_.tracer, "checkpoint gather", "comm", static_cast<int>(step));
-    Status s = world_comm_->AllToAllV(mine.data(), send_counts, recv.data(), recv_counts);
-    if (!s.ok()) {
-      return Status(s.code(), absl::StrFormat("checkpoint %d: handing experts to rank 0: %s", step,
-                                              s.message()));
-    }
-  }
-  if (rank != 0) return absl::OkStatus();
-  RETURN_IF_ERROR(EnsureFullModel());
-  std::vector<float> dense(DenseBlobFloats());
-  ReadDense(dense.data());
-  CopyParams(full_model_->DenseParameters(), *full_optimizer_, IndexOf(*full_optimizer_),
-             dense.data(), true);
-  for (int64_t e = 0; e < num_experts_; ++e) {
-    CopyExpert(*full_model_, *full_optimizer_, first_expert_ + e, &mine[e * S], true);
-  }
-  int64_t at = 0, first = experts_per_worker_[0];
-  for (int w = 1; w < W; ++w) {
-    for (int64_t i = 0; i < experts_per_worker_[w]; ++i, at += S) {
-      CopyExpert(*full_model_, *full_optimizer_, first + i, &recv[at], true);
-    }
-    first += experts_per_worker_[w];
-  }
-  full_optimizer_->set_steps(optimizer_->steps());
-  return checkpoints_->Save(step, options_.config, *full_model_, *full_optimizer_, nullptr, ctx_);
-}
-
 Status Trainer::LoadCheckpointAsCopy(bool or_beginning) {
   // The checkpoint, read into a model holding every expert, becomes rank 0's copy of the whole
   // state at its step; placing it over the workers is what a new generation does.
@@ -476,9 +442,15 @@ Status Trainer::LoadCheckpointAsCopy(bool or_beginning) {
 }
 
 Status Trainer::ResumeDistributed() {
-  if (options_.worker.rank == 0) RETURN_IF_ERROR(LoadCheckpointAsCopy());
-  ASSIGN_OR_RETURN(SyncedState s, SyncState(/*from_checkpoint=*/true));
-  RETURN_IF_ERROR(AdoptState(s, /*rebuild=*/false));
+  // Every worker reads what it holds from the shards that have it; all take the newest
+  // checkpoint that every worker found intact.
+  ResumeAgreement agree = [this](bool ok_here) -> StatusOr<bool> {
+    double ok = ok_here ? 1.0 : 0.0;
+    RETURN_IF_ERROR(world_comm_->AllReduce(&ok, 1));
+    return ok == options_.worker.world_size;
+  };
+  ASSIGN_OR_RETURN(step_, checkpoints_->Resume(options_.config, *model_, *optimizer_,
+                                               scheduler_.get(), ctx_, agree));
   resumed_from_ = step_;
   return absl::OkStatus();
 }

@@ -26,6 +26,9 @@ namespace strata::train {
 
 Trainer::~Trainer() {
   if (checkpoints_) {
+    // A Run that finished waited for its checkpoints; one that did not (an error, a superseded
+    // generation) gives up a commit still waiting for other workers' shards, which may never come.
+    checkpoints_->Abandon();
     Status s = checkpoints_->Wait();
     if (!s.ok()) STRATA_LOG(ERROR) << s.message();
   }
@@ -150,12 +153,6 @@ Status Trainer::SetUpWorkers() {
         "storage.mode: TIERED keeps each expert on one worker, but parallel.expert_parallel = %d "
         "of %d workers gives every expert %d copies; set expert_parallel: 0 or use IN_MEMORY",
         par.expert_parallel(), W, W / ep));
-  }
-  if ((!cfg.checkpoint().dir().empty() || options_.resume) && !CheckElastic().ok()) {
-    return absl::UnimplementedError(absl::StrCat(
-        "distributed checkpoints gather every expert to rank 0, which needs the layout a job can "
-        "also re-form on: ",
-        CheckElastic().message(), "; or leave checkpoint.dir empty"));
   }
   comm::CommOptions co;
   co.timeout = std::chrono::milliseconds(par.timeout_ms());
@@ -312,14 +309,30 @@ Status Trainer::OpenCheckpoints(bool continuing) {
   co.capacity_bytes = cfg.storage().ssd_capacity_bytes();
   co.wrap_io = options_.wrap_io;
   co.start_over = options_.start_over && !continuing;
+  if (distributed()) {
+    // Each worker writes its own shard; rank 0 also commits every checkpoint.
+    co.shard = absl::StrCat("r", options_.worker.rank);
+    co.committer = options_.worker.rank == 0;
+    co.generation = options_.worker.generation;
+  }
   ASSIGN_OR_RETURN(checkpoints_, CheckpointManager::Open(co, resume && !continuing));
   if (resume || continuing) RETURN_IF_ERROR(checkpoints_->CheckCompatible(cfg));
-  if (!resume && !continuing && !checkpoints_->Steps().empty()) {
+  if (!resume && !continuing && checkpoints_->committer() && !checkpoints_->Steps().empty()) {
     return absl::AlreadyExistsError(absl::StrFormat(
         "checkpoint folder '%s' already holds checkpoints (the newest of step %d); pass "
         "--resume to continue from it, or choose an empty folder",
         co.dir, checkpoints_->Steps().back()));
   }
+  return absl::OkStatus();
+}
+
+Status Trainer::OpenWorkerCheckpoints(bool continuing) {
+  if (options_.config.checkpoint().dir().empty()) return absl::OkStatus();
+  // Rank 0 (the committer) first: it moves a folder aside (--start-over) and clears reports of
+  // checkpoints no longer in flight before any other worker opens its shard.
+  if (options_.worker.rank == 0 && !checkpoints_) RETURN_IF_ERROR(OpenCheckpoints(continuing));
+  RETURN_IF_ERROR(world_comm_->Barrier());
+  if (options_.worker.rank != 0 && !checkpoints_) RETURN_IF_ERROR(OpenCheckpoints(continuing));
   return absl::OkStatus();
 }
 
@@ -406,9 +419,11 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   const config::JobConfig& cfg = tr->options_.config;
   RETURN_IF_ERROR(config::ValidateJobConfig(cfg, "job config"));
   // This process's share of the job against this machine's memory, before anything is allocated.
-  RETURN_IF_ERROR(config::CheckMemory(
-      cfg, config::EstimateWorkerMemory(cfg, std::max(1, options.worker.world_size)),
-      config::AvailableHostMemory(), "job config"));
+  RETURN_IF_ERROR(
+      config::CheckMemory(cfg,
+                          config::EstimateWorkerMemory(cfg, std::max(1, options.worker.world_size),
+                                                       options.worker.elastic),
+                          config::AvailableHostMemory(), "job config"));
   storage::Env* env = options.env ? options.env : storage::Env::Default();
   ASSIGN_OR_RETURN(tr->device_, Device::Parse(cfg.train().device()));
   if (!tr->device_.is_cpu() && (options.worker.world_size > 1 || options.worker.elastic)) {
@@ -444,6 +459,7 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
         BatchShare(cfg.train().global_batch(), W, rank);
     const int ep = tr->ep_comm_ ? tr->ep_comm_->world_size() : 1;
     const int64_t E = cfg.model().moe().num_experts();
+    RETURN_IF_ERROR(tr->OpenWorkerCheckpoints(/*continuing=*/options.worker.rejoin));
     if (options.worker.rejoin) {
       // Joining a running job: the others hand over the state.
       RETURN_IF_ERROR(tr->CheckElastic());
@@ -469,9 +485,9 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   }
   RETURN_IF_ERROR(tr->BuildModel(first, count));
   if (synced) RETURN_IF_ERROR(tr->ImportState(*synced));
-  // Distributed: rank 0 alone writes the checkpoints (the others hand it their experts). A
-  // worker joining a running job may have opened them already, to go back to one.
-  if ((tr->distributed() && options.worker.rank != 0) || tr->checkpoints_) {
+  // Workers opened their shards above; a worker joining a running job alone may have opened the
+  // folder already, to go back to a checkpoint.
+  if (tr->checkpoints_ || (tr->distributed() && !cfg.checkpoint().dir().empty())) {
     // Nothing (more) to open.
   } else if (!cfg.checkpoint().dir().empty()) {
     RETURN_IF_ERROR(tr->OpenCheckpoints(/*continuing=*/options.worker.rejoin));
@@ -680,14 +696,12 @@ Status Trainer::RunLoop() {
         !cfg.checkpoint().dir().empty() && ckpt_every > 0 && r.step % ckpt_every == 0;
     if (checkpoints_) RETURN_IF_ERROR(checkpoints_->PollError());
     ReportCommittedCheckpoint();
-    if (checkpoint_due && checkpoints_ && options_.on_checkpoint) {
+    if (checkpoint_due && checkpoints_ && checkpoints_->committer() && options_.on_checkpoint) {
       options_.on_checkpoint(r.step, false);
     }
-    if (checkpoint_due && distributed()) {
-      RETURN_IF_ERROR(SaveDistributed(r.step));
-    } else if (checkpoint_due) {
-      RETURN_IF_ERROR(
-          checkpoints_->Save(r.step, cfg, *model_, *optimizer_, scheduler_.get(), ctx_));
+    if (checkpoint_due) {
+      RETURN_IF_ERROR(checkpoints_->Save(r.step, cfg, *model_, *optimizer_, scheduler_.get(), ctx_,
+                                         CheckpointShareOfThisWorker()));
     }
   }
   RETURN_IF_ERROR(experts_->Finish());
@@ -697,12 +711,25 @@ Status Trainer::RunLoop() {
 }
 
 void Trainer::ReportCommittedCheckpoint() {
-  if (!checkpoints_ || !options_.on_checkpoint) return;
+  if (!checkpoints_ || !checkpoints_->committer() || !options_.on_checkpoint) return;
   const int64_t newest = checkpoints_->NewestCommitted();
   if (newest > reported_checkpoint_) {
     reported_checkpoint_ = newest;
     options_.on_checkpoint(newest, true);
   }
+}
+
+CheckpointShare Trainer::CheckpointShareOfThisWorker() const {
+  CheckpointShare share;
+  if (!distributed()) return share;
+  const int W = options_.worker.world_size, rank = options_.worker.rank;
+  // Every worker writes a shard: the leader of each expert replica group its experts, and every
+  // worker its share of the dense state.
+  share.experts = expert_replica_leader_;
+  share.dense = DealDenseParameters(*model_, W)[static_cast<size_t>(rank)];
+  for (int w = 0; w < W; ++w) share.shards.push_back(absl::StrCat("r", w));
+  share.workers = W;
+  return share;
 }
 
 void Trainer::WriteStepMetrics(JsonWriter& j, const StepResult& r) const {

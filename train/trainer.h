@@ -217,13 +217,17 @@ class Trainer {
   [[nodiscard]] Status CheckElastic() const;
   // Opens config.checkpoint.dir (`continuing`: a worker that became rank 0 of a running job).
   [[nodiscard]] Status OpenCheckpoints(bool continuing);
-  // Distributed checkpoints: every worker hands its experts to rank 0, which writes them with the
-  // dense state through a model holding every expert; resuming, rank 0 reads the checkpoint into
-  // that model and the state is placed over however many workers there are now.
-  [[nodiscard]] Status SaveDistributed(int64_t step);
+  // Every worker opens its own shard of config.checkpoint.dir, rank 0 (the committer) first.
+  [[nodiscard]] Status OpenWorkerCheckpoints(bool continuing);
+  // What this worker's shard of a checkpoint holds.
+  CheckpointShare CheckpointShareOfThisWorker() const;
+  // Distributed checkpoints: every worker writes its own shard (CheckpointShareOfThisWorker) and
+  // rank 0 commits; resuming, every worker reads what it now holds from the shards that have it,
+  // whatever the number of workers that wrote them.
   [[nodiscard]] Status ResumeDistributed();
   // Rank 0's copy of the whole state from the newest checkpoint — or, with `or_beginning` and no
-  // checkpoint committed yet, from step 0 (the model as the seed initialises it).
+  // checkpoint committed yet, from step 0 (the model as the seed initialises it) — when a new
+  // generation of an elastic job goes back to a checkpoint (read from every shard).
   [[nodiscard]] Status LoadCheckpointAsCopy(bool or_beginning = false);
   [[nodiscard]] Status EnsureFullModel();
   // Adopts a synced state: the placement (rebuilding the model if it changes) and the values.

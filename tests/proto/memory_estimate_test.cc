@@ -166,10 +166,12 @@ TEST(MemoryEstimateTest, AWorkerHoldsItsShareOfTheExpertsAndTheBatch) {
   EXPECT_EQ(w.total_bytes,
             w.parameter_bytes + w.gradient_bytes + w.optimizer_bytes + w.activation_bytes);
   EXPECT_LT(w.total_bytes, full.total_bytes);
-  // With checkpoints every worker may become rank 0, which writes them through a full model.
-  const MemoryEstimate c =
-      EstimateWorkerMemory(Parse(absl::StrCat(kSmall, "checkpoint { dir: \"ck\" }\n")), 2);
+  // With checkpoints every worker of an elastic job may become rank 0, which restores lost state
+  // from them through a full model; a `--store` worker writes and reads only its own shard.
+  const JobConfig with_checkpoints = Parse(absl::StrCat(kSmall, "checkpoint { dir: \"ck\" }\n"));
+  const MemoryEstimate c = EstimateWorkerMemory(with_checkpoints, 2);
   EXPECT_EQ(c.full_copy_bytes, 16 * (dense + static_cast<uint64_t>(full.expert_parameters)));
+  EXPECT_EQ(EstimateWorkerMemory(with_checkpoints, 2, /*elastic=*/false).full_copy_bytes, 0u);
   // Expert-parallel groups of 1: every worker holds every expert.
   const MemoryEstimate g1 =
       EstimateWorkerMemory(Parse(absl::StrCat(kSmall, "parallel { expert_parallel: 1 }\n")), 2);

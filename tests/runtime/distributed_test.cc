@@ -38,6 +38,7 @@ namespace {
 using strata::testing::ReadFile;
 using strata::testing::RunCommand;
 using strata::testing::TempDir;
+using strata::testing::WaitExit;
 using strata::testing::WriteFile;
 
 const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
@@ -107,12 +108,6 @@ std::vector<pid_t> StartWorkers(const TempDir& dir, int workers, const std::stri
     pids.push_back(pid);
   }
   return pids;
-}
-
-int WaitExit(pid_t pid) {
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
 class DistributedTest : public ::testing::TestWithParam<Layout> {

@@ -41,6 +41,7 @@
 namespace strata::train {
 namespace {
 
+using strata::testing::ListedSteps;
 using strata::testing::ReadFile;
 using strata::testing::RunCommand;
 using strata::testing::TempDir;
@@ -80,17 +81,6 @@ std::map<int, std::string> Losses(const std::string& metrics) {
     out[step] = l.substr(at, l.find(',', at) - at);  // the printed digits
   }
   return out;
-}
-
-// The steps `strata ckpt ls` printed, in order.
-std::vector<int64_t> ListedSteps(const std::string& output) {
-  std::vector<int64_t> steps;
-  for (const auto& line : absl::StrSplit(output, '\n', absl::SkipEmpty())) {
-    std::vector<std::string> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
-    int64_t step = 0;
-    if (!words.empty() && absl::SimpleAtoi(words[0], &step)) steps.push_back(step);
-  }
-  return steps;
 }
 
 class CheckpointTest : public ::testing::TestWithParam<std::string> {
