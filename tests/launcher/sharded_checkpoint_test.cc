@@ -10,9 +10,11 @@
 // of the step before) moves losses by far more.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -322,6 +324,90 @@ TEST_P(ShardedCheckpointTest, ADamagedOrDeletedShardIsNamedAndSkipped) {
             std::string::npos)
       << one.output;
   EXPECT_NE(one.output.find("shard r3"), std::string::npos) << one.output;
+}
+
+// Peak resident memory of each worker of a TIERED job through checkpoints. Every worker's share of
+// the expert state (weights and both moments, 144 MiB) is 4x its budgets (device 16 MiB, host 16
+// MiB); the whole expert state is 576 MiB. The bound is calibrated in the same test: the peak of a
+// worker of the same job with a tiny model (the process itself: code and libraries, RocksDB, Gloo,
+// io_uring rings; about 240 MiB here), plus the budgets, plus 48 MiB for this model's dense state
+// with its gradients and moments (11 MiB), one step's activations, the checkpoint snapshot (only
+// tensors dirty above the SSD tier, so within the budgets) and bookkeeping. Measured: 271-285 MiB
+// against a bound of about 325. A worker that held its own share in memory beside the budgets
+// (+144 MiB) or every expert (+576 MiB) goes over.
+class ShardedCheckpointMemoryTest : public ::testing::Test {
+ protected:
+  static constexpr uint64_t kMiB = 1 << 20, kBudget = 16 * kMiB;
+  void SetUp() override { WriteFile(dir_.File("text.txt"), strata::testing::SyntheticText(30000)); }
+  static std::string Config(int d_model, int experts, int d_expert, uint64_t budget) {
+    return absl::StrCat(
+        "seed: 5\n"
+        "model { seq_len: 16 d_model: ",
+        d_model, " n_layers: 2 n_heads: 4\n        moe { num_experts: ", experts,
+        " top_k: 2 d_expert: ", d_expert,
+        " } }\n"
+        "data { path: \"text.txt\" }\n"
+        "train { steps: 4 global_batch: 8 lr: 0.004 warmup_steps: 1 "
+        "eval_every: 0 eval_batches: 1 threads: 1 }\n"
+        "storage { mode: TIERED device_budget_bytes: ",
+        budget, " host_budget_bytes: ", budget, " }\n");
+  }
+  // Runs 4 workers of `config` to the end (checkpoints with `flags`); each one's peak RSS.
+  std::vector<uint64_t> PeakRss(const std::string& config, const std::string& flags) {
+    WriteFile(dir_.File("job.textproto"), config);
+    std::filesystem::remove_all(dir_.File("store"));
+    std::vector<pid_t> pids;
+    for (int r = 0; r < 4; ++r) {
+      pid_t pid = fork();
+      if (pid == 0) {
+        const std::string cmd = absl::StrCat(
+            "cd ", dir_.path(), " && exec ", kStrata,
+            " worker --config job.textproto --quiet --world-size 4 --store store --rank ", r, " ",
+            flags, " > w", r, ".log 2>&1");
+        execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+        _exit(127);
+      }
+      pids.push_back(pid);
+    }
+    std::vector<uint64_t> peaks;
+    for (int r = 0; r < 4; ++r) {
+      int status = 0;
+      struct rusage usage {};
+      EXPECT_EQ(wait4(pids[r], &status, 0, &usage), pids[r]);
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+          << ReadFile(dir_.File(absl::StrCat("w", r, ".log")));
+      peaks.push_back(static_cast<uint64_t>(usage.ru_maxrss) * 1024);  // KiB on Linux
+    }
+    return peaks;
+  }
+  TempDir dir_;
+};
+
+TEST_F(ShardedCheckpointMemoryTest, TieredWorkersCheckpointWithinTheirBudgets) {
+  // 2 layers x 12 experts a worker x 3 kinds x (2 x 256 x 1024 floats).
+  const uint64_t share = 2ull * 12 * 3 * (2 * 256 * 1024) * sizeof(float);
+  ASSERT_GE(share, 4 * 2 * kBudget) << "the test needs budgets 4x below the share";
+  const std::vector<uint64_t> tiny = PeakRss(Config(32, 8, 32, 400000), "");
+  if (HasFailure()) return;
+  const uint64_t process = *std::max_element(tiny.begin(), tiny.end());
+  const uint64_t bound = process + 2 * kBudget + 48 * kMiB;
+  const std::vector<uint64_t> peaks =
+      PeakRss(Config(256, 48, 1024, kBudget), "--checkpoint-dir ck --checkpoint-every 2");
+  if (HasFailure()) return;
+  for (int r = 0; r < 4; ++r) {
+    std::printf(
+        "worker %d: peak RSS %.1f MiB (bound %.1f MiB: process %.1f + budgets %.1f + 48; "
+        "its expert share %.1f MiB)\n",
+        r, peaks[r] / double(kMiB), bound / double(kMiB), process / double(kMiB),
+        2 * kBudget / double(kMiB), share / double(kMiB));
+    EXPECT_LE(peaks[r], bound) << "worker " << r;
+  }
+  auto sets = train::ListCheckpointSets(dir_.File("ck"));
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  ASSERT_EQ(sets->size(), 2u);
+  EXPECT_EQ(sets->back().shards_size(), 4);
+  auto verify = RunCommand(kStrata + " ckpt verify " + dir_.File("ck"));
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
 }
 
 INSTANTIATE_TEST_SUITE_P(
