@@ -609,7 +609,29 @@ StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
     }
   }
   if (!must_exist) RETURN_IF_ERROR(m->Tidy());
+  if (options.committer) m->ReclaimIdleShards();
   return m;
+}
+
+void CheckpointManager::ReclaimIdleShards() {
+  // Shards no process writes now (a job that shrank, a worker job resumed by one process) let go
+  // of the local checkpoints no committed set names. The committer opens before any other worker
+  // of its job, so a shard in use here is another process's (a worker declared lost but still
+  // running): left to it.
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(options_.dir + "/shards", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name == shard_name_ || name == "." || !ValidateShardName(name).ok()) continue;
+    CheckpointOptions o = options_;
+    o.shard = name;
+    o.committer = false;
+    o.start_over = false;
+    StatusOr<std::unique_ptr<CheckpointManager>> idle = Open(o, /*must_exist=*/false);
+    if (!idle.ok() && !absl::IsUnavailable(idle.status())) {
+      STRATA_LOG(WARNING) << "shard " << name << " of " << options_.dir
+                          << " was not tidied: " << idle.status().message();
+    }
+  }
 }
 
 Status CheckpointManager::ReopenWritable() {
@@ -638,6 +660,11 @@ Status CheckpointManager::WriteLedger(const CheckpointManifest* removing) {
   ledger.set_last_sequence(last_sequence_);
   for (const CheckpointManifest& cm : manifests_) {
     storage::LedgerEntry* e = &cm == removing ? ledger.add_removing() : ledger.add_live();
+    e->set_step(cm.step());
+    e->set_sequence(cm.sequence());
+  }
+  for (const CheckpointManifest& cm : removing_) {
+    storage::LedgerEntry* e = ledger.add_removing();
     e->set_step(cm.step());
     e->set_sequence(cm.sequence());
   }
@@ -774,6 +801,7 @@ Status CheckpointManager::CheckCompatible(const config::JobConfig& config) const
         m.step(), options_.dir, ConfigDiff(m.model_config(), ModelText(config.model()))));
   };
   for (const CheckpointSet& cs : sets_) RETURN_IF_ERROR(check(cs));
+  for (const CheckpointSet& cs : folder_sets_) RETURN_IF_ERROR(check(cs));
   for (const CheckpointManifest& m : manifests_) RETURN_IF_ERROR(check(m));
   return absl::OkStatus();
 }
@@ -965,16 +993,22 @@ Status CheckpointManager::ReadSetParts(SetReader& reader, const config::JobConfi
         const storage::TensorKey key{layer, static_cast<int32_t>(e),
                                      static_cast<storage::TensorKind>(kind)};
         if (tiered != nullptr) {
-          // Into this process's own SSD tier: the store takes it as the tensor's stored copy.
           if (r->generated()) return absl::OkStatus();
+          if (holder->second == shard_name_) {
+            // This process's own shard is its store's SSD tier: the store takes the extent as
+            // it is, the version the checkpoint lists.
+            tiered->store().SetStored(key, r->version(), FromRecord(r->extent()));
+            return absl::OkStatus();
+          }
+          // Another shard's: copied into this process's SSD tier under a version of its own
+          // (the versions its own checkpoints list are reserved already).
           const uint64_t bytes = tiered->store().tensor_bytes();
           AlignedBuffer buf(bytes);
           RETURN_IF_ERROR(reader.Read(*holder, *r, buf.data, bytes));
           StoredExtent stored;
           std::vector<storage::SsdTier::WriteItem> items{{buf.data, bytes, &stored}};
           RETURN_IF_ERROR(ssd_->WriteMany(items));
-          tiered->store().ReserveVersions(key, r->version());
-          tiered->store().SetStored(key, r->version(), stored);
+          tiered->store().SetStored(key, tiered->store().NextVersion(key), stored);
           return absl::OkStatus();
         }
         model::MoeLayer* moe = nullptr;
@@ -1067,6 +1101,18 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
                         << " cannot be used either: " << s.message();
       invalid.push_back(older.step());
       break;
+    }
+  }
+  // Version numbers stay reserved past every checkpoint of this shard, removed ones included (the
+  // store holds no checkpoint versions yet; an expert read from another shard takes a new one).
+  if (tiered != nullptr) {
+    for (const CheckpointManifest& cm : manifests_) {
+      for (const TensorRef& r : cm.tensors()) {
+        if (r.expert() < 0) continue;
+        tiered->store().ReserveVersions(
+            storage::TensorKey{r.layer(), r.expert(), static_cast<storage::TensorKind>(r.kind())},
+            r.version());
+      }
     }
   }
   if (reader) {
@@ -1173,16 +1219,6 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
   // the store learns which versions the kept checkpoints use. Version numbers stay reserved past
   // every checkpoint read, removed ones included.
   std::lock_guard<std::mutex> lock(mu_);
-  if (tiered != nullptr) {
-    for (const CheckpointManifest& cm : manifests_) {
-      for (const TensorRef& r : cm.tensors()) {
-        if (r.expert() < 0) continue;
-        tiered->store().ReserveVersions(
-            storage::TensorKey{r.layer(), r.expert(), static_cast<storage::TensorKind>(r.kind())},
-            r.version());
-      }
-    }
-  }
   RETURN_IF_ERROR(ReopenWritable());
   for (int64_t step : invalid) {
     STRATA_LOG(WARNING) << "removing checkpoint " << step << " (it failed its checks)";
@@ -1425,8 +1461,11 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
     if (!s.ok()) {
       Status undo = index_->RemoveCheckpoint(m.step(), new_versions);
       if (!undo.ok()) {
+        // Recorded as being removed in every later ledger, so that the next open finishes it
+        // rather than taking it for a removed checkpoint come back.
         STRATA_LOG(WARNING) << "the local checkpoint " << m.step() << " in " << shard_dir_
                             << " stays until the shard is next opened: " << undo.message();
+        removing_.push_back(m);
       }
     }
   }
@@ -1448,6 +1487,17 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
       }
     }
     STRATA_LOG(ERROR) << "checkpoint " << m.step() << " failed: " << s.message();
+    if (!options_.committer) {
+      // The committer stops waiting for this shard at once, and says why.
+      storage::Env* env = storage::Env::Default();
+      const std::string folder = PreparedDir(options_.dir, options_.generation, m.step());
+      Status told = env->CreateDirs(folder);
+      if (told.ok()) {
+        told =
+            env->WriteFileAtomic(folder + "/" + shard_name_ + ".failed", std::string(s.message()));
+      }
+      if (!told.ok()) STRATA_LOG(WARNING) << "could not tell the committer: " << told.message();
+    }
     std::lock_guard<std::mutex> lock(mu_);
     writer_status_ = absl::Status(
         s.code(), absl::StrFormat("checkpoint of step %d in '%s' failed: %s; the previous "
@@ -1522,6 +1572,12 @@ Status CheckpointManager::CollectPrepared(Pending& p) {
     std::vector<std::string> still;
     for (const std::string& shard : waiting) {
       const std::string path = folder + "/" + shard;
+      if (env->FileExists(path + ".failed")) {
+        StatusOr<std::string> why = env->ReadFile(path + ".failed");
+        return absl::AbortedError(
+            absl::StrFormat("shard %s could not write its part: %s", shard,
+                            why.ok() ? *why : std::string("(its report cannot be read)")));
+      }
       if (!env->FileExists(path)) {
         still.push_back(shard);
         continue;
@@ -1542,10 +1598,10 @@ Status CheckpointManager::CollectPrepared(Pending& p) {
     }
     if (std::chrono::steady_clock::now() > deadline) {
       return absl::DeadlineExceededError(absl::StrFormat(
-          "shard%s %s did not report prepared within %d ms (a worker stopped or cannot write "
-          "'%s'?)",
+          "shard%s %s did not report prepared within %d ms in '%s' (a worker stopped, or cannot "
+          "write its shard or that folder; see its log)",
           waiting.size() == 1 ? "" : "s", absl::StrJoin(waiting, ", "),
-          options_.commit_timeout.count(), options_.dir));
+          options_.commit_timeout.count(), folder));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }

@@ -5,10 +5,13 @@
 // RocksDB index, a local ledger and a lock — and a checkpoint exists once its global manifest
 // DIR/manifests/<step>.manifest commits (train/checkpoint_set.h), naming the local checkpoint each
 // shard holds for it. This manager is one process's view: it writes the shard options.shard
-// ("p0" for one process) and commits each checkpoint's one-shard set itself, holding DIR/LOCK (the
-// committer's lock) and the shard's LOCK. A folder written before sharding (an index, data files
-// or a ledger directly in DIR) is itself the shard "." and is written on in place: its old
-// checkpoints stand alone, new ones get global manifests naming shard ".".
+// ("p0" for one process, "r<rank>" for a worker) holding the shard's LOCK. The committer (one
+// process, or rank 0) also holds DIR/LOCK and commits each checkpoint's set once every shard of it
+// reported prepared (the other workers report through DIR/prepared/); when it opens, it tidies the
+// shards no process holds. A folder written before sharding (an index, data files or a ledger
+// directly in DIR) is itself the shard ".": one process writes on in place (its old checkpoints
+// stand alone, new ones get global manifests naming shard "."); workers read its checkpoints as
+// one-shard sets and never prune them (`strata ckpt rm` does).
 //
 // A local checkpoint is one version of every tensor — dense parameters with their Adam moments,
 // and every expert's weights and moments (as one blob per expert and kind, the tiered store's
@@ -45,15 +48,18 @@
 // Threads and ownership. A CheckpointManager runs one thread of its own, the writer, which
 // persists and commits the checkpoint Save snapshotted; it owns the folder's and the shard's locks
 // and the shard's index and shares its SSD tier (ssd()). Its members are called from one thread at
-// a time (the trainer's), except NewestCommitted and PollError, which any thread may call, also
-// while a persist runs. Steps() and CheckCompatible read the lists the writer appends to and prunes
-// without a lock: call them only while no persist runs (before the first Save, or after Wait). Save
+// a time (the trainer's), except NewestCommitted, PollError and Abandon, which any thread may call,
+// also while a persist runs. Steps() and CheckCompatible read the lists the writer appends to and
+// prunes without a lock: call them only while no persist runs (before the first Save, or after
+// Wait); on a worker that is not the committer they also hold the steps it prepared since it
+// opened, committed or not. Save
 // and Resume borrow the model, optimizer and context for the call; the TieredExpertScheduler given
 // to them and Save's ctx.tracer are kept (the writer updates the store's references to checkpoint
 // versions and records its span) and must stay alive until no persist runs (Wait). The destructor
-// waits for the persist in flight. The static List, Verify and Remove may run on any thread: List
-// and Verify only read the folder (also while a process trains in it); Remove takes the folder's
-// lock, so it fails while a process trains in it.
+// abandons a commit waiting for other shards (Abandon) and waits for the persist in flight. The
+// static List, Verify and Remove may run on any thread: List and Verify only read the folder (also
+// while a process trains in it); Remove takes the folder's lock, so it fails while a process trains
+// in it.
 #pragma once
 
 #include <atomic>
@@ -256,6 +262,9 @@ class CheckpointManager {
   // A worker: removes the local checkpoints of its shard that no committed set names, older than
   // the newest committed one (the committer pruned or never committed them).
   [[nodiscard]] Status ReclaimUnnamed();
+  // The committer, when it opens: every other shard that no process holds lets go of the local
+  // checkpoints no committed set names.
+  void ReclaimIdleShards();
   // The newest checkpoint whose parts this model holds are intact, read into it (see Resume).
   struct SetReader;
   [[nodiscard]] Status CheckSetParts(SetReader& reader, const model::MoeTransformer& model) const;

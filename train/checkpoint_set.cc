@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/common/fault_point.h"
+#include "core/common/logging.h"
 #include "proto/config_io.h"
 #include "storage/crc32c.h"
 #include "train/ledger_text.h"
@@ -505,14 +506,29 @@ StatusOr<CheckpointSet> CommitCheckpointSet(const std::string& dir,
     set.set_previous_sequence(previous->sequence());
   }
   if (!set.has_created_unix_ms()) set.set_created_unix_ms(NowMs());
-  RETURN_IF_ERROR(env->WriteFileAtomic(ManifestPath(dir, set.step()), EncodeManifest(set)));
+  Status written = env->WriteFileAtomic(ManifestPath(dir, set.step()), EncodeManifest(set));
+  // A failure after the rename (syncing the folder) leaves the manifest in place: the set exists
+  // (no file of this step was there before), and the caller must not undo what it names.
+  if (!written.ok() && !env->FileExists(ManifestPath(dir, set.step()))) return written;
+  if (!written.ok()) {
+    STRATA_LOG(WARNING) << "checkpoint " << set.step() << " is committed in " << dir
+                        << ", but its manifest may not survive a crash of the machine: "
+                        << written.message();
+  }
   // The set exists from here on; a process stopped before the ledger's update leaves it
   // unrecorded, which listing accepts (it follows the ledger's newest) and the next commit records.
   int64_t step = set.step();
   STRATA_FAULT_POINT("checkpoint_set.before_ledger", &step);
   live.push_back(EntryOf(set.step(), set.sequence()));
-  RETURN_IF_ERROR(
-      env->WriteFileAtomic(GlobalLedgerPath(dir), LedgerText(LedgerOf(live, set.sequence()))));
+  Status ledger =
+      env->WriteFileAtomic(GlobalLedgerPath(dir), LedgerText(LedgerOf(live, set.sequence())));
+  if (!ledger.ok()) {
+    // As if stopped before the ledger: listing accepts the set and the next commit records it.
+    STRATA_LOG(WARNING) << "checkpoint " << set.step() << " is committed in " << dir
+                        << ", but the global ledger was not updated (the next commit records "
+                           "it): "
+                        << ledger.message();
+  }
   return set;
 }
 

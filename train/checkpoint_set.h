@@ -35,10 +35,10 @@
 // ValidateShardName and ShardNameOfWorker touch no file and may run anywhere. One committer per
 // folder: CommitCheckpointSet and RemoveCheckpointSet must not run at the same time on one folder,
 // in one process or several (the committer is one thread: the coordinator's record, or rank 0's
-// writer; `strata ckpt rm` will take DIR/manifests/LOCK). ListCheckpointSets and VerifyShardRefs
-// only read and may run on any thread beside a committer: a listing that races commits and removals
-// lists what was committed before it ended (a set removed meanwhile may still be in it), never an
-// error.
+// writer; `strata ckpt rm` takes DIR/LOCK, which that committer holds). ListCheckpointSets and
+// VerifyShardRefs only read and may run on any thread beside a committer: a listing that races
+// commits and removals lists what was committed before it ended (a set removed meanwhile may still
+// be in it), never an error.
 #pragma once
 
 #include <cstddef>
@@ -95,8 +95,10 @@ inline constexpr size_t kMaxWorkerShardIdChars = 254;
 // pending removal (and records that in the ledger) before anything of the new set is written,
 // gives the set the next sequence and the newest set as its predecessor (created_unix_ms: now,
 // unless set), writes DIR/manifests/<step>.manifest atomically, then replaces the global ledger.
-// Every file operation goes through `env`. Returns the set as written. REQUIRES: no other commit
-// or removal of `dir` runs.
+// Every file operation goes through `env`. Returns the set as written — also when a write after
+// the manifest's rename failed (syncing its folder, the ledger: logged), since the set exists from
+// the rename on; an error means the set does not exist. REQUIRES: no other commit or removal of
+// `dir` runs.
 [[nodiscard]] StatusOr<CheckpointSet> CommitCheckpointSet(
     const std::string& dir, const CheckpointSetLayout& layout, CheckpointSet set,
     storage::Env* env = storage::Env::Default());

@@ -329,10 +329,26 @@ Status Trainer::OpenCheckpoints(bool continuing) {
 Status Trainer::OpenWorkerCheckpoints(bool continuing) {
   if (options_.config.checkpoint().dir().empty()) return absl::OkStatus();
   // Rank 0 (the committer) first: it moves a folder aside (--start-over) and clears reports of
-  // checkpoints no longer in flight before any other worker opens its shard.
-  if (options_.worker.rank == 0 && !checkpoints_) RETURN_IF_ERROR(OpenCheckpoints(continuing));
-  RETURN_IF_ERROR(world_comm_->Barrier());
-  if (options_.worker.rank != 0 && !checkpoints_) RETURN_IF_ERROR(OpenCheckpoints(continuing));
+  // checkpoints no longer in flight before any other worker opens its shard. Every worker learns
+  // whether the others could open theirs, so that none waits on a collective for one that failed.
+  const std::string& dir = options_.config.checkpoint().dir();
+  auto all_opened = [&](Status mine, const std::string& who) -> Status {
+    double failed = mine.ok() ? 0.0 : 1.0;
+    RETURN_IF_ERROR(world_comm_->AllReduce(&failed, 1));
+    if (!mine.ok()) return mine;
+    if (failed > 0) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s could not open the checkpoint folder '%s' (its log says why); this worker stops "
+          "with it",
+          who, dir));
+    }
+    return absl::OkStatus();
+  };
+  const bool first = options_.worker.rank == 0;
+  RETURN_IF_ERROR(
+      all_opened(first && !checkpoints_ ? OpenCheckpoints(continuing) : Status(), "rank 0"));
+  RETURN_IF_ERROR(all_opened(!first && !checkpoints_ ? OpenCheckpoints(continuing) : Status(),
+                             "another worker"));
   return absl::OkStatus();
 }
 

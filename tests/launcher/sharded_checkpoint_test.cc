@@ -2,7 +2,7 @@
 // rendezvous store, io_uring and RocksDB in every shard) write one shard each; the job resumes on
 // 2 and 3 workers and in one process (`strata train`), reading only what each new owner holds.
 //
-// Tolerance. Every run is compared with one uninterrupted single process of the same 30 steps.
+// Tolerance. Every run is compared with one uninterrupted single process of the same 40 steps.
 // Workers differ from it only in the order of floating-point reductions (tests/runtime/
 // distributed_test.cc argues the bound and measures it: losses equal to 1e-7, asserted 1e-5), and a
 // checkpoint stores every value bitwise, so a resumed run stays within the same 1e-5 per step.
@@ -41,7 +41,7 @@ using strata::testing::WaitExit;
 using strata::testing::WriteFile;
 
 const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
-constexpr int kSteps = 30;
+constexpr int kSteps = 40;
 
 struct Layout {
   const char* name;
@@ -153,7 +153,7 @@ TEST_P(ShardedCheckpointTest, FourWorkersWriteAShardEachAndResumeOnTwoThreeAndOn
   if (HasFailure()) return;
   ExpectLossesFrom(4, 0);
 
-  // Every checkpoint is four shards, one per worker, committed once.
+  // Every checkpoint is four shards, one per worker, committed once; 10 was pruned (keep 3).
   auto sets = train::ListCheckpointSets(ck);
   ASSERT_TRUE(sets.ok()) << sets.status();
   ASSERT_EQ(sets->size(), 3u);
@@ -184,45 +184,75 @@ TEST_P(ShardedCheckpointTest, FourWorkersWriteAShardEachAndResumeOnTwoThreeAndOn
   }
   auto verify = RunCommand(kStrata + " ckpt verify " + ck);
   EXPECT_EQ(verify.exit_code, 0) << verify.output;
-  EXPECT_NE(verify.output.find("checkpoint 30: ok (4 shards"), std::string::npos) << verify.output;
+  EXPECT_NE(verify.output.find("checkpoint 40: ok (4 shards"), std::string::npos) << verify.output;
 
-  // Back to checkpoint 10, then on 2 and 3 workers and in one process.
-  for (const char* step : {"30", "20"}) {
+  // Back to checkpoint 20, then on 2 and 3 workers and in one process.
+  for (const char* step : {"40", "30"}) {
     auto rm = RunCommand(kStrata + " ckpt rm " + ck + " " + step);
     ASSERT_EQ(rm.exit_code, 0) << rm.output;
   }
-  // `rm` also let every shard's part of 20 and 30 go.
+  // `rm` also let every shard's part of 30 and 40 go, and 10's (pruned, no longer named).
   for (int r = 0; r < 4; ++r) {
     auto index = storage::TensorIndex::OpenReadOnly(absl::StrCat(ck, "/shards/r", r, "/index"));
     ASSERT_TRUE(index.ok()) << index.status();
     auto locals = (*index)->Checkpoints();
     ASSERT_TRUE(locals.ok());
     ASSERT_EQ(locals->size(), 1u) << "shard r" << r;
-    EXPECT_EQ((*locals)[0].step(), 10) << "shard r" << r;
+    EXPECT_EQ((*locals)[0].step(), 20) << "shard r" << r;
   }
   const std::string ck2 = Copy("ck", "ck2"), ck3 = Copy("ck", "ck3"), ck1 = Copy("ck", "ck1");
   for (int workers : {2, 3}) {
     Run(workers, "even.textproto", workers == 2 ? ck2 : ck3, "--resume");
     if (HasFailure()) return;
-    EXPECT_NE(ReadFile(Log(0)).find("resumed from checkpoint 10"), std::string::npos)
+    EXPECT_NE(ReadFile(Log(0)).find("resumed from checkpoint 20"), std::string::npos)
         << ReadFile(Log(0));
-    ExpectLossesFrom(workers, 10);
+    ExpectLossesFrom(workers, 20);
   }
   auto one = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
                                      " train --config even.textproto --quiet --resume "
                                      "--checkpoint-dir ",
                                      ck1, " --checkpoint-every 10 --metrics-out one.jsonl"));
   ASSERT_EQ(one.exit_code, 0) << one.output;
-  EXPECT_NE(one.output.find("resumed from checkpoint 10"), std::string::npos) << one.output;
+  EXPECT_NE(one.output.find("resumed from checkpoint 20"), std::string::npos) << one.output;
   const auto got = StepLosses(dir_.File("one.jsonl"));
-  ASSERT_EQ(got.size(), static_cast<size_t>(kSteps - 10));
+  ASSERT_EQ(got.size(), static_cast<size_t>(kSteps - 20));
   for (const auto& [step, loss] : got) EXPECT_NEAR(loss, reference_.at(step), 1e-5) << step;
   // The one process wrote its own shard beside the workers' four.
   auto after = train::ListCheckpointSets(ck1);
   ASSERT_TRUE(after.ok()) << after.status();
-  ASSERT_EQ(after->back().step(), 30);
+  ASSERT_EQ(after->back().step(), 40);
   ASSERT_EQ(after->back().shards_size(), 1);
   EXPECT_EQ(after->back().shards(0).name(), "p0");
+}
+
+// The other way round: `strata train` checkpoints (one shard, p0), killed after checkpoint 20;
+// two workers resume from it, each reading its experts and the dense state from that shard.
+TEST_P(ShardedCheckpointTest, ACheckpointOfOneProcessResumesOnTwoWorkers) {
+  const std::string ck = dir_.File("ck");
+  const std::string log = dir_.File("one.log");
+  pid_t pid = fork();
+  if (pid == 0) {
+    const std::string cmd = absl::StrCat(
+        "cd ", dir_.path(), " && STRATA_FAULTS=checkpoint.after_commit=hold_at_step:20 exec ",
+        kStrata, " train --config even.textproto --quiet --checkpoint-dir ", ck,
+        " --checkpoint-every 10 > ", log, " 2>&1");
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (ReadFile(log).find("holding here") == std::string::npos) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << ReadFile(log);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  kill(pid, SIGKILL);
+  WaitExit(pid);
+  Run(2, "even.textproto", ck, "--resume");
+  if (HasFailure()) return;
+  EXPECT_NE(ReadFile(Log(0)).find("resumed from checkpoint 20"), std::string::npos)
+      << ReadFile(Log(0));
+  ExpectLossesFrom(2, 20);
+  auto verify = RunCommand(kStrata + " ckpt verify " + ck);
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
 }
 
 // A worker killed while the shards of checkpoint 20 are written (its shard never prepared): 20
@@ -249,17 +279,39 @@ TEST_P(ShardedCheckpointTest, AWorkerKilledWhileShardsAreWrittenLeavesThePreviou
   ExpectLossesFrom(3, 10);
   auto verify = RunCommand(kStrata + " ckpt verify " + ck);
   EXPECT_EQ(verify.exit_code, 0) << verify.output;
+  // The shards the three workers wrote hold no local checkpoint of a kept step that no set names:
+  // the ones the killed run prepared for 20 were reclaimed (the set of 20 names the new ones).
+  auto sets = train::ListCheckpointSets(ck);
+  ASSERT_TRUE(sets.ok()) << sets.status();
+  for (int r = 0; r < 3; ++r) {
+    const std::string shard = absl::StrCat("r", r);
+    std::set<std::pair<int64_t, uint64_t>> named, held;
+    for (const auto& set : *sets) {
+      for (const auto& e : set.shards()) {
+        if (e.name() == shard) named.insert({set.step(), e.local_sequence()});
+      }
+    }
+    auto index = storage::TensorIndex::OpenReadOnly(ck + "/shards/" + shard + "/index");
+    ASSERT_TRUE(index.ok()) << index.status();
+    auto locals = (*index)->Checkpoints();
+    ASSERT_TRUE(locals.ok());
+    // (A part of a pruned set may stay until the shard's next save or open: only older steps.)
+    for (const auto& m : *locals) {
+      if (m.step() >= sets->front().step()) held.insert({m.step(), m.sequence()});
+    }
+    EXPECT_EQ(held, named) << "shard " << shard;
+  }
 }
 
-// A flipped byte in one shard's part of checkpoint 30 is named (checkpoint, shard, file) by
-// `ckpt verify` and skipped by every worker of a resume, which continues from 20; a deleted shard
+// A flipped byte in one shard's part of checkpoint 40 is named (checkpoint, shard, file) by
+// `ckpt verify` and skipped by every worker of a resume, which continues from 30; a deleted shard
 // is named by `ls` and `verify`, and a resume that needs it refuses, naming it.
 TEST_P(ShardedCheckpointTest, ADamagedOrDeletedShardIsNamedAndSkipped) {
   const std::string ck = dir_.File("ck");
   Run(4, "job.textproto", ck, "");
   if (HasFailure()) return;
   const std::string flipped = Copy("ck", "flipped"), deleted = Copy("ck", "deleted");
-  // An extent of shard r2 that only checkpoint 30 lists.
+  // An extent of shard r2 that only checkpoint 40 lists.
   std::string file;
   uint64_t offset = 0;
   {
@@ -269,11 +321,11 @@ TEST_P(ShardedCheckpointTest, ADamagedOrDeletedShardIsNamedAndSkipped) {
     ASSERT_TRUE(locals.ok());
     std::set<std::string> older;
     for (const auto& m : *locals) {
-      if (m.step() == 30) continue;
+      if (m.step() == 40) continue;
       for (const auto& t : m.tensors()) older.insert(storage::TensorIndex::TensorKey(t));
     }
     for (const auto& m : *locals) {
-      if (m.step() != 30) continue;
+      if (m.step() != 40) continue;
       for (const auto& t : m.tensors()) {
         if (!t.has_extent() || older.count(storage::TensorIndex::TensorKey(t))) continue;
         char name[32];
@@ -294,17 +346,20 @@ TEST_P(ShardedCheckpointTest, ADamagedOrDeletedShardIsNamedAndSkipped) {
   }
   auto verify = RunCommand(kStrata + " ckpt verify " + flipped);
   EXPECT_EQ(verify.exit_code, 1) << verify.output;
-  EXPECT_NE(verify.output.find("checkpoint 30: FAILED: checkpoint 30, shard r2:"),
+  EXPECT_NE(verify.output.find("checkpoint 40: FAILED: checkpoint 40, shard r2:"),
             std::string::npos)
       << verify.output;
   EXPECT_NE(verify.output.find(file), std::string::npos) << verify.output;
-  EXPECT_NE(verify.output.find("checkpoint 20: ok"), std::string::npos) << verify.output;
-  // The job is done at 30; a resume from 20 retrains 21..30 as the reference did.
+  EXPECT_NE(verify.output.find("checkpoint 30: ok"), std::string::npos) << verify.output;
+  // The job is done at 40; a resume from 30 retrains 31..40 as the reference did, writing 40 anew
+  // in the same layout (a TIERED worker takes its own shard's extents as they are).
   Run(4, "job.textproto", flipped, "--resume");
   if (HasFailure()) return;
-  EXPECT_NE(ReadFile(Log(0)).find("resumed from checkpoint 20"), std::string::npos)
+  EXPECT_NE(ReadFile(Log(0)).find("resumed from checkpoint 30"), std::string::npos)
       << ReadFile(Log(0));
-  ExpectLossesFrom(4, 20);
+  ExpectLossesFrom(4, 30);
+  verify = RunCommand(kStrata + " ckpt verify " + flipped);
+  EXPECT_EQ(verify.exit_code, 0) << verify.output;
 
   std::filesystem::remove_all(deleted + "/shards/r3");
   auto ls = RunCommand(kStrata + " ckpt ls " + deleted);
@@ -312,7 +367,7 @@ TEST_P(ShardedCheckpointTest, ADamagedOrDeletedShardIsNamedAndSkipped) {
   EXPECT_NE(ls.output.find("shards/r3' is missing"), std::string::npos) << ls.output;
   verify = RunCommand(kStrata + " ckpt verify " + deleted);
   EXPECT_EQ(verify.exit_code, 1) << verify.output;
-  EXPECT_NE(verify.output.find("checkpoint 30: FAILED: checkpoint 30, shard r3:"),
+  EXPECT_NE(verify.output.find("checkpoint 40: FAILED: checkpoint 40, shard r3:"),
             std::string::npos)
       << verify.output;
   auto one = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
