@@ -705,15 +705,10 @@ Status CheckpointManager::CheckCheckpoint(int64_t step, const CheckpointManifest
   for (const CheckpointManifest& cm : manifests_) {
     if (cm.step() == step) *local = &cm;
   }
+  // Resume calls this only for a checkpoint wholly in this shard (or of a folder written before
+  // sharding); any other is read through a SetReader.
   for (const CheckpointSet& cs : sets_) {
     if (cs.step() != step) continue;
-    for (const storage::ShardEntry& e : cs.shards()) {
-      if (e.name() == shard_name_) continue;
-      return absl::UnimplementedError(absl::StrFormat(
-          "checkpoint %d was written as %d shards (%s among them); this process reads only its "
-          "own shard %s",
-          step, cs.shards_size(), e.name(), shard_name_));
-    }
     if (*local == nullptr) {
       return absl::DataLossError(absl::StrFormat(
           "%s: the shard has no local checkpoint of that step (the global manifest names "
@@ -1080,7 +1075,12 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
     }
     chosen = nullptr;
     reader.reset();
-    if (s.ok()) s = absl::DataLossError("another worker found its part of it damaged");
+    if (s.ok()) {
+      s = absl::DataLossError(absl::StrFormat(
+          "another worker could not read its part of it (its log says which; `strata ckpt verify "
+          "%s %d` checks every part)",
+          options_.dir, *step));
+    }
     STRATA_LOG(ERROR) << "checkpoint " << *step << " cannot be used: " << s.message();
     if (first_error.ok()) first_error = s;
     invalid.push_back(*step);
@@ -1858,6 +1858,13 @@ Status CheckpointManager::Remove(const std::string& dir, int64_t step) {
   }
   auto set = std::find_if(sets->begin(), sets->end(),
                           [&](const CheckpointSet& cs) { return cs.step() == step; });
+  if (set == sets->end() && !IsFolderShard(dir)) {
+    std::vector<int64_t> steps;
+    for (const CheckpointSet& cs : *sets) steps.push_back(cs.step());
+    return absl::NotFoundError(absl::StrFormat(
+        "no checkpoint of step %d in '%s'; it holds %s", step, dir,
+        steps.empty() ? std::string("none") : "steps " + absl::StrJoin(steps, ", ")));
+  }
   if (set == sets->end() || (set->shards_size() == 1 && set->shards(0).name() == ".")) {
     // A checkpoint of a folder written before sharding (or written on in place): one process's.
     CheckpointOptions o;

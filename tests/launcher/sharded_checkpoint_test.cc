@@ -191,6 +191,12 @@ TEST_P(ShardedCheckpointTest, FourWorkersWriteAShardEachAndResumeOnTwoThreeAndOn
     auto rm = RunCommand(kStrata + " ckpt rm " + ck + " " + step);
     ASSERT_EQ(rm.exit_code, 0) << rm.output;
   }
+  auto missing = RunCommand(kStrata + " ckpt rm " + ck + " 35");
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  EXPECT_NE(missing.output.find("no checkpoint of step 35 in '" + ck + "'; it holds steps 20"),
+            std::string::npos)
+      << missing.output;
+  EXPECT_FALSE(std::filesystem::exists(ck + "/shards/p0")) << "a refused rm created a shard";
   // `rm` also let every shard's part of 30 and 40 go, and 10's (pruned, no longer named).
   for (int r = 0; r < 4; ++r) {
     auto index = storage::TensorIndex::OpenReadOnly(absl::StrCat(ck, "/shards/r", r, "/index"));
