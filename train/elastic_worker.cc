@@ -229,6 +229,7 @@ Status RunElasticWorker(Membership& membership, ElasticWorkerOptions opts) {
         comm::MakePrefixStore(membership.store(), comm::GenerationPrefix(generation)), w.superseded,
         absl::StrFormat("generation %d was superseded while its workers connected", generation));
     w.hostname = info.host();
+    for (const auto& member : g->workers()) w.member_ids.push_back(member.id());
     w.elastic = true;
     w.rejoin = generation > 1;
     w.generation = generation;

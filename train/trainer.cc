@@ -311,7 +311,7 @@ Status Trainer::OpenCheckpoints(bool continuing) {
   co.start_over = options_.start_over && !continuing;
   if (distributed()) {
     // Each worker writes its own shard; rank 0 also commits every checkpoint.
-    co.shard = absl::StrCat("r", options_.worker.rank);
+    co.shard = shard_names_.at(static_cast<size_t>(options_.worker.rank));
     co.committer = options_.worker.rank == 0;
     co.generation = options_.worker.generation;
   }
@@ -328,6 +328,20 @@ Status Trainer::OpenCheckpoints(bool continuing) {
 
 Status Trainer::OpenWorkerCheckpoints(bool continuing) {
   if (options_.config.checkpoint().dir().empty()) return absl::OkStatus();
+  const WorkerOptions& w = options_.worker;
+  shard_names_.clear();
+  for (int r = 0; r < w.world_size; ++r) {
+    if (w.member_ids.empty()) {
+      shard_names_.push_back(absl::StrCat("r", r));
+      continue;
+    }
+    if (w.member_ids.size() != static_cast<size_t>(w.world_size)) {
+      return absl::InternalError(absl::StrFormat("generation %d lists %d worker ids for %d ranks",
+                                                 w.generation, w.member_ids.size(), w.world_size));
+    }
+    ASSIGN_OR_RETURN(std::string name, ShardNameOfWorker(w.member_ids[static_cast<size_t>(r)]));
+    shard_names_.push_back(std::move(name));
+  }
   // Rank 0 (the committer) first: it moves a folder aside (--start-over) and clears reports of
   // checkpoints no longer in flight before any other worker opens its shard. Every worker learns
   // whether the others could open theirs, so that none waits on a collective for one that failed.
@@ -743,7 +757,7 @@ CheckpointShare Trainer::CheckpointShareOfThisWorker() const {
   // worker its share of the dense state.
   share.experts = expert_replica_leader_;
   share.dense = DealDenseParameters(*model_, W)[static_cast<size_t>(rank)];
-  for (int w = 0; w < W; ++w) share.shards.push_back(absl::StrCat("r", w));
+  share.shards = shard_names_;
   share.workers = W;
   return share;
 }

@@ -70,6 +70,9 @@ struct WorkerOptions {
   // just joined gets all of its state this way).
   bool rejoin = false;
   int64_t generation = 0;  // the membership generation, for metrics
+  // A coordinator's job: every worker's id, by rank. Their checkpoint shards are named by it
+  // (ShardNameOfWorker), stable across generations; empty: shards are named by rank (r<rank>).
+  std::vector<std::string> member_ids;
   // True once a newer generation has formed: connecting this one's communicators gives up. The
   // Trainer calls it on the thread in Create or Reform while each connect runs on a thread of its
   // own, which it leaves behind when this turns true (a Gloo connect cannot be interrupted; the
@@ -221,6 +224,8 @@ class Trainer {
   [[nodiscard]] Status OpenWorkerCheckpoints(bool continuing);
   // What this worker's shard of a checkpoint holds.
   CheckpointShare CheckpointShareOfThisWorker() const;
+  // The checkpoint shard of every rank of this generation (set by OpenWorkerCheckpoints).
+  std::vector<std::string> shard_names_;
   // Distributed checkpoints: every worker writes its own shard (CheckpointShareOfThisWorker) and
   // rank 0 commits; resuming, every worker reads what it now holds from the shards that have it,
   // whatever the number of workers that wrote them.

@@ -30,6 +30,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <set>
 #include <thread>
@@ -508,6 +509,13 @@ TEST_F(ElasticTest, AFourWorkerCheckpointResumesOnTwoWorkers) {
   auto list = RunCommand(absl::StrCat(kStrata, " ckpt ls ", dir_.File("ckpt")));
   ASSERT_EQ(list.exit_code, 0) << list.output;
   EXPECT_NE(list.output.find("20"), std::string::npos) << list.output;
+  // Each launched worker wrote the shard named by its id (stable across generations).
+  std::set<std::string> shards;
+  for (const auto& f : std::filesystem::directory_iterator(dir_.File("ckpt/shards"))) {
+    shards.insert(f.path().filename().string());
+  }
+  EXPECT_EQ(shards, (std::set<std::string>{"wworker-0", "wworker-1", "wworker-2", "wworker-3"}))
+      << list.output;
   auto second = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
                                         " launch --config job.textproto --workers 2 --resume "
                                         "--quiet --metrics-out two.jsonl"));
