@@ -47,8 +47,15 @@ struct Layout {
   const char* name;
   int expert_parallel;  // 0: all workers
   const char* extra;    // more ParallelConfig text
-  bool tiered = false;
+  bool tiered = false;  // 32 experts; each worker's budgets 4x below its share of them
 };
+
+// TIERED: an expert tensor (2 x 32 x 32 floats and biases) takes 12288 bytes in the store. The
+// device budget holds the dense state (312320 bytes) and 3 expert tensors, the host budget 7 (the
+// least one compute thread needs): 10 tensors, against a worker's share of 8 experts x 2 layers
+// x 3 kinds = 48.
+constexpr int64_t kTensorBytes = 12288, kDeviceBudget = 312320 + 3 * kTensorBytes,
+                  kHostBudget = 7 * kTensorBytes;
 
 void PrintTo(const Layout& l, std::ostream* os) { *os << l.name; }
 
@@ -56,15 +63,17 @@ std::string Config(const Layout& l) {
   return absl::StrCat(
       "seed: 5\n"
       "model { seq_len: 16 d_model: 32 n_layers: 2 n_heads: 2\n"
-      "        moe { num_experts: 8 top_k: 2 d_expert: 32 } }\n"
+      "        moe { num_experts: ",
+      l.tiered ? 32 : 8,
+      " top_k: 2 d_expert: 32 } }\n"
       "data { path: \"text.txt\" }\n"
       "train { steps: ",
       kSteps,
       " global_batch: 8 lr: 0.004 warmup_steps: 2 eval_every: 0 eval_batches: 1 threads: 1 }\n"
       "parallel { expert_parallel: ",
       l.expert_parallel, " ", l.extra, " }\n",
-      l.tiered ? "storage { mode: TIERED io_block_bytes: 8192 device_budget_bytes: 400000 "
-                 "host_budget_bytes: 140000 }\n"
+      l.tiered ? absl::StrCat("storage { mode: TIERED io_block_bytes: 8192 device_budget_bytes: ",
+                              kDeviceBudget, " host_budget_bytes: ", kHostBudget, " }\n")
                : "");
 }
 
@@ -149,6 +158,11 @@ class ShardedCheckpointTest : public ::testing::TestWithParam<Layout> {
 
 TEST_P(ShardedCheckpointTest, FourWorkersWriteAShardEachAndResumeOnTwoThreeAndOne) {
   const std::string ck = dir_.File("ck");
+  if (GetParam().tiered) {
+    const int64_t share = (32 / 4) * 2 * 3 * kTensorBytes;
+    const int64_t expert_budget = kDeviceBudget - 312320 + kHostBudget;
+    ASSERT_GE(share, 4 * expert_budget) << "budgets at least 4x below each worker's share";
+  }
   Run(4, "job.textproto", ck, "");
   if (HasFailure()) return;
   ExpectLossesFrom(4, 0);
