@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <functional>
 #include <optional>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -38,15 +39,35 @@ using storage::TensorRef;
 
 // A 4 KiB-aligned buffer with room for a rounded-up extent.
 struct AlignedBuffer {
+  static uint64_t Rounded(uint64_t bytes) {
+    return std::max<uint64_t>((bytes + 4095) / 4096 * 4096, 4096);
+  }
   explicit AlignedBuffer(uint64_t bytes)
-      : size((bytes + 4095) / 4096 * 4096),
-        data(static_cast<char*>(std::aligned_alloc(4096, std::max<uint64_t>(size, 4096)))) {}
+      : size(Rounded(bytes)), data(static_cast<char*>(std::aligned_alloc(4096, size))) {}
+  // Adopts `memory` (from aligned_alloc, `rounded` bytes).
+  AlignedBuffer(uint64_t rounded, char* memory) : size(rounded), data(memory) {}
+  char* Release() { return std::exchange(data, nullptr); }
   ~AlignedBuffer() { std::free(data); }
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
   uint64_t size;
   char* data;
 };
+
+// A snapshot buffer of `bytes` from `spare` (a buffer of the last checkpoint, whose pages are
+// touched already), or a new one.
+std::unique_ptr<AlignedBuffer> TakeBuffer(std::multimap<uint64_t, char*>& spare, uint64_t bytes) {
+  const uint64_t rounded = AlignedBuffer::Rounded(bytes);
+  auto it = spare.find(rounded);
+  if (it == spare.end()) return std::make_unique<AlignedBuffer>(bytes);
+  char* memory = it->second;
+  spare.erase(it);
+  return std::make_unique<AlignedBuffer>(rounded, memory);
+}
+
+void GiveBack(std::multimap<uint64_t, char*>& spare, std::unique_ptr<AlignedBuffer> buffer) {
+  if (buffer && buffer->data) spare.emplace(buffer->size, buffer->Release());
+}
 
 StoredExtent FromRecord(const storage::ExtentRecord& r) {
   StoredExtent s;
@@ -679,6 +700,7 @@ Status CheckpointManager::WriteLedger(const CheckpointManifest* removing) {
 CheckpointManager::~CheckpointManager() {
   cancel_ = true;
   if (writer_.joinable()) writer_.join();
+  for (auto& [size, memory] : spare_) std::free(memory);
   index_.reset();
   Unlock(shard_lock_fd_);
   Unlock(lock_fd_);
@@ -1307,7 +1329,7 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
   auto add_copy = [&](TensorRef ref, uint64_t bytes, const std::function<void(void*)>& fill) {
     Pending::Copy c;
     c.ref = std::move(ref);
-    c.buffer = std::make_unique<AlignedBuffer>(bytes);
+    c.buffer = TakeBuffer(spare_, bytes);
     c.bytes = bytes;
     fill(c.buffer->data);
     p->copies.push_back(std::move(c));
@@ -1349,17 +1371,19 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
         if (tiered != nullptr) {
           const storage::TensorKey key{ref.block, e, static_cast<storage::TensorKind>(kind)};
           const uint64_t bytes = tiered->store().tensor_bytes();
-          auto buf = std::make_unique<AlignedBuffer>(bytes);
+          std::unique_ptr<AlignedBuffer> buf = TakeBuffer(spare_, bytes);
           storage::TieredExpertStore::Snapshot snap;
           RETURN_IF_ERROR(
               tiered->store().SnapshotTensor(key, reinterpret_cast<float*>(buf->data), &snap));
           if (snap.generated) {
             r.set_generated(true);
             p->refs.push_back(std::move(r));
+            GiveBack(spare_, std::move(buf));
           } else if (snap.has_stored) {
             r.set_version(snap.version);
             ToRecord(snap.stored, r.mutable_extent());
             p->refs.push_back(std::move(r));
+            GiveBack(spare_, std::move(buf));
           } else {
             r.set_version(tiered->store().NextVersion(key));
             Pending::Copy c;
@@ -1374,18 +1398,18 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
         }
         std::vector<model::Parameter*> ps = ref.layer->expert(e).Parameters();
         const model::ExpertLayout layout = model::ExpertLayout::Of(ps);
-        const uint64_t floats = static_cast<uint64_t>(layout.floats);
-        std::vector<float> blob(floats);
-        for (size_t i = 0; i < ps.size(); ++i) {
-          const size_t oi = opt_index.at(ps[i]);
-          const Tensor& src = kind == 0   ? ps[i]->value
-                              : kind == 2 ? optimizer.first_moment(oi)
-                                          : optimizer.second_moment(oi);
-          src.CopyToHost(blob.data() + layout.segments[i].offset);
-        }
+        const uint64_t bytes = static_cast<uint64_t>(layout.floats) * sizeof(float);
         r.set_version(next_version(ref.block, e, kind));
-        const uint64_t bytes = floats * sizeof(float);
-        add_copy(std::move(r), bytes, [&](void* dst) { std::memcpy(dst, blob.data(), bytes); });
+        // Straight into the snapshot buffer, segment by segment.
+        add_copy(std::move(r), bytes, [&](void* dst) {
+          for (size_t i = 0; i < ps.size(); ++i) {
+            const size_t oi = opt_index.at(ps[i]);
+            const Tensor& src = kind == 0   ? ps[i]->value
+                                : kind == 2 ? optimizer.first_moment(oi)
+                                            : optimizer.second_moment(oi);
+            src.CopyToHost(static_cast<float*>(dst) + layout.segments[i].offset);
+          }
+        });
       }
     }
   }
@@ -1404,6 +1428,16 @@ int64_t CheckpointManager::NewestCommitted() {
 }
 
 void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
+  // However it ends, the snapshot buffers go back for the next checkpoint (before the status is
+  // published: the next Save waits for that, then takes them).
+  struct ReturnBuffers {
+    CheckpointManager* m;
+    Pending* p;
+    ~ReturnBuffers() {
+      std::lock_guard<std::mutex> lock(m->spare_mu_);
+      for (auto& c : p->copies) GiveBack(m->spare_, std::move(c.buffer));
+    }
+  } return_buffers{this, p.get()};
   CheckpointManifest& m = p->manifest;
   const double started = NowSeconds();
   std::vector<storage::SsdTier::WriteItem> items;

@@ -272,6 +272,13 @@ class CheckpointManager {
                                     model::MoeTransformer& model, model::AdamW& optimizer,
                                     scheduler::TieredExpertScheduler* tiered);
   std::atomic<bool> cancel_{false};  // the destructor stops a committer waiting for reports
+  // The last checkpoint's snapshot buffers (4 KiB-aligned, by size), reused by the next one: their
+  // pages are touched already, which a new buffer's are not (most of a snapshot's time). They hold
+  // one snapshot's bytes between checkpoints: this shard's state not clean on the SSD tier (all of
+  // it in memory; within the budgets in a TIERED store). The writer gives them back under
+  // spare_mu_; Save takes them once the writer is joined.
+  std::mutex spare_mu_;
+  std::multimap<uint64_t, char*> spare_;
 
   std::mutex mu_;
   std::thread writer_;
