@@ -1627,7 +1627,7 @@ Status CheckpointManager::CollectPrepared(Pending& p) {
     }
     waiting = std::move(still);
     if (waiting.empty()) break;
-    if (cancel_) {
+    if (cancel_ || (options_.abandoned && options_.abandoned->load())) {
       return absl::AbortedError("the checkpoint was abandoned while waiting for the other shards");
     }
     if (std::chrono::steady_clock::now() > deadline) {

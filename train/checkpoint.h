@@ -106,6 +106,9 @@ struct CheckpointOptions {
   int64_t generation = 0;  // membership generation: prepared reports are kept apart by it
   // How long the committer waits for every shard's report before the checkpoint fails.
   std::chrono::milliseconds commit_timeout{600000};
+  // Set by another thread once the checkpoint in flight can never commit (a newer membership
+  // generation formed): the committer stops waiting for reports, as with Abandon. May be null.
+  std::shared_ptr<const std::atomic<bool>> abandoned;
 };
 
 // What this process's shard of a checkpoint holds, and which shards make the checkpoint.

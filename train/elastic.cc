@@ -47,6 +47,8 @@ void Trainer::AbortCollectives(const std::string& why, int64_t newer_generation)
   std::lock_guard<std::mutex> lock(comm_mu_);
   if (newer_generation <= comm_generation_) return;  // late: that generation is this one
   aborted_why_ = why;
+  // A committer waiting for the reports of a worker that is gone would wait past the re-form.
+  if (checkpoint_abandoned_) *checkpoint_abandoned_ = true;
   for (comm::Communicator* c : {world_comm_.get(), ep_comm_.get(), replica_comm_.get()}) {
     if (c != nullptr) c->Abort(why);
   }

@@ -309,6 +309,11 @@ Status Trainer::OpenCheckpoints(bool continuing) {
   co.capacity_bytes = cfg.storage().ssd_capacity_bytes();
   co.wrap_io = options_.wrap_io;
   co.start_over = options_.start_over && !continuing;
+  {
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    checkpoint_abandoned_ = std::make_shared<std::atomic<bool>>(false);
+    co.abandoned = checkpoint_abandoned_;
+  }
   if (distributed()) {
     // Each worker writes its own shard; rank 0 also commits every checkpoint.
     co.shard = shard_names_.at(static_cast<size_t>(options_.worker.rank));

@@ -20,6 +20,7 @@
 // rank 0's checkpoints); `superseded` may also run elsewhere (see WorkerOptions).
 #pragma once
 
+#include <atomic>
 #include <cstdio>
 #include <functional>
 #include <limits>
@@ -301,6 +302,9 @@ class Trainer {
   // Guarded by comm_mu_: why the collectives were aborted, until ResetParallel.
   std::optional<std::string> aborted_why_;
   int64_t comm_generation_ = 0;  // guarded by comm_mu_: the generation of the communicators
+  // Guarded by comm_mu_: set by AbortCollectives so that the checkpoint manager of this generation
+  // stops waiting for reports of a checkpoint that can no longer commit.
+  std::shared_ptr<std::atomic<bool>> checkpoint_abandoned_;
   std::vector<int64_t> experts_per_worker_;
   int64_t first_expert_ = 0, num_experts_ = 0;  // this worker's range
   Device device_;                               // where the model lives (train.device)
