@@ -422,8 +422,7 @@ double Mean(const std::vector<double>& v) {
 
 int Main(int argc, char** argv) {
   Options o;
-  const char* tmp = std::getenv("TMPDIR");
-  o.dir = tmp != nullptr && *tmp ? tmp : "/tmp";
+  o.dir = ScratchDir();
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&] { return FlagValue("bench_checkpoint", argc, argv, &i); };

@@ -135,6 +135,12 @@ inline double MedianOf(std::vector<double> v) {
 
 // The value after the flag argv[*i] (advancing *i); exits with status 2 naming the flag when the
 // command line ends there.
+// Where a benchmark puts its scratch folders unless told (--dir): $TMPDIR, else /tmp.
+inline std::string ScratchDir() {
+  const char* tmp = std::getenv("TMPDIR");
+  return tmp != nullptr && *tmp ? tmp : "/tmp";
+}
+
 inline std::string FlagValue(const char* bench, int argc, char** argv, int* i) {
   if (*i + 1 >= argc) {
     std::fprintf(stderr, "%s: %s needs a value\n", bench, argv[*i]);
