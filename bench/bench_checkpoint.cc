@@ -19,13 +19,16 @@
 // 2. Stall per checkpoint. The same model trained by train::Trainer (IN_MEMORY), K = N M + 1 steps
 //    with a checkpoint every M steps (N checkpoints, 3 x 16 by default: M steps outlast a persist)
 //    and K steps without, each in a fresh process, alternating, both traced. Printed: the mean
-//    step time without checkpoints; snapshot, the trainer's "checkpoint snapshot" span (Save's
-//    copy of the state); persist, its "checkpoint persist" span (the background write and
-//    commit); the stall, how long the training thread stood still
-//    for each checkpoint (Save's snapshot, and its wait for the previous persist if one still
-//    ran): the gap between one step's end and the next step's start at checkpoint steps less the
-//    same gap at other steps; and the cost, (time with - time without) / checkpoints over the same
-//    steps, which also counts the persist's background writes slowing the steps beside it. Both
+//    step time without checkpoints; snapshot, the writer's "checkpoint snapshot" span (its copy
+//    of the state into host buffers, while the next step's forward and backward run); fence, the
+//    trainer's "checkpoint fence" spans (the next step's update waiting for that copy), per
+//    checkpoint; persist, the writer's "checkpoint persist" span (the background write and
+//    commit); the stall, how long the training thread stood still for each checkpoint: the gap
+//    between one step's end and the next step's start at checkpoint steps less the same gap at
+//    other steps (Save itself, and its wait for the previous persist if one still ran), plus the
+//    fence; and the cost, (time with - time without) / checkpoints over the same steps, which also
+//    counts the snapshot and the persist slowing the steps beside them (on 2 cores they share
+//    the cores with training). Both
 //    as a share of the mean step time; the goal is a stall under 5% of a step.
 //
 //   build/bin/bench_checkpoint [--dir DIR] [--writers 1,2,4] [--rounds R] [--experts E]
@@ -328,8 +331,9 @@ WriteResult WriteOnce(const Options& o, const config::JobConfig& cfg, const std:
 struct TrainRun {
   std::vector<double> step_s, gap_s;  // per step: its own time; the gap before the next step
   double span_s = 0;                  // from the end of step 1 to the end of the last step
-  // The trainer's own spans (--trace): Save's snapshot, and the writer's persist and commit.
-  std::vector<double> snapshot_s, persist_s;
+  // The trainer's own spans (--trace): the writer's snapshot copy, its persist and commit, and
+  // the trainer's waits for the snapshot before the next update (absent where it had not to wait).
+  std::vector<double> snapshot_s, persist_s, fence_s;
   std::string error;
 };
 
@@ -406,6 +410,7 @@ TrainRun Train(const Options& o, const std::string& data, const std::string& ckd
   run.span_s = at[K - 1] - at[0];
   run.snapshot_s = SpanSeconds(trace, "checkpoint snapshot");
   run.persist_s = SpanSeconds(trace, "checkpoint persist");
+  run.fence_s = SpanSeconds(trace, "checkpoint fence");
   if (every > 0 && (static_cast<int>(run.snapshot_s.size()) != o.checkpoints ||
                     static_cast<int>(run.persist_s.size()) != o.checkpoints)) {
     run.error = absl::StrFormat("the trace holds %d snapshot and %d persist spans, expected %d",
@@ -546,12 +551,11 @@ int Main(int argc, char** argv) {
     const double base_gbps = static_cast<double>(bytes[0]) / MedianOf(seconds[0]) / 1e9;
     if (!o.json) {
       std::printf(
-          "write bandwidth of one checkpoint (first Save to the committer's Wait; snapshot_s: "
-          "until "
-          "the last Save returned), median of %d\n",
+          "write bandwidth of one checkpoint (first Save to the committer's Wait, the writers' "
+          "snapshot copies included; save_s: until the last Save returned), median of %d\n",
           o.rounds);
       std::printf("%-22s %14s %9s %8s %9s %11s\n", "writers", "bytes", "seconds", "GB/s", "of base",
-                  "snapshot_s");
+                  "save_s");
     }
     for (int n : counts) {
       const double s = MedianOf(seconds[n]);
@@ -566,7 +570,7 @@ int Main(int argc, char** argv) {
             .Field("seconds", s)
             .Field("gbps", gbps)
             .Field("ratio", gbps / base_gbps)
-            .Field("snapshot_s", MedianOf(save_seconds[n]))
+            .Field("save_s", MedianOf(save_seconds[n]))
             .Field("rounds", static_cast<int64_t>(o.rounds))
             .EndObject();
         std::printf("%s\n", j.str().c_str());
@@ -588,7 +592,7 @@ int Main(int argc, char** argv) {
 
   if (o.part != "write") {
     // Part 2: the trainer with and without checkpoints, alternating.
-    std::vector<double> step_s, stall_s, cost_s, snapshot_s, persist_s;
+    std::vector<double> step_s, stall_s, cost_s, snapshot_s, persist_s, fence_s;
     for (int round = 0; round < o.rounds; ++round) {
       TrainRun with, without;
       for (int k = 0; k < 2; ++k) {
@@ -625,13 +629,18 @@ int Main(int argc, char** argv) {
         (step % o.every == 0 ? at_ckpt : other).push_back(with.gap_s[i]);
       }
       step_s.push_back(Mean(without.step_s));
-      stall_s.push_back(Mean(at_ckpt) - Mean(other));
+      double fence = 0;
+      for (double f : with.fence_s) fence += f;
+      fence /= o.checkpoints;
+      fence_s.push_back(fence);
+      stall_s.push_back(Mean(at_ckpt) - Mean(other) + fence);
       cost_s.push_back((with.span_s - without.span_s) / o.checkpoints);
       snapshot_s.push_back(Mean(with.snapshot_s));
       persist_s.push_back(Mean(with.persist_s));
     }
     const double step = MedianOf(step_s), stall = MedianOf(stall_s), cost = MedianOf(cost_s);
     const double snapshot = MedianOf(snapshot_s), persist = MedianOf(persist_s);
+    const double fence = MedianOf(fence_s);
     const int K = o.checkpoints * o.every + 1;
     if (o.json) {
       JsonWriter j;
@@ -641,6 +650,7 @@ int Main(int argc, char** argv) {
           .Field("every", static_cast<int64_t>(o.every))
           .Field("step_s", step)
           .Field("snapshot_s", snapshot)
+          .Field("fence_s", fence)
           .Field("stall_s", stall)
           .Field("stall_fraction", stall / step)
           .Field("cost_s", cost)
@@ -655,19 +665,21 @@ int Main(int argc, char** argv) {
           "%d "
           "and %d without, means per run, median of %d\n",
           o.batch, o.seq_len, K, o.every, K, o.rounds);
-      std::printf("%-7s %9s %12s %9s %9s %9s %9s %11s\n", "", "step_ms", "snapshot_ms", "stall_ms",
-                  "of step", "cost_ms", "of step", "persist_ms");
-      auto row = [](const std::string& label, double st, double sn, double sl, double c, double p) {
-        std::printf("%-7s %9.1f %12.1f %9.1f %8.1f%% %9.1f %8.1f%% %11.1f\n", label.c_str(),
-                    1e3 * st, 1e3 * sn, 1e3 * sl, 100 * sl / st, 1e3 * c, 100 * c / st, 1e3 * p);
+      std::printf("%-7s %9s %12s %9s %9s %9s %9s %9s %11s\n", "", "step_ms", "snapshot_ms",
+                  "fence_ms", "stall_ms", "of step", "cost_ms", "of step", "persist_ms");
+      auto row = [](const std::string& label, double st, double sn, double f, double sl, double c,
+                    double p) {
+        std::printf("%-7s %9.1f %12.1f %9.1f %9.1f %8.1f%% %9.1f %8.1f%% %11.1f\n", label.c_str(),
+                    1e3 * st, 1e3 * sn, 1e3 * f, 1e3 * sl, 100 * sl / st, 1e3 * c, 100 * c / st,
+                    1e3 * p);
       };
       if (o.rounds > 1) {  // each round too: the cost compares two processes and varies the most
         for (int round = 0; round < o.rounds; ++round) {
-          row(absl::StrCat("round ", round + 1), step_s[round], snapshot_s[round], stall_s[round],
-              cost_s[round], persist_s[round]);
+          row(absl::StrCat("round ", round + 1), step_s[round], snapshot_s[round], fence_s[round],
+              stall_s[round], cost_s[round], persist_s[round]);
         }
       }
-      row("median", step, snapshot, stall, cost, persist);
+      row("median", step, snapshot, fence, stall, cost, persist);
       std::printf("goal: a stall under 5%% of a step%s\n",
                   stall / step < 0.05 ? "" : " (not met on this machine)");
     }

@@ -453,6 +453,9 @@ struct CheckpointManager::Pending {
     bool tiered = false;  // an expert tensor of the tiered store (adopt the version after)
     uint64_t generation = 0;
     StoredExtent stored;
+    // Fills the buffer on the writer thread, before anything is written (the snapshot that
+    // overlaps the next step; see Save). Null: filled by Save already.
+    std::function<void(void*)> fill;
   };
   std::vector<Copy> copies;
   std::vector<TensorRef> refs;  // stored already (a store reference was taken) or generated
@@ -1056,6 +1059,7 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
                                             scheduler::TieredExpertScheduler* tiered,
                                             ops::Context& ctx, const ResumeAgreement& agree) {
   (void)ctx;
+  FinishSnapshot();  // what is read in below must not be copied out at the same time
   const std::vector<int64_t> steps = Steps();
   if (steps.empty()) {
     return absl::NotFoundError(absl::StrFormat(
@@ -1267,9 +1271,10 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
                                const CheckpointShare& share) {
   RETURN_IF_ERROR(Wait());
   if (!options_.committer) RETURN_IF_ERROR(ReclaimUnnamed());
+  RETURN_IF_ERROR(ReplaceFrom(step));
   // The experts' update of the last step runs behind the caller: snapshot what it wrote.
   if (tiered) RETURN_IF_ERROR(tiered->FinishExpertStep());
-  TraceScope span(ctx.tracer, "checkpoint snapshot", "checkpoint", static_cast<int>(step));
+  TraceScope span(ctx.tracer, "checkpoint save", "checkpoint", static_cast<int>(step));
   tiered_ = tiered;
   auto p = std::make_shared<Pending>();
   p->tracer = ctx.tracer;
@@ -1325,13 +1330,22 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
   auto next_version = [&](int32_t layer, int32_t expert, int32_t kind) {
     return ++next_version_[{layer, expert, kind}];
   };
-  // `fill` writes the tensor's bytes into the copy's buffer.
-  auto add_copy = [&](TensorRef ref, uint64_t bytes, const std::function<void(void*)>& fill) {
+  // `fill` writes the tensor's bytes into the copy's buffer: now when `sources` include a tensor
+  // off the host (a device copy is ordered on the caller's stream), else on the writer thread
+  // while the next step's forward and backward run (they only read these tensors).
+  auto add_copy = [&](TensorRef ref, uint64_t bytes, const std::vector<Tensor>& sources,
+                      std::function<void(void*)> fill) {
     Pending::Copy c;
     c.ref = std::move(ref);
     c.buffer = TakeBuffer(spare_, bytes);
     c.bytes = bytes;
-    fill(c.buffer->data);
+    const bool on_host = std::all_of(sources.begin(), sources.end(),
+                                     [](const Tensor& t) { return t.device().is_cpu(); });
+    if (on_host) {
+      c.fill = std::move(fill);
+    } else {
+      fill(c.buffer->data);
+    }
     p->copies.push_back(std::move(c));
   };
   std::map<const model::Parameter*, size_t> opt_index;
@@ -1351,10 +1365,10 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
       r.set_kind(kind);
       r.set_name(prm->name);
       r.set_version(next_version(r.layer(), -1, kind));
-      const Tensor& src = kind == 0   ? prm->value
-                          : kind == 2 ? optimizer.first_moment(oi)
-                                      : optimizer.second_moment(oi);
-      add_copy(std::move(r), bytes, [&](void* dst) { src.CopyToHost(dst); });
+      const Tensor src = kind == 0   ? prm->value
+                         : kind == 2 ? optimizer.first_moment(oi)
+                                     : optimizer.second_moment(oi);
+      add_copy(std::move(r), bytes, {src}, [src](void* dst) { src.CopyToHost(dst); });
     }
   }
 
@@ -1401,23 +1415,77 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
         const uint64_t bytes = static_cast<uint64_t>(layout.floats) * sizeof(float);
         r.set_version(next_version(ref.block, e, kind));
         // Straight into the snapshot buffer, segment by segment.
-        add_copy(std::move(r), bytes, [&](void* dst) {
-          for (size_t i = 0; i < ps.size(); ++i) {
-            const size_t oi = opt_index.at(ps[i]);
-            const Tensor& src = kind == 0   ? ps[i]->value
-                                : kind == 2 ? optimizer.first_moment(oi)
-                                            : optimizer.second_moment(oi);
-            src.CopyToHost(static_cast<float*>(dst) + layout.segments[i].offset);
+        std::vector<Tensor> srcs;
+        std::vector<int64_t> offsets;
+        for (size_t i = 0; i < ps.size(); ++i) {
+          const size_t oi = opt_index.at(ps[i]);
+          srcs.push_back(kind == 0   ? ps[i]->value
+                         : kind == 2 ? optimizer.first_moment(oi)
+                                     : optimizer.second_moment(oi));
+          offsets.push_back(static_cast<int64_t>(layout.segments[i].offset));
+        }
+        add_copy(std::move(r), bytes, srcs, [srcs, offsets](void* dst) {
+          for (size_t i = 0; i < srcs.size(); ++i) {
+            srcs[i].CopyToHost(static_cast<float*>(dst) + offsets[i]);
           }
         });
       }
     }
+  }
+  const bool deferred = std::any_of(p->copies.begin(), p->copies.end(),
+                                    [](const Pending::Copy& c) { return c.fill != nullptr; });
+  {
+    std::lock_guard<std::mutex> lock(snapshot_mu_);
+    snapshot_done_ = !deferred;
   }
   std::lock_guard<std::mutex> lock(mu_);
   writer_done_ = false;
   writer_status_ = absl::OkStatus();
   if (writer_.joinable()) writer_.join();
   writer_ = std::thread([this, p] { Persist(p); });
+  return absl::OkStatus();
+}
+
+void CheckpointManager::FinishSnapshot(Tracer* tracer) {
+  std::unique_lock<std::mutex> lock(snapshot_mu_);
+  if (snapshot_done_) return;
+  TraceScope span(tracer, "checkpoint fence", "checkpoint");
+  snapshot_cv_.wait(lock, [this] { return snapshot_done_; });
+}
+
+void CheckpointManager::TakeSnapshot(Pending& p) {
+  const double started = NowSeconds();
+  for (Pending::Copy& c : p.copies) {
+    if (c.fill == nullptr) continue;
+    c.fill(c.buffer->data);
+    c.fill = nullptr;  // drops its tensors: the model's buffers are the trainer's again
+  }
+  if (p.tracer != nullptr) {
+    p.tracer->SpanOn("checkpoint writer",
+                     absl::StrFormat("checkpoint snapshot %d", p.manifest.step()), "checkpoint",
+                     started, NowSeconds());
+  }
+  std::lock_guard<std::mutex> lock(snapshot_mu_);
+  snapshot_done_ = true;
+  snapshot_cv_.notify_all();
+}
+
+Status CheckpointManager::ReplaceFrom(int64_t step) {
+  std::vector<int64_t> later;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const int64_t s : Steps()) {
+      if (s >= step) later.push_back(s);
+    }
+  }
+  for (auto it = later.rbegin(); it != later.rend(); ++it) {
+    STRATA_LOG(WARNING) << absl::StrFormat(
+        "checkpoint %d in '%s' (shard %s) is removed: training went back to step %d behind it, and "
+        "checkpoints again from there",
+        *it, options_.dir, shard_name_, step);
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_ERROR(RemoveLocked(*it));
+  }
   return absl::OkStatus();
 }
 
@@ -1438,6 +1506,7 @@ void CheckpointManager::Persist(std::shared_ptr<Pending> p) {
       for (auto& c : p->copies) GiveBack(m->spare_, std::move(c.buffer));
     }
   } return_buffers{this, p.get()};
+  TakeSnapshot(*p);
   CheckpointManifest& m = p->manifest;
   const double started = NowSeconds();
   std::vector<storage::SsdTier::WriteItem> items;

@@ -64,6 +64,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
@@ -74,6 +75,7 @@
 #include <vector>
 
 #include "core/common/status.h"
+#include "core/common/trace.h"
 #include "proto/config.pb.h"
 #include "proto/storage.pb.h"
 #include "runtime/model/adamw.h"
@@ -175,12 +177,23 @@ class CheckpointManager {
                                          scheduler::TieredExpertScheduler* tiered,
                                          ops::Context& ctx, const ResumeAgreement& agree = nullptr);
 
-  // Checkpoints the state after `step` steps: snapshots `share` of it now, persists in the
-  // background. Waits for the previous checkpoint's persist first.
+  // Checkpoints the state after `step` steps: `share` of it, persisted in the background. Waits
+  // for the previous checkpoint's persist first. Checkpoints of `step` and later steps (training
+  // went back behind them: an elastic generation replaying from older copies) are removed first
+  // — the committer's sets, a worker's own parts — and written anew.
+  //
+  // What lies in device memory or the tiered store is copied into host buffers before Save
+  // returns; host tensors (dense parameters, IN_MEMORY experts, their Adam moments) are copied by
+  // the writer thread while the caller goes on with the next step's forward and backward, which
+  // only read them. The caller must call FinishSnapshot before anything changes them (the next
+  // update, a re-form, a resume); Wait, Resume and the destructor finish the snapshot too.
   [[nodiscard]] Status Save(int64_t step, const config::JobConfig& config,
                             model::MoeTransformer& model, model::AdamW& optimizer,
                             scheduler::TieredExpertScheduler* tiered, ops::Context& ctx,
                             const CheckpointShare& share = {});
+  // Returns once the last Save's snapshot is taken: the tensors it copies may change from then
+  // on. Immediate when it is (or there was no Save); a wait is traced as "checkpoint fence".
+  void FinishSnapshot(Tracer* tracer = nullptr);
   bool committer() const { return options_.committer; }
   // A committer waiting for other shards' reports gives up (the checkpoint fails, the previous
   // ones stay); a persist's own writes still finish. Any thread; the destructor does the same.
@@ -231,6 +244,10 @@ class CheckpointManager {
   // Replaces DIR/LEDGER with the live list (less `removing`, recorded as being removed).
   [[nodiscard]] Status WriteLedger(const storage::CheckpointManifest* removing = nullptr);
   void Persist(std::shared_ptr<Pending> p);
+  // The writer: fills the copies Save deferred, then lets FinishSnapshot return.
+  void TakeSnapshot(Pending& p);
+  // Removes the checkpoints of `step` and later steps (see Save).
+  [[nodiscard]] Status ReplaceFrom(int64_t step);
   void ReleaseVersion(const storage::TensorRef& r);
 
   CheckpointOptions options_;
@@ -282,6 +299,11 @@ class CheckpointManager {
   // spare_mu_; Save takes them once the writer is joined.
   std::mutex spare_mu_;
   std::multimap<uint64_t, char*> spare_;
+
+  // Whether the last Save's snapshot is taken (the writer sets it; FinishSnapshot waits on it).
+  std::mutex snapshot_mu_;
+  std::condition_variable snapshot_cv_;
+  bool snapshot_done_ = true;
 
   std::mutex mu_;
   std::thread writer_;

@@ -593,6 +593,8 @@ StatusOr<StepResult> Trainer::Step() {
   r.grad_norm = std::sqrt(batch.grad_sum_squares);
   r.lr = LearningRate(cfg.train(), step_);
   const double scale = ops::ClipScale(r.grad_norm, cfg.train().grad_clip());
+  // A checkpoint saved after the last step copies the state while forward and backward ran.
+  if (checkpoints_) checkpoints_->FinishSnapshot(ctx_.tracer);
   keeping_->BeforeUpdate();
   {
     TraceScope span(ctx_.tracer, "dense optimizer", "optimizer");

@@ -860,5 +860,144 @@ TEST(CheckpointKeepTest, KeepsTheLastKAndReusesTheirSpace) {
       << "20 checkpoints were written; only the 2 kept may hold space";
 }
 
+// Every parameter value and both Adam moments the optimizer holds, in its order.
+std::vector<const Tensor*> StateTensors(const model::AdamW& opt) {
+  std::vector<const Tensor*> out;
+  for (size_t i = 0; i < opt.params().size(); ++i) {
+    out.push_back(&opt.params()[i]->value);
+    out.push_back(&opt.first_moment(i));
+    out.push_back(&opt.second_moment(i));
+  }
+  return out;
+}
+
+std::vector<std::vector<float>> OptimizerState(Trainer& t) {
+  std::vector<std::vector<float>> out;
+  for (const Tensor* x : StateTensors(*t.optimizer_for_test())) {
+    out.emplace_back(x->f32(), x->f32() + x->numel());
+  }
+  return out;
+}
+
+std::vector<int64_t> StepsIn(const std::string& ck) {
+  std::vector<int64_t> steps;
+  auto list = CheckpointManager::List(ck);
+  EXPECT_TRUE(list.ok()) << list.status();
+  if (list.ok()) {
+    for (const CheckpointInfo& info : *list) steps.push_back(info.step);
+  }
+  return steps;
+}
+
+TrainOptions JobIn(const TempDir& dir, const std::string& mode) {
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(40000));
+  auto cfg = config::ParseJobConfig(ConfigText(mode), "job.textproto", dir.path());
+  CHECK(cfg.ok()) << cfg.status();
+  cfg->mutable_checkpoint()->set_dir(dir.File("ck"));
+  TrainOptions o;
+  o.config = *cfg;
+  o.progress = false;
+  return o;
+}
+
+// Save copies host tensors on its writer thread while the next step's forward and backward run;
+// the update waits for that copy (FinishSnapshot). Here the "update" scribbles over every
+// parameter and moment the moment FinishSnapshot returns: the checkpoint must still hold the
+// state Save was called on, bitwise.
+TEST(CheckpointSnapshotTest, TheCheckpointHoldsTheStateAtSaveThoughTheUpdateFollowsAtOnce) {
+  TempDir dir;
+  TrainOptions o = JobIn(dir, "IN_MEMORY");
+  std::vector<std::vector<float>> saved;
+  {
+    auto t = Trainer::Create(o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    for (int i = 0; i < 5; ++i) ASSERT_TRUE((*t)->Step().ok());
+    saved = OptimizerState(**t);
+    for (int round = 0; round < 2; ++round) {  // the second reuses the first's buffers
+      ASSERT_TRUE((*t)->checkpoints()
+                      ->Save(5 + round, o.config, (*t)->model(), *(*t)->optimizer_for_test(),
+                             nullptr, (*t)->context())
+                      .ok());
+      (*t)->checkpoints()->FinishSnapshot();
+      for (const Tensor* x : StateTensors(*(*t)->optimizer_for_test())) {
+        std::fill(x->f32(), x->f32() + x->numel(), -1.0f - static_cast<float>(round));
+      }
+      ASSERT_TRUE((*t)->checkpoints()->Wait().ok());
+      // The next round saves the state again: put it back.
+      const std::vector<const Tensor*> xs = StateTensors(*(*t)->optimizer_for_test());
+      for (size_t k = 0; k < xs.size(); ++k)
+        std::copy(saved[k].begin(), saved[k].end(), xs[k]->f32());
+    }
+  }
+  o.resume = true;
+  auto r = Trainer::Create(o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)->resumed_from(), 6);
+  const std::vector<std::vector<float>> resumed = OptimizerState(**r);
+  ASSERT_EQ(resumed.size(), saved.size());
+  for (size_t k = 0; k < saved.size(); ++k) {
+    ASSERT_EQ(resumed[k], saved[k])
+        << "tensor " << k / 3 << " (kind " << k % 3 << ") is not the state Save was called on";
+  }
+}
+
+// Training that went back behind its checkpoints (an elastic generation replaying from older
+// copies) saves their steps again: the old checkpoints of that step and later ones go first,
+// their space with them, and the new one is what resumes.
+class CheckpointReplaceTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CheckpointReplaceTest, SavingAnEarlierStepAgainReplacesItAndTheLaterOnes) {
+  TempDir dir;
+  TrainOptions o = JobIn(dir, GetParam());
+  std::vector<std::vector<float>> at_20;
+  {
+    auto t = Trainer::Create(o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    for (int step = 1; step <= 20; ++step) {
+      ASSERT_TRUE((*t)->Step().ok());
+      if (step % 5 == 0) {
+        ASSERT_TRUE((*t)->checkpoints()
+                        ->Save(step, o.config, (*t)->model(), *(*t)->optimizer_for_test(),
+                               (*t)->tiered(), (*t)->context())
+                        .ok());
+      }
+    }
+    ASSERT_TRUE((*t)->checkpoints()->Wait().ok());
+    EXPECT_EQ(StepsIn(dir.File("ck")), (std::vector<int64_t>{10, 15, 20}));
+    // The state of step 20, saved as step 10's.
+    at_20 = OptimizerState(**t);
+    ASSERT_TRUE((*t)->checkpoints()
+                    ->Save(10, o.config, (*t)->model(), *(*t)->optimizer_for_test(), (*t)->tiered(),
+                           (*t)->context())
+                    .ok());
+    ASSERT_TRUE((*t)->checkpoints()->Wait().ok());
+    if (GetParam() == "IN_MEMORY") {
+      auto list = CheckpointManager::List(dir.File("ck"));
+      ASSERT_TRUE(list.ok());
+      ASSERT_EQ(list->size(), 1u);
+      EXPECT_EQ((*t)->checkpoints()->ssd()->used_bytes(), (*list)[0].stored_bytes)
+          << "the replaced checkpoints' extents must be free again";
+    }
+  }
+  EXPECT_EQ(StepsIn(dir.File("ck")), (std::vector<int64_t>{10}));
+  std::vector<std::string> report;
+  EXPECT_TRUE(CheckpointManager::Verify(dir.File("ck"), -1, &report).ok())
+      << absl::StrJoin(report, "\n");
+  o.resume = true;
+  auto r = Trainer::Create(o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)->resumed_from(), 10);
+  // TIERED: the optimizer holds the dense state; the experts live in the store.
+  const std::vector<std::vector<float>> resumed = OptimizerState(**r);
+  ASSERT_EQ(resumed.size(), at_20.size());
+  for (size_t k = 0; k < at_20.size(); ++k) {
+    ASSERT_EQ(resumed[k], at_20[k]) << "tensor " << k / 3 << " (kind " << k % 3
+                                    << ") is the old checkpoint's, not the new one's";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, CheckpointReplaceTest, ::testing::Values("IN_MEMORY", "TIERED"),
+                         [](const auto& info) { return info.param; });
+
 }  // namespace
 }  // namespace strata::train
