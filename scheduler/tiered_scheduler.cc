@@ -327,6 +327,65 @@ double TieredExpertScheduler::ExpertGradSumSquares() const {
   return s;
 }
 
+Status TieredExpertScheduler::SumGradientsOver(comm::Communicator& replicas) {
+  // The update in flight reads and discards gradients: it must be done before they are summed.
+  RETURN_IF_ERROR(FinishExpertStep());
+  RETURN_IF_ERROR(status());
+  // Which experts some copy has a gradient for: every copy then walks the same list.
+  std::vector<float> any;
+  for (int li = 0; li < moe_layers(); ++li) {
+    for (int e = 0; e < num_experts(li); ++e) {
+      any.push_back(store_->Materialized(Key(li, e, TensorKind::kGrad)) ? 1.0f : 0.0f);
+    }
+  }
+  RETURN_IF_ERROR(replicas.AllReduce(any.data(), any.size()));
+  std::vector<TensorKey> keys;
+  std::vector<std::pair<int, int>> experts;
+  for (int li = 0, i = 0; li < moe_layers(); ++li) {
+    for (int e = 0; e < num_experts(li); ++e, ++i) {
+      if (any[static_cast<size_t>(i)] == 0.0f) continue;
+      keys.push_back(Key(li, e, TensorKind::kGrad));
+      experts.emplace_back(li, e);
+    }
+  }
+  const size_t ahead = options_.storage.optimizer_prefetch();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    // Behind this expert, the next ones come down to the host: a gradient still dirty on the
+    // device is written back, one on the SSD tier read (one never written reads as zero).
+    for (size_t j = i + 1; j < std::min(keys.size(), i + 1 + ahead); ++j) {
+      store_->WriteBack(keys[j]);
+      store_->PrefetchHost(std::span<const TensorKey>(&keys[j], 1));
+    }
+    const auto [li, e] = experts[i];
+    const double t0 = tracer_ ? NowSeconds() : 0.0;
+    ASSIGN_OR_RETURN(float* g, store_->AcquireHost(keys[i]));
+    const Status s = replicas.AllReduce(g, static_cast<size_t>(layout_.floats));
+    double sq = 0;
+    for (int64_t k = 0; s.ok() && k < layout_.floats; ++k) sq += static_cast<double>(g[k]) * g[k];
+    store_->ReleaseHost(keys[i], /*modified=*/s.ok());
+    if (!s.ok()) {
+      return Status(s.code(), absl::StrFormat("summing the gradient of expert %d of block %d over "
+                                              "its copies: %s",
+                                              first_expert_ + e, layers_[li].block, s.message()));
+    }
+    layers_[li].grad_sq[e] = sq;
+    if (tracer_) {
+      tracer_->Span(absl::StrFormat("sum copies L%d E%d", layers_[li].block, e), "comm", t0,
+                    NowSeconds());
+    }
+  }
+  return absl::OkStatus();
+}
+
+Status TieredExpertScheduler::ReadExpert(int moe_layer, int expert, TensorKind kind, float* out) {
+  RETURN_IF_ERROR(FinishExpertStep());
+  const TensorKey key = Key(moe_layer, expert, kind);
+  ASSIGN_OR_RETURN(const float* data, store_->AcquireHost(key));
+  std::copy(data, data + layout_.floats, out);
+  store_->ReleaseHost(key, /*modified=*/false);
+  return absl::OkStatus();
+}
+
 Status TieredExpertScheduler::StepExperts(const model::AdamWOptions& o, double lr,
                                           double grad_scale, int64_t step) {
   RETURN_IF_ERROR(FinishExpertStep());  // the forward has waited for it already

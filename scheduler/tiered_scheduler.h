@@ -25,11 +25,18 @@
 // (and in backward a zeroed gradient blob), which the layer binds to its expert for one call and
 // gives back with Done.
 //
+// With expert replicas (several expert-parallel groups, each holding a copy of the same experts in
+// its own members' stores), each copy's backward leaves the gradient of its own group's rows;
+// SumGradientsOver adds them up over the copies between backward and StepExperts, one expert at a
+// time through a host slot (never every gradient at once: that is what the tiers are for), so
+// that every copy takes the same update from the same sum and the copies stay bitwise equal.
+//
 // Threads: BeginPass, NextReady and Done are called from the MoE layer's threads as
-// expert_residency.h says; StepExperts, FinishExpertStep, EndStep, ExpertGradSumSquares,
-// set_tracer and Quiesce from the thread that drives the step (the trainer's), never during a pass
-// (ExpertGradSumSquares reads what Done writes, unsynchronised), and set_tracer also never while
-// an expert update is in flight (the optimizer thread reads the tracer). status() may be called
+// expert_residency.h says; StepExperts, SumGradientsOver, ReadExpert, FinishExpertStep, EndStep,
+// ExpertGradSumSquares, set_tracer and Quiesce from the thread that drives the step (the
+// trainer's), never during a pass (ExpertGradSumSquares reads what Done and SumGradientsOver
+// write, unsynchronised), and set_tracer also never while an expert update is in flight (the
+// optimizer thread reads the tracer). status() may be called
 // from any thread; layout(), Key() and the other const accessors read what Create fixed, from any
 // thread. The scheduler runs one thread of its own, the optimizer thread, which runs the expert
 // update StepExperts queues; the store runs its stage threads. The destructor lets the update in
@@ -53,6 +60,7 @@
 #include "core/common/thread_pool.h"
 #include "core/common/trace.h"
 #include "proto/config.pb.h"
+#include "runtime/comm/communicator.h"
 #include "runtime/model/adamw.h"
 #include "runtime/model/expert_residency.h"
 #include "runtime/model/transformer.h"
@@ -93,6 +101,22 @@ class TieredExpertScheduler : public model::ExpertResidency {
   Status status() const;
   // Sum of squares of this step's expert gradients, added in (layer, expert) order.
   double ExpertGradSumSquares() const;
+  // After backward, before StepExperts: replaces each expert's gradient by its sum over
+  // `replicas`, the workers holding a copy of this worker's experts (rank order of the sum fixed
+  // by the communicator, so every copy gets the same bits). A collective: every copy calls it at
+  // the same point of the same step. An expert that no copy has a gradient for is skipped by all;
+  // one that only some copies have a gradient for is summed with zeros on the others and has one
+  // on every copy afterwards (LAZY updates it everywhere). The experts go one at a time, in (layer,
+  // expert) order, each pinned in a host slot of the store while it travels, with up to
+  // storage.optimizer_prefetch of the next ones brought to the host behind it; the communicator is
+  // borrowed for the call. ExpertGradSumSquares then reports the sums' squares. On an error the
+  // gradients are partly summed and the step cannot go on (the other copies fail their collective
+  // within the communicator's timeout).
+  [[nodiscard]] Status SumGradientsOver(comm::Communicator& replicas);
+  // Copies the current value of one of this worker's experts' tensors (local index `expert`, its
+  // blob laid out by layout()) into `out` (expert_floats() floats), through a host slot of the
+  // store. Waits for the expert update in flight first.
+  [[nodiscard]] Status ReadExpert(int moe_layer, int expert, storage::TensorKind kind, float* out);
   // Starts AdamW step `step` (1-based, as the dense optimizer's) of the experts on the host tier,
   // on the optimizer thread. With storage.overlap_optimizer it returns at once and the next
   // forward's BeginPass of MoE layer l waits until layer l is updated; without, it returns when

@@ -17,17 +17,29 @@ model::AdamWOptions AdamWOptionsOf(const config::TrainConfig& train) {
 }
 
 TieredExperts::TieredExperts(scheduler::TieredExpertScheduler* scheduler,
-                             const config::TrainConfig& train, int workers, Tracer* tracer)
+                             const config::TrainConfig& train, const Options& options,
+                             Tracer* tracer)
     : scheduler_(scheduler),
       adamw_(AdamWOptionsOf(train)),
-      workers_(static_cast<double>(workers)),
+      options_(options),
+      workers_(static_cast<double>(options.workers)),
       tracer_(tracer) {}
 
 Status TieredExperts::status() const { return scheduler_->status(); }
 
+Status TieredExperts::SumOverCopies() const {
+  if (options_.replicas == nullptr || options_.replicas->world_size() == 1) {
+    return absl::OkStatus();
+  }
+  TraceScope span(tracer_, "expert gradients over copies", "comm");
+  return scheduler_->SumGradientsOver(*options_.replicas);
+}
+
 double TieredExperts::GradSumSquares() const {
-  // The store's expert gradients are this worker's sums over the rows every worker sent, not yet
-  // divided by the workers (see scheduler/data_parallel.h).
+  // The store's expert gradients are the sums over the rows every worker sent (over every copy,
+  // once SumOverCopies has run), not yet divided by the workers (see scheduler/data_parallel.h).
+  // The copies hold the same sums: only their leader counts them.
+  if (!options_.counts_norm) return 0;
   return scheduler_->ExpertGradSumSquares() / (workers_ * workers_);
 }
 
@@ -51,6 +63,7 @@ void TieredExperts::Quiesce() { scheduler_->Quiesce(); }
 
 StatusOr<BatchFigures> LocalGradients::Finish(int64_t, double loss, double z_loss,
                                               const ExpertState& experts) {
+  RETURN_IF_ERROR(experts.SumOverCopies());  // one process: one copy, nothing to do
   // The dense AdamW's sum covers every gradient the model holds; the store's come on top.
   return BatchFigures{loss, z_loss, optimizer_->GradSumSquares(*ctx_) + experts.GradSumSquares()};
 }
@@ -74,6 +87,10 @@ StatusOr<BatchFigures> DataParallelGradients::Finish(int64_t step, double loss, 
                                                      const ExpertState& experts) {
   RETURN_IF_ERROR(status(step));
   if (!o_.data_parallel->FinishGradients().ok()) return status(step);
+  // The communicators are free again: the store's experts are summed over their copies.
+  if (Status s = experts.SumOverCopies(); !s.ok()) {
+    return Status(s.code(), absl::StrFormat("step %d: %s", step, s.message()));
+  }
   // The loss, the z-loss and the experts' share of the gradient norm, summed over the workers in
   // one go: every worker's loss is the mean over its own tokens, weighed here by its share of the
   // batch; each expert is counted by one worker (its replicas' leader).

@@ -9,8 +9,9 @@
 //     experts' share of the norm, then the dense parameters' norm).
 //   ExpertState — where the experts' weights, gradients and Adam moments live: InMemoryExperts
 //     (the model's parameters, updated by the dense AdamW with everything else: nothing more to
-//     do) or TieredExperts (the tiered store: its status, its gradients' norm, the experts'
-//     AdamW step on the host tier, the store's step figures).
+//     do) or TieredExperts (the tiered store: its status, the sum of each expert's gradient over
+//     the expert's copies, its gradients' norm, the experts' AdamW step on the host tier, the
+//     store's step figures).
 //   StepKeeping — what a step keeps around its update for a later membership generation:
 //     NoKeeping, or an elastic worker's rollback and buddy copies (Trainer::ElasticKeeping).
 //
@@ -32,6 +33,7 @@
 #include "core/common/trace.h"
 #include "kernels/ops.h"
 #include "proto/config.pb.h"
+#include "runtime/comm/communicator.h"
 #include "runtime/model/adamw.h"
 #include "runtime/model/moe_layer.h"
 #include "runtime/model/parameter.h"
@@ -57,8 +59,14 @@ class ExpertState {
   virtual ~ExpertState() = default;
   // The store's first error of this step (in memory: none).
   [[nodiscard]] virtual Status status() const = 0;
+  // After backward, before GradSumSquares: makes each expert's gradient its sum over every copy
+  // of the expert (in memory: DataParallel's expert buckets have done it; tiered with expert
+  // replicas: one expert at a time from the store, over the replicas' communicator). A collective
+  // among the copies when there are several. Const: it changes the borrowed store, not the seam.
+  // By default the experts have one copy and there is nothing to do.
+  [[nodiscard]] virtual Status SumOverCopies() const { return absl::OkStatus(); }
   // Sum of squares of the expert gradients the dense AdamW does not hold, as averaged over the
-  // workers (in memory: 0, the dense AdamW holds them).
+  // workers, counted by one copy of each expert only (in memory: 0, the dense AdamW holds them).
   virtual double GradSumSquares() const = 0;
   // The experts' update of AdamW step `step` (1-based), after the dense parameters' with the same
   // learning rate and clipping scale, and the end of the store's step.
@@ -84,10 +92,20 @@ class InMemoryExperts final : public ExpertState {
 
 class TieredExperts final : public ExpertState {
  public:
-  // `workers`: the workers the store's gradients are summed over (1 for one process).
+  struct Options {
+    // The workers the store's gradients are averaged over (1 for one process).
+    int workers = 1;
+    // The workers holding a copy of this worker's experts (this one included), one per
+    // expert-parallel group; null or of size 1 when the experts have one copy. Borrowed.
+    comm::Communicator* replicas = nullptr;
+    // Whether this copy counts its experts in the gradient norm: the copies' leader does, so that
+    // each expert is counted once over the job.
+    bool counts_norm = true;
+  };
   TieredExperts(scheduler::TieredExpertScheduler* scheduler, const config::TrainConfig& train,
-                int workers, Tracer* tracer);
+                const Options& options, Tracer* tracer);
   Status status() const override;
+  Status SumOverCopies() const override;
   double GradSumSquares() const override;
   Status Update(double lr, double grad_scale, int64_t step) override;
   bool TakeStats(storage::StoreStats* out) override;
@@ -97,6 +115,7 @@ class TieredExperts final : public ExpertState {
  private:
   scheduler::TieredExpertScheduler* scheduler_;
   model::AdamWOptions adamw_;
+  Options options_;
   double workers_;
   Tracer* tracer_;
 };
@@ -112,7 +131,8 @@ class GradientSync {
   // The first error of this worker's collectives (one process: none); `step` (1-based) names the
   // step in the message.
   [[nodiscard]] virtual Status status(int64_t step) const = 0;
-  // After backward, with this process's mean loss and z-loss sum: the whole batch's figures.
+  // After backward, with this process's mean loss and z-loss sum: the whole batch's figures. It
+  // has the experts' gradients summed over their copies (ExpertState::SumOverCopies) first.
   [[nodiscard]] virtual StatusOr<BatchFigures> Finish(int64_t step, double loss, double z_loss,
                                                       const ExpertState& experts) = 0;
   // Sums `n` values over the workers in place (one process: they are the sums already).

@@ -148,12 +148,6 @@ Status Trainer::SetUpWorkers() {
         "give the ranks per node (a divisor of %d) or 0 for a flat all-to-all",
         par.local_size(), ep, ep));
   }
-  if (cfg.storage().mode() == config::StorageConfig::TIERED && ep != W) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "storage.mode: TIERED keeps each expert on one worker, but parallel.expert_parallel = %d "
-        "of %d workers gives every expert %d copies; set expert_parallel: 0 or use IN_MEMORY",
-        par.expert_parallel(), W, W / ep));
-  }
   comm::CommOptions co;
   co.timeout = std::chrono::milliseconds(par.timeout_ms());
   co.hostname = w.hostname;
@@ -259,29 +253,57 @@ std::pair<int64_t, int64_t> BatchShare(int64_t global_batch, int workers, int ra
 
 Status Trainer::ExportParameters() const {
   const std::string& dir = options_.export_params_dir;
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) {
-    return absl::PermissionDeniedError(
-        absl::StrFormat("cannot create --export-params folder '%s': %s", dir, ec.message()));
+  // Rank 0 writes the dense parameters, the leader of each expert's copies the expert into DIR;
+  // copy g of an expert (its g-th expert-parallel group) into DIR/copy<g>/, so that the copies
+  // can be compared.
+  const int ep = ep_comm_ ? ep_comm_->world_size() : 1;
+  const int copy = distributed() ? options_.worker.rank / ep : 0;
+  const std::string expert_dir = expert_replica_leader_ ? dir : absl::StrCat(dir, "/copy", copy);
+  for (const std::string& d : {dir, expert_dir}) {
+    std::error_code ec;
+    std::filesystem::create_directories(d, ec);
+    if (ec) {
+      return absl::PermissionDeniedError(
+          absl::StrFormat("cannot create --export-params folder '%s': %s", d, ec.message()));
+    }
   }
-  const std::vector<model::Parameter*>& dense = model_->DenseParameters();
-  const std::set<const model::Parameter*> is_dense(dense.begin(), dense.end());
-  const bool rank0 = options_.worker.rank == 0;
-  for (const model::Parameter* p : model_->Parameters()) {
-    if (is_dense.count(p) ? !rank0 : !expert_replica_leader_) continue;
-    if (!p->value.defined()) continue;  // tiered experts live in the store
-    const std::string path = absl::StrCat(dir, "/", p->name, ".f32");
+  auto write = [](const std::string& path, const float* data, size_t n) -> Status {
     std::FILE* f = std::fopen(path.c_str(), "wb");
     if (f == nullptr) {
       return absl::PermissionDeniedError(
           absl::StrFormat("cannot write '%s': %s", path, std::strerror(errno)));
     }
-    const size_t n = static_cast<size_t>(p->value.numel());
-    const Tensor host = p->value.To(Device::Cpu());  // itself on the CPU
-    const bool ok = std::fwrite(host.f32(), sizeof(float), n, f) == n;
+    const bool ok = std::fwrite(data, sizeof(float), n, f) == n;
     if (std::fclose(f) != 0 || !ok) {
       return absl::DataLossError(absl::StrFormat("writing '%s' failed", path));
+    }
+    return absl::OkStatus();
+  };
+  const std::vector<model::Parameter*>& dense = model_->DenseParameters();
+  const std::set<const model::Parameter*> is_dense(dense.begin(), dense.end());
+  const bool rank0 = options_.worker.rank == 0;
+  for (const model::Parameter* p : model_->Parameters()) {
+    if (is_dense.count(p) && !rank0) continue;
+    if (!p->value.defined()) continue;               // tiered experts live in the store: below
+    const Tensor host = p->value.To(Device::Cpu());  // itself on the CPU
+    RETURN_IF_ERROR(write(absl::StrCat(is_dense.count(p) ? dir : expert_dir, "/", p->name, ".f32"),
+                          host.f32(), static_cast<size_t>(p->value.numel())));
+  }
+  if (scheduler_ == nullptr) return absl::OkStatus();
+  // The store's experts, one blob at a time, cut into their parameters by the blob's layout.
+  std::vector<float> blob(scheduler_->expert_floats());
+  for (int li = 0; li < scheduler_->moe_layers(); ++li) {
+    model::MoeLayer& layer = *model_->moe_layers()[static_cast<size_t>(li)].layer;
+    for (int e = 0; e < scheduler_->num_experts(li); ++e) {
+      RETURN_IF_ERROR(scheduler_->ReadExpert(li, e, storage::TensorKind::kWeights, blob.data()));
+      const std::vector<model::Parameter*> params =
+          layer.expert(scheduler_->first_expert() + e).Parameters();
+      const auto& segments = scheduler_->layout().segments;
+      for (size_t i = 0; i < params.size(); ++i) {
+        RETURN_IF_ERROR(write(absl::StrCat(expert_dir, "/", params[i]->name, ".f32"),
+                              blob.data() + segments[i].offset,
+                              static_cast<size_t>(segments[i].shape.numel())));
+      }
     }
   }
   return absl::OkStatus();
@@ -533,8 +555,17 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   if (tiered) {
     RETURN_IF_ERROR(tr->SetUpTiered());
     tr->scheduler_->set_tracer(tr->tracer_.get());
-    tr->experts_ = std::make_unique<TieredExperts>(
-        tr->scheduler_.get(), cfg.train(), std::max(1, options.worker.world_size), tr->ctx_.tracer);
+    // With expert replicas every copy holds its experts in its own store; their gradients are
+    // summed over the copies (the expert-parallel groups, or every worker without expert
+    // parallelism) and the leader counts them in the norm.
+    TieredExperts::Options to;
+    to.workers = std::max(1, options.worker.world_size);
+    if (tr->distributed()) {
+      to.replicas = tr->ep_comm_ ? tr->replica_comm_.get() : tr->world_comm_.get();
+    }
+    to.counts_norm = tr->expert_replica_leader_;
+    tr->experts_ =
+        std::make_unique<TieredExperts>(tr->scheduler_.get(), cfg.train(), to, tr->ctx_.tracer);
   } else {
     tr->experts_ = std::make_unique<InMemoryExperts>();
   }

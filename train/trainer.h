@@ -117,8 +117,9 @@ struct TrainOptions {
   // commit.
   std::function<void(int64_t step, bool committed)> on_checkpoint;
   // When Run returns, every parameter this worker holds is written to DIR/<name>.f32 (raw
-  // little-endian float32; dense parameters by rank 0 only, experts by the worker that holds
-  // them — rank 0 of its expert replicas). Empty: nothing is written.
+  // little-endian float32; dense parameters by rank 0 only, experts — in memory or from the
+  // tiered store — by the leader of their copies, the lowest rank; copy g of an expert, the one of
+  // expert-parallel group g > 0, into DIR/copy<g>/<name>.f32). Empty: nothing is written.
   std::string export_params_dir;
 };
 
