@@ -13,6 +13,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/common/logging.h"
+#include "google/protobuf/text_format.h"
+#include "proto/config.pb.h"
+#include "train/checkpoint_set.h"
 
 namespace strata::launcher {
 
@@ -35,7 +38,98 @@ Status FromRocks(const rocksdb::Status& s, const std::string& what, const std::s
 
 std::string LogKey(int64_t generation) { return absl::StrFormat("log/%020d", generation); }
 
+using coordinator::CatalogCheckpoint;
+
+std::vector<CatalogCheckpoint> CatalogOf(const coordinator::CoordinatorRecord& record) {
+  return {record.catalog().begin(), record.catalog().end()};
+}
+
+void SetCatalog(coordinator::CoordinatorRecord* record, std::vector<CatalogCheckpoint> catalog) {
+  record->clear_catalog();
+  for (auto& e : catalog) *record->add_catalog() = std::move(e);
+}
+
+const CatalogCheckpoint* FindInCatalog(const coordinator::CoordinatorRecord& record, int64_t step) {
+  for (const auto& e : record.catalog()) {
+    if (e.step() == step) return &e;
+  }
+  return nullptr;
+}
+
+int CompleteCheckpoints(const coordinator::CoordinatorRecord& record) {
+  return static_cast<int>(std::count_if(record.catalog().begin(), record.catalog().end(),
+                                        [](const CatalogCheckpoint& e) { return e.complete(); }));
+}
+
+// By increasing step; an entry that is not complete only when it is newer than every complete
+// one (a newer commit ends it), and the newest kCatalogCheckpoints complete ones.
+std::vector<CatalogCheckpoint> Tidy(std::vector<CatalogCheckpoint> entries) {
+  std::sort(entries.begin(), entries.end(),
+            [](const auto& a, const auto& b) { return a.step() < b.step(); });
+  int64_t newest = 0;
+  int complete = 0;
+  for (const auto& e : entries) {
+    if (!e.complete()) continue;
+    newest = std::max(newest, e.step());
+    ++complete;
+  }
+  int too_many = complete - kCatalogCheckpoints;
+  std::vector<CatalogCheckpoint> out;
+  for (auto& e : entries) {
+    if (e.complete() ? too_many-- > 0 : e.step() <= newest) continue;
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+// "20 (4 shards), 30 (not complete)": the catalog for a log line.
+std::string DescribeCatalog(const coordinator::CoordinatorRecord& record) {
+  std::vector<std::string> parts;
+  for (const auto& e : record.catalog()) {
+    if (!e.complete()) {
+      parts.push_back(absl::StrFormat("%d (not complete)", e.step()));
+    } else if (e.sequence() == 0) {
+      parts.push_back(absl::StrFormat("%d (reported committed)", e.step()));
+    } else {
+      parts.push_back(absl::StrFormat("%d (%d shards)", e.step(), e.shards_size()));
+    }
+  }
+  return parts.empty() ? std::string("none") : absl::StrJoin(parts, ", ");
+}
+
 }  // namespace
+
+std::vector<CatalogCheckpoint> ReconcileCatalog(const std::vector<CatalogCheckpoint>& catalog,
+                                                const std::vector<storage::CheckpointSet>& sets,
+                                                int64_t generation) {
+  std::map<int64_t, const CatalogCheckpoint*> reported;
+  for (const auto& e : catalog) reported[e.step()] = &e;
+  std::vector<CatalogCheckpoint> out;
+  int64_t newest = 0;
+  for (const storage::CheckpointSet& set : sets) {
+    CatalogCheckpoint e;
+    if (auto it = reported.find(set.step()); it != reported.end()) {
+      e.set_generation(it->second->generation());
+      e.set_commit_reported(it->second->commit_reported());
+    }
+    e.set_step(set.step());
+    e.set_complete(true);
+    e.set_sequence(set.sequence());
+    for (const auto& shard : set.shards()) e.add_shards(shard.name());
+    out.push_back(std::move(e));
+    newest = std::max(newest, set.step());
+  }
+  for (const auto& e : catalog) {
+    // The folder is the truth about what committed: a complete entry it lacks was removed (or
+    // its report was wrong), and only the current generation can still commit the others.
+    const bool listed = std::any_of(sets.begin(), sets.end(),
+                                    [&](const auto& set) { return set.step() == e.step(); });
+    if (!listed && !e.complete() && e.step() > newest && e.generation() == generation) {
+      out.push_back(e);
+    }
+  }
+  return Tidy(std::move(out));
+}
 
 CoordinatorState::~CoordinatorState() = default;
 
@@ -95,8 +189,22 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Open(
   c->record_.set_min_workers(options.min_workers);
   c->record_.set_max_workers(options.max_workers);
   c->record_.set_opened(c->record_.opened() + 1);
-  std::lock_guard<std::mutex> lock(c->mu_);
-  RETURN_IF_ERROR(c->PersistLocked());
+  config::JobConfig job;
+  if (google::protobuf::TextFormat::ParseFromString(c->record_.job_config(), &job)) {
+    c->checkpoint_dir_ = job.checkpoint().dir();
+  } else {
+    STRATA_LOG(WARNING) << "the job config in the coordinator's record in '" << options.dir
+                        << "' does not parse: its checkpoint catalog is not checked against the "
+                           "checkpoint folder";
+  }
+  {
+    std::lock_guard<std::mutex> lock(c->mu_);
+    RETURN_IF_ERROR(c->PersistLocked());
+  }
+  // A report lost with a coordinator that stopped (a commit it never heard of, a prepare whose
+  // workers died) is read from the folder now. A folder it cannot read is logged, not fatal: the
+  // job goes on with the catalog it had.
+  (void)c->ReconcileCheckpoints();
   return c;
 }
 
@@ -166,6 +274,66 @@ bool CoordinatorState::IsMemberLocked(const std::string& id) const {
   return false;
 }
 
+bool CoordinatorState::CatalogFollowsFolderLocked() const {
+  return !checkpoint_dir_.empty() && record_.catalog_error().empty();
+}
+
+Status CoordinatorState::ReconcileCheckpoints() {
+  std::lock_guard<std::mutex> serial(catalog_mu_);
+  return ReconcileWithFolder();
+}
+
+Status CoordinatorState::ReconcileWithFolder() {
+  if (checkpoint_dir_.empty()) return absl::OkStatus();
+  // Read without mu_: the folder may be slow, and it is only read (no lock, no write), so a
+  // training job writing it is never held up and a listing racing its commits is still a list
+  // of what committed.
+  std::error_code ec;
+  const bool exists = std::filesystem::exists(checkpoint_dir_, ec);
+  StatusOr<std::vector<storage::CheckpointSet>> sets = std::vector<storage::CheckpointSet>();
+  if (ec) {
+    sets = absl::UnavailableError(ec.message());
+  } else if (exists) {
+    sets = train::ListCheckpointSets(checkpoint_dir_);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const int complete = CompleteCheckpoints(record_);
+  // Before its first checkpoint a job's folder may not exist yet; after it, a missing folder is
+  // one this machine does not see, not a job without checkpoints.
+  const bool unseen = sets.ok() && !exists && complete > 0;
+  coordinator::CoordinatorRecord before = record_;
+  Status read = absl::OkStatus();
+  if (!sets.ok() || unseen) {
+    const std::string why = unseen ? std::string(
+                                         "it does not exist on this machine, yet the catalog holds "
+                                         "committed checkpoints; mount it here at the same path")
+                                   : absl::StrCat(sets.status().message(), " (`strata ckpt ls ",
+                                                  checkpoint_dir_, "` shows the same)");
+    read = Status(unseen ? absl::StatusCode::kFailedPrecondition : sets.status().code(),
+                  absl::StrFormat("the coordinator could not read the checkpoint folder '%s' "
+                                  "(checkpoint.dir) to check its catalog: %s. The catalog keeps "
+                                  "what it held (%s) and takes rank 0's reports at their word",
+                                  checkpoint_dir_, why, DescribeCatalog(record_)));
+    STRATA_LOG(ERROR) << read.message();
+    record_.set_catalog_error(std::string(read.message()));
+  } else {
+    SetCatalog(&record_,
+               ReconcileCatalog(CatalogOf(record_), *sets, record_.generation().number()));
+    record_.clear_catalog_error();
+  }
+  if (record_.SerializeAsString() == before.SerializeAsString()) return read;
+  if (read.ok()) {
+    STRATA_LOG(INFO) << "checkpoint catalog, checked against '" << checkpoint_dir_
+                     << "': " << DescribeCatalog(record_);
+  }
+  Status s = PersistLocked();
+  if (!s.ok()) {
+    record_ = before;
+    return s;
+  }
+  return read;
+}
+
 Status CoordinatorState::PersistLocked() {
   rocksdb::WriteBatch batch;
   batch.Put("state", record_.SerializeAsString());
@@ -204,6 +372,15 @@ Status CoordinatorState::NewGenerationLocked(std::vector<coordinator::WorkerInfo
   }
   g->set_first_step(record_.step());
   if (enough) next.clear_pending();
+  if (CatalogFollowsFolderLocked()) {
+    // The new generation abandons the commit in flight: a checkpoint that is not complete now
+    // never will be (one that committed just before is found in the folder at the next check).
+    std::vector<CatalogCheckpoint> kept;
+    for (const auto& e : next.catalog()) {
+      if (e.complete()) kept.push_back(e);
+    }
+    SetCatalog(&next, std::move(kept));
+  }
   const coordinator::CoordinatorRecord before = record_;
   record_ = std::move(next);
   Status s = PersistLocked();
@@ -360,25 +537,39 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
     const std::string& token, const std::string& id, int64_t generation, int64_t step,
     const std::vector<int64_t>& experts_per_worker, Time now) {
   RETURN_IF_ERROR(CheckToken(token));
+  // The job's first generation may start anywhere: its workers resumed from a checkpoint.
+  auto first_generation = [&] { return record_.generation().number() == 1 && record_.step() == 0; };
+  bool going_back = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const CatalogCheckpoint* e = FindInCatalog(record_, step);
+    going_back = step > 0 && !first_generation() &&
+                 (step < record_.step() || step > record_.step() + 1) &&
+                 (e == nullptr || !e->complete());
+  }
+  // A generation going back to a checkpoint the catalog does not hold as complete: its commit
+  // report may still be on its way (or lost with a re-form), so the folder is asked.
+  if (going_back) (void)ReconcileCheckpoints();
   std::lock_guard<std::mutex> lock(mu_);
   RETURN_IF_ERROR(CheckReportLocked(id, generation, step, "started at step"));
   const int64_t current = record_.generation().number();
   auto it = reported_.find(id);
-  // The job's first generation may start anywhere: its workers resumed from a checkpoint.
-  const bool first = current == 1 && record_.step() == 0;
+  const bool first = first_generation();
   // Step 0 counts as a checkpoint until one is committed: a job that lost state before its first
-  // checkpoint starts over from its beginning, which every run shares.
-  // The checkpoint rank 0 was writing counts too: its commit report may still be on its way
-  // while the other members, which went back to it with rank 0, report their start.
-  const bool catalogued = (step == 0 && record_.checkpoints_size() == 0) ||
-                          (step > 0 && step == record_.checkpoint_pending()) ||
-                          std::find(record_.checkpoints().begin(), record_.checkpoints().end(),
-                                    step) != record_.checkpoints().end();
+  // checkpoint starts over from its beginning, which every run shares. Otherwise only a complete
+  // checkpoint does — or, while the catalog cannot follow the folder, the one rank 0 reported
+  // writing (its commit report may still be on its way while the other members, which went back
+  // to it with rank 0, report their start).
+  const CatalogCheckpoint* entry = FindInCatalog(record_, step);
+  const bool catalogued = (step == 0 && CompleteCheckpoints(record_) == 0) ||
+                          (entry != nullptr && entry->complete()) ||
+                          (step > 0 && entry != nullptr && !CatalogFollowsFolderLocked());
   if (!first && !(catalogued && step <= record_.step()) &&
       (step < record_.step() || step > record_.step() + 1)) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "worker '%s' started generation %d at step %d, but the job's last step boundary is %d: a "
-        "generation starts there, one step later, or at a committed checkpoint",
+        "generation starts there, one step later, or at a committed checkpoint (complete in "
+        "the catalog `strata status` lists)",
         id, current, step, record_.step()));
   }
   for (const auto& [w, started] : started_) {
@@ -413,6 +604,14 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
 Status CoordinatorState::Checkpoint(const std::string& token, const std::string& id,
                                     int64_t generation, int64_t step, bool commit) {
   RETURN_IF_ERROR(CheckToken(token));
+  std::lock_guard<std::mutex> serial(catalog_mu_);
+  Status s = RecordCheckpointReport(id, generation, step, commit);
+  (void)ReconcileWithFolder();  // logged there; the report stands either way
+  return s;
+}
+
+Status CoordinatorState::RecordCheckpointReport(const std::string& id, int64_t generation,
+                                                int64_t step, bool commit) {
   std::lock_guard<std::mutex> lock(mu_);
   RETURN_IF_ERROR(CheckReportLocked(id, generation, step,
                                     commit ? "committed checkpoint" : "prepared checkpoint"));
@@ -426,18 +625,20 @@ Status CoordinatorState::Checkpoint(const std::string& token, const std::string&
     return absl::InvalidArgumentError(absl::StrFormat("checkpoint step %d must be positive", step));
   }
   coordinator::CoordinatorRecord before = record_;
-  if (commit) {
-    std::vector<int64_t> steps(record_.checkpoints().begin(), record_.checkpoints().end());
-    steps.push_back(step);
-    std::sort(steps.begin(), steps.end());
-    steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
-    if (steps.size() > 16) steps.erase(steps.begin(), steps.end() - 16);
-    record_.clear_checkpoints();
-    for (int64_t st : steps) record_.add_checkpoints(st);
-    if (record_.checkpoint_pending() == step) record_.set_checkpoint_pending(0);
-  } else {
-    record_.set_checkpoint_pending(step);
+  std::vector<CatalogCheckpoint> catalog = CatalogOf(record_);
+  auto e = std::find_if(catalog.begin(), catalog.end(),
+                        [&](const CatalogCheckpoint& c) { return c.step() == step; });
+  if (e == catalog.end()) {
+    e = catalog.insert(catalog.end(), CatalogCheckpoint());
+    e->set_step(step);
   }
+  if (!commit || e->generation() == 0) e->set_generation(generation);
+  if (commit) {
+    // At its word until the folder is read (right after this).
+    e->set_commit_reported(true);
+    e->set_complete(true);
+  }
+  SetCatalog(&record_, Tidy(std::move(catalog)));
   Status s = PersistLocked();
   if (!s.ok()) record_ = before;
   return s;

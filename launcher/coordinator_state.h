@@ -14,13 +14,27 @@
 // as soon as enough workers are there. Every change is written (synced) to RocksDB before the
 // call returns: the record under "state", each generation under "log/<number>".
 //
+// The checkpoint catalog (record.catalog) says which checkpoints exist, for `strata status` and
+// for a generation that goes back to one. Rank 0 reports a checkpoint when it starts writing it
+// (prepare) and once it committed it, but a report can be lost (a coordinator killed in between,
+// a re-form), so the catalog is reconciled with the folder itself, the job config's
+// checkpoint.dir: when the record is opened and at every checkpoint report, the coordinator lists
+// the folder's committed sets (train::ListCheckpointSets: read-only, no lock a training process
+// holds, tolerant of commits and removals racing it) and records each as complete with its
+// shards; a checkpoint with no global manifest stays "not complete" until a newer one commits or
+// the workers re-form (the new generation abandons the commit in flight). A folder that cannot be
+// read leaves the catalog as it was (plus rank 0's reports, taken at their word) and records why
+// in record.catalog_error, logged at ERROR.
+//
 // Threads: safe for concurrent use — the gRPC server's threads and its failure detector (Tick)
 // call it at once. Every member that reads or changes the state takes one mutex, and the RocksDB
-// write happens under it; the token check reads only the options. Wait blocks its caller up to
-// the timeout without holding the mutex. check_config runs under the mutex on the Join caller's
-// thread, so it must not call back into the state. job_config() returns a reference into the
-// record, which other calls replace: use it only while no other thread calls in (Snapshot returns
-// a copy). The state owns its RocksDB handle, and with it the folder's lock, until it is
+// write happens under it; the checkpoint folder is read without it (a slow file system must not
+// hold up heartbeats), under a second mutex that keeps reconciliations and checkpoint reports in
+// order (taken before the first, never after); the token check reads only the options. Wait blocks
+// its caller up to the timeout without holding the mutex. check_config runs under the mutex on the
+// Join caller's thread, so it must not call back into the state. job_config() returns a reference
+// into the record, which other calls replace: use it only while no other thread calls in (Snapshot
+// returns a copy). The state owns its RocksDB handle, and with it the folder's lock, until it is
 // destroyed; nothing may call it then.
 #pragma once
 
@@ -37,6 +51,7 @@
 
 #include "core/common/status.h"
 #include "proto/coordinator.pb.h"
+#include "proto/storage.pb.h"
 #include "runtime/comm/store.h"
 
 namespace rocksdb {
@@ -105,9 +120,19 @@ class CoordinatorState {
   [[nodiscard]] StatusOr<coordinator::Generation> ReportStart(
       const std::string& token, const std::string& id, int64_t generation, int64_t step,
       const std::vector<int64_t>& experts_per_worker, Time now);
-  // Rank 0 of the current generation prepares (commit false) or commits checkpoint `step`.
+  // Rank 0 of the current generation prepares (commit false) or commits checkpoint `step`; the
+  // catalog records the report, then is reconciled with the checkpoint folder (also after a
+  // refused report: it says the folder changed). A folder that cannot be read does not fail the
+  // report (see ReconcileCheckpoints).
   [[nodiscard]] Status Checkpoint(const std::string& token, const std::string& id,
                                   int64_t generation, int64_t step, bool commit);
+  // Reads the committed checkpoints of the job's checkpoint.dir and records in the catalog which
+  // checkpoints are complete and which shards each holds (ReconcileCatalog; synced when it
+  // changes). A folder that cannot be read, or is missing while the catalog holds complete
+  // checkpoints (it lies on a file system this machine does not see), changes nothing but
+  // record.catalog_error: that error, naming the folder, is returned and logged. OK, reading
+  // nothing, for a job without checkpoint.dir. Open and Checkpoint call it.
+  [[nodiscard]] Status ReconcileCheckpoints();
   [[nodiscard]] Status Leave(const std::string& token, const std::string& id, Time now);
   // The worker's stream broke: it has failed (no token: this comes from the service itself).
   [[nodiscard]] Status StreamBroken(const std::string& id, Time now);
@@ -148,9 +173,20 @@ class CoordinatorState {
                            const char* what) const;
   Status PersistLocked();
   bool IsMemberLocked(const std::string& id) const;
+  // Records rank 0's checkpoint report in the catalog. REQUIRES: catalog_mu_ held, mu_ not.
+  Status RecordCheckpointReport(const std::string& id, int64_t generation, int64_t step,
+                                bool commit);
+  // ReconcileCheckpoints without taking catalog_mu_. REQUIRES: catalog_mu_ held, mu_ not.
+  Status ReconcileWithFolder();
+  // Whether the catalog follows the folder: the job has a checkpoint.dir and the last
+  // reconciliation read it. Otherwise a checkpoint rank 0 reported prepared may also be one a
+  // generation goes back to (its commit report may be on its way). Locked.
+  bool CatalogFollowsFolderLocked() const;
 
   CoordinatorOptions options_;
+  std::string checkpoint_dir_;  // the job config's checkpoint.dir, read at Open ("": none)
   std::unique_ptr<rocksdb::DB> db_;
+  std::mutex catalog_mu_;  // orders checkpoint reports and reads of the folder; before mu_
   mutable std::mutex mu_;
   std::condition_variable kv_cv_;
   coordinator::CoordinatorRecord record_;
@@ -159,6 +195,20 @@ class CoordinatorState {
   std::map<std::string, bool> started_;      // member -> sent its start report
   std::map<std::string, std::string> kv_;
 };
+
+// The newest complete checkpoints the catalog keeps.
+inline constexpr int kCatalogCheckpoints = 16;
+
+// The catalog `catalog` reconciled with `sets`, the committed sets of the job's checkpoint folder
+// by increasing step (as train::ListCheckpointSets lists them), while the job is in generation
+// `generation`. Every set is a complete entry with its shard names and sequence (keeping rank 0's
+// reports of it); a complete entry the folder no longer holds (removed, pruned, or reported but
+// never there) goes; an entry that is not complete stays, not complete, only while it is newer
+// than every set and was prepared in `generation`. The newest kCatalogCheckpoints complete
+// entries are kept. Returns the catalog by increasing step. Pure: touches no file.
+std::vector<coordinator::CatalogCheckpoint> ReconcileCatalog(
+    const std::vector<coordinator::CatalogCheckpoint>& catalog,
+    const std::vector<storage::CheckpointSet>& sets, int64_t generation);
 
 // The rendezvous Store of workers in the coordinator's process (tests; the gRPC store calls the
 // same methods remotely). The store keeps `state`, which must outlive it; any thread may use it.

@@ -1,6 +1,9 @@
 #include "launcher/commands.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -42,12 +45,28 @@ int StatusCommand(const std::vector<std::string>& args) {
   if (r->experts_per_worker_size() > 0) {
     std::printf("experts per rank: %s\n", absl::StrJoin(r->experts_per_worker(), " ").c_str());
   }
-  if (r->checkpoints_size() > 0 || r->checkpoint_pending() > 0) {
-    std::printf("checkpoints: %s%s\n", absl::StrJoin(r->checkpoints(), " ").c_str(),
-                r->checkpoint_pending() > 0
-                    ? absl::StrFormat(" (writing %d)", r->checkpoint_pending()).c_str()
-                    : "");
+  // The catalog: what exists (checked against the checkpoint folder) and what does not yet.
+  if (r->catalog_size() > 0) std::printf("checkpoints:\n");
+  for (const auto& c : r->catalog()) {
+    std::string what;
+    if (c.complete() && c.sequence() > 0) {
+      constexpr int kNamed = 8;
+      std::vector<std::string> names(c.shards().begin(),
+                                     c.shards().begin() + std::min(c.shards_size(), kNamed));
+      if (c.shards_size() > kNamed)
+        names.push_back(absl::StrFormat("+%d", c.shards_size() - kNamed));
+      what = absl::StrFormat("complete, %d shard%s (%s)", c.shards_size(),
+                             c.shards_size() == 1 ? "" : "s", absl::StrJoin(names, " "));
+    } else if (c.complete()) {
+      what = "complete as rank 0 reported (the folder could not be read)";
+    } else {
+      what = absl::StrFormat("not complete: prepared in generation %d, no global manifest yet",
+                             c.generation());
+    }
+    std::printf("  %lld  %s\n", static_cast<long long>(c.step()), what.c_str());
   }
+  if (!r->catalog_error().empty())
+    std::printf("checkpoint folder: %s\n", r->catalog_error().c_str());
   return 0;
 }
 

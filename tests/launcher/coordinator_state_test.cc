@@ -1,7 +1,9 @@
 // The coordinator's logic driven directly (no sockets), with its real RocksDB record: generations
 // and ranks, admission of joins at step boundaries, failures by missed heartbeats and broken
-// streams, the token, refused requests that change nothing, the rendezvous store, and a
-// coordinator reopened on its folder resuming the job.
+// streams, the token, refused requests that change nothing, the rendezvous store, a coordinator
+// reopened on its folder resuming the job, and the checkpoint catalog reconciled with a real
+// checkpoint folder whose global manifests train::CommitCheckpointSet writes (the committer's own
+// function), checked against train::ListCheckpointSets.
 #include "launcher/coordinator_state.h"
 
 #include <gtest/gtest.h>
@@ -10,8 +12,12 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <tuple>
 
+#include "absl/strings/str_cat.h"
+#include "tests/launcher/catalog_test_util.h"
 #include "tests/test_util.h"
+#include "train/checkpoint_set.h"
 
 namespace strata::launcher {
 namespace {
@@ -45,7 +51,7 @@ class CoordinatorStateTest : public ::testing::Test {
     o.min_workers = min;
     o.max_workers = max;
     o.heartbeat_timeout = milliseconds(2000);
-    auto c = CoordinatorState::Open(o, "name: \"job\"\n", t0_);
+    auto c = CoordinatorState::Open(o, job_config_, t0_);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? std::move(*c) : nullptr;
   }
@@ -59,6 +65,7 @@ class CoordinatorStateTest : public ::testing::Test {
   }
   strata::testing::TempDir dir_;
   Time t0_ = std::chrono::steady_clock::now();
+  std::string job_config_ = "name: \"job\"\n";
 };
 
 TEST_F(CoordinatorStateTest, FirstGenerationFormsWhenTheInitialWorkersJoinedRanksInJoinOrder) {
@@ -240,12 +247,16 @@ TEST_F(CoordinatorStateTest, RankZeroKeepsTheCheckpointCatalogAGenerationMayGoBa
   EXPECT_EQ(c->Checkpoint(kToken, "b", 1, 10, true).code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(c->Checkpoint(kToken, "a", 0, 10, true).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(c->Checkpoint("nope", "a", 1, 10, true).code(), absl::StatusCode::kUnauthenticated);
-  EXPECT_TRUE(c->Snapshot().checkpoints().empty());
+  EXPECT_TRUE(c->Snapshot().catalog().empty());
   ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 10, false).ok());
-  EXPECT_EQ(c->Snapshot().checkpoint_pending(), 10);
+  ASSERT_EQ(c->Snapshot().catalog_size(), 1);
+  EXPECT_FALSE(c->Snapshot().catalog(0).complete());
   ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 10, true).ok());
-  EXPECT_EQ(c->Snapshot().checkpoint_pending(), 0);
-  ASSERT_EQ(c->Snapshot().checkpoints_size(), 1);
+  ASSERT_EQ(c->Snapshot().catalog_size(), 1);
+  // This job names no checkpoint folder: the report is all the coordinator knows.
+  EXPECT_TRUE(c->Snapshot().catalog(0).complete());
+  EXPECT_TRUE(c->Snapshot().catalog(0).commit_reported());
+  EXPECT_EQ(c->Snapshot().catalog(0).sequence(), 0u);
   // c fails with the state of step 12 lost: the survivors go back to checkpoint 10 (and not to
   // step 9, which is no checkpoint).
   ASSERT_TRUE(c->StreamBroken("c", t0_).ok());
@@ -468,6 +479,7 @@ TEST_F(CoordinatorStateTest, SurvivorsBelowTheMinimumTrainWithThePendingJoins) {
   EXPECT_EQ(g.reason(), "failure");
 }
 
+// A job whose checkpoint folder the coordinator does not read (here: none in its config).
 TEST_F(CoordinatorStateTest, AGenerationMayStartAtTheCheckpointRankZeroWasWriting) {
   auto c = Open(/*initial=*/3, /*min=*/2);
   for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
@@ -495,6 +507,197 @@ TEST_F(CoordinatorStateTest, OnlyTheWholeTokenIsAccepted) {
         << "'" << wrong << "'";
   }
   EXPECT_TRUE(c->Join(token, Worker("a"), t0_).ok());
+}
+
+// The checkpoint catalog against a real checkpoint folder, the job config's checkpoint.dir.
+// Checkpoints are committed there as rank 0's writer commits them (train::CommitCheckpointSet: a
+// global manifest naming the shards "wa" and "wb"), with or without a report to the coordinator.
+class CheckpointCatalogTest : public CoordinatorStateTest {
+ protected:
+  void SetUp() override { job_config_ = "checkpoint { dir: \"" + ckpt_ + "\" }\n"; }
+  static train::CheckpointSetLayout Layout() {
+    train::CheckpointSetLayout layout;
+    layout.moe_layers = {1};
+    layout.experts_per_layer = 2;
+    layout.dense = {"embed"};
+    return layout;
+  }
+  // Checkpoint `step` committed in the folder: "wa" holds expert 0 and the dense tensor, "wb"
+  // expert 1.
+  void CommitInFolder(int64_t step) {
+    storage::CheckpointSet set;
+    set.set_step(step);
+    set.set_workers(2);
+    for (int i = 0; i < 2; ++i) {
+      storage::ShardEntry* shard = set.add_shards();
+      shard->set_name(i == 0 ? "wa" : "wb");
+      storage::ExpertRange* r = shard->add_experts();
+      r->set_layer(1);
+      r->set_first(i);
+      r->set_count(1);
+      if (i == 0) shard->add_dense("embed");
+    }
+    auto committed = train::CommitCheckpointSet(ckpt_, Layout(), set);
+    ASSERT_TRUE(committed.ok()) << committed.status();
+  }
+  using Entry = strata::testing::CatalogEntry;
+  static std::vector<Entry> Complete(const coordinator::CoordinatorRecord& r) {
+    return strata::testing::CompleteInCatalog(r);
+  }
+  std::vector<Entry> InFolder() const { return strata::testing::CommittedInFolder(ckpt_); }
+  static std::vector<int64_t> Steps(const coordinator::CoordinatorRecord& r, bool complete) {
+    std::vector<int64_t> out;
+    for (const auto& e : r.catalog()) {
+      if (e.complete() == complete) out.push_back(e.step());
+    }
+    return out;
+  }
+  std::string ckpt_ = dir_.File("ckpt");
+};
+
+TEST_F(CheckpointCatalogTest, ARestartedCoordinatorFindsACommitWhoseReportItNeverGot) {
+  {
+    auto c = Open(/*initial=*/2, /*min=*/2);
+    for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+    for (int step = 1; step <= 10; ++step) AllReport(*c, step, t0_);
+    ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 10, false).ok());
+    EXPECT_EQ(Steps(c->Snapshot(), false), (std::vector<int64_t>{10}));
+    // Rank 0 commits; the coordinator stops before the commit report reaches it.
+    CommitInFolder(10);
+  }
+  auto c = Open(/*initial=*/2, /*min=*/2);
+  const auto r = c->Snapshot();
+  EXPECT_EQ(r.catalog_error(), "");
+  ASSERT_EQ(r.catalog_size(), 1);
+  EXPECT_EQ(Complete(r), InFolder());
+  EXPECT_EQ(Complete(r), (std::vector<Entry>{{10, 1, {"wa", "wb"}}}));
+  EXPECT_EQ(r.catalog(0).generation(), 1) << "rank 0's prepare report is kept";
+  EXPECT_FALSE(r.catalog(0).commit_reported());
+  // Recorded: a coordinator that reads the record alone sees it too.
+  c.reset();
+  auto kept = CoordinatorState::ReadRecord(dir_.File("coordinator"));
+  ASSERT_TRUE(kept.ok() && kept->has_value());
+  EXPECT_EQ(Complete(**kept), InFolder());
+}
+
+TEST_F(CheckpointCatalogTest, APreparedCheckpointWithoutGlobalManifestIsNoGenerationsToGoBackTo) {
+  {
+    auto c = Open(/*initial=*/2, /*min=*/1);
+    for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+    for (int step = 1; step <= 22; ++step) AllReport(*c, step, t0_);
+    CommitInFolder(10);
+    ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 10, true).ok());
+    // 20 is prepared; its workers die before the global manifest is written.
+    ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 20, false).ok());
+  }
+  auto c = Open(/*initial=*/2, /*min=*/1);
+  auto r = c->Snapshot();
+  EXPECT_EQ(Complete(r), InFolder());
+  EXPECT_EQ(Steps(r, true), (std::vector<int64_t>{10}));
+  EXPECT_EQ(Steps(r, false), (std::vector<int64_t>{20})) << "listed, as not complete";
+  // The workers re-form: the commit of 20 is abandoned, and 20 goes from the catalog.
+  ASSERT_TRUE(c->StreamBroken("b", t0_).ok());
+  r = c->Snapshot();
+  EXPECT_EQ(Steps(r, false), std::vector<int64_t>{});
+  EXPECT_EQ(c->ReportStart(kToken, "a", 2, 20, {}, t0_).status().code(),
+            absl::StatusCode::kFailedPrecondition)
+      << "20 is no checkpoint";
+  ASSERT_TRUE(c->ReportStart(kToken, "a", 2, 10, {}, t0_).ok());
+}
+
+TEST_F(CheckpointCatalogTest, AGenerationGoesBackToACheckpointWhoseCommitReportWasLost) {
+  auto c = Open(/*initial=*/3, /*min=*/2);
+  for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  for (int step = 1; step <= 12; ++step) AllReport(*c, step, t0_);
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 10, false).ok());
+  CommitInFolder(10);
+  // c fails before rank 0's commit report: the re-form drops 10, which was not complete then.
+  ASSERT_TRUE(c->StreamBroken("c", t0_).ok());
+  EXPECT_EQ(Steps(c->Snapshot(), false), std::vector<int64_t>{});
+  // The survivors go back to 10: the coordinator finds it in the folder.
+  ASSERT_TRUE(c->ReportStart(kToken, "b", 2, 10, {}, t0_).ok());
+  ASSERT_TRUE(c->ReportStart(kToken, "a", 2, 10, {}, t0_).ok());
+  EXPECT_EQ(Complete(c->Snapshot()), InFolder());
+  EXPECT_EQ(c->Snapshot().generation().first_step(), 10);
+}
+
+TEST_F(CheckpointCatalogTest, AnUnreadableCheckpointFolderKeepsTheCatalogAndSaysWhy) {
+  auto c = Open(/*initial=*/2, /*min=*/2);
+  for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  for (int step = 1; step <= 20; ++step) AllReport(*c, step, t0_);
+  CommitInFolder(10);
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 10, true).ok());
+  const std::vector<Entry> before = InFolder();
+  ASSERT_EQ(Complete(c->Snapshot()), before);
+  // A byte of the global manifest flips.
+  const std::string manifest = ckpt_ + "/manifests/10.manifest";
+  std::string bytes = strata::testing::ReadFile(manifest);
+  ASSERT_GT(bytes.size(), 8u);
+  bytes[bytes.size() / 2] ^= 0x20;
+  strata::testing::WriteFile(manifest, bytes);
+  ASSERT_FALSE(train::ListCheckpointSets(ckpt_).ok());
+  // Reports are still taken; the catalog keeps what it had and says why.
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 20, false).ok());
+  auto r = c->Snapshot();
+  EXPECT_EQ(Complete(r), before);
+  EXPECT_EQ(Steps(r, false), (std::vector<int64_t>{20}));
+  EXPECT_NE(r.catalog_error().find(ckpt_), std::string::npos) << r.catalog_error();
+  EXPECT_NE(r.catalog_error().find("10.manifest"), std::string::npos) << r.catalog_error();
+  EXPECT_EQ(c->ReconcileCheckpoints().code(), absl::StatusCode::kDataLoss);
+  // A commit report is taken at its word meanwhile.
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 20, true).ok());
+  EXPECT_EQ(Steps(c->Snapshot(), true), (std::vector<int64_t>{10, 20}));
+  EXPECT_EQ(c->Snapshot().catalog(1).sequence(), 0u);
+  // Reopened on the damaged folder: no failure, the same catalog, the same complaint.
+  c.reset();
+  c = Open(/*initial=*/2, /*min=*/2);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(Steps(c->Snapshot(), true), (std::vector<int64_t>{10, 20}));
+  EXPECT_NE(c->Snapshot().catalog_error().find("10.manifest"), std::string::npos);
+}
+
+TEST(ReconcileCatalogTest, TheFolderSaysWhatIsCompleteAndOnlyTheNewestPreparedOneStays) {
+  auto entry = [](int64_t step, bool complete, int64_t generation) {
+    coordinator::CatalogCheckpoint e;
+    e.set_step(step);
+    e.set_complete(complete);
+    e.set_commit_reported(complete);
+    e.set_generation(generation);
+    return e;
+  };
+  const std::vector<coordinator::CatalogCheckpoint> catalog = {
+      entry(8, false, 2),   // older than a committed one: its commit failed
+      entry(19, true, 2),   // reported committed, and committed: keeps its reports
+      entry(25, true, 2),   // reported committed, but not in the folder (removed)
+      entry(30, false, 2),  // being written by this generation
+      entry(40, false, 1),  // prepared by an earlier generation: abandoned
+  };
+  std::vector<storage::CheckpointSet> sets;
+  for (int64_t step = 1; step <= 20; ++step) {
+    storage::CheckpointSet set;
+    set.set_step(step);
+    set.set_sequence(static_cast<uint64_t>(step) + 100);
+    set.add_shards()->set_name(absl::StrCat("w", step % 3));
+    sets.push_back(set);
+  }
+  const auto got = ReconcileCatalog(catalog, sets, /*generation=*/2);
+  std::vector<int64_t> steps;
+  for (const auto& e : got) steps.push_back(e.step());
+  std::vector<int64_t> want;
+  for (int64_t step = 20 - kCatalogCheckpoints + 1; step <= 20; ++step) want.push_back(step);
+  want.push_back(30);
+  ASSERT_EQ(steps, want);
+  for (const auto& e : got) {
+    if (e.step() == 30) {
+      EXPECT_FALSE(e.complete());
+      continue;
+    }
+    EXPECT_TRUE(e.complete()) << e.step();
+    EXPECT_EQ(e.sequence(), static_cast<uint64_t>(e.step()) + 100);
+    ASSERT_EQ(e.shards_size(), 1);
+    EXPECT_EQ(e.shards(0), absl::StrCat("w", e.step() % 3));
+    EXPECT_EQ(e.commit_reported(), e.step() == 19) << e.step();
+  }
 }
 
 }  // namespace
