@@ -42,7 +42,7 @@ using strata::testing::WriteFile;
 const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
 
 // A small MoE job that checkpoints every 4 steps into ckpt/; members that stop answering are
-// declared failed 2 s after a restart.
+// declared failed 6 s after a restart (time enough to ask the restarted coordinator before that).
 std::string Config(int steps) {
   return absl::StrCat(
       "seed: 5\n"
@@ -54,7 +54,7 @@ std::string Config(int steps) {
       " global_batch: 12 lr: 0.004 warmup_steps: 2 eval_every: 0 threads: 1 log_every: 5 }\n"
       "parallel { timeout_ms: 60000 }\n"
       "checkpoint { every: 4 dir: \"ckpt\" }\n"
-      "elastic { heartbeat_timeout_ms: 1000 restart_grace_ms: 2000 }\n");
+      "elastic { heartbeat_timeout_ms: 1000 restart_grace_ms: 6000 }\n");
 }
 
 using Entry = strata::testing::CatalogEntry;
