@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <limits>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -322,9 +323,17 @@ Status CoordinatorState::ReconcileWithFolder() {
     record_.clear_catalog_error();
   }
   if (record_.SerializeAsString() == before.SerializeAsString()) return read;
-  if (read.ok()) {
+  // Said when the folder tells something the reports did not (a commit never reported, a
+  // checkpoint gone), not for the shards it adds to each reported commit.
+  auto completeness = [](const coordinator::CoordinatorRecord& r) {
+    std::vector<std::pair<int64_t, bool>> v;
+    for (const auto& e : r.catalog()) v.emplace_back(e.step(), e.complete());
+    return v;
+  };
+  if (read.ok() && completeness(record_) != completeness(before)) {
     STRATA_LOG(INFO) << "checkpoint catalog, checked against '" << checkpoint_dir_
-                     << "': " << DescribeCatalog(record_);
+                     << "': " << DescribeCatalog(record_) << " (it held " << DescribeCatalog(before)
+                     << ")";
   }
   Status s = PersistLocked();
   if (!s.ok()) {
