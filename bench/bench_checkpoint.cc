@@ -19,17 +19,18 @@
 // 2. Stall per checkpoint. The same model trained by train::Trainer (IN_MEMORY), K = N M + 1 steps
 //    with a checkpoint every M steps (N checkpoints, 3 x 16 by default: M steps outlast a persist)
 //    and K steps without, each in a fresh process, alternating, both traced. Printed: the mean
-//    step time without checkpoints; snapshot, the writer's "checkpoint snapshot" span (its copy
-//    of the state into host buffers, while the next step's forward and backward run); fence, the
-//    trainer's "checkpoint fence" spans (the next step's update waiting for that copy), per
-//    checkpoint; persist, the writer's "checkpoint persist" span (the background write and
-//    commit); the stall, how long the training thread stood still for each checkpoint: the gap
-//    between one step's end and the next step's start at checkpoint steps less the same gap at
-//    other steps (Save itself, and its wait for the previous persist if one still ran), plus the
-//    fence; and the cost, (time with - time without) / checkpoints over the same steps, which also
-//    counts the snapshot and the persist slowing the steps beside them (on 2 cores they share
-//    the cores with training). Both
-//    as a share of the mean step time; the goal is a stall under 5% of a step.
+//    step time without checkpoints; save, the trainer's "checkpoint save" span (Save's own time:
+//    the manifest, what it copies itself, starting the writer); snapshot, the writer's "checkpoint
+//    snapshot" span (its copy of the state into host buffers, while the next step's forward and
+//    backward run); fence, the trainer's "checkpoint fence" spans (the next step's update waiting
+//    for that copy), per checkpoint; persist, the writer's "checkpoint persist" span (the
+//    background write and commit); the stall, how long the training thread stood still for each
+//    checkpoint: the gap between one step's end and the next step's start at checkpoint steps less
+//    the same gap at other steps (Save itself, and its wait for the previous persist if one still
+//    ran), plus the fence; and the cost, (time with - time without) / checkpoints over the same
+//    steps, which also counts the snapshot and the persist slowing the steps beside them (on 2
+//    cores they share the cores with training). Both as a share of the mean step time; the goal is
+//    a stall under 5% of a step.
 //
 //   build/bin/bench_checkpoint [--dir DIR] [--writers 1,2,4] [--rounds R] [--experts E]
 //                              [--layers L] [--d-model C] [--d-expert H] [--every M]
@@ -333,7 +334,7 @@ struct TrainRun {
   double span_s = 0;                  // from the end of step 1 to the end of the last step
   // The trainer's own spans (--trace): the writer's snapshot copy, its persist and commit, and
   // the trainer's waits for the snapshot before the next update (absent where it had not to wait).
-  std::vector<double> snapshot_s, persist_s, fence_s;
+  std::vector<double> save_s, snapshot_s, persist_s, fence_s;
   std::string error;
 };
 
@@ -411,6 +412,7 @@ TrainRun Train(const Options& o, const std::string& data, const std::string& ckd
   run.snapshot_s = SpanSeconds(trace, "checkpoint snapshot");
   run.persist_s = SpanSeconds(trace, "checkpoint persist");
   run.fence_s = SpanSeconds(trace, "checkpoint fence");
+  run.save_s = SpanSeconds(trace, "checkpoint save");
   if (every > 0 && (static_cast<int>(run.snapshot_s.size()) != o.checkpoints ||
                     static_cast<int>(run.persist_s.size()) != o.checkpoints)) {
     run.error = absl::StrFormat("the trace holds %d snapshot and %d persist spans, expected %d",
@@ -592,7 +594,7 @@ int Main(int argc, char** argv) {
 
   if (o.part != "write") {
     // Part 2: the trainer with and without checkpoints, alternating.
-    std::vector<double> step_s, stall_s, cost_s, snapshot_s, persist_s, fence_s;
+    std::vector<double> step_s, stall_s, cost_s, save_s, snapshot_s, persist_s, fence_s;
     for (int round = 0; round < o.rounds; ++round) {
       TrainRun with, without;
       for (int k = 0; k < 2; ++k) {
@@ -636,11 +638,12 @@ int Main(int argc, char** argv) {
       stall_s.push_back(Mean(at_ckpt) - Mean(other) + fence);
       cost_s.push_back((with.span_s - without.span_s) / o.checkpoints);
       snapshot_s.push_back(Mean(with.snapshot_s));
+      save_s.push_back(Mean(with.save_s));
       persist_s.push_back(Mean(with.persist_s));
     }
     const double step = MedianOf(step_s), stall = MedianOf(stall_s), cost = MedianOf(cost_s);
     const double snapshot = MedianOf(snapshot_s), persist = MedianOf(persist_s);
-    const double fence = MedianOf(fence_s);
+    const double fence = MedianOf(fence_s), save = MedianOf(save_s);
     const int K = o.checkpoints * o.every + 1;
     if (o.json) {
       JsonWriter j;
@@ -651,6 +654,7 @@ int Main(int argc, char** argv) {
           .Field("step_s", step)
           .Field("snapshot_s", snapshot)
           .Field("fence_s", fence)
+          .Field("save_s", save)
           .Field("stall_s", stall)
           .Field("stall_fraction", stall / step)
           .Field("cost_s", cost)
@@ -665,21 +669,22 @@ int Main(int argc, char** argv) {
           "%d "
           "and %d without, means per run, median of %d\n",
           o.batch, o.seq_len, K, o.every, K, o.rounds);
-      std::printf("%-7s %9s %12s %9s %9s %9s %9s %9s %11s\n", "", "step_ms", "snapshot_ms",
-                  "fence_ms", "stall_ms", "of step", "cost_ms", "of step", "persist_ms");
-      auto row = [](const std::string& label, double st, double sn, double f, double sl, double c,
-                    double p) {
-        std::printf("%-7s %9.1f %12.1f %9.1f %9.1f %8.1f%% %9.1f %8.1f%% %11.1f\n", label.c_str(),
-                    1e3 * st, 1e3 * sn, 1e3 * f, 1e3 * sl, 100 * sl / st, 1e3 * c, 100 * c / st,
-                    1e3 * p);
+      std::printf("%-7s %8s %8s %12s %9s %9s %9s %9s %9s %11s\n", "", "step_ms", "save_ms",
+                  "snapshot_ms", "fence_ms", "stall_ms", "of step", "cost_ms", "of step",
+                  "persist_ms");
+      auto row = [](const std::string& label, double st, double sv, double sn, double f, double sl,
+                    double c, double p) {
+        std::printf("%-7s %8.1f %8.1f %12.1f %9.1f %9.1f %8.1f%% %9.1f %8.1f%% %11.1f\n",
+                    label.c_str(), 1e3 * st, 1e3 * sv, 1e3 * sn, 1e3 * f, 1e3 * sl, 100 * sl / st,
+                    1e3 * c, 100 * c / st, 1e3 * p);
       };
       if (o.rounds > 1) {  // each round too: the cost compares two processes and varies the most
         for (int round = 0; round < o.rounds; ++round) {
-          row(absl::StrCat("round ", round + 1), step_s[round], snapshot_s[round], fence_s[round],
-              stall_s[round], cost_s[round], persist_s[round]);
+          row(absl::StrCat("round ", round + 1), step_s[round], save_s[round], snapshot_s[round],
+              fence_s[round], stall_s[round], cost_s[round], persist_s[round]);
         }
       }
-      row("median", step, snapshot, fence, stall, cost, persist);
+      row("median", step, save, snapshot, fence, stall, cost, persist);
       std::printf("goal: a stall under 5%% of a step%s\n",
                   stall / step < 0.05 ? "" : " (not met on this machine)");
     }

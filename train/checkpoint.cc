@@ -1480,8 +1480,8 @@ Status CheckpointManager::ReplaceFrom(int64_t step) {
   }
   for (auto it = later.rbegin(); it != later.rend(); ++it) {
     STRATA_LOG(WARNING) << absl::StrFormat(
-        "checkpoint %d in '%s' (shard %s) is removed: training went back to step %d behind it, and "
-        "checkpoints again from there",
+        "checkpoint %d in '%s' (shard %s) is removed: training went back to step %d, and saves "
+        "its checkpoints again from there",
         *it, options_.dir, shard_name_, step);
     std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_ERROR(RemoveLocked(*it));

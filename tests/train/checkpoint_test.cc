@@ -996,6 +996,94 @@ TEST_P(CheckpointReplaceTest, SavingAnEarlierStepAgainReplacesItAndTheLaterOnes)
   }
 }
 
+// The same with two shards: a committer (r0, experts 0-3) and a worker (r1, experts 4-7), each
+// with half the dense state, saving at once as a job's workers do. Every tensor holds the round's
+// number, so the resume shows which save each part came from.
+TEST(CheckpointReplaceShardsTest, EveryShardReplacesItsPartsAndTheCommitterItsSets) {
+  TempDir dir;
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(40000));
+  auto cfg = config::ParseJobConfig(ConfigText("IN_MEMORY"), "job.textproto", dir.path());
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  const std::string ck = dir.File("ck");
+  ThreadPool pool(1);
+  ops::Context ctx{&pool};
+  struct Worker {
+    std::unique_ptr<model::MoeTransformer> model;
+    std::unique_ptr<model::AdamW> opt;
+    std::unique_ptr<CheckpointManager> ckpt;
+    CheckpointShare share;
+  };
+  std::vector<Worker> workers(2);
+  for (int k = 0; k < 2; ++k) {
+    model::ModelOptions mo;
+    mo.config = cfg->model();
+    mo.seed = cfg->seed();
+    mo.first_local_expert = 4 * k;
+    mo.num_local_experts = 4;
+    auto m = model::MoeTransformer::Create(ctx, mo);
+    ASSERT_TRUE(m.ok()) << m.status();
+    workers[k].model = *std::move(m);
+    workers[k].opt =
+        std::make_unique<model::AdamW>(workers[k].model->Parameters(), model::AdamWOptions{});
+  }
+  const std::vector<std::set<std::string>> dealt = DealDenseParameters(*workers[0].model, 2);
+  for (int k = 0; k < 2; ++k) {  // the committer opens first
+    CheckpointOptions co;
+    co.dir = ck;
+    co.shard = absl::StrCat("r", k);
+    co.committer = k == 0;
+    auto m = CheckpointManager::Open(co, /*must_exist=*/false);
+    ASSERT_TRUE(m.ok()) << m.status();
+    workers[k].ckpt = *std::move(m);
+    workers[k].share.dense = dealt[k];
+    workers[k].share.workers = 2;
+    if (k == 0) workers[k].share.shards = {"r0", "r1"};
+  }
+  auto save = [&](int64_t step, float fill) {
+    for (Worker& w : workers) {
+      for (const Tensor* x : StateTensors(*w.opt)) std::fill(x->f32(), x->f32() + x->numel(), fill);
+    }
+    std::vector<Status> status(2);
+    std::vector<std::thread> threads;
+    for (int k = 0; k < 2; ++k) {
+      threads.emplace_back([&, k] {
+        Worker& w = workers[k];
+        status[k] = w.ckpt->Save(step, *cfg, *w.model, *w.opt, nullptr, ctx, w.share);
+        if (status[k].ok()) status[k] = w.ckpt->Wait();
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int k = 0; k < 2; ++k) ASSERT_TRUE(status[k].ok()) << "r" << k << ": " << status[k];
+  };
+  save(10, 1.0f);
+  save(20, 2.0f);
+  EXPECT_EQ(StepsIn(ck), (std::vector<int64_t>{10, 20}));
+  save(10, 3.0f);  // went back behind both
+  workers.clear();
+  EXPECT_EQ(StepsIn(ck), (std::vector<int64_t>{10}));
+  std::vector<std::string> report;
+  EXPECT_TRUE(CheckpointManager::Verify(ck, -1, &report).ok()) << absl::StrJoin(report, "\n");
+  // One process holding every expert resumes it, reading each part from its shard.
+  model::ModelOptions mo;
+  mo.config = cfg->model();
+  mo.seed = cfg->seed();
+  auto whole = model::MoeTransformer::Create(ctx, mo);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  model::AdamW opt((*whole)->Parameters(), model::AdamWOptions{});
+  CheckpointOptions co;
+  co.dir = ck;
+  auto reader = CheckpointManager::Open(co, /*must_exist=*/true);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  auto step = (*reader)->Resume(*cfg, **whole, opt, nullptr, ctx);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(*step, 10);
+  for (const Tensor* x : StateTensors(opt)) {
+    for (int64_t i = 0; i < x->numel(); ++i) {
+      ASSERT_EQ(x->f32()[i], 3.0f) << "a part of an old checkpoint was resumed";
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Modes, CheckpointReplaceTest, ::testing::Values("IN_MEMORY", "TIERED"),
                          [](const auto& info) { return info.param; });
 
