@@ -289,27 +289,30 @@ Status CoordinatorState::ReconcileWithFolder() {
   // Read without mu_: the folder may be slow, and it is only read (no lock, no write), so a
   // training job writing it is never held up and a listing racing its commits is still a list
   // of what committed.
+  // A folder where no checkpoint was ever committed has no manifests/ (a removal leaves it).
   std::error_code ec;
-  const bool exists = std::filesystem::exists(checkpoint_dir_, ec);
+  const bool committed_here =
+      std::filesystem::exists(std::filesystem::path(checkpoint_dir_) / "manifests", ec);
   StatusOr<std::vector<storage::CheckpointSet>> sets = std::vector<storage::CheckpointSet>();
   if (ec) {
     sets = absl::UnavailableError(ec.message());
-  } else if (exists) {
+  } else if (committed_here) {
     sets = train::ListCheckpointSets(checkpoint_dir_);
   }
   std::lock_guard<std::mutex> lock(mu_);
-  const int complete = CompleteCheckpoints(record_);
-  // Before its first checkpoint a job's folder may not exist yet; after it, a missing folder is
-  // one this machine does not see, not a job without checkpoints.
-  const bool unseen = sets.ok() && !exists && complete > 0;
+  // Before its first checkpoint that is how a job's folder is; after it, such a folder is not the
+  // one rank 0 writes (another machine's, not mounted here), and it says nothing of the catalog.
+  const bool unseen = sets.ok() && !committed_here && CompleteCheckpoints(record_) > 0;
   coordinator::CoordinatorRecord before = record_;
   Status read = absl::OkStatus();
   if (!sets.ok() || unseen) {
-    const std::string why = unseen ? std::string(
-                                         "it does not exist on this machine, yet the catalog holds "
-                                         "committed checkpoints; mount it here at the same path")
-                                   : absl::StrCat(sets.status().message(), " (`strata ckpt ls ",
-                                                  checkpoint_dir_, "` shows the same)");
+    const std::string why =
+        unseen ? std::string(
+                     "it holds no global manifests (no manifests/ folder), yet the catalog "
+                     "holds committed checkpoints: it is not the folder rank 0 commits "
+                     "to (mount that one here at the same path), or it was emptied")
+               : absl::StrCat(sets.status().message(), " (`strata ckpt ls ", checkpoint_dir_,
+                              "` shows the same)");
     read = Status(unseen ? absl::StatusCode::kFailedPrecondition : sets.status().code(),
                   absl::StrFormat("the coordinator could not read the checkpoint folder '%s' "
                                   "(checkpoint.dir) to check its catalog: %s. The catalog keeps "

@@ -128,10 +128,11 @@ class CoordinatorState {
                                   int64_t generation, int64_t step, bool commit);
   // Reads the committed checkpoints of the job's checkpoint.dir and records in the catalog which
   // checkpoints are complete and which shards each holds (ReconcileCatalog; synced when it
-  // changes). A folder that cannot be read, or is missing while the catalog holds complete
-  // checkpoints (it lies on a file system this machine does not see), changes nothing but
-  // record.catalog_error: that error, naming the folder, is returned and logged. OK, reading
-  // nothing, for a job without checkpoint.dir. Open and Checkpoint call it.
+  // changes). A folder that cannot be read, or that holds no manifests/ while the catalog holds
+  // complete checkpoints (it is not the folder rank 0 commits to: that one lies on a file system
+  // this machine does not mount), changes nothing but record.catalog_error: that error, naming
+  // the folder, is returned and logged. OK, reading nothing, for a job without checkpoint.dir.
+  // Open, Checkpoint and ReportStart (for a generation going back) call it.
   [[nodiscard]] Status ReconcileCheckpoints();
   [[nodiscard]] Status Leave(const std::string& token, const std::string& id, Time now);
   // The worker's stream broke: it has failed (no token: this comes from the service itself).

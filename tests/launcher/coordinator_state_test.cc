@@ -656,6 +656,26 @@ TEST_F(CheckpointCatalogTest, AnUnreadableCheckpointFolderKeepsTheCatalogAndSays
   EXPECT_NE(c->Snapshot().catalog_error().find("10.manifest"), std::string::npos);
 }
 
+TEST_F(CheckpointCatalogTest, AFolderWithoutCommitsBesideReportedOnesLeavesTheReportsAtTheirWord) {
+  auto c = Open(/*initial=*/3, /*min=*/2);
+  for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  for (int step = 1; step <= 12; ++step) AllReport(*c, step, t0_);
+  // Before the first commit a folder without manifests is what a job's folder is.
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 10, false).ok());
+  EXPECT_EQ(c->Snapshot().catalog_error(), "");
+  // Rank 0 commits to a folder this machine does not see (here: none at that path).
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 10, true).ok());
+  auto r = c->Snapshot();
+  EXPECT_EQ(Steps(r, true), (std::vector<int64_t>{10}));
+  EXPECT_EQ(r.catalog(0).sequence(), 0u);
+  EXPECT_NE(r.catalog_error().find("no manifests/ folder"), std::string::npos) << r.catalog_error();
+  EXPECT_NE(r.catalog_error().find(ckpt_), std::string::npos) << r.catalog_error();
+  // A generation may still go back to it.
+  ASSERT_TRUE(c->StreamBroken("c", t0_).ok());
+  EXPECT_EQ(Steps(c->Snapshot(), true), (std::vector<int64_t>{10}));
+  ASSERT_TRUE(c->ReportStart(kToken, "a", 2, 10, {}, t0_).ok());
+}
+
 TEST(ReconcileCatalogTest, TheFolderSaysWhatIsCompleteAndOnlyTheNewestPreparedOneStays) {
   auto entry = [](int64_t step, bool complete, int64_t generation) {
     coordinator::CatalogCheckpoint e;
