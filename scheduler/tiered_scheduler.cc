@@ -348,29 +348,58 @@ Status TieredExpertScheduler::SumGradientsOver(comm::Communicator& replicas) {
       experts.emplace_back(li, e);
     }
   }
-  const size_t ahead = options_.storage.optimizer_prefetch();
-  for (size_t i = 0; i < keys.size(); ++i) {
-    // Behind this expert, the next ones come down to the host: a gradient still dirty on the
-    // device is written back, one on the SSD tier read (one never written reads as zero).
-    for (size_t j = i + 1; j < std::min(keys.size(), i + 1 + ahead); ++j) {
+  // A few experts travel together, in one all-reduce through a staging buffer of as many
+  // gradients (a collective per expert would pay its latency once per expert), each pinned in a
+  // host slot from its copy in to its copy back. The batch is storage.optimizer_prefetch experts at
+  // most, and pins at most half the host slots, so the gradients prefetched behind it have room.
+  const int slots = store_->host_slots();
+  size_t batch = std::max<size_t>(1, options_.storage.optimizer_prefetch());
+  if (slots > 0) batch = std::min<size_t>(batch, static_cast<size_t>(std::max(1, slots / 2)));
+  const size_t floats = static_cast<size_t>(layout_.floats);
+  std::vector<float> staging(std::min(batch, keys.size()) * floats);
+  std::vector<float*> pinned;
+  for (size_t first = 0; first < keys.size(); first += batch) {
+    const size_t n = std::min(batch, keys.size() - first);
+    // Behind this batch, the next one comes down to the host: a gradient still dirty on the device
+    // is written back, one on the SSD tier read (one never written reads as zero).
+    for (size_t j = first + n; j < std::min(keys.size(), first + n + batch); ++j) {
       store_->WriteBack(keys[j]);
       store_->PrefetchHost(std::span<const TensorKey>(&keys[j], 1));
     }
-    const auto [li, e] = experts[i];
     const double t0 = tracer_ ? NowSeconds() : 0.0;
-    ASSIGN_OR_RETURN(float* g, store_->AcquireHost(keys[i]));
-    const Status s = replicas.AllReduce(g, static_cast<size_t>(layout_.floats));
-    double sq = 0;
-    for (int64_t k = 0; s.ok() && k < layout_.floats; ++k) sq += static_cast<double>(g[k]) * g[k];
-    store_->ReleaseHost(keys[i], /*modified=*/s.ok());
-    if (!s.ok()) {
-      return Status(s.code(), absl::StrFormat("summing the gradient of expert %d of block %d over "
-                                              "its copies: %s",
-                                              first_expert_ + e, layers_[li].block, s.message()));
+    pinned.clear();
+    Status s;
+    for (size_t k = 0; k < n && s.ok(); ++k) {
+      StatusOr<float*> g = store_->AcquireHost(keys[first + k]);
+      if (!g.ok()) {
+        s = g.status();
+        break;
+      }
+      pinned.push_back(*g);
+      std::copy(*g, *g + floats, staging.data() + k * floats);
     }
-    layers_[li].grad_sq[e] = sq;
+    if (s.ok()) s = replicas.AllReduce(staging.data(), n * floats);
+    for (size_t k = 0; k < pinned.size(); ++k) {
+      const auto [li, e] = experts[first + k];
+      if (s.ok()) {
+        const float* sum = staging.data() + k * floats;
+        std::copy(sum, sum + floats, pinned[k]);
+        double sq = 0;
+        for (size_t i = 0; i < floats; ++i) sq += static_cast<double>(sum[i]) * sum[i];
+        layers_[li].grad_sq[e] = sq;
+      }
+      store_->ReleaseHost(keys[first + k], /*modified=*/s.ok());
+    }
+    if (!s.ok()) {
+      const auto [li, e] = experts[first];
+      return Status(s.code(),
+                    absl::StrFormat("summing the gradients of %d experts from expert %d "
+                                    "of block %d on, over their copies: %s",
+                                    n, first_expert_ + e, layers_[li].block, s.message()));
+    }
     if (tracer_) {
-      tracer_->Span(absl::StrFormat("sum copies L%d E%d", layers_[li].block, e), "comm", t0,
+      const auto [li, e] = experts[first];
+      tracer_->Span(absl::StrFormat("sum copies L%d E%d+%d", layers_[li].block, e, n), "comm", t0,
                     NowSeconds());
     }
   }

@@ -27,9 +27,10 @@
 //
 // With expert replicas (several expert-parallel groups, each holding a copy of the same experts in
 // its own members' stores), each copy's backward leaves the gradient of its own group's rows;
-// SumGradientsOver adds them up over the copies between backward and StepExperts, one expert at a
-// time through a host slot (never every gradient at once: that is what the tiers are for), so
-// that every copy takes the same update from the same sum and the copies stay bitwise equal.
+// SumGradientsOver adds them up over the copies between backward and StepExperts, a few experts
+// at a time through host slots and a staging buffer of as many gradients (never every gradient at
+// once: that is what the tiers are for), so that every copy takes the same update from the same
+// sum and the copies stay bitwise equal.
 //
 // Threads: BeginPass, NextReady and Done are called from the MoE layer's threads as
 // expert_residency.h says; StepExperts, SumGradientsOver, ReadExpert, FinishExpertStep, EndStep,
@@ -106,12 +107,14 @@ class TieredExpertScheduler : public model::ExpertResidency {
   // by the communicator, so every copy gets the same bits). A collective: every copy calls it at
   // the same point of the same step. An expert that no copy has a gradient for is skipped by all;
   // one that only some copies have a gradient for is summed with zeros on the others and has one
-  // on every copy afterwards (LAZY updates it everywhere). The experts go one at a time, in (layer,
-  // expert) order, each pinned in a host slot of the store while it travels, with up to
-  // storage.optimizer_prefetch of the next ones brought to the host behind it; the communicator is
-  // borrowed for the call. ExpertGradSumSquares then reports the sums' squares. On an error the
-  // gradients are partly summed and the step cannot go on (the other copies fail their collective
-  // within the communicator's timeout).
+  // on every copy afterwards (LAZY updates it everywhere). The experts go in (layer, expert) order,
+  // in batches of up to storage.optimizer_prefetch (and at most half the host slots), one
+  // all-reduce per batch through a staging buffer of as many gradients it owns for the call; each
+  // expert of a batch is pinned in a host slot of the store while it travels, and the next batch
+  // is brought to the host behind it. The communicator is borrowed for the call.
+  // ExpertGradSumSquares then reports the sums' squares. On an error the gradients are partly
+  // summed and the step cannot go on (the other copies fail their collective within the
+  // communicator's timeout).
   [[nodiscard]] Status SumGradientsOver(comm::Communicator& replicas);
   // Copies the current value of one of this worker's experts' tensors (local index `expert`, its
   // blob laid out by layout()) into `out` (expert_floats() floats), through a host slot of the

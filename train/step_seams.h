@@ -61,9 +61,9 @@ class ExpertState {
   [[nodiscard]] virtual Status status() const = 0;
   // After backward, before GradSumSquares: makes each expert's gradient its sum over every copy
   // of the expert (in memory: DataParallel's expert buckets have done it; tiered with expert
-  // replicas: one expert at a time from the store, over the replicas' communicator). A collective
-  // among the copies when there are several. Const: it changes the borrowed store, not the seam.
-  // By default the experts have one copy and there is nothing to do.
+  // replicas: a few experts at a time from the store, over the replicas' communicator). A
+  // collective among the copies when there are several. Const: it changes the borrowed store, not
+  // the seam. By default the experts have one copy and there is nothing to do.
   [[nodiscard]] virtual Status SumOverCopies() const { return absl::OkStatus(); }
   // Sum of squares of the expert gradients the dense AdamW does not hold, as averaged over the
   // workers, counted by one copy of each expert only (in memory: 0, the dense AdamW holds them).
