@@ -1478,6 +1478,46 @@ Status CheckpointManager::ReplaceFrom(int64_t step) {
       if (s >= step) later.push_back(s);
     }
   }
+  if (later.empty()) return absl::OkStatus();
+  if (!options_.committer) {
+    // The global manifest goes first, and only the committer removes it: a part that a committed
+    // set still names stays until the committer (saving the same step) has removed that set.
+    const auto deadline = std::chrono::steady_clock::now() + options_.commit_timeout;
+    for (;;) {
+      ASSIGN_OR_RETURN(std::vector<CheckpointSet> sets, ListCheckpointSets(options_.dir));
+      std::vector<int64_t> named;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const CheckpointSet& cs : sets) {
+          const storage::ShardEntry* e = FindShard(cs, shard_name_);
+          if (cs.step() < step || e == nullptr) continue;
+          for (const CheckpointManifest& cm : manifests_) {
+            if (cm.step() == cs.step() && cm.sequence() == e->local_sequence()) {
+              named.push_back(cs.step());
+            }
+          }
+        }
+        sets_ = std::move(sets);
+      }
+      if (named.empty()) break;
+      if (cancel_ || (options_.abandoned && options_.abandoned->load())) {
+        return absl::AbortedError(absl::StrFormat(
+            "checkpoint %d in '%s' is to be saved again, but the job stopped while its committed "
+            "set was still to be removed",
+            named.front(), options_.dir));
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrFormat(
+            "checkpoint%s %s in '%s' must be saved again, and the committer (rank 0) did not "
+            "remove the committed set%s within %d ms, so shard %s keeps its part%s (see rank 0's "
+            "log)",
+            named.size() == 1 ? "" : "s", absl::StrJoin(named, ", "), options_.dir,
+            named.size() == 1 ? "" : "s", options_.commit_timeout.count(), shard_name_,
+            named.size() == 1 ? "" : "s"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
   for (auto it = later.rbegin(); it != later.rend(); ++it) {
     STRATA_LOG(WARNING) << absl::StrFormat(
         "checkpoint %d in '%s' (shard %s) is removed: training went back to step %d, and saves "

@@ -781,9 +781,10 @@ Status Trainer::RunLoop() {
 void Trainer::ReportCommittedCheckpoint() {
   if (!checkpoints_ || !checkpoints_->committer() || !options_.on_checkpoint) return;
   const int64_t newest = checkpoints_->NewestCommitted();
-  if (newest > reported_checkpoint_) {
+  // It may also go down: a generation that went back behind checkpoints saves them again.
+  if (newest != reported_checkpoint_) {
     reported_checkpoint_ = newest;
-    options_.on_checkpoint(newest, true);
+    if (newest > 0) options_.on_checkpoint(newest, true);
   }
 }
 

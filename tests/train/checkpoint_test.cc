@@ -1039,18 +1039,28 @@ TEST(CheckpointReplaceShardsTest, EveryShardReplacesItsPartsAndTheCommitterItsSe
     workers[k].share.workers = 2;
     if (k == 0) workers[k].share.shards = {"r0", "r1"};
   }
-  auto save = [&](int64_t step, float fill) {
+  // `worker_first`: the worker saves alone for a while before the committer starts.
+  auto save = [&](int64_t step, float fill, bool worker_first = false) {
     for (Worker& w : workers) {
       for (const Tensor* x : StateTensors(*w.opt)) std::fill(x->f32(), x->f32() + x->numel(), fill);
     }
     std::vector<Status> status(2);
     std::vector<std::thread> threads;
-    for (int k = 0; k < 2; ++k) {
+    for (int k : {1, 0}) {
       threads.emplace_back([&, k] {
         Worker& w = workers[k];
         status[k] = w.ckpt->Save(step, *cfg, *w.model, *w.opt, nullptr, ctx, w.share);
         if (status[k].ok()) status[k] = w.ckpt->Wait();
       });
+      if (worker_first && k == 1) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        // The worker must not have touched its parts of the committed sets: they still verify.
+        std::vector<std::string> report;
+        EXPECT_TRUE(CheckpointManager::Verify(ck, -1, &report).ok())
+            << "a worker removed its part of a set that is still committed: "
+            << absl::StrJoin(report, "; ");
+        EXPECT_EQ(StepsIn(ck), (std::vector<int64_t>{10, 20}));
+      }
     }
     for (auto& t : threads) t.join();
     for (int k = 0; k < 2; ++k) ASSERT_TRUE(status[k].ok()) << "r" << k << ": " << status[k];
@@ -1058,7 +1068,7 @@ TEST(CheckpointReplaceShardsTest, EveryShardReplacesItsPartsAndTheCommitterItsSe
   save(10, 1.0f);
   save(20, 2.0f);
   EXPECT_EQ(StepsIn(ck), (std::vector<int64_t>{10, 20}));
-  save(10, 3.0f);  // went back behind both
+  save(10, 3.0f, /*worker_first=*/true);  // went back behind both
   workers.clear();
   EXPECT_EQ(StepsIn(ck), (std::vector<int64_t>{10}));
   std::vector<std::string> report;
