@@ -121,13 +121,13 @@ std::vector<CatalogCheckpoint> ReconcileCatalog(const std::vector<CatalogCheckpo
     newest = std::max(newest, set.step());
   }
   for (const auto& e : catalog) {
-    // The folder is the truth about what committed: a complete entry it lacks was removed (or
-    // its report was wrong), and only the current generation can still commit the others.
     const bool listed = std::any_of(sets.begin(), sets.end(),
                                     [&](const auto& set) { return set.step() == e.step(); });
-    if (!listed && !e.complete() && e.step() > newest && e.generation() == generation) {
-      out.push_back(e);
-    }
+    if (listed || e.step() <= newest) continue;
+    // The folder is the truth about what committed once it lists something newer (a complete
+    // entry it lacks then was pruned or removed), but its listing may lag rank 0's commit report,
+    // and only the current generation can still commit a prepared checkpoint.
+    if (e.complete() ? e.commit_reported() : e.generation() == generation) out.push_back(e);
   }
   return Tidy(std::move(out));
 }
@@ -305,6 +305,8 @@ Status CoordinatorState::ReconcileWithFolder() {
   const bool unseen = sets.ok() && !committed_here && CompleteCheckpoints(record_) > 0;
   coordinator::CoordinatorRecord before = record_;
   Status read = absl::OkStatus();
+  // The error names no catalog entry that a report changes, so it stays the same string while
+  // its cause does, and is logged and synced once.
   if (!sets.ok() || unseen) {
     const std::string why =
         unseen ? std::string(
@@ -316,24 +318,54 @@ Status CoordinatorState::ReconcileWithFolder() {
     read = Status(unseen ? absl::StatusCode::kFailedPrecondition : sets.status().code(),
                   absl::StrFormat("the coordinator could not read the checkpoint folder '%s' "
                                   "(checkpoint.dir) to check its catalog: %s. The catalog keeps "
-                                  "what it held (%s) and takes rank 0's reports at their word",
-                                  checkpoint_dir_, why, DescribeCatalog(record_)));
-    STRATA_LOG(ERROR) << read.message();
-    record_.set_catalog_error(std::string(read.message()));
+                                  "what it held and takes rank 0's reports at their word",
+                                  checkpoint_dir_, why));
   } else {
     SetCatalog(&record_,
                ReconcileCatalog(CatalogOf(record_), *sets, record_.generation().number()));
+    // What ReconcileCatalog kept at rank 0's word.
+    std::vector<int64_t> unlisted;
+    for (const auto& e : record_.catalog()) {
+      if (e.complete() && std::none_of(sets->begin(), sets->end(),
+                                       [&](const auto& set) { return set.step() == e.step(); })) {
+        unlisted.push_back(e.step());
+      }
+    }
+    if (!unlisted.empty()) {
+      read = absl::FailedPreconditionError(absl::StrFormat(
+          "the checkpoint folder '%s' (checkpoint.dir) does not show checkpoint%s %s that rank 0 "
+          "reported committed: this machine's listing of its manifests/ may lag (an NFS client's "
+          "cached listing, up to a minute by default), or it is not the folder rank 0 commits to "
+          "(mount that one here at the same path). The catalog holds %s complete at rank 0's word "
+          "until the folder lists %s or a newer checkpoint",
+          checkpoint_dir_, unlisted.size() == 1 ? "" : "s", absl::StrJoin(unlisted, ", "),
+          unlisted.size() == 1 ? "it" : "them", unlisted.size() == 1 ? "it" : "them"));
+    }
+  }
+  if (read.ok()) {
     record_.clear_catalog_error();
+  } else {
+    record_.set_catalog_error(std::string(read.message()));
+  }
+  if (record_.catalog_error() != before.catalog_error()) {
+    if (!read.ok()) {
+      STRATA_LOG(ERROR) << read.message() << " (catalog: " << DescribeCatalog(record_) << ")";
+    } else {
+      STRATA_LOG(INFO) << "the coordinator reads the checkpoint folder '" << checkpoint_dir_
+                       << "' again and its catalog follows it: " << DescribeCatalog(record_);
+    }
   }
   if (record_.SerializeAsString() == before.SerializeAsString()) return read;
   // Said when the folder tells something the reports did not (a commit never reported, a
-  // checkpoint gone), not for the shards it adds to each reported commit.
+  // checkpoint gone), not for the shards it adds to each reported commit, nor beside the error
+  // line above (which names the catalog).
   auto completeness = [](const coordinator::CoordinatorRecord& r) {
     std::vector<std::pair<int64_t, bool>> v;
     for (const auto& e : r.catalog()) v.emplace_back(e.step(), e.complete());
     return v;
   };
-  if (read.ok() && completeness(record_) != completeness(before)) {
+  if (record_.catalog_error() == before.catalog_error() &&
+      completeness(record_) != completeness(before)) {
     STRATA_LOG(INFO) << "checkpoint catalog, checked against '" << checkpoint_dir_
                      << "': " << DescribeCatalog(record_) << " (it held " << DescribeCatalog(before)
                      << ")";

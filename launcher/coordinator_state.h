@@ -22,9 +22,14 @@
 // the folder's committed sets (train::ListCheckpointSets: read-only, no lock a training process
 // holds, tolerant of commits and removals racing it) and records each as complete with its
 // shards; a checkpoint with no global manifest stays "not complete" until a newer one commits or
-// the workers re-form (the new generation abandons the commit in flight). A folder that cannot be
-// read leaves the catalog as it was (plus rank 0's reports, taken at their word) and records why
-// in record.catalog_error, logged at ERROR.
+// the workers re-form (the new generation abandons the commit in flight). The folder may lag rank
+// 0 (an NFS client lists manifests/ from a cache for tens of seconds; a coordinator host may see
+// another folder at that path), so a commit rank 0 reported that the folder does not list stays
+// complete, at rank 0's word, while it is newer than every checkpoint the folder lists, and goes
+// once a newer one is listed (it was pruned or removed). A folder that cannot be read leaves the
+// catalog as it was (plus rank 0's reports, taken at their word). Either way record.catalog_error
+// says why, naming the folder; it is logged at ERROR once when it appears or changes, and at INFO
+// once when it clears.
 //
 // Threads: safe for concurrent use — the gRPC server's threads and its failure detector (Tick)
 // call it at once. Every member that reads or changes the state takes one mutex, and the RocksDB
@@ -130,9 +135,12 @@ class CoordinatorState {
   // checkpoints are complete and which shards each holds (ReconcileCatalog; synced when it
   // changes). A folder that cannot be read, or that holds no manifests/ while the catalog holds
   // complete checkpoints (it is not the folder rank 0 commits to: that one lies on a file system
-  // this machine does not mount), changes nothing but record.catalog_error: that error, naming
-  // the folder, is returned and logged. OK, reading nothing, for a job without checkpoint.dir.
-  // Open, Checkpoint and ReportStart (for a generation going back) call it.
+  // this machine does not mount), changes nothing but record.catalog_error. A folder that was
+  // read but does not show a commit rank 0 reported (ReconcileCatalog keeps it) is reconciled and
+  // sets record.catalog_error too, naming the checkpoints it lacks. That error, naming the folder,
+  // is returned (FAILED_PRECONDITION for a folder that was read) and logged when it is new. OK,
+  // reading nothing, for a job without checkpoint.dir. Open, Checkpoint and ReportStart (for a
+  // generation going back) call it.
   [[nodiscard]] Status ReconcileCheckpoints();
   [[nodiscard]] Status Leave(const std::string& token, const std::string& id, Time now);
   // The worker's stream broke: it has failed (no token: this comes from the service itself).
@@ -203,10 +211,13 @@ inline constexpr int kCatalogCheckpoints = 16;
 // The catalog `catalog` reconciled with `sets`, the committed sets of the job's checkpoint folder
 // by increasing step (as train::ListCheckpointSets lists them), while the job is in generation
 // `generation`. Every set is a complete entry with its shard names and sequence (keeping rank 0's
-// reports of it); a complete entry the folder no longer holds (removed, pruned, or reported but
-// never there) goes; an entry that is not complete stays, not complete, only while it is newer
-// than every set and was prepared in `generation`. The newest kCatalogCheckpoints complete
-// entries are kept. Returns the catalog by increasing step. Pure: touches no file.
+// reports of it). A complete entry the folder does not list stays, complete at rank 0's word, only
+// when rank 0 reported its commit (commit_reported) and it is newer than every set: the folder may
+// lag rank 0. Otherwise it goes: a newer set is listed, so it was pruned or removed (or it was
+// found in the folder alone, which no longer holds it). An entry that is not complete stays, not
+// complete, only while it is newer than every set and was prepared in `generation`. The newest
+// kCatalogCheckpoints complete entries are kept. Returns the catalog by increasing step. Pure:
+// touches no file.
 std::vector<coordinator::CatalogCheckpoint> ReconcileCatalog(
     const std::vector<coordinator::CatalogCheckpoint>& catalog,
     const std::vector<storage::CheckpointSet>& sets, int64_t generation);

@@ -545,6 +545,26 @@ class CheckpointCatalogTest : public CoordinatorStateTest {
     return strata::testing::CompleteInCatalog(r);
   }
   std::vector<Entry> InFolder() const { return strata::testing::CommittedInFolder(ckpt_); }
+  // A job of `ids` (rank 0 first) that trained to `steps`, with checkpoint 10 committed and its
+  // commit reported.
+  std::unique_ptr<CoordinatorState> TrainedWithCheckpoint10(std::vector<const char*> ids, int min,
+                                                            int64_t steps) {
+    auto c = Open(static_cast<int>(ids.size()), min);
+    for (const char* id : ids) EXPECT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+    for (int64_t step = 1; step <= steps; ++step) AllReport(*c, step, t0_);
+    CommitInFolder(10);
+    EXPECT_TRUE(c->Checkpoint(kToken, ids[0], 1, 10, true).ok());
+    return c;
+  }
+  // A byte of checkpoint `step`'s global manifest flips: the folder cannot be listed.
+  void DamageManifest(int64_t step) {
+    const std::string manifest = absl::StrCat(ckpt_, "/manifests/", step, ".manifest");
+    std::string bytes = strata::testing::ReadFile(manifest);
+    ASSERT_GT(bytes.size(), 8u);
+    bytes[bytes.size() / 2] ^= 0x20;
+    strata::testing::WriteFile(manifest, bytes);
+    ASSERT_FALSE(train::ListCheckpointSets(ckpt_).ok());
+  }
   static std::vector<int64_t> Steps(const coordinator::CoordinatorRecord& r, bool complete) {
     std::vector<int64_t> out;
     for (const auto& e : r.catalog()) {
@@ -622,20 +642,10 @@ TEST_F(CheckpointCatalogTest, AGenerationGoesBackToACheckpointWhoseCommitReportW
 }
 
 TEST_F(CheckpointCatalogTest, AnUnreadableCheckpointFolderKeepsTheCatalogAndSaysWhy) {
-  auto c = Open(/*initial=*/2, /*min=*/2);
-  for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
-  for (int step = 1; step <= 20; ++step) AllReport(*c, step, t0_);
-  CommitInFolder(10);
-  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 10, true).ok());
+  auto c = TrainedWithCheckpoint10({"a", "b"}, /*min=*/2, /*steps=*/20);
   const std::vector<Entry> before = InFolder();
   ASSERT_EQ(Complete(c->Snapshot()), before);
-  // A byte of the global manifest flips.
-  const std::string manifest = ckpt_ + "/manifests/10.manifest";
-  std::string bytes = strata::testing::ReadFile(manifest);
-  ASSERT_GT(bytes.size(), 8u);
-  bytes[bytes.size() / 2] ^= 0x20;
-  strata::testing::WriteFile(manifest, bytes);
-  ASSERT_FALSE(train::ListCheckpointSets(ckpt_).ok());
+  DamageManifest(10);
   // Reports are still taken; the catalog keeps what it had and says why.
   ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 20, false).ok());
   auto r = c->Snapshot();
@@ -676,6 +686,85 @@ TEST_F(CheckpointCatalogTest, AFolderWithoutCommitsBesideReportedOnesLeavesTheRe
   ASSERT_TRUE(c->ReportStart(kToken, "a", 2, 10, {}, t0_).ok());
 }
 
+// This machine's listing of the folder lags rank 0 (an NFS client's cache), or shows another
+// folder's manifests/: the commit rank 0 just reported is kept at its word, and the folder named.
+TEST_F(CheckpointCatalogTest, ACommitTheFolderDoesNotShowYetIsKeptUntilANewerOneIsListed) {
+  auto c = TrainedWithCheckpoint10({"a", "b", "c"}, /*min=*/2, /*steps=*/32);
+  EXPECT_EQ(c->Snapshot().catalog_error(), "");
+  // 20 is reported committed before this machine sees its global manifest.
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 20, false).ok());
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 20, true).ok());
+  auto r = c->Snapshot();
+  EXPECT_EQ(Steps(r, true), (std::vector<int64_t>{10, 20}));
+  EXPECT_EQ(r.catalog(1).sequence(), 0u) << "at rank 0's word";
+  EXPECT_NE(r.catalog_error().find(ckpt_), std::string::npos) << r.catalog_error();
+  EXPECT_NE(r.catalog_error().find("does not show checkpoint 20 "), std::string::npos)
+      << r.catalog_error();
+  EXPECT_EQ(c->ReconcileCheckpoints().code(), absl::StatusCode::kFailedPrecondition);
+  // A generation may go back to it meanwhile.
+  ASSERT_TRUE(c->StreamBroken("c", t0_).ok());
+  EXPECT_EQ(Steps(c->Snapshot(), true), (std::vector<int64_t>{10, 20}));
+  ASSERT_TRUE(c->ReportStart(kToken, "a", 2, 20, {}, t0_).ok());
+  ASSERT_TRUE(c->ReportStart(kToken, "b", 2, 20, {}, t0_).ok());
+  // The folder shows it: complete with its shards, the error cleared.
+  CommitInFolder(20);
+  EXPECT_TRUE(c->ReconcileCheckpoints().ok());
+  r = c->Snapshot();
+  EXPECT_EQ(Complete(r), InFolder());
+  EXPECT_EQ(Complete(r).size(), 2u);
+  EXPECT_TRUE(r.catalog(1).commit_reported());
+  EXPECT_EQ(r.catalog_error(), "");
+  // 30 is reported committed but never shows (pruned, or removed); 31 is listed: 30 goes.
+  for (int step = 21; step <= 31; ++step) AllReport(*c, step, t0_);
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 2, 30, true).ok());
+  EXPECT_EQ(Steps(c->Snapshot(), true), (std::vector<int64_t>{10, 20, 30}));
+  EXPECT_NE(c->Snapshot().catalog_error().find("checkpoint 30 "), std::string::npos);
+  CommitInFolder(31);
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 2, 31, true).ok());
+  r = c->Snapshot();
+  EXPECT_EQ(Complete(r), InFolder());
+  EXPECT_EQ(Steps(r, true), (std::vector<int64_t>{10, 20, 31}));
+  EXPECT_EQ(r.catalog_error(), "");
+}
+
+// An error that persists is logged (and synced) once, not at every report; its end once.
+TEST_F(CheckpointCatalogTest, ACatalogErrorIsLoggedOnceWhenItAppearsAndOnceWhenItClears) {
+  auto c = TrainedWithCheckpoint10({"a", "b"}, /*min=*/2, /*steps=*/40);
+  auto count = [](const std::string& log, const std::string& what) {
+    int n = 0;
+    for (size_t at = log.find(what); at != std::string::npos; at = log.find(what, at + 1)) ++n;
+    return n;
+  };
+  // The folder lags: every report after the commit of 20 finds it missing still.
+  ::testing::internal::CaptureStderr();
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 20, true).ok());
+  const std::string error = c->Snapshot().catalog_error();
+  ASSERT_NE(error, "");
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 25, false).ok());
+  EXPECT_FALSE(c->ReconcileCheckpoints().ok());
+  EXPECT_EQ(c->Snapshot().catalog_error(), error);
+  CommitInFolder(20);
+  ASSERT_TRUE(c->ReconcileCheckpoints().ok());
+  EXPECT_TRUE(c->ReconcileCheckpoints().ok());
+  std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count(log, "does not show checkpoint 20"), 1) << log;
+  EXPECT_EQ(count("\n" + log, "\nE "), 1) << "one line at ERROR\n" << log;
+  EXPECT_EQ(count(log, "reads the checkpoint folder '" + ckpt_ + "' again"), 1) << log;
+  // A folder that cannot be read: the same error string (so one sync) across reports that
+  // change the catalog, and one log line.
+  DamageManifest(10);
+  ::testing::internal::CaptureStderr();
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 30, false).ok());
+  const std::string unreadable = c->Snapshot().catalog_error();
+  ASSERT_NE(unreadable.find("10.manifest"), std::string::npos) << unreadable;
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 30, true).ok());
+  ASSERT_TRUE(c->Checkpoint(kToken, "a", 1, 40, false).ok());
+  EXPECT_EQ(Steps(c->Snapshot(), true), (std::vector<int64_t>{10, 20, 30}));
+  EXPECT_EQ(c->Snapshot().catalog_error(), unreadable);
+  log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count(log, "could not read the checkpoint folder"), 1) << log;
+}
+
 TEST(ReconcileCatalogTest, TheFolderSaysWhatIsCompleteAndOnlyTheNewestPreparedOneStays) {
   auto entry = [](int64_t step, bool complete, int64_t generation) {
     coordinator::CatalogCheckpoint e;
@@ -687,13 +776,15 @@ TEST(ReconcileCatalogTest, TheFolderSaysWhatIsCompleteAndOnlyTheNewestPreparedOn
   };
   const std::vector<coordinator::CatalogCheckpoint> catalog = {
       entry(8, false, 2),   // older than a committed one: its commit failed
+      entry(17, true, 2),   // reported committed, not in the folder, which lists newer: removed
       entry(19, true, 2),   // reported committed, and committed: keeps its reports
-      entry(25, true, 2),   // reported committed, but not in the folder (removed)
+      entry(25, true, 2),   // reported committed, newer than the folder shows: kept at its word
       entry(30, false, 2),  // being written by this generation
       entry(40, false, 1),  // prepared by an earlier generation: abandoned
   };
   std::vector<storage::CheckpointSet> sets;
   for (int64_t step = 1; step <= 20; ++step) {
+    if (step == 17) continue;
     storage::CheckpointSet set;
     set.set_step(step);
     set.set_sequence(static_cast<uint64_t>(step) + 100);
@@ -703,13 +794,23 @@ TEST(ReconcileCatalogTest, TheFolderSaysWhatIsCompleteAndOnlyTheNewestPreparedOn
   const auto got = ReconcileCatalog(catalog, sets, /*generation=*/2);
   std::vector<int64_t> steps;
   for (const auto& e : got) steps.push_back(e.step());
-  std::vector<int64_t> want;
-  for (int64_t step = 20 - kCatalogCheckpoints + 1; step <= 20; ++step) want.push_back(step);
+  // The newest kCatalogCheckpoints complete ones of 1..20 without 17, and 25.
+  std::vector<int64_t> want = {25};
+  for (int64_t step = 20; want.size() < static_cast<size_t>(kCatalogCheckpoints); --step) {
+    if (step != 17) want.insert(want.begin(), step);
+  }
   want.push_back(30);
   ASSERT_EQ(steps, want);
   for (const auto& e : got) {
     if (e.step() == 30) {
       EXPECT_FALSE(e.complete());
+      continue;
+    }
+    if (e.step() == 25) {
+      EXPECT_TRUE(e.complete());
+      EXPECT_TRUE(e.commit_reported());
+      EXPECT_EQ(e.sequence(), 0u);
+      EXPECT_EQ(e.shards_size(), 0);
       continue;
     }
     EXPECT_TRUE(e.complete()) << e.step();
@@ -718,6 +819,56 @@ TEST(ReconcileCatalogTest, TheFolderSaysWhatIsCompleteAndOnlyTheNewestPreparedOn
     EXPECT_EQ(e.shards(0), absl::StrCat("w", e.step() % 3));
     EXPECT_EQ(e.commit_reported(), e.step() == 19) << e.step();
   }
+}
+
+// The folder lags rank 0: a reported commit it does not list yet stays complete at rank 0's word
+// until it is listed (then with its shards) or a newer one is (then it was pruned or removed).
+TEST(ReconcileCatalogTest, AReportedCommitTheFolderDoesNotListStaysUntilANewerOneIsListed) {
+  auto reported = [](int64_t step) {
+    coordinator::CatalogCheckpoint e;
+    e.set_step(step);
+    e.set_complete(true);
+    e.set_commit_reported(true);
+    e.set_generation(1);
+    return e;
+  };
+  auto set = [](int64_t step, uint64_t sequence) {
+    storage::CheckpointSet s;
+    s.set_step(step);
+    s.set_sequence(sequence);
+    s.add_shards()->set_name("wa");
+    s.add_shards()->set_name("wb");
+    return s;
+  };
+  using Entry = strata::testing::CatalogEntry;
+  auto complete = [](const std::vector<coordinator::CatalogCheckpoint>& catalog) {
+    coordinator::CoordinatorRecord r;
+    for (const auto& e : catalog) *r.add_catalog() = e;
+    return strata::testing::CompleteInCatalog(r);
+  };
+  // Rank 0 reported 20; the folder lists only 10.
+  auto got = ReconcileCatalog({reported(10), reported(20)}, {set(10, 1)}, 1);
+  EXPECT_EQ(complete(got), (std::vector<Entry>{{10, 1, {"wa", "wb"}}, {20, 0, {}}}));
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_TRUE(got[1].commit_reported());
+  // The folder shows it: complete with its shards, its report kept.
+  got = ReconcileCatalog(got, {set(10, 1), set(20, 2)}, 1);
+  EXPECT_EQ(complete(got), (std::vector<Entry>{{10, 1, {"wa", "wb"}}, {20, 2, {"wa", "wb"}}}));
+  EXPECT_TRUE(got[1].commit_reported());
+  // 30 reported, never listed; 40 is listed: 30 was removed, and goes.
+  got.push_back(reported(30));
+  got = ReconcileCatalog(got, {set(10, 1), set(20, 2), set(40, 4)}, 1);
+  EXPECT_EQ(
+      complete(got),
+      (std::vector<Entry>{{10, 1, {"wa", "wb"}}, {20, 2, {"wa", "wb"}}, {40, 4, {"wa", "wb"}}}));
+  // A complete entry found in the folder alone (never reported) that the folder no longer lists
+  // goes even when it is the newest: nobody vouches for it.
+  coordinator::CatalogCheckpoint found = reported(50);
+  found.set_commit_reported(false);
+  found.set_sequence(5);
+  got.push_back(found);
+  got = ReconcileCatalog(got, {set(10, 1), set(20, 2), set(40, 4)}, 1);
+  EXPECT_EQ(complete(got).size(), 3u);
 }
 
 }  // namespace
