@@ -27,7 +27,8 @@
 //    background write and commit); the stall, how long the training thread stood still for each
 //    checkpoint: the gap between one step's end and the next step's start at checkpoint steps less
 //    the same gap at other steps (Save itself, and its wait for the previous persist if one still
-//    ran), plus the fence; and the cost, (time with - time without) / checkpoints over the same
+//    ran; the gap after the last checkpoint, which also holds the final evaluation, is left out),
+//    plus the fence; and the cost, (time with - time without) / checkpoints over the same
 //    steps, which also counts the snapshot and the persist slowing the steps beside them (on 2
 //    cores they share the cores with training). Both as a share of the mean step time; the goal is
 //    a stall under 5% of a step.
@@ -490,6 +491,12 @@ int Main(int argc, char** argv) {
                  "bench_checkpoint: --every must be at least 2 (steps between checkpoints)\n");
     return 2;
   }
+  if (o.checkpoints < 2) {
+    std::fprintf(stderr,
+                 "bench_checkpoint: --checkpoints must be at least 2 (the gap after the last one "
+                 "also holds the final evaluation and is not counted)\n");
+    return 2;
+  }
   for (int w : o.writers) {
     if (w > o.experts) {
       std::fprintf(stderr, "bench_checkpoint: %d writers for %d experts: each needs one\n", w,
@@ -624,9 +631,10 @@ int Main(int argc, char** argv) {
           without = std::move(t);
         }
       }
-      // Gaps after checkpoint steps against the other gaps of the same run.
+      // Gaps after checkpoint steps against the other gaps of the same run. The last gap holds
+      // the final evaluation (after the last step, which follows the last checkpoint): left out.
       std::vector<double> at_ckpt, other;
-      for (size_t i = 0; i < with.gap_s.size(); ++i) {
+      for (size_t i = 0; i + 1 < with.gap_s.size(); ++i) {
         const int step = static_cast<int>(i) + 1;
         (step % o.every == 0 ? at_ckpt : other).push_back(with.gap_s[i]);
       }

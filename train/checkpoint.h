@@ -191,6 +191,11 @@ class CheckpointManager {
                             model::MoeTransformer& model, model::AdamW& optimizer,
                             scheduler::TieredExpertScheduler* tiered, ops::Context& ctx,
                             const CheckpointShare& share = {});
+  // Touches, on the writer thread, the host buffers a checkpoint of `share` will copy into
+  // (`tiered`: the experts live in a TIERED store and are left out), so that the first checkpoint
+  // does not fault them in while it overlaps a step; the first Save waits for it to finish. Call
+  // once, before the first Save (later calls, and calls after a Save, do nothing).
+  void Reserve(const model::MoeTransformer& model, const CheckpointShare& share, bool tiered);
   // Returns once the last Save's snapshot is taken: the tensors it copies may change from then
   // on. Immediate when it is (or there was no Save); a wait is traced as "checkpoint fence".
   void FinishSnapshot(Tracer* tracer = nullptr);
@@ -292,13 +297,11 @@ class CheckpointManager {
                                     model::MoeTransformer& model, model::AdamW& optimizer,
                                     scheduler::TieredExpertScheduler* tiered);
   std::atomic<bool> cancel_{false};  // the destructor stops a committer waiting for reports
-  // The last checkpoint's snapshot buffers (4 KiB-aligned, by size), reused by the next one: their
-  // pages are touched already, which a new buffer's are not (most of a snapshot's time). They hold
-  // one snapshot's bytes between checkpoints: this shard's state not clean on the SSD tier (all of
-  // it in memory; within the budgets in a TIERED store). The writer gives them back under
-  // spare_mu_; Save takes them once the writer is joined.
-  std::mutex spare_mu_;
-  std::multimap<uint64_t, char*> spare_;
+  // The snapshot buffers (4 KiB-aligned), reused by every checkpoint: they hold one snapshot's
+  // bytes between checkpoints, this shard's state not clean on the SSD tier (all of it in memory;
+  // within the budgets in a TIERED store). Save takes them once the writer is joined.
+  struct SnapshotArena;
+  std::unique_ptr<SnapshotArena> arena_;
 
   // Whether the last Save's snapshot is taken (the writer sets it; FinishSnapshot waits on it).
   std::mutex snapshot_mu_;

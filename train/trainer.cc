@@ -701,6 +701,9 @@ Status Trainer::RunLoop() {
       cfg.name(), model::CountScalars(model_->Parameters()), model_->ActiveParametersPerToken(),
       model_->moe_layers().size(), dataset_->train_windows(), dataset_->eval_windows(),
       cfg.model().seq_len(), pool_->num_threads());
+  if (checkpoints_ && cfg.checkpoint().every() > 0) {
+    checkpoints_->Reserve(*model_, CheckpointShareOfThisWorker(), scheduler_ != nullptr);
+  }
   while (step_ < steps) {
     ASSIGN_OR_RETURN(StepResult r, Step());
     const int every = cfg.train().eval_every();
