@@ -58,7 +58,7 @@ int StatusCommand(const std::vector<std::string>& args) {
       what = absl::StrFormat("complete, %d shard%s (%s)", c.shards_size(),
                              c.shards_size() == 1 ? "" : "s", absl::StrJoin(names, " "));
     } else if (c.complete()) {
-      what = "complete as rank 0 reported (the folder could not be read)";
+      what = "complete as rank 0 reported (the checkpoint folder does not show it)";
     } else {
       what = absl::StrFormat("not complete: prepared in generation %d, no global manifest yet",
                              c.generation());
