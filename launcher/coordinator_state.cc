@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "core/common/fault_point.h"
 #include "core/common/logging.h"
 #include "google/protobuf/text_format.h"
 #include "proto/config.pb.h"
@@ -145,6 +146,7 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Open(
         absl::StrFormat("workers must satisfy 1 <= min (%d) <= initial (%d) <= max (%d)",
                         options.min_workers, options.initial_workers, options.max_workers));
   }
+  const auto opening = std::chrono::steady_clock::now();
   std::unique_ptr<CoordinatorState> c(new CoordinatorState);
   c->options_ = options;
   rocksdb::Options ro;
@@ -206,6 +208,12 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Open(
   // workers died) is read from the folder now. A folder it cannot read is logged, not fatal: the
   // job goes on with the catalog it had.
   (void)c->ReconcileCheckpoints();
+  {
+    // A restart's grace counts from when the coordinator can answer, not from before it opened
+    // its record (which a busy disk can make take seconds).
+    std::lock_guard<std::mutex> lock(c->mu_);
+    c->CreditStallLocked(std::chrono::steady_clock::now() - opening, "opening its record");
+  }
   return c;
 }
 
@@ -384,7 +392,25 @@ Status CoordinatorState::PersistLocked() {
   batch.Put(LogKey(record_.generation().number()), record_.generation().SerializeAsString());
   rocksdb::WriteOptions wo;
   wo.sync = true;
-  return FromRocks(db_->Write(wo, &batch), "writing", options_.dir);
+  const auto started = std::chrono::steady_clock::now();
+  // Drills stall the write here (sleep_ms), as a disk busy with other writers does.
+  STRATA_FAULT_POINT("coordinator.persist", nullptr);
+  Status s = FromRocks(db_->Write(wo, &batch), "writing", options_.dir);
+  CreditStallLocked(std::chrono::steady_clock::now() - started, "a synced write of its record");
+  return s;
+}
+
+void CoordinatorState::CreditStallLocked(std::chrono::steady_clock::duration stalled,
+                                         const char* what) {
+  // Heartbeats wait for mu_ while the coordinator is stalled: the time is the coordinator's, not
+  // a sign that the workers are gone (a disk busy with other writers has held a synced write up
+  // for seconds). Short stalls are below what a heartbeat timeout notices.
+  if (stalled < options_.heartbeat_timeout / 4) return;
+  for (auto& [id, seen] : last_seen_) seen += stalled;
+  STRATA_LOG(WARNING) << absl::StrFormat(
+      "the coordinator stood still for %d ms (%s); the workers' heartbeats are not held against "
+      "them for that time",
+      std::chrono::duration_cast<std::chrono::milliseconds>(stalled).count(), what);
 }
 
 Status CoordinatorState::NewGenerationLocked(std::vector<coordinator::WorkerInfo> workers,

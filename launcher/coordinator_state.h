@@ -181,6 +181,10 @@ class CoordinatorState {
   Status CheckReportLocked(const std::string& id, int64_t generation, int64_t step,
                            const char* what) const;
   Status PersistLocked();
+  // Moves every member's last heartbeat `stalled` later when the coordinator itself stood still
+  // that long (a slow synced write under mu_, opening its record): heartbeats waited meanwhile.
+  // Stalls under a quarter of the heartbeat timeout are ignored. Locked.
+  void CreditStallLocked(std::chrono::steady_clock::duration stalled, const char* what);
   bool IsMemberLocked(const std::string& id) const;
   // Records rank 0's checkpoint report in the catalog. REQUIRES: catalog_mu_ held, mu_ not.
   Status RecordCheckpointReport(const std::string& id, int64_t generation, int64_t step,

@@ -32,6 +32,9 @@ constexpr FaultPointInfo kKnownPoints[] = {
     {"checkpoint_set.before_ledger", true,
      "in CommitCheckpointSet, between the rename of a global manifest and the global ledger's "
      "update; train/checkpoint_set.cc"},
+    {"coordinator.persist", false,
+     "in the coordinator, before the synced write of its record, holding its state's mutex "
+     "(heartbeats wait meanwhile); launcher/coordinator_state.cc"},
     {"checkpoint_set.before_delete", true,
      "in RemoveCheckpointSet and CommitCheckpointSet, between the global ledger's record of a "
      "removal and the delete of its manifest; train/checkpoint_set.cc"},
