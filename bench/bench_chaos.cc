@@ -6,7 +6,10 @@
 //     job finished) exits 0; a standalone job's workers exit 0 too;
 //   - every step's samples, as the workers' metrics files (--metrics-out) record them for the
 //     highest generation that finished the step, tile [(s-1) B, s B) exactly once: no sample lost,
-//     none seen twice (B the global batch);
+//     none seen twice (B the global batch). A worker's share of a step may lack its line only
+//     where the step was trained whole without it: the worker was killed after the step's
+//     exchange, or its step failed after it (a buddy copy to the worker that died) and the next
+//     generation went on from that step instead of redoing it;
 //   - the last step's loss is finite;
 //   - a replacement worker started from the job's own "add a worker:" line exits 0.
 //
@@ -669,6 +672,11 @@ class Trial {
     // the next step's line; that step's share of it is then missing from an otherwise whole step.
     std::map<std::string, Line> last_of_killed;
     std::map<std::string, int64_t> last_step_of_killed;
+    // Any worker's lines (file -> step -> lines), and the last step each generation wrote: a
+    // survivor whose step failed after its last exchange (a buddy copy to the worker that just
+    // died) applied the step without writing its line, and the next generation went on from it.
+    std::map<std::string, std::map<int64_t, std::vector<Line>>> lines_of_file;
+    std::map<int64_t, int64_t> last_step_of_generation;
     for (const std::string& f : MetricsFiles()) {
       const std::string name = fs::path(f).filename();
       for (const auto& l : absl::StrSplit(ReadFile(f), '\n', absl::SkipEmpty())) {
@@ -680,6 +688,9 @@ class Trial {
                static_cast<int64_t>(bench::JsonNumber(line, "samples")),
                bench::JsonNumber(line, "loss"), name};
         by_step[static_cast<int64_t>(step)].push_back(x);
+        lines_of_file[name][static_cast<int64_t>(step)].push_back(x);
+        last_step_of_generation[x.generation] =
+            std::max(last_step_of_generation[x.generation], static_cast<int64_t>(step));
         if (std::find(killed_.begin(), killed_.end(), name) != killed_.end()) {
           last_of_killed[name] = x;
           last_step_of_killed[name] = static_cast<int64_t>(step);
@@ -721,6 +732,44 @@ class Trial {
                 "step %d: samples [%d, %d) have no line: %s's share, killed after the step's "
                 "exchange and before writing it",
                 s, from, to, file));
+            return;
+          }
+        }
+        // Workers without a line at the last step their generation wrote, where the next
+        // generation went on from that step rather than redoing it: the step's state existed, so
+        // every member's exchange of it completed, with these shares (their share of the step
+        // before, one batch on). Together they must cover the gap exactly.
+        bool went_on = false;
+        if (auto after = by_step.find(s + 1); after != by_step.end()) {
+          for (const Line& x : after->second) went_on = went_on || x.generation > gen;
+        }
+        if (went_on && last_step_of_generation[gen] == s) {
+          std::vector<std::pair<int64_t, int64_t>> shares;
+          std::vector<std::string> whose;
+          for (const auto& [file, steps] : lines_of_file) {
+            auto has = [&, &steps = steps](int64_t step) -> const Line* {
+              auto it = steps.find(step);
+              if (it == steps.end()) return nullptr;
+              for (const Line& x : it->second) {
+                if (x.generation == gen) return &x;
+              }
+              return nullptr;
+            };
+            const Line* before = has(s - 1);
+            if (before == nullptr || has(s) != nullptr) continue;
+            shares.emplace_back(before->first + kBatch, before->first + kBatch + before->count);
+            whose.push_back(file);
+          }
+          std::sort(shares.begin(), shares.end());
+          int64_t at = from;
+          for (const auto& [a, b] : shares) {
+            if (a == at && b <= to) at = b;
+          }
+          if (at == to) {
+            notes_.push_back(absl::StrFormat(
+                "step %d: samples [%d, %d) have no line: the shares of %s, whose step of "
+                "generation %d ended after its exchange; the next generation went on from it",
+                s, from, to, absl::StrJoin(whose, ", "), gen));
             return;
           }
         }
