@@ -6,6 +6,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
@@ -163,7 +164,7 @@ struct Listing {
 // manifest, then updates the ledger again. A reader that runs beside them reads the ledger
 // before and after the manifests, and accepts a manifest either ledger accounts for; a manifest
 // is missing only if both list it.
-StatusOr<Listing> ReadListing(const std::string& dir, storage::Env* env) {
+StatusOr<Listing> ReadListingOnce(const std::string& dir, storage::Env* env) {
   ASSIGN_OR_RETURN(std::optional<std::string> before, ReadLedgerBytes(dir, env));
   ASSIGN_OR_RETURN(std::vector<ManifestFile> files, ScanManifests(dir, env));
   ASSIGN_OR_RETURN(std::optional<std::string> after, ReadLedgerBytes(dir, env));
@@ -250,6 +251,18 @@ StatusOr<Listing> ReadListing(const std::string& dir, storage::Env* env) {
   out.ledger = ledger;
   out.files = std::move(files);
   return out;
+}
+
+// ReadListingOnce, read again when it finds problems: a scan of the manifests beside a committer
+// can miss a manifest that both ledger reads list (readdir promises nothing for a directory that
+// is being changed, and a commit renames into it), which a second read does not repeat. Damage
+// stays: after three reads it is reported.
+StatusOr<Listing> ReadListing(const std::string& dir, storage::Env* env) {
+  for (int attempt = 1;; ++attempt) {
+    ASSIGN_OR_RETURN(Listing listing, ReadListingOnce(dir, env));
+    if (listing.problems.empty() || attempt == 3) return listing;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 Status ProblemsError(const std::string& dir, const std::vector<std::string>& problems) {
