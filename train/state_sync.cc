@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "core/common/logging.h"
 #include "scheduler/replan.h"
 
@@ -231,6 +232,148 @@ StatusOr<MovedExperts> MoveExperts(comm::Communicator* comm, const std::vector<i
   }
   for (int64_t e = 0; e < E; ++e) out.moved += source[e] != owner[e];
   return out;
+}
+
+ExpertChunkPlan PlanExpertChunks(const std::vector<int>& owner, const CopySources& sources,
+                                 int64_t expert_floats, int64_t chunk_floats) {
+  CHECK_GE(chunk_floats, 1);
+  CHECK_GE(expert_floats, 0);
+  const std::vector<int>& source = sources.expert;
+  CHECK_EQ(source.size(), owner.size());
+  struct Move {
+    int64_t expert;
+    int from, to;
+    int64_t done = 0;  // floats scheduled so far
+  };
+  ExpertChunkPlan plan;
+  std::vector<Move> moves;
+  int workers = 0;
+  for (size_t e = 0; e < owner.size(); ++e) {
+    CHECK(owner[e] >= 0 && source[e] >= 0) << "expert " << e << " has no owner or source";
+    workers = std::max({workers, owner[e] + 1, source[e] + 1});
+    if (source[e] == owner[e]) continue;
+    ++plan.moved;
+    if (expert_floats > 0) moves.push_back(Move{static_cast<int64_t>(e), source[e], owner[e]});
+  }
+  std::vector<int64_t> send_room(workers), recv_room(workers);
+  size_t first = 0;  // the moves before it are scheduled whole
+  while (first < moves.size()) {
+    std::fill(send_room.begin(), send_room.end(), chunk_floats);
+    std::fill(recv_room.begin(), recv_room.end(), chunk_floats);
+    std::vector<ExpertPiece>& round = plan.rounds.emplace_back();
+    for (size_t i = first; i < moves.size(); ++i) {
+      Move& m = moves[i];
+      const int64_t n = std::min({expert_floats - m.done, send_room[m.from], recv_room[m.to]});
+      if (n <= 0) continue;
+      round.push_back(ExpertPiece{m.expert, m.from, m.to, m.done, n});
+      m.done += n;
+      send_room[m.from] -= n;
+      recv_room[m.to] -= n;
+    }
+    while (first < moves.size() && moves[first].done == expert_floats) ++first;
+  }
+  return plan;
+}
+
+namespace {
+
+std::string RoundName(size_t k, size_t rounds) {
+  return k < rounds ? absl::StrFormat("round %d of %d", k + 1, rounds)
+                    : absl::StrFormat("the closing exchange after %d rounds", rounds);
+}
+
+Status PieceError(const Status& s, const char* what, const ExpertPiece& p, size_t k,
+                  size_t rounds) {
+  return Status(s.code(),
+                absl::StrFormat("moving expert %d (floats [%d, %d) of its blob) from rank %d to "
+                                "rank %d, %s: %s it failed: %s",
+                                p.expert, p.offset, p.offset + p.n, p.from, p.to,
+                                RoundName(k, rounds), what, s.message()));
+}
+
+}  // namespace
+
+StatusOr<int64_t> MoveExpertsInChunks(comm::Communicator* comm, const std::vector<int>& owner,
+                                      const CopySources& sources, int64_t expert_floats,
+                                      int64_t chunk_floats, const ReadChunk& read,
+                                      const WriteChunk& write) {
+  const int W = WorldOf(comm), rank = RankOf(comm);
+  const ExpertChunkPlan plan = PlanExpertChunks(owner, sources, expert_floats, chunk_floats);
+  for (size_t e = 0; e < owner.size(); ++e) {
+    CHECK(owner[e] < W && sources.expert[e] < W)
+        << "expert " << e << ": owner " << owner[e] << ", source " << sources.expert[e]
+        << " in a generation of " << W;
+  }
+  if (plan.rounds.empty()) return plan.moved;  // every worker sees so: no collective at all
+  const size_t K = plan.rounds.size();
+  const std::vector<ExpertPiece> none;
+  std::vector<int64_t> send_counts(W), recv_counts(W), send_at(W), recv_at(W);
+  std::vector<float> send, recv;
+  Status mine;  // this worker's first failed read or write
+  // Round K exchanges only the status words, so that a write failed in the last round stops
+  // every worker too.
+  for (size_t k = 0; k <= K; ++k) {
+    const std::vector<ExpertPiece>& pieces = k < K ? plan.rounds[k] : none;
+    // Per peer, in rank order: its status word, then the pieces of this round in plan order.
+    for (int d = 0; d < W; ++d) send_counts[d] = recv_counts[d] = d == rank ? 0 : 1;
+    for (const ExpertPiece& p : pieces) {
+      if (p.from == rank) send_counts[p.to] += p.n;
+      if (p.to == rank) recv_counts[p.from] += p.n;
+    }
+    int64_t send_total = 0, recv_total = 0;
+    for (int d = 0; d < W; ++d) {
+      send_at[d] = send_total;
+      recv_at[d] = recv_total;
+      send_total += send_counts[d];
+      recv_total += recv_counts[d];
+    }
+    send.assign(send_total, 0.0f);
+    recv.assign(recv_total, 0.0f);
+    std::vector<int64_t> at = send_at;
+    for (int d = 0; d < W; ++d) at[d] += d == rank ? 0 : 1;
+    for (const ExpertPiece& p : pieces) {
+      if (p.from != rank) continue;
+      float* dst = &send[at[p.to]];
+      at[p.to] += p.n;
+      if (!mine.ok()) continue;  // zeros: the round is void anyway
+      const Status s = read(ExpertItem(p.expert), p.offset, p.n, dst);
+      if (!s.ok()) mine = PieceError(s, "reading", p, k, K);
+    }
+    for (int d = 0; d < W; ++d) {
+      if (d != rank) send[send_at[d]] = mine.ok() ? 1.0f : 0.0f;
+    }
+    const Status s = comm->AllToAllV(send.data(), send_counts, recv.data(), recv_counts);
+    if (!s.ok()) {
+      return Status(s.code(), absl::StrFormat("moving experts to their new owners, %s: %s",
+                                              RoundName(k, K), s.message()));
+    }
+    if (!mine.ok()) return mine;
+    std::string failed;
+    for (int w = 0; w < W; ++w) {
+      if (w != rank && recv[recv_at[w]] != 1.0f)
+        absl::StrAppend(&failed, failed.empty() ? "" : ", ", w);
+    }
+    if (!failed.empty()) {
+      return absl::AbortedError(absl::StrFormat(
+          "moving experts to their new owners, %s: rank(s) %s could not read or write their "
+          "pieces (their own errors say why); the experts are partly moved and this generation "
+          "cannot go on from them",
+          RoundName(k, K), failed));
+    }
+    at = recv_at;
+    for (int w = 0; w < W; ++w) at[w] += w == rank ? 0 : 1;
+    for (const ExpertPiece& p : pieces) {
+      if (p.to != rank) continue;
+      const float* src = &recv[at[p.from]];
+      at[p.from] += p.n;
+      const Status w = write(ExpertItem(p.expert), p.offset, p.n, src);
+      if (!w.ok()) {
+        mine = PieceError(w, "writing", p, k, K);
+        break;
+      }
+    }
+  }
+  return plan.moved;
 }
 
 }  // namespace strata::train

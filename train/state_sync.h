@@ -12,7 +12,11 @@
 //      contiguous ranges (scheduler::ReplanRanges).
 //   4. LocateCopies: where each item's copy at the agreed step comes from (pure).
 //   5. MoveDenseState: a broadcast from the dense root, when any worker lacks the dense state.
-//   6. MoveExperts: one all-to-all-v from each expert's source to its new owner.
+//   6. MoveExperts: one all-to-all-v from each expert's source to its new owner, with every
+//      blob in memory at once (an IN_MEMORY job's experts are in memory anyway); or
+//      MoveExpertsInChunks: the same moves in rounds of at most chunk_floats floats out of and
+//      into each worker, read from and written to where the copies live (a TIERED job's stores),
+//      so that no worker ever buffers more than a chunk of the expert set.
 //
 // Threads and ownership. The collective phases (1, 3, 5, 6) must be called by every worker of the
 // generation, in the same order, each from the one thread that uses `comm` at the time (see
@@ -20,7 +24,8 @@
 // of one worker (rank 0 of 1), which communicates nothing. The pure phases (2, 4) may be called
 // from any thread. Every worker gets the same GatherHoldings result, so the pure phases and
 // ReplanExperts compute the same answer everywhere. A phase reads this worker's copies only
-// through the ReadItem it is given, during the call, and returns values its caller owns.
+// through the ReadItem (ReadChunk, WriteChunk) it is given, during the call, on the calling thread,
+// and returns values its caller owns.
 #pragma once
 
 #include <cstdint>
@@ -143,5 +148,59 @@ struct MovedExperts {
                                                  const std::vector<int>& owner,
                                                  const CopySources& sources, int64_t expert_floats,
                                                  const ReadItem& read);
+
+// One piece of one expert's move: floats [offset, offset + n) of its blob, from rank `from` to
+// rank `to`.
+struct ExpertPiece {
+  int64_t expert = 0;
+  int from = 0, to = 0;
+  int64_t offset = 0, n = 0;
+};
+// The rounds of a chunked move: in each, every worker sends at most chunk_floats floats of pieces
+// and receives at most chunk_floats.
+struct ExpertChunkPlan {
+  std::vector<std::vector<ExpertPiece>> rounds;
+  int64_t moved = 0;  // experts whose source is not their owner
+};
+
+// The schedule MoveExpertsInChunks follows (pure: a function of its arguments alone, so every
+// worker computes the same rounds). Experts whose source is their owner have no pieces. Each round
+// takes, in expert order, as much of each unfinished move as its source can still send and its
+// owner still receive in that round (so pieces are cut wherever a chunk fills, and a blob larger
+// than a chunk spans several rounds). REQUIRES: chunk_floats >= 1, expert_floats >= 0, and one
+// source per owner entry.
+ExpertChunkPlan PlanExpertChunks(const std::vector<int>& owner, const CopySources& sources,
+                                 int64_t expert_floats, int64_t chunk_floats);
+
+// Copies floats [offset, offset + n) of this worker's blob of `item` at the agreed step into
+// `dst`. Called only for items this worker is the source of.
+using ReadChunk = std::function<Status(size_t item, int64_t offset, int64_t n, float* dst)>;
+// Makes `src` floats [offset, offset + n) of this worker's blob of `item` (it is the item's new
+// owner). Every float of a moved blob is written exactly once, in no particular order of pieces.
+using WriteChunk = std::function<Status(size_t item, int64_t offset, int64_t n, const float* src)>;
+
+// Phase 6 for state that does not fit in memory at once (collective; returns the experts moved,
+// of all workers). Moves each expert whose source is not its owner from sources.expert[e] to
+// owner[e], following PlanExpertChunks: one AllToAllV per round, and one more at the end. An
+// owner that is its own source does nothing: its copy stays where it is, neither read nor
+// written. A worker buffers at most chunk_floats + world_size floats each way (its pieces of the
+// round and one status word per peer); `read` and `write` are called on the calling thread,
+// between the collectives. Null `comm`: one worker, nothing moves.
+//
+// Failures. Each round's exchange carries a status word from every worker to every other: whether
+// its reads of this round and its writes of the round before succeeded (the round at the end
+// carries only that). When a read or write fails, the worker still exchanges the round (with
+// zeros for what it could not read), and after that exchange every worker stops, writes nothing of
+// it, and returns an error: the failing worker its own, wrapped with where it happened; the others
+// ABORTED naming the ranks that failed. So every worker returns an error after the same round and
+// none waits for a peer that has given up; the blobs written before are then partly moved (the
+// generation cannot go on from them). A failed collective is returned as it is, wrapped; its
+// peers fail their own collective within the communicator's timeout, or at once when it was
+// aborted.
+[[nodiscard]] StatusOr<int64_t> MoveExpertsInChunks(comm::Communicator* comm,
+                                                    const std::vector<int>& owner,
+                                                    const CopySources& sources,
+                                                    int64_t expert_floats, int64_t chunk_floats,
+                                                    const ReadChunk& read, const WriteChunk& write);
 
 }  // namespace strata::train

@@ -10,7 +10,9 @@
 
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <map>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -125,6 +127,25 @@ Outcome SyncOne(comm::Communicator* comm, const Worker& me) {
   return o;
 }
 
+// Runs fn(comm, rank) on W threads, each with its own Gloo communicator (timeout `timeout`).
+void RunWorkers(int W, std::chrono::milliseconds timeout,
+                const std::function<void(comm::Communicator*, int)>& fn) {
+  std::shared_ptr<comm::Store> store = comm::MakeInMemoryStore();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < W; ++r) {
+    threads.emplace_back([&, r] {
+      comm::CommOptions co;
+      co.rank = r;
+      co.world_size = W;
+      co.timeout = timeout;
+      StatusOr<std::unique_ptr<comm::Communicator>> c = comm::ConnectGloo(store, co);
+      ASSERT_TRUE(c.ok()) << c.status();
+      fn(c->get(), r);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
 // Every worker as a thread with its own Gloo communicator; a generation of one communicates
 // nothing (as Trainer::SyncState passes no communicator then).
 std::vector<Outcome> Sync(const std::vector<Worker>& workers) {
@@ -134,23 +155,7 @@ std::vector<Outcome> Sync(const std::vector<Worker>& workers) {
     out[0] = SyncOne(nullptr, workers[0]);
     return out;
   }
-  std::shared_ptr<comm::Store> store = comm::MakeInMemoryStore();
-  std::vector<std::thread> threads;
-  for (int r = 0; r < W; ++r) {
-    threads.emplace_back([&, r] {
-      comm::CommOptions co;
-      co.rank = r;
-      co.world_size = W;
-      co.timeout = 30s;
-      StatusOr<std::unique_ptr<comm::Communicator>> c = comm::ConnectGloo(store, co);
-      if (!c.ok()) {
-        out[r].status = c.status();
-        return;
-      }
-      out[r] = SyncOne(c->get(), workers[r]);
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  RunWorkers(W, 30s, [&](comm::Communicator* c, int r) { out[r] = SyncOne(c, workers[r]); });
   return out;
 }
 
@@ -364,6 +369,327 @@ TEST(StateSyncTest, AgreesOnTheNewestWholeVersion) {
   EXPECT_EQ(none.newest, 8);
   EXPECT_EQ(none.lost,
             "the dense parameters, expert 1 went with the failed workers and their buddy copies");
+}
+
+// --- Chunked expert moves --------------------------------------------------------------------
+
+// A communicator that forwards to another and records, per AllToAllV, how many floats this worker
+// sent and received, so a test sees the buffers of every round.
+class WatchedCommunicator : public comm::Communicator {
+ public:
+  explicit WatchedCommunicator(comm::Communicator* inner) : inner_(inner) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  std::string backend() const override { return inner_->backend(); }
+  Status AllReduce(float* data, size_t n) override { return inner_->AllReduce(data, n); }
+  Status AllReduce(double* data, size_t n) override { return inner_->AllReduce(data, n); }
+  Status AllToAllV(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                   const std::vector<int64_t>& recv_counts, size_t element_bytes) override {
+    int64_t out = 0, in = 0;
+    for (int64_t c : send_counts) out += c;
+    for (int64_t c : recv_counts) in += c;
+    sent.push_back(out);
+    received.push_back(in);
+    return inner_->AllToAllV(send, send_counts, recv, recv_counts, element_bytes);
+  }
+  Status AllGather(const void* send, size_t bytes, void* recv) override {
+    return inner_->AllGather(send, bytes, recv);
+  }
+  Status Broadcast(void* data, size_t bytes, int root) override {
+    return inner_->Broadcast(data, bytes, root);
+  }
+  Status Barrier() override { return inner_->Barrier(); }
+  void Abort(const std::string& why) override { inner_->Abort(why); }
+
+  std::vector<int64_t> sent, received;  // floats, per AllToAllV
+
+ private:
+  comm::Communicator* inner_;
+};
+
+// The value of float `i` of expert e's blob (below 2^24: exact in a float).
+float PieceValue(int64_t e, int64_t i) { return static_cast<float>(e * 10000 + i); }
+constexpr float kUnwritten = -7.0f;
+
+// One worker's side of a chunked move: the blobs it holds (expert -> floats), and what the move
+// did to them, round by round (a round is the number of AllToAllV calls made before).
+struct ChunkedWorker {
+  std::map<int64_t, std::vector<float>> blobs;
+  std::map<int64_t, std::vector<int>> writes;  // per moved-in expert: times each float was written
+  std::map<size_t, int64_t> read_in_round, written_in_round;  // floats
+  std::vector<std::string> violations;  // reads or writes of what it must not touch
+  Status status;
+  int64_t moved = -1;
+};
+
+// A random plan: every expert's owner and source drawn from W workers.
+void RandomPlan(std::mt19937& rng, int W, int64_t E, std::vector<int>* owner,
+                CopySources* sources) {
+  std::uniform_int_distribution<int> pick(0, W - 1);
+  owner->resize(E);
+  sources->expert.resize(E);
+  for (int64_t e = 0; e < E; ++e) {
+    (*owner)[e] = pick(rng);
+    // One in three stays with its owner.
+    sources->expert[e] = rng() % 3 == 0 ? (*owner)[e] : pick(rng);
+  }
+}
+
+// The blobs a worker starts with: a source holds its experts' blobs; an owner that is not the
+// source, a blob of kUnwritten to be filled.
+void Seed(ChunkedWorker& w, int rank, const std::vector<int>& owner, const CopySources& sources,
+          int64_t S) {
+  for (size_t e = 0; e < owner.size(); ++e) {
+    if (sources.expert[e] == rank) {
+      std::vector<float>& b = w.blobs[e];
+      for (int64_t i = 0; i < S; ++i) b.push_back(PieceValue(e, i));
+    } else if (owner[e] == rank) {
+      w.blobs[e].assign(S, kUnwritten);
+      w.writes[e].assign(S, 0);
+    }
+  }
+}
+
+// MoveExpertsInChunks on one worker over `watched`, with callbacks that check what they are
+// asked for and record it. `fail_read` / `fail_write` pick calls to fail (by round).
+void ChunkedMoveOne(WatchedCommunicator* watched, int rank, const std::vector<int>& owner,
+                    const CopySources& sources, int64_t S, int64_t chunk, ChunkedWorker& w,
+                    const std::function<bool(size_t round)>& fail_read = nullptr,
+                    const std::function<bool(size_t round)>& fail_write = nullptr) {
+  auto round = [&] { return watched ? watched->sent.size() : 0; };
+  const ReadChunk read = [&](size_t item, int64_t offset, int64_t n, float* dst) -> Status {
+    const int64_t e = static_cast<int64_t>(item) - 1;
+    if (sources.expert[e] != rank || owner[e] == rank || offset < 0 || offset + n > S) {
+      w.violations.push_back(absl::StrCat("read expert ", e, " [", offset, ", +", n, ")"));
+      return absl::OkStatus();
+    }
+    if (fail_read && fail_read(round())) return absl::DataLossError("the disk is gone");
+    w.read_in_round[round()] += n;
+    std::memcpy(dst, w.blobs[e].data() + offset, n * sizeof(float));
+    return absl::OkStatus();
+  };
+  const WriteChunk write = [&](size_t item, int64_t offset, int64_t n, const float* src) -> Status {
+    const int64_t e = static_cast<int64_t>(item) - 1;
+    if (owner[e] != rank || sources.expert[e] == rank || offset < 0 || offset + n > S) {
+      w.violations.push_back(absl::StrCat("wrote expert ", e, " [", offset, ", +", n, ")"));
+      return absl::OkStatus();
+    }
+    if (fail_write && fail_write(round())) return absl::ResourceExhaustedError("the disk is full");
+    w.written_in_round[round()] += n;
+    std::memcpy(w.blobs[e].data() + offset, src, n * sizeof(float));
+    for (int64_t i = offset; i < offset + n; ++i) w.writes[e][i]++;
+    return absl::OkStatus();
+  };
+  StatusOr<int64_t> moved = MoveExpertsInChunks(watched, owner, sources, S, chunk, read, write);
+  w.status = moved.status();
+  if (moved.ok()) w.moved = *moved;
+}
+
+TEST(StateSyncTest, PlansChunksThatFillEachRound) {
+  // Two workers, expert blobs of 5 floats, chunks of 8. Experts 0 and 1 go from rank 0 to rank 1,
+  // expert 2 stays with rank 0, expert 3 goes from rank 1 to rank 0. Round 1: expert 0 whole and
+  // 3 floats of expert 1 (rank 0 sends 8), expert 3 whole (rank 1 sends 5); round 2: the rest of
+  // expert 1.
+  CopySources sources;
+  sources.expert = {0, 0, 0, 1};
+  const ExpertChunkPlan plan = PlanExpertChunks({1, 1, 0, 0}, sources, 5, 8);
+  EXPECT_EQ(plan.moved, 3);
+  ASSERT_EQ(plan.rounds.size(), 2u);
+  auto same = [](const ExpertPiece& a, const ExpertPiece& b) {
+    return a.expert == b.expert && a.from == b.from && a.to == b.to && a.offset == b.offset &&
+           a.n == b.n;
+  };
+  const std::vector<ExpertPiece> r1 = {{0, 0, 1, 0, 5}, {1, 0, 1, 0, 3}, {3, 1, 0, 0, 5}};
+  const std::vector<ExpertPiece> r2 = {{1, 0, 1, 3, 2}};
+  ASSERT_EQ(plan.rounds[0].size(), r1.size());
+  for (size_t i = 0; i < r1.size(); ++i) EXPECT_TRUE(same(plan.rounds[0][i], r1[i])) << i;
+  ASSERT_EQ(plan.rounds[1].size(), r2.size());
+  EXPECT_TRUE(same(plan.rounds[1][0], r2[0]));
+  // Nothing to move: no rounds at all.
+  sources.expert = {1, 1, 0, 0};
+  EXPECT_TRUE(PlanExpertChunks({1, 1, 0, 0}, sources, 5, 8).rounds.empty());
+}
+
+TEST(StateSyncTest, MovesRandomPlansInChunksOfAnySize) {
+  constexpr int64_t S = 12, E = 9;
+  std::mt19937 rng(20261125);
+  for (int W : {3, 4}) {
+    for (int trial = 0; trial < 3; ++trial) {
+      std::vector<int> owner;
+      CopySources sources;
+      RandomPlan(rng, W, E, &owner, &sources);
+      // Independently: what each worker sends and receives in all, and the experts that move.
+      std::vector<int64_t> out(W, 0), in(W, 0);
+      int64_t moved = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        if (owner[e] == sources.expert[e]) continue;
+        ++moved;
+        out[sources.expert[e]] += S;
+        in[owner[e]] += S;
+      }
+      int64_t busiest = 0;
+      for (int w = 0; w < W; ++w) busiest = std::max({busiest, out[w], in[w]});
+      for (int64_t chunk : {int64_t{1}, int64_t{5}, S, int64_t{40}}) {
+        SCOPED_TRACE(::testing::Message()
+                     << W << " workers, trial " << trial << ", chunks of " << chunk);
+        std::vector<ChunkedWorker> w(W);
+        std::vector<std::unique_ptr<WatchedCommunicator>> watched(W);
+        for (int r = 0; r < W; ++r) Seed(w[r], r, owner, sources, S);
+        RunWorkers(W, 30s, [&](comm::Communicator* c, int r) {
+          watched[r] = std::make_unique<WatchedCommunicator>(c);
+          ChunkedMoveOne(watched[r].get(), r, owner, sources, S, chunk, w[r]);
+        });
+        for (int r = 0; r < W; ++r) {
+          SCOPED_TRACE(::testing::Message() << "worker " << r);
+          ASSERT_TRUE(w[r].status.ok()) << w[r].status;
+          EXPECT_EQ(w[r].moved, moved);
+          EXPECT_TRUE(w[r].violations.empty()) << w[r].violations.front();
+          // The same number of collectives everywhere; at least as many rounds as the busiest
+          // worker's floats need, plus the closing exchange.
+          EXPECT_EQ(watched[r]->sent.size(), watched[0]->sent.size());
+          if (moved > 0) {
+            EXPECT_GE(static_cast<int64_t>(watched[r]->sent.size()),
+                      (busiest + chunk - 1) / chunk + 1);
+          }
+          // Buffers: a chunk of pieces and a status word per peer, each way, every round.
+          for (size_t k = 0; k < watched[r]->sent.size(); ++k) {
+            EXPECT_LE(watched[r]->sent[k], chunk + W - 1) << "round " << k;
+            EXPECT_LE(watched[r]->received[k], chunk + W - 1) << "round " << k;
+          }
+          for (const auto& [k, n] : w[r].read_in_round) EXPECT_LE(n, chunk) << "round " << k;
+          for (const auto& [k, n] : w[r].written_in_round) EXPECT_LE(n, chunk) << "round " << k;
+          // Every blob it owns or sourced, bitwise; every moved-in float written once.
+          for (const auto& [e, blob] : w[r].blobs) {
+            std::vector<float> want(S);
+            for (int64_t i = 0; i < S; ++i) want[i] = PieceValue(e, i);
+            EXPECT_TRUE(SameBits(blob, want)) << "expert " << e;
+          }
+          for (const auto& [e, times] : w[r].writes) {
+            EXPECT_EQ(times, std::vector<int>(S, 1)) << "expert " << e;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(StateSyncTest, ChunkedMovesEndAsMoveExpertsDoes) {
+  // The scenario of FourWorkersOneLostOneJoined, moved both ways over the same communicators: each
+  // owner's blobs after the chunked move (its own copies, which stay, and what was written) are
+  // MoveExperts' bitwise.
+  constexpr int W = 4;
+  const std::vector<int> owner = {0, 0, 1, 1, 2, 2, 3, 3};
+  CopySources sources;
+  sources.expert = {0, 0, 1, 1, 2, 2, 0, 0};
+  std::mt19937 rng(7);
+  std::vector<int> more_owner;
+  CopySources more_sources;
+  RandomPlan(rng, W, 11, &more_owner, &more_sources);
+  struct Plan {
+    std::vector<int> owner;
+    CopySources sources;
+  };
+  for (const Plan& plan : {Plan{owner, sources}, Plan{more_owner, more_sources}}) {
+    const std::vector<int>& own = plan.owner;
+    const CopySources& src = plan.sources;
+    const int64_t n = static_cast<int64_t>(own.size());
+    std::vector<MovedExperts> whole(W);
+    std::vector<ChunkedWorker> chunked(W);
+    for (int r = 0; r < W; ++r) Seed(chunked[r], r, own, src, kExpertFloats);
+    RunWorkers(W, 30s, [&](comm::Communicator* c, int r) {
+      const ReadItem read = [&](size_t item, float* dst) {
+        const int64_t e = static_cast<int64_t>(item) - 1;
+        for (int64_t i = 0; i < kExpertFloats; ++i) dst[i] = PieceValue(e, i);
+      };
+      StatusOr<MovedExperts> m = MoveExperts(c, own, src, kExpertFloats, read);
+      ASSERT_TRUE(m.ok()) << m.status();
+      whole[r] = *m;
+      WatchedCommunicator watched(c);
+      ChunkedMoveOne(&watched, r, own, src, kExpertFloats, /*chunk=*/3, chunked[r]);
+    });
+    for (int r = 0; r < W; ++r) {
+      SCOPED_TRACE(::testing::Message() << "worker " << r);
+      ASSERT_TRUE(chunked[r].status.ok()) << chunked[r].status;
+      EXPECT_EQ(chunked[r].moved, whole[r].moved);
+      std::vector<float> mine;
+      for (int64_t e = 0; e < n; ++e) {
+        if (own[e] != r) continue;
+        const std::vector<float>& b = chunked[r].blobs.at(e);
+        mine.insert(mine.end(), b.begin(), b.end());
+      }
+      EXPECT_TRUE(SameBits(mine, whole[r].blobs));
+    }
+  }
+}
+
+TEST(StateSyncTest, AWorkerAloneMovesNothingInChunks) {
+  CopySources sources;
+  sources.expert = {0, 0, 0};
+  int calls = 0;
+  StatusOr<int64_t> moved = MoveExpertsInChunks(
+      nullptr, {0, 0, 0}, sources, 4, 2,
+      [&](size_t, int64_t, int64_t, float*) {
+        ++calls;
+        return absl::OkStatus();
+      },
+      [&](size_t, int64_t, int64_t, const float*) {
+        ++calls;
+        return absl::OkStatus();
+      });
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(*moved, 0);
+  EXPECT_EQ(calls, 0);
+}
+
+TEST(StateSyncTest, AFailedReadOrWriteStopsEveryWorkerAfterTheSameRound) {
+  // Rank 1 sends experts 0-2 to rank 0 and receives 3-5 from rank 2 in chunks of 4 floats (of
+  // blobs of 5); rank 3 only watches. A failure of rank 1 must end the move on every worker with
+  // an error well before the communicators' timeout (60 s).
+  constexpr int W = 4;
+  constexpr int64_t S = 5, chunk = 4;
+  const std::vector<int> owner = {0, 0, 0, 1, 1, 1};
+  CopySources sources;
+  sources.expert = {1, 1, 1, 2, 2, 2};
+  const size_t rounds = PlanExpertChunks(owner, sources, S, chunk).rounds.size();
+  ASSERT_EQ(rounds, 4u);  // 15 floats each way, 4 a round
+  struct Case {
+    const char* name;
+    std::function<bool(size_t)> fail_read, fail_write;
+    std::string own_error;
+    size_t collectives;  // how many every worker makes before it stops
+  };
+  const std::vector<Case> cases = {
+      {"read in round 2", [](size_t k) { return k == 1; }, nullptr,
+       "from rank 1 to rank 0, round 2 of 4: reading it failed: the disk is gone", 2},
+      {"write in the last round", nullptr, [&](size_t k) { return k == rounds; },
+       "from rank 2 to rank 1, round 4 of 4: writing it failed: the disk is full", rounds + 1},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::vector<ChunkedWorker> w(W);
+    std::vector<std::unique_ptr<WatchedCommunicator>> watched(W);
+    for (int r = 0; r < W; ++r) Seed(w[r], r, owner, sources, S);
+    const auto t0 = std::chrono::steady_clock::now();
+    RunWorkers(W, 60s, [&](comm::Communicator* comm, int r) {
+      watched[r] = std::make_unique<WatchedCommunicator>(comm);
+      ChunkedMoveOne(watched[r].get(), r, owner, sources, S, chunk, w[r],
+                     r == 1 ? c.fail_read : nullptr, r == 1 ? c.fail_write : nullptr);
+    });
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s);
+    for (int r = 0; r < W; ++r) {
+      SCOPED_TRACE(::testing::Message() << "worker " << r);
+      EXPECT_EQ(watched[r]->sent.size(), c.collectives);
+      if (r == 1) {
+        EXPECT_NE(w[r].status.code(), absl::StatusCode::kAborted) << w[r].status;
+        EXPECT_NE(w[r].status.message().find(c.own_error), std::string::npos) << w[r].status;
+      } else {
+        EXPECT_EQ(w[r].status.code(), absl::StatusCode::kAborted) << w[r].status;
+        EXPECT_NE(w[r].status.message().find("rank(s) 1 could not read or write"),
+                  std::string::npos)
+            << w[r].status;
+      }
+    }
+  }
 }
 
 }  // namespace
