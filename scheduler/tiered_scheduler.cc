@@ -19,7 +19,8 @@ constexpr double kHistoryDecay = 0.9;  // per step
 }  // namespace
 
 StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
-    model::MoeTransformer& model, const TieredOptions& options) {
+    model::MoeTransformer& model, const TieredOptions& options,
+    std::unique_ptr<storage::TieredExpertStore> store) {
   std::unique_ptr<TieredExpertScheduler> s(new TieredExpertScheduler);
   s->options_ = options;
   if (model.moe_layers().empty()) {
@@ -65,36 +66,90 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
   }
   s->zeros_.assign(s->expert_floats(), 0.0f);
 
-  storage::StoreOptions so;
-  so.tensor_bytes = s->expert_floats() * sizeof(float);
-  so.device_budget_bytes = options.device_slot_bytes;
-  so.host_budget_bytes = options.storage.host_budget_bytes();
-  so.device_budget = options.device_budget;
-  so.host_budget = options.host_budget;
-  so.lfu_decay_interval = options.storage.lfu_decay_interval();
-  so.lfu_decay = options.storage.lfu_decay();
-  so.ssd.dir = options.ssd_dir;
-  so.ssd.file_bytes = options.storage.ssd_file_bytes();
-  so.ssd.capacity_bytes = options.storage.ssd_capacity_bytes();
-  so.io.queue_depth = options.storage.io_queue_depth();
-  so.io.block_bytes = options.storage.io_block_bytes();
-  so.compute_threads = options.threads;
-  so.ssd_threads = static_cast<int>(options.storage.ssd_threads());
-  so.wrap_io = options.wrap_io;
-  so.shared_ssd = options.shared_ssd;
-  // Never-written weights are generated from the seed, exactly as in memory.
-  so.initializer = [ptr = s.get()](const TensorKey& key, float* dst) {
-    const int li = ptr->MoeIndex(key.layer);
-    const auto& params = ptr->layers_[li].experts[key.expert - ptr->first_expert_];
-    for (size_t i = 0; i < params.size(); ++i) {
-      model::InitialValues(*params[i], ptr->options_.seed, dst + ptr->layout_.segments[i].offset);
-    }
-  };
-  ASSIGN_OR_RETURN(s->store_, storage::TieredExpertStore::Create(so));
+  RETURN_IF_ERROR(s->SetUpStore(std::move(store)));
   s->updated_layers_ = s->moe_layers();
   s->update_pool_ = std::make_unique<ThreadPool>(1);
   s->updater_ = std::thread([ptr = s.get()] { ptr->UpdaterLoop(); });
   return s;
+}
+
+void TieredExpertScheduler::Initialize(const TensorKey& key, float* dst) const {
+  const int li = MoeIndex(key.layer);
+  const auto& params = layers_[li].experts[key.expert - first_expert_];
+  for (size_t i = 0; i < params.size(); ++i) {
+    model::InitialValues(*params[i], options_.seed, dst + layout_.segments[i].offset);
+  }
+}
+
+Status TieredExpertScheduler::SetUpStore(std::unique_ptr<storage::TieredExpertStore> store) {
+  // Never-written weights are generated from the seed, exactly as in memory.
+  auto initializer = [this](const TensorKey& key, float* dst) { Initialize(key, dst); };
+  if (store) {
+    const uint64_t bytes = expert_floats() * sizeof(float);
+    if (store->tensor_bytes() != bytes) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "the tiered store handed over holds expert tensors of %d bytes, but this model's "
+          "experts are %d bytes; a store can only go to a model of the same configuration",
+          store->tensor_bytes(), bytes));
+    }
+    if (store->compute_threads() < options_.threads) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "the tiered store handed over has slots for %d compute threads, but this scheduler "
+          "runs %d; keep the thread count across the re-form",
+          store->compute_threads(), options_.threads));
+    }
+    store->WaitIdle();
+    // What this range holds: its layers' experts, without gradients (a new scheduler starts
+    // without any; a step cut short may have left some).
+    const int64_t last = first_expert_ + static_cast<int64_t>(layers_[0].experts.size());
+    store->DiscardUnless([&](const TensorKey& k) {
+      const bool layer = std::any_of(layers_.begin(), layers_.end(),
+                                     [&](const Layer& L) { return L.block == k.layer; });
+      return layer && k.expert >= first_expert_ && k.expert < last && k.kind != TensorKind::kGrad;
+    });
+    store->set_initializer(std::move(initializer));
+    store_ = std::move(store);
+    return absl::OkStatus();
+  }
+  storage::StoreOptions so;
+  so.tensor_bytes = expert_floats() * sizeof(float);
+  so.device_budget_bytes = options_.device_slot_bytes;
+  so.host_budget_bytes = options_.storage.host_budget_bytes();
+  so.device_budget = options_.device_budget;
+  so.host_budget = options_.host_budget;
+  so.lfu_decay_interval = options_.storage.lfu_decay_interval();
+  so.lfu_decay = options_.storage.lfu_decay();
+  so.ssd.dir = options_.ssd_dir;
+  so.ssd.file_bytes = options_.storage.ssd_file_bytes();
+  so.ssd.capacity_bytes = options_.storage.ssd_capacity_bytes();
+  so.io.queue_depth = options_.storage.io_queue_depth();
+  so.io.block_bytes = options_.storage.io_block_bytes();
+  so.compute_threads = options_.threads;
+  so.ssd_threads = static_cast<int>(options_.storage.ssd_threads());
+  so.wrap_io = options_.wrap_io;
+  so.shared_ssd = options_.shared_ssd;
+  so.initializer = std::move(initializer);
+  ASSIGN_OR_RETURN(store_, storage::TieredExpertStore::Create(so));
+  return absl::OkStatus();
+}
+
+std::unique_ptr<storage::TieredExpertStore> TieredExpertScheduler::ReleaseStore() {
+  Quiesce();
+  {
+    std::lock_guard<std::mutex> lock(umu_);
+    stop_updater_ = true;
+  }
+  ucv_.notify_all();
+  if (updater_.joinable()) updater_.join();
+  store_->set_record_spans(false);
+  store_->set_initializer([](const TensorKey& key, float*) {
+    CHECK(false) << key.ToString() << " was loaded while its tiered store belonged to no scheduler";
+  });
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    blobs_.clear();
+  }
+  return std::move(store_);
 }
 
 TieredExpertScheduler::~TieredExpertScheduler() {
@@ -406,12 +461,53 @@ Status TieredExpertScheduler::SumGradientsOver(comm::Communicator& replicas) {
   return absl::OkStatus();
 }
 
+Status TieredExpertScheduler::CheckRange(int moe_layer, int expert, int64_t offset,
+                                         int64_t n) const {
+  if (moe_layer < 0 || moe_layer >= moe_layers() || expert < 0 ||
+      expert >= num_experts(moe_layer)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "no expert %d of MoE layer %d here: this scheduler holds %d MoE layers of %d experts "
+        "(local indices; global experts %d on)",
+        expert, moe_layer, moe_layers(), num_experts(0), first_expert_));
+  }
+  if (offset < 0 || n < 0 || offset + n > layout_.floats) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "floats [%d, %d) of an expert tensor of %d floats (layer %d, expert %d)", offset,
+        offset + n, layout_.floats, layers_[moe_layer].block, first_expert_ + expert));
+  }
+  return absl::OkStatus();
+}
+
 Status TieredExpertScheduler::ReadExpert(int moe_layer, int expert, TensorKind kind, float* out) {
+  return ReadExpertRange(moe_layer, expert, kind, 0, layout_.floats, out);
+}
+
+Status TieredExpertScheduler::ReadExpertRange(int moe_layer, int expert, TensorKind kind,
+                                              int64_t offset, int64_t n, float* out) {
+  RETURN_IF_ERROR(CheckRange(moe_layer, expert, offset, n));
   RETURN_IF_ERROR(FinishExpertStep());
   const TensorKey key = Key(moe_layer, expert, kind);
   ASSIGN_OR_RETURN(const float* data, store_->AcquireHost(key));
-  std::copy(data, data + layout_.floats, out);
+  std::copy(data + offset, data + offset + n, out);
   store_->ReleaseHost(key, /*modified=*/false);
+  return absl::OkStatus();
+}
+
+Status TieredExpertScheduler::WriteExpert(int moe_layer, int expert, TensorKind kind,
+                                          const float* in) {
+  return WriteExpertRange(moe_layer, expert, kind, 0, layout_.floats, in);
+}
+
+Status TieredExpertScheduler::WriteExpertRange(int moe_layer, int expert, TensorKind kind,
+                                               int64_t offset, int64_t n, const float* in) {
+  RETURN_IF_ERROR(CheckRange(moe_layer, expert, offset, n));
+  RETURN_IF_ERROR(FinishExpertStep());
+  const TensorKey key = Key(moe_layer, expert, kind);
+  // The host slot holds the current value (read from the SSD tier, or initialised) so that the
+  // floats outside the range keep it; a whole write pays that read too, which keeps one path.
+  ASSIGN_OR_RETURN(float* data, store_->AcquireHost(key));
+  std::copy(in, in + n, data + offset);
+  store_->ReleaseHost(key, /*modified=*/true);
   return absl::OkStatus();
 }
 

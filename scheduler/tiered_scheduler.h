@@ -33,8 +33,9 @@
 // sum and the copies stay bitwise equal.
 //
 // Threads: BeginPass, NextReady and Done are called from the MoE layer's threads as
-// expert_residency.h says; StepExperts, SumGradientsOver, ReadExpert, FinishExpertStep, EndStep,
-// ExpertGradSumSquares, set_tracer and Quiesce from the thread that drives the step (the
+// expert_residency.h says; StepExperts, SumGradientsOver, ReadExpert, ReadExpertRange,
+// WriteExpert, WriteExpertRange, FinishExpertStep, EndStep, ExpertGradSumSquares, set_tracer,
+// Quiesce and ReleaseStore from the thread that drives the step (the
 // trainer's), never during a pass (ExpertGradSumSquares reads what Done and SumGradientsOver
 // write, unsynchronised), and set_tracer also never while an expert update is in flight (the
 // optimizer thread reads the tracer). status() may be called
@@ -43,10 +44,20 @@
 // update StepExperts queues; the store runs its stage threads. The destructor lets the update in
 // flight finish, then stops the optimizer thread.
 //
-// Ownership: the scheduler owns its store (store() lives as long as the scheduler; the store is
-// safe for concurrent use, see storage/tiered_store.h), shares the SSD tier of
-// options.shared_ssd, and borrows the budgets and the tracer, which must outlive it. The blobs
-// NextReady hands out are lent until Done.
+// Ownership: the scheduler owns its store (store() lives as long as the scheduler, or until
+// ReleaseStore hands it on; the store is safe for concurrent use, see storage/tiered_store.h),
+// shares the SSD tier of options.shared_ssd, and borrows the budgets and the tracer, which must
+// outlive it. The budgets are the store's: they must outlive the store too, also when it is handed
+// to another scheduler. The blobs NextReady hands out are lent until Done.
+//
+// Handing the store on (an elastic re-form keeps a worker's experts in its store while its range
+// of experts changes). The store's keys name global experts (Key), so one store can serve a
+// scheduler over another model whose range overlaps: ReleaseStore takes the store from a quiesced
+// scheduler, and Create adopts it for the new model, dropping the experts the new range does not
+// hold and every gradient, and re-pointing the initializer. The experts both ranges hold keep
+// their values bitwise; one new to the range reads as initialised until WriteExpert gives it its
+// value. A whole expert set is never in memory: values move one tensor (or a range of one) at a
+// time through a host slot of the store.
 #pragma once
 
 #include <condition_variable>
@@ -89,8 +100,17 @@ class TieredExpertScheduler : public model::ExpertResidency {
   // The model must have been built with unbound experts and this scheduler attached afterwards
   // (model.AttachResidency(scheduler)). The scheduler keeps (const) pointers to the model's expert
   // parameters to read their names and init rules: the model must outlive it.
+  //
+  // With `store` (one a ReleaseStore gave up, over a model of the same configuration) the
+  // scheduler adopts it instead of making one: options' budgets, SSD folder, shared SSD tier and
+  // wrap_io are then the store's from its creation, and options.threads must not exceed the
+  // compute threads it was made for. Tensors of experts outside this model's range, and every
+  // gradient (a step cut short left them), are discarded (their SSD versions stay readable by
+  // the checkpoints that reference them); the rest keep their values. INVALID_ARGUMENT when the
+  // store's tensors are not this model's expert size; on any error the store is destroyed.
   [[nodiscard]] static StatusOr<std::unique_ptr<TieredExpertScheduler>> Create(
-      model::MoeTransformer& model, const TieredOptions& options);
+      model::MoeTransformer& model, const TieredOptions& options,
+      std::unique_ptr<storage::TieredExpertStore> store = nullptr);
   ~TieredExpertScheduler() override;
 
   void BeginPass(int layer, Pass pass, std::span<const int> experts) override;
@@ -120,6 +140,21 @@ class TieredExpertScheduler : public model::ExpertResidency {
   // blob laid out by layout()) into `out` (expert_floats() floats), through a host slot of the
   // store. Waits for the expert update in flight first.
   [[nodiscard]] Status ReadExpert(int moe_layer, int expert, storage::TensorKind kind, float* out);
+  // Floats [offset, offset + n) of it into `out` (n floats). INVALID_ARGUMENT for a layer, expert
+  // or range outside this scheduler's.
+  [[nodiscard]] Status ReadExpertRange(int moe_layer, int expert, storage::TensorKind kind,
+                                       int64_t offset, int64_t n, float* out);
+  // The mirror of ReadExpert: makes `in` (expert_floats() floats) the current value of one of this
+  // worker's experts' tensors, through a host slot of the store (any device copy is dropped; the
+  // value reaches the SSD tier when its slot is needed). Waits for the expert update in flight
+  // first. For state that arrives from elsewhere (an elastic re-form's moves), between steps.
+  [[nodiscard]] Status WriteExpert(int moe_layer, int expert, storage::TensorKind kind,
+                                   const float* in);
+  // Makes `in` floats [offset, offset + n) of that tensor; the others keep their current value
+  // (for a tensor never written: its initial value, or zero). So a tensor can arrive in pieces
+  // without ever being whole in the caller's memory. INVALID_ARGUMENT as ReadExpertRange.
+  [[nodiscard]] Status WriteExpertRange(int moe_layer, int expert, storage::TensorKind kind,
+                                        int64_t offset, int64_t n, const float* in);
   // Starts AdamW step `step` (1-based, as the dense optimizer's) of the experts on the host tier,
   // on the optimizer thread. With storage.overlap_optimizer it returns at once and the next
   // forward's BeginPass of MoE layer l waits until layer l is updated; without, it returns when
@@ -137,6 +172,11 @@ class TieredExpertScheduler : public model::ExpertResidency {
   // Waits for the expert update in flight and for the stages to finish what is queued
   // (prefetches for a next step that will not come), and moves their spans to the tracer.
   void Quiesce();
+  // Quiesces, stops the optimizer thread and hands the store on (for Create to adopt). The
+  // scheduler is then unusable except for destruction. Until a new scheduler adopts it, the store
+  // must not be given work: its initializer refers to no model (a never-written weights tensor
+  // loaded then is a bug, and stops the process).
+  [[nodiscard]] std::unique_ptr<storage::TieredExpertStore> ReleaseStore();
 
   storage::TieredExpertStore& store() { return *store_; }
   uint64_t expert_floats() const { return static_cast<uint64_t>(layout_.floats); }
@@ -181,6 +221,14 @@ class TieredExpertScheduler : public model::ExpertResidency {
 
   TieredExpertScheduler() = default;
   int MoeIndex(int block) const;
+  // Fills a never-written weights tensor of this scheduler's experts from the seed, exactly as
+  // in memory (the store's initializer).
+  void Initialize(const storage::TensorKey& key, float* dst) const;
+  // Makes a store for Create, or adopts `store` (see Create).
+  [[nodiscard]] Status SetUpStore(std::unique_ptr<storage::TieredExpertStore> store);
+  // INVALID_ARGUMENT unless (moe_layer, expert) is one of this scheduler's experts and [offset,
+  // offset + n) lies within its blob.
+  [[nodiscard]] Status CheckRange(int moe_layer, int expert, int64_t offset, int64_t n) const;
   // A flat [layout_.floats] tensor over a slot of the store (wrapped once per slot).
   Tensor Blob(float* data);
   void Fail(const Status& s);

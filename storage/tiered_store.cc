@@ -332,6 +332,26 @@ void TieredExpertStore::Discard(const TensorKey& key) {
   cv_.notify_all();
 }
 
+void TieredExpertStore::set_initializer(std::function<void(const TensorKey&, float*)> initializer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CHECK(queue_[kSsdStage].empty() && queue_[kCopyStage].empty() && busy_[kSsdStage] == 0 &&
+        busy_[kCopyStage] == 0)
+      << "the initializer of a tiered store changed while its stages had work";
+  options_.initializer = std::move(initializer);
+}
+
+int TieredExpertStore::DiscardUnless(const std::function<bool(const TensorKey&)>& keep) {
+  std::vector<TensorKey> gone;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [k, e] : entries_) {
+      if (!keep(k)) gone.push_back(k);
+    }
+  }
+  for (const TensorKey& k : gone) Discard(k);
+  return static_cast<int>(gone.size());
+}
+
 bool TieredExpertStore::Materialized(const TensorKey& key) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = entries_.find(key);

@@ -158,6 +158,23 @@ class TieredExpertStore {
   ~TieredExpertStore();
 
   uint64_t tensor_bytes() const { return options_.tensor_bytes; }
+  // The compute threads its minimum slot counts were checked for (StoreOptions).
+  int compute_threads() const { return options_.compute_threads; }
+
+  // --- Handing the store on ------------------------------------------------------------------
+  // A store may outlive the scheduler that made it (an elastic re-form keeps a worker's experts
+  // while its range of experts changes): keys name global experts, and the new owner re-points
+  // the initializer and drops what it no longer holds. Both calls REQUIRE that no other thread
+  // uses the store during the call and that the stages have nothing queued (WaitIdle): the
+  // initializer is read by the stage threads without the lock.
+  //
+  // Replaces StoreOptions::initializer (same contract).
+  void set_initializer(std::function<void(const TensorKey&, float*)> initializer);
+  // Discards (as Discard) every tensor for which keep(key) is false: its host and device slots
+  // are freed and its reference on its SSD version given back, so the version's extent is freed
+  // unless a checkpoint still references it (it stays readable by that checkpoint). Version
+  // numbers are not reused if the tensor comes back. Returns how many tensors were discarded.
+  int DiscardUnless(const std::function<bool(const TensorKey&)>& keep);
 
   // --- Compute-side access -----------------------------------------------------------------
   // Pins `key` in the device tier and returns its data, waiting for the stages as needed. With

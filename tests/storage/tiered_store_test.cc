@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <random>
@@ -118,6 +119,53 @@ TEST_F(TieredStoreTest, GradientsWriteBackAndDiscard) {
     store->ReleaseHost(g, false);
     store->Discard(g);
   }
+}
+
+TEST_F(TieredStoreTest, DiscardUnlessFreesWhatGoesButWhatACheckpointReferences) {
+  auto store = Make(3, 7);
+  // 10 experts' weights written on the host: most are evicted to the SSD tier.
+  for (int e = 0; e < 10; ++e) {
+    TensorKey k{0, e, TensorKind::kWeights};
+    auto p = store->AcquireHost(k);
+    ASSERT_TRUE(p.ok()) << p.status();
+    for (uint64_t i = 0; i < kFloats; ++i) (*p)[i] = static_cast<float>(e * 3 + i % 11);
+    store->ReleaseHost(k, true);
+  }
+  // A checkpoint's reference on expert 0's version (it went to the SSD tier first).
+  std::vector<float> copy(kFloats);
+  TieredExpertStore::Snapshot held;
+  ASSERT_TRUE(
+      store->SnapshotTensor(TensorKey{0, 0, TensorKind::kWeights}, copy.data(), &held).ok());
+  ASSERT_TRUE(held.has_stored);
+  store->WaitIdle();
+  const uint64_t used = store->ssd().used_bytes();
+  const uint64_t host_used = store->TakeStats().host.used_bytes;
+  // Experts 0-4 go. The 7 host slots hold 3-9 (equally hot, so 0-2 were evicted, oldest first):
+  // the extents of 1 and 2 are freed, and the host slots of 3 and 4; expert 0's extent stays while
+  // the checkpoint holds it.
+  EXPECT_EQ(store->DiscardUnless([](const TensorKey& k) { return k.expert >= 5; }), 5);
+  EXPECT_EQ(used - store->ssd().used_bytes(), 2 * kBytes);
+  EXPECT_EQ(host_used - store->TakeStats().host.used_bytes, 2 * kBytes);
+  std::unique_ptr<float, decltype(&std::free)> buf(
+      static_cast<float*>(std::aligned_alloc(4096, held.stored.extent.length)), &std::free);
+  ASSERT_TRUE(store->ssd().Read(held.stored, buf.get(), "held").ok());
+  for (uint64_t i = 0; i < kFloats; ++i) ASSERT_EQ(buf.get()[i], static_cast<float>(i % 11));
+  store->UnrefVersion(TensorKey{0, 0, TensorKind::kWeights}, held.version);
+  EXPECT_EQ(used - store->ssd().used_bytes(), 3 * kBytes);
+  // A discarded tensor reads as never written, from the initializer in place now; a kept one keeps
+  // its value.
+  store->set_initializer([](const TensorKey& k, float* p) {
+    for (uint64_t i = 0; i < kFloats; ++i) p[i] = -InitValue(k, i);
+  });
+  const TensorKey gone{0, 2, TensorKind::kWeights}, kept{0, 7, TensorKind::kWeights};
+  auto p = store->AcquireHost(gone);
+  ASSERT_TRUE(p.ok()) << p.status();
+  for (uint64_t i = 0; i < kFloats; i += 97) ASSERT_EQ((*p)[i], -InitValue(gone, i));
+  store->ReleaseHost(gone, false);
+  p = store->AcquireHost(kept);
+  ASSERT_TRUE(p.ok()) << p.status();
+  for (uint64_t i = 0; i < kFloats; i += 97) ASSERT_EQ((*p)[i], static_cast<float>(21 + i % 11));
+  store->ReleaseHost(kept, false);
 }
 
 TEST_F(TieredStoreTest, LfuKeepsTheHotEntryAndDecayLetsItGo) {
