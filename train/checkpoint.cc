@@ -12,6 +12,7 @@
 #include <ctime>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <utility>
 
@@ -818,6 +819,11 @@ Status CheckpointManager::RemoveLocked(int64_t step) {
     sets_.erase(set);
   }
   if (it == manifests_.end()) return absl::OkStatus();  // the shard had lost it
+  return RemoveLocalLocked(it);
+}
+
+Status CheckpointManager::RemoveLocalLocked(std::vector<CheckpointManifest>::iterator it) {
+  const int64_t step = it->step();
   // The ledger records the removal first: a process killed before the index forgets the
   // checkpoint leaves one that the next open neither lists nor takes for a resurrected one.
   RETURN_IF_ERROR(WriteLedger(&*it));
@@ -1304,7 +1310,7 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
   // The writer is done with the last checkpoint's buffers: this one takes them again.
   if (!arena_) arena_ = std::make_unique<SnapshotArena>();
   arena_->Reset();
-  if (!options_.committer) RETURN_IF_ERROR(ReclaimUnnamed());
+  if (!options_.committer) RETURN_IF_ERROR(ReclaimUnnamed(/*every=*/false));
   RETURN_IF_ERROR(ReplaceFrom(step));
   // The experts' update of the last step runs behind the caller: snapshot what it wrote.
   if (tiered) RETURN_IF_ERROR(tiered->FinishExpertStep());
@@ -1804,23 +1810,84 @@ Status CheckpointManager::CollectPrepared(Pending& p) {
   return absl::OkStatus();
 }
 
-Status CheckpointManager::ReclaimUnnamed() {
+Status CheckpointManager::ReclaimUnnamed(bool every) {
   ASSIGN_OR_RETURN(std::vector<CheckpointSet> sets, ListCheckpointSets(options_.dir));
   std::lock_guard<std::mutex> lock(mu_);
   sets_ = std::move(sets);
-  if (sets_.empty()) return absl::OkStatus();
-  const int64_t newest = sets_.back().step();
+  if (sets_.empty() && !every) return absl::OkStatus();
+  const int64_t below = every ? std::numeric_limits<int64_t>::max() : sets_.back().step();
   std::vector<int64_t> unnamed;
   for (const CheckpointManifest& cm : manifests_) {
-    if (!cm.sharded() || cm.step() >= newest) continue;
+    if (!cm.sharded() || cm.step() >= below) continue;
     const storage::ShardEntry* e = nullptr;
     for (const CheckpointSet& cs : sets_) {
       if (cs.step() == cm.step()) e = FindShard(cs, shard_name_);
     }
     if (e == nullptr || e->local_sequence() != cm.sequence()) unnamed.push_back(cm.step());
   }
-  for (int64_t step : unnamed) RETURN_IF_ERROR(RemoveLocked(step));
+  // Only the local part: a set of that step naming another sequence is not this shard's to drop.
+  for (int64_t step : unnamed) {
+    auto it = std::find_if(manifests_.begin(), manifests_.end(),
+                           [&](const CheckpointManifest& m) { return m.step() == step; });
+    STRATA_LOG(INFO) << "shard " << shard_name_ << " of " << options_.dir
+                     << ": no committed set names its local checkpoint of step " << step
+                     << "; its space is reclaimed";
+    RETURN_IF_ERROR(RemoveLocalLocked(it));
+  }
   return absl::OkStatus();
+}
+
+Status CheckpointManager::Continue(int64_t generation, bool committer,
+                                   std::shared_ptr<std::atomic<bool>> abandoned) {
+  if (shard_name_ == ".") {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "the checkpoint folder '%s' was written before sharding, and its one shard is the folder "
+        "itself, held with the committer's lock: a new generation cannot keep it; close this "
+        "checkpoint manager and open the folder again",
+        options_.dir));
+  }
+  // The previous generation's checkpoint in flight ends here, so that no writer work crosses
+  // generations: a committer waiting for reports gives up (the workers may be gone), a persist's
+  // own writes finish. Its failure is the old generation's: the new one saves again.
+  cancel_ = true;
+  Status in_flight = Wait();
+  cancel_ = false;
+  if (!in_flight.ok()) {
+    STRATA_LOG(WARNING) << "generation " << generation << " continues without the checkpoint "
+                        << "the previous generation left in flight: " << in_flight.message();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    writer_status_ = absl::OkStatus();
+    writer_done_ = true;
+  }
+  if (committer && lock_fd_ < 0) {
+    ASSIGN_OR_RETURN(lock_fd_, LockFolder(options_.dir + "/LOCK", options_.dir));
+  } else if (!committer && lock_fd_ >= 0) {
+    Unlock(std::exchange(lock_fd_, -1));
+  }
+  options_.committer = committer;
+  options_.generation = generation;
+  options_.abandoned = std::move(abandoned);
+  // The reports of older generations are of checkpoints that can no longer commit; this
+  // generation's workers may already be reporting theirs.
+  if (committer) {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(PreparedRoot(options_.dir), ec)) {
+      int64_t g = 0;
+      if (!absl::SimpleAtoi(entry.path().filename().string(), &g) || g >= generation) continue;
+      std::error_code removed;
+      std::filesystem::remove_all(entry.path(), removed);
+      if (removed) {
+        return absl::PermissionDeniedError(
+            absl::StrFormat("cannot clear '%s' of generation %d's prepared reports: %s",
+                            entry.path().string(), g, removed.message()));
+      }
+    }
+  }
+  // The old committer committed (or not) just before it stopped: what this shard prepared for a
+  // set that never committed goes, releasing only what no checkpoint and no live tensor uses.
+  return ReclaimUnnamed(/*every=*/true);
 }
 
 std::vector<std::set<std::string>> DealDenseParameters(const model::MoeTransformer& model,

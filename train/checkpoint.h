@@ -56,7 +56,9 @@
 // and Resume borrow the model, optimizer and context for the call; the TieredExpertScheduler given
 // to them and Save's ctx.tracer are kept (the writer updates the store's references to checkpoint
 // versions and records its span) and must stay alive until no persist runs (Wait). The destructor
-// abandons a commit waiting for other shards (Abandon) and waits for the persist in flight. The
+// abandons a commit waiting for other shards (Abandon) and waits for the persist in flight; so does
+// Continue, which keeps the manager (its shard, SSD tier, index and writer) across membership
+// generations and takes or gives up the committer's role and lock. The
 // static List, Verify and Remove may run on any thread: List and Verify only read the folder (also
 // while a process trains in it); Remove takes the folder's lock, so it fails while a process trains
 // in it.
@@ -203,6 +205,34 @@ class CheckpointManager {
   // A committer waiting for other shards' reports gives up (the checkpoint fails, the previous
   // ones stay); a persist's own writes still finish. Any thread; the destructor does the same.
   void Abandon() { cancel_ = true; }
+  // A new membership generation of the same job, keeping this shard open — and with it its SSD
+  // tier, which a live TIERED store shares (ssd()): reopening the shard would build a second tier
+  // that takes the live tensors' extents, which no checkpoint lists, for free space. In order:
+  //   - the checkpoint the old generation left in flight ends (as with Abandon: a commit waiting
+  //     for reports gives up, the persist's own writes finish; its error is logged, not
+  //     returned), so no writer work crosses generations;
+  //   - the committer's role: taken (DIR/LOCK, as Open takes it; UNAVAILABLE, naming the pid,
+  //     while another process holds it) or given up (the lock released, so that another worker
+  //     can take it); the committer clears DIR/prepared/ of older generations' reports, never of
+  //     this one's. Unlike Open, it does not tidy shards no process holds (a worker joining this
+  //     generation may be opening its own);
+  //   - the committed sets are read again (the old committer may have committed just before it
+  //     stopped, or not), and every local checkpoint of this shard that none names goes — as
+  //     Open reclaims them, but with the live store's references respected: an extent is freed
+  //     only once no checkpoint and no live tensor uses it.
+  // From then on prepared reports are written and collected under `generation`, and `abandoned`
+  // (may be null) is the flag another thread sets to abandon this generation's commit.
+  // A folder written before sharding (shard_name() ".") cannot continue (FAILED_PRECONDITION), nor
+  // should a manager whose shard name the new generation changes (r<rank> shards): the caller
+  // destroys it and opens the folder again. Called from the trainer's thread, like Save; not while
+  // another thread calls Abandon. REQUIRES: the index is writable (opened without must_exist, or
+  // resumed), and the previous generation's committer, if it still runs, has finished its persist
+  // (its own Continue or destructor returned) before a worker continues — else it might still
+  // commit a set naming a part this drops (the trainer continues rank 0 first, as
+  // OpenWorkerCheckpoints opens). The TieredExpertScheduler last given to Save or Resume must
+  // still be alive: dropped checkpoints give their versions back to its store.
+  [[nodiscard]] Status Continue(int64_t generation, bool committer,
+                                std::shared_ptr<std::atomic<bool>> abandoned);
   // The step of the newest committed checkpoint (0: none); safe while a persist runs.
   int64_t NewestCommitted();
   // Waits for the persist in flight; returns its error, if any.
@@ -241,6 +271,9 @@ class CheckpointManager {
   // Drops a checkpoint: its global manifest first, then the local one from the ledger and the
   // index, releasing the extents only it used.
   [[nodiscard]] Status RemoveLocked(int64_t step);
+  // Drops the local checkpoint `local` (of manifests_) alone: the ledger records its removal, the
+  // index forgets it, and each version only it listed is released (ReleaseVersion).
+  [[nodiscard]] Status RemoveLocalLocked(std::vector<storage::CheckpointManifest>::iterator local);
   // Reopens the index for writing, then Tidy.
   [[nodiscard]] Status ReopenWritable();
   // With the index open for writing: finishes removals a killed process left half done and
@@ -284,9 +317,10 @@ class CheckpointManager {
   [[nodiscard]] Status CollectPrepared(Pending& p);
   // A worker: reports its shard prepared for `p`'s step.
   [[nodiscard]] Status ReportPrepared(const Pending& p);
-  // A worker: removes the local checkpoints of its shard that no committed set names, older than
-  // the newest committed one (the committer pruned or never committed them).
-  [[nodiscard]] Status ReclaimUnnamed();
+  // Reads the committed sets again and removes the local checkpoints of this shard that no
+  // committed set names (the committer pruned or never committed them): those older than the
+  // newest committed one (a worker at each save), or (`every`) all of them (Continue).
+  [[nodiscard]] Status ReclaimUnnamed(bool every);
   // The committer, when it opens: every other shard that no process holds lets go of the local
   // checkpoints no committed set names.
   void ReclaimIdleShards();

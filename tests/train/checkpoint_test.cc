@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -20,6 +21,7 @@
 #include "core/common/fault_injection.h"
 #include "google/protobuf/text_format.h"
 #include "proto/config_io.h"
+#include "scheduler/tiered_scheduler.h"
 #include "storage/crc32c.h"
 #include "storage/tensor_index.h"
 #include "tests/test_util.h"
@@ -1096,6 +1098,437 @@ TEST(CheckpointReplaceShardsTest, EveryShardReplacesItsPartsAndTheCommitterItsSe
 
 INSTANTIATE_TEST_SUITE_P(Modes, CheckpointReplaceTest, ::testing::Values("IN_MEMORY", "TIERED"),
                          [](const auto& info) { return info.param; });
+
+// A new membership generation keeps each worker's shard open (CheckpointManager::Continue). The
+// tests run a committer and a worker in one process, as CheckpointReplaceShardsTest does; each
+// tensor holds a pattern of its name, kind and the round, so a resume shows what it came from.
+float Pattern(const std::string& name, int kind, float round, int64_t i) {
+  return round + static_cast<float>(std::hash<std::string>{}(name) % 1000) * 1e-3f +
+         static_cast<float>(kind) * 0.25f + static_cast<float>(i % 4096) * 1e-5f;
+}
+
+// Fills every parameter the optimizer holds and both its moments with the round's pattern.
+void FillState(model::AdamW& opt, float round) {
+  for (size_t p = 0; p < opt.params().size(); ++p) {
+    const std::string& name = opt.params()[p]->name;
+    const Tensor* kinds[] = {&opt.params()[p]->value, &opt.first_moment(p), &opt.second_moment(p)};
+    for (int k = 0; k < 3; ++k) {
+      for (int64_t i = 0; i < kinds[k]->numel(); ++i) {
+        kinds[k]->f32()[i] = Pattern(name, k, round, i);
+      }
+    }
+  }
+}
+
+// One process of the job: a model holding experts [first, first + count), its optimizer, its
+// shard's checkpoint manager and (TIERED) a scheduler whose store shares the shard's SSD tier.
+struct ShardWorker {
+  std::unique_ptr<model::MoeTransformer> model;
+  std::unique_ptr<model::AdamW> opt;
+  std::unique_ptr<CheckpointManager> ckpt;
+  std::unique_ptr<scheduler::TieredExpertScheduler> tiered;
+  std::shared_ptr<std::atomic<bool>> abandoned = std::make_shared<std::atomic<bool>>(false);
+  CheckpointShare share;
+
+  ShardWorker() = default;
+  // As the trainer does: the checkpoint writer first, then the store (the model lets go of it).
+  ~ShardWorker() {
+    ckpt.reset();
+    if (model) model->AttachResidency(nullptr);
+    tiered.reset();
+  }
+  // Saves `step` and (`wait`) waits for its persist and commit.
+  Status Save(int64_t step, const config::JobConfig& cfg, ops::Context& ctx, bool wait = true) {
+    Status s = ckpt->Save(step, cfg, *model, *opt, tiered.get(), ctx, share);
+    return s.ok() && wait ? ckpt->Wait() : s;
+  }
+};
+
+StatusOr<std::unique_ptr<model::MoeTransformer>> ModelOf(const config::JobConfig& cfg,
+                                                         ops::Context& ctx, int first, int count,
+                                                         bool unbound = false) {
+  model::ModelOptions mo;
+  mo.config = cfg.model();
+  mo.seed = cfg.seed();
+  mo.first_local_expert = first;
+  mo.num_local_experts = count;
+  mo.unbound_experts = unbound;
+  return model::MoeTransformer::Create(ctx, mo);
+}
+
+// Opens `shard` of `ck` for a worker of `generation` holding experts [first, first + count).
+void OpenShardWorker(const config::JobConfig& cfg, ops::Context& ctx, const std::string& ck,
+                     const std::string& shard, bool committer, int64_t generation, int first,
+                     int count, bool tiered, ShardWorker* w) {
+  auto m = ModelOf(cfg, ctx, first, count, tiered);
+  ASSERT_TRUE(m.ok()) << m.status();
+  w->model = *std::move(m);
+  w->opt = std::make_unique<model::AdamW>(
+      tiered ? w->model->DenseParameters() : w->model->Parameters(), model::AdamWOptions{});
+  CheckpointOptions co;
+  co.dir = ck;
+  co.shard = shard;
+  co.committer = committer;
+  co.generation = generation;
+  co.abandoned = w->abandoned;
+  auto c = CheckpointManager::Open(co, /*must_exist=*/false);
+  ASSERT_TRUE(c.ok()) << c.status();
+  w->ckpt = *std::move(c);
+  if (!tiered) return;
+  scheduler::TieredOptions to;
+  to.storage = cfg.storage();
+  to.seed = cfg.seed();
+  to.ssd_dir = ck;
+  to.shared_ssd = w->ckpt->ssd();
+  auto s = scheduler::TieredExpertScheduler::Create(*w->model, to);
+  ASSERT_TRUE(s.ok()) << s.status();
+  w->tiered = *std::move(s);
+  w->model->AttachResidency(w->tiered.get());
+}
+
+// A prepared report `ck`/prepared/<generation>/<step>/<shard>, as a worker leaves one.
+void PlantReport(const std::string& ck, int64_t generation, int64_t step,
+                 const std::string& shard) {
+  const std::string folder = absl::StrFormat("%s/prepared/%d/%d", ck, generation, step);
+  std::filesystem::create_directories(folder);
+  WriteFile(folder + "/" + shard, "");
+  ASSERT_TRUE(std::filesystem::exists(folder + "/" + shard));
+}
+
+// Every step a checkpoint manager opened read-only finds in a shard's index.
+std::vector<int64_t> LocalSteps(const std::string& shard_dir, uint64_t* stored_bytes = nullptr) {
+  std::vector<int64_t> steps;
+  auto index = storage::TensorIndex::OpenReadOnly(shard_dir + "/index");
+  EXPECT_TRUE(index.ok()) << index.status();
+  if (!index.ok()) return steps;
+  auto listed = (*index)->Checkpoints();
+  EXPECT_TRUE(listed.ok()) << listed.status();
+  if (!listed.ok()) return steps;
+  std::set<std::tuple<int, int, int, uint64_t>> counted;
+  if (stored_bytes) *stored_bytes = 0;
+  for (const storage::CheckpointManifest& m : *listed) {
+    steps.push_back(m.step());
+    for (const storage::TensorRef& r : m.tensors()) {
+      if (!r.has_extent() || !counted.insert({r.layer(), r.expert(), r.kind(), r.version()}).second)
+        continue;
+      if (stored_bytes) *stored_bytes += r.extent().length();
+    }
+  }
+  return steps;
+}
+
+// Resumes the folder into one process holding every expert (IN_MEMORY), reading each part from
+// its shard; returns the step.
+int64_t ResumeWhole(const config::JobConfig& cfg, ops::Context& ctx, const std::string& ck,
+                    std::unique_ptr<model::MoeTransformer>* model,
+                    std::unique_ptr<model::AdamW>* opt) {
+  auto m = ModelOf(cfg, ctx, 0, -1);
+  EXPECT_TRUE(m.ok()) << m.status();
+  if (!m.ok()) return -1;
+  *model = *std::move(m);
+  *opt = std::make_unique<model::AdamW>((*model)->Parameters(), model::AdamWOptions{});
+  CheckpointOptions co;
+  co.dir = ck;
+  auto reader = CheckpointManager::Open(co, /*must_exist=*/true);
+  EXPECT_TRUE(reader.ok()) << reader.status();
+  if (!reader.ok()) return -1;
+  auto step = (*reader)->Resume(cfg, **model, **opt, nullptr, ctx);
+  EXPECT_TRUE(step.ok()) << step.status();
+  return step.ok() ? *step : -1;
+}
+
+// A job of two: the committer r0 (experts 0-3, in memory) and the worker r1 (experts 4-7, in
+// memory or, `tiered_worker`, in a TIERED store), each with half the dense state, generation 1.
+class CheckpointContinueTest : public ::testing::Test {
+ protected:
+  void Start(const std::string& mode, bool tiered_worker) {
+    WriteFile(dir_.File("text.txt"), strata::testing::SyntheticText(40000));
+    auto cfg = config::ParseJobConfig(ConfigText(mode), "job.textproto", dir_.path());
+    ASSERT_TRUE(cfg.ok()) << cfg.status();
+    cfg_ = *std::move(cfg);
+    workers_ = std::vector<ShardWorker>(2);
+    for (int k = 0; k < 2; ++k) {  // the committer opens first
+      OpenShardWorker(cfg_, ctx_, ck_, absl::StrCat("r", k), k == 0, 1, 4 * k, 4,
+                      k == 1 && tiered_worker, &workers_[k]);
+      if (HasFatalFailure()) return;
+    }
+    const std::vector<std::set<std::string>> dealt = DealDenseParameters(*workers_[0].model, 2);
+    for (int k = 0; k < 2; ++k) {
+      workers_[k].share.dense = dealt[k];
+      workers_[k].share.workers = 2;
+    }
+    workers_[0].share.shards = {"r0", "r1"};
+  }
+  // Both save `step` at once, as a job's workers do, and wait for the commit.
+  void SaveBoth(int64_t step) {
+    std::vector<Status> status(2);
+    std::vector<std::thread> threads;
+    for (int k : {1, 0}) {
+      threads.emplace_back([&, k] { status[k] = workers_[k].Save(step, cfg_, ctx_); });
+    }
+    for (auto& t : threads) t.join();
+    for (int k = 0; k < 2; ++k) ASSERT_TRUE(status[k].ok()) << "r" << k << ": " << status[k];
+  }
+  TempDir dir_;
+  const std::string ck_ = dir_.File("ck");
+  config::JobConfig cfg_;
+  ThreadPool pool_{1};
+  ops::Context ctx_{&pool_};
+  std::vector<ShardWorker> workers_;
+};
+
+// A dead rank 0: the committer (r0) and a worker (r1) commit steps 10 and 20; the worker prepares
+// 30, which the committer never commits. The worker goes on as the committer of generation 2,
+// alone: the folder lists 10 and 20, its part of 30 and that part's space are gone, and the step
+// it commits alone resumes bitwise.
+TEST_F(CheckpointContinueTest, AWorkerTakesOverAsCommitterAndDropsWhatNeverCommitted) {
+  Start("IN_MEMORY", /*tiered_worker=*/false);
+  if (HasFatalFailure()) return;
+  for (int64_t step : {10, 20}) {
+    for (ShardWorker& w : workers_) FillState(*w.opt, static_cast<float>(step));
+    SaveBoth(step);
+    if (HasFatalFailure()) return;
+  }
+  ASSERT_EQ(StepsIn(ck_), (std::vector<int64_t>{10, 20}));
+  uint64_t committed_bytes = 0;
+  ASSERT_EQ(LocalSteps(ck_ + "/shards/r1", &committed_bytes), (std::vector<int64_t>{10, 20}));
+  // Step 30: the committer waits for the worker's report and dies waiting (its destructor gives
+  // up, as its process's end would); the worker prepares its part afterwards, and nobody commits.
+  FillState(*workers_[0].opt, 30.0f);
+  ASSERT_TRUE(workers_[0].Save(30, cfg_, ctx_, /*wait=*/false).ok());
+  workers_[0].ckpt.reset();
+  FillState(*workers_[1].opt, 30.0f);
+  ASSERT_TRUE(workers_[1].Save(30, cfg_, ctx_).ok());
+  ASSERT_EQ(LocalSteps(ck_ + "/shards/r1"), (std::vector<int64_t>{10, 20, 30}));
+  EXPECT_GT(workers_[1].ckpt->ssd()->used_bytes(), committed_bytes);
+  ASSERT_TRUE(std::filesystem::exists(ck_ + "/prepared/1/30/r1"));
+  // A report of generation 2 that is there already stays.
+  PlantReport(ck_, 2, 40, "r9");
+  // The re-form: the old generation's flag is set; the worker continues as rank 0.
+  *workers_[1].abandoned = true;
+  auto generation2 = std::make_shared<std::atomic<bool>>(false);
+  Status s = workers_[1].ckpt->Continue(2, /*committer=*/true, generation2);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(workers_[1].ckpt->committer());
+  EXPECT_EQ(StepsIn(ck_), (std::vector<int64_t>{10, 20}));
+  EXPECT_EQ(workers_[1].ckpt->Steps(), (std::vector<int64_t>{10, 20}));
+  EXPECT_EQ(LocalSteps(ck_ + "/shards/r1"), (std::vector<int64_t>{10, 20}))
+      << "the part of step 30 that never committed is still in the shard";
+  EXPECT_EQ(workers_[1].ckpt->ssd()->used_bytes(), committed_bytes)
+      << "the extents of step 30's part are still in use";
+  EXPECT_FALSE(std::filesystem::exists(ck_ + "/prepared/1"));
+  EXPECT_TRUE(std::filesystem::exists(ck_ + "/prepared/2/40/r9"));
+  // Generation 2 is this worker alone, holding the whole model (rebuilt, as a re-form does).
+  ShardWorker& w = workers_[1];
+  auto whole = ModelOf(cfg_, ctx_, 0, -1);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  w.model = *std::move(whole);
+  w.opt = std::make_unique<model::AdamW>(w.model->Parameters(), model::AdamWOptions{});
+  w.share = CheckpointShare{};
+  FillState(*w.opt, 40.0f);
+  std::vector<std::vector<float>> saved;
+  for (const Tensor* x : StateTensors(*w.opt)) saved.emplace_back(x->f32(), x->f32() + x->numel());
+  s = w.Save(40, cfg_, ctx_);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(StepsIn(ck_), (std::vector<int64_t>{10, 20, 40}));
+  workers_.clear();
+  std::vector<std::string> report;
+  EXPECT_TRUE(CheckpointManager::Verify(ck_, -1, &report).ok()) << absl::StrJoin(report, "\n");
+  std::unique_ptr<model::MoeTransformer> model;
+  std::unique_ptr<model::AdamW> opt;
+  ASSERT_EQ(ResumeWhole(cfg_, ctx_, ck_, &model, &opt), 40);
+  const std::vector<const Tensor*> resumed = StateTensors(*opt);
+  ASSERT_EQ(resumed.size(), saved.size());
+  for (size_t k = 0; k < saved.size(); ++k) {
+    ASSERT_EQ(std::vector<float>(resumed[k]->f32(), resumed[k]->f32() + resumed[k]->numel()),
+              saved[k])
+        << "tensor " << k / 3 << " (kind " << k % 3 << ") is not the state saved at step 40";
+  }
+}
+
+// TIERED: the worker's store shares its shard's SSD tier, and its live expert tensors sit in
+// extents no checkpoint lists once the part of step 30 they were adopted from is dropped (and in
+// extents they were spilled to since). The committer waits for a third worker that died; both
+// continue into generation 2 and save again: every live tensor still reads back as it was
+// written (its extent was not reused), and the resume gives the state saved.
+TEST_F(CheckpointContinueTest, TieredLiveTensorsKeepTheirExtentsAcrossGenerations) {
+  Start("TIERED", /*tiered_worker=*/true);
+  if (HasFatalFailure()) return;
+  scheduler::TieredExpertScheduler& sched = *workers_[1].tiered;
+  storage::TieredExpertStore& store = sched.store();
+  const storage::TensorKind kinds[] = {storage::TensorKind::kWeights, storage::TensorKind::kAdamM,
+                                       storage::TensorKind::kAdamV};
+  // The worker's expert tensors by (MoE layer, local expert, kind), as last written.
+  std::map<std::tuple<int, int, int>, std::vector<float>> live;
+  // Writes the round's pattern into every `every`-th tensor through the host tier, which holds
+  // fewer than all of them: the others are spilled to the SSD tier.
+  auto write_experts = [&](float round, int every) {
+    int n = 0;
+    for (int li = 0; li < sched.moe_layers(); ++li) {
+      for (int e = 0; e < sched.num_experts(li); ++e) {
+        for (int k = 0; k < 3; ++k) {
+          if (n++ % every != 0) continue;
+          const storage::TensorKey key = sched.Key(li, e, kinds[k]);
+          auto data = store.AcquireHost(key);
+          ASSERT_TRUE(data.ok()) << data.status();
+          std::vector<float>& v = live[{li, e, k}];
+          v.resize(sched.expert_floats());
+          for (size_t i = 0; i < v.size(); ++i) {
+            v[i] = Pattern(key.ToString(), k, round, static_cast<int64_t>(i));
+          }
+          std::copy(v.begin(), v.end(), *data);
+          store.ReleaseHost(key, /*modified=*/true);
+        }
+      }
+    }
+  };
+  // Reads every tensor back, twice round (the host tier cannot hold them all, so most come from
+  // the SSD tier), and compares it with what was written.
+  auto check_experts = [&](const std::string& when) {
+    std::vector<float> got(sched.expert_floats());
+    for (int pass = 0; pass < 2; ++pass) {
+      for (const auto& [at, want] : live) {
+        const auto [li, e, k] = at;
+        Status s = sched.ReadExpert(li, e, kinds[k], got.data());
+        ASSERT_TRUE(s.ok()) << when << ": " << s;
+        ASSERT_EQ(got, want) << when << ": expert tensor " << sched.Key(li, e, kinds[k]).ToString()
+                             << " does not read back as written (its extent was reused)";
+      }
+    }
+  };
+  auto save_both = [&](int64_t step) {
+    for (ShardWorker& w : workers_) FillState(*w.opt, static_cast<float>(step));
+    write_experts(static_cast<float>(step), 1);
+    if (!HasFatalFailure()) SaveBoth(step);
+  };
+  save_both(10);
+  if (HasFatalFailure()) return;
+  save_both(20);
+  if (HasFatalFailure()) return;
+  ASSERT_EQ(StepsIn(ck_), (std::vector<int64_t>{10, 20}));
+  // Step 30: the worker prepares its part (the tensors it copied adopt the versions it wrote);
+  // the committer waits for a third worker, r2, that died.
+  write_experts(30.0f, 1);
+  if (HasFatalFailure()) return;
+  FillState(*workers_[1].opt, 30.0f);
+  ASSERT_TRUE(workers_[1].Save(30, cfg_, ctx_).ok());
+  ASSERT_EQ(LocalSteps(ck_ + "/shards/r1"), (std::vector<int64_t>{10, 20, 30}));
+  workers_[0].share.shards = {"r0", "r1", "r2"};
+  FillState(*workers_[0].opt, 30.0f);
+  ASSERT_TRUE(workers_[0].Save(30, cfg_, ctx_, /*wait=*/false).ok());
+  // Training went on: some tensors changed and were spilled to extents no checkpoint lists.
+  write_experts(31.0f, 2);
+  if (HasFatalFailure()) return;
+  check_experts("before the re-form");
+  if (HasFatalFailure()) return;
+  // The re-form: rank 0 continues first (its commit waiting for r2 ends), then the worker.
+  for (int k = 0; k < 2; ++k) {
+    Status s = workers_[k].ckpt->Continue(2, k == 0, std::make_shared<std::atomic<bool>>(false));
+    ASSERT_TRUE(s.ok()) << "r" << k << ": " << s;
+  }
+  EXPECT_EQ(StepsIn(ck_), (std::vector<int64_t>{10, 20}));
+  EXPECT_EQ(LocalSteps(ck_ + "/shards/r1"), (std::vector<int64_t>{10, 20}))
+      << "the part of step 30 that never committed is still in the shard";
+  check_experts("after the re-form");
+  if (HasFatalFailure()) return;
+  // Generation 2 saves: the tensors written since are copied into new extents.
+  workers_[0].share.shards = {"r0", "r1"};
+  FillState(*workers_[0].opt, 40.0f);
+  FillState(*workers_[1].opt, 40.0f);
+  write_experts(40.0f, 3);
+  if (HasFatalFailure()) return;
+  SaveBoth(40);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(StepsIn(ck_), (std::vector<int64_t>{10, 20, 40}));
+  check_experts("after generation 2 saved");
+  if (HasFatalFailure()) return;
+  const int first = static_cast<int>(sched.first_expert());
+  std::vector<int> blocks;
+  for (int li = 0; li < sched.moe_layers(); ++li) blocks.push_back(sched.block_of(li));
+  const std::map<std::tuple<int, int, int>, std::vector<float>> at_40 = live;
+  workers_.clear();  // the managers wait for their writers; the store goes with the scheduler
+  std::vector<std::string> report;
+  EXPECT_TRUE(CheckpointManager::Verify(ck_, -1, &report).ok()) << absl::StrJoin(report, "\n");
+  std::unique_ptr<model::MoeTransformer> model;
+  std::unique_ptr<model::AdamW> opt;
+  ASSERT_EQ(ResumeWhole(cfg_, ctx_, ck_, &model, &opt), 40);
+  // The committer's experts and every dense tensor hold round 40's pattern; the worker's experts
+  // what its store held at step 40.
+  std::map<const model::Parameter*, size_t> index;
+  for (size_t p = 0; p < opt->params().size(); ++p) index[opt->params()[p]] = p;
+  std::set<const model::Parameter*> in_store;
+  for (const auto& ref : model->moe_layers()) {
+    const int li =
+        static_cast<int>(std::find(blocks.begin(), blocks.end(), ref.block) - blocks.begin());
+    ASSERT_LT(li, static_cast<int>(blocks.size()));
+    for (int e = first; e < first + 4; ++e) {
+      std::vector<model::Parameter*> ps = ref.layer->expert(e).Parameters();
+      const model::ExpertLayout layout = model::ExpertLayout::Of(ps);
+      for (int k = 0; k < 3; ++k) {
+        const std::vector<float>& want = at_40.at({li, e - first, k});
+        for (size_t i = 0; i < ps.size(); ++i) {
+          in_store.insert(ps[i]);
+          const size_t p = index.at(ps[i]);
+          const Tensor& got = k == 0   ? ps[i]->value
+                              : k == 1 ? opt->first_moment(p)
+                                       : opt->second_moment(p);
+          const float* seg = want.data() + layout.segments[i].offset;
+          ASSERT_EQ(std::vector<float>(got.f32(), got.f32() + got.numel()),
+                    std::vector<float>(seg, seg + got.numel()))
+              << ps[i]->name << " (kind " << k << ") is not what the store held at step 40";
+        }
+      }
+    }
+  }
+  for (size_t p = 0; p < opt->params().size(); ++p) {
+    if (in_store.count(opt->params()[p])) continue;
+    const Tensor* got[] = {&opt->params()[p]->value, &opt->first_moment(p), &opt->second_moment(p)};
+    for (int k = 0; k < 3; ++k) {
+      for (int64_t i = 0; i < got[k]->numel(); ++i) {
+        ASSERT_EQ(got[k]->f32()[i], Pattern(opt->params()[p]->name, k, 40.0f, i))
+            << opt->params()[p]->name << " (kind " << k << ") is not the state saved at step 40";
+      }
+    }
+  }
+}
+
+// The committer's role moves with Continue: given up, DIR/LOCK is free for another committer;
+// taken again only once that one let go; reports of older generations go, this one's stay.
+TEST_F(CheckpointContinueTest, GivingUpTheCommitterRoleReleasesTheFolderLock) {
+  const std::string& ck = ck_;
+  auto open = [&](const std::string& shard, bool committer) {
+    CheckpointOptions co;
+    co.dir = ck;
+    co.shard = shard;
+    co.committer = committer;
+    co.generation = 1;
+    return CheckpointManager::Open(co, /*must_exist=*/false);
+  };
+  auto r0 = open("r0", true);
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  auto other = open("r1", true);
+  ASSERT_TRUE(absl::IsUnavailable(other.status())) << other.status();
+  Status s = (*r0)->Continue(2, /*committer=*/false, nullptr);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_FALSE((*r0)->committer());
+  other = open("r1", true);
+  ASSERT_TRUE(other.ok()) << "the folder lock was not given up: " << other.status();
+  // Taking it back waits for the other committer to let go.
+  PlantReport(ck, 2, 50, "r1");
+  PlantReport(ck, 3, 60, "r1");
+  s = (*r0)->Continue(3, /*committer=*/true, nullptr);
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_FALSE((*r0)->committer());
+  EXPECT_TRUE(std::filesystem::exists(ck + "/prepared/2/50/r1"));
+  other->reset();
+  s = (*r0)->Continue(3, /*committer=*/true, nullptr);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_TRUE((*r0)->committer());
+  EXPECT_FALSE(std::filesystem::exists(ck + "/prepared/2"));
+  EXPECT_TRUE(std::filesystem::exists(ck + "/prepared/3/60/r1"));
+  other = open("r1", true);
+  EXPECT_TRUE(absl::IsUnavailable(other.status())) << other.status();
+}
 
 }  // namespace
 }  // namespace strata::train
