@@ -1307,6 +1307,9 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
                                scheduler::TieredExpertScheduler* tiered, ops::Context& ctx,
                                const CheckpointShare& share) {
   RETURN_IF_ERROR(Wait());
+  // The store holding this shard's checkpoint versions may have been handed to another scheduler
+  // (a re-form): the removals below give versions back through the one that holds it now.
+  if (tiered_ != nullptr && tiered != nullptr) tiered_ = tiered;
   // The writer is done with the last checkpoint's buffers: this one takes them again.
   if (!arena_) arena_ = std::make_unique<SnapshotArena>();
   arena_->Reset();
@@ -1838,7 +1841,8 @@ Status CheckpointManager::ReclaimUnnamed(bool every) {
 }
 
 Status CheckpointManager::Continue(int64_t generation, bool committer,
-                                   std::shared_ptr<std::atomic<bool>> abandoned) {
+                                   std::shared_ptr<std::atomic<bool>> abandoned,
+                                   scheduler::TieredExpertScheduler* tiered) {
   if (shard_name_ == ".") {
     return absl::FailedPreconditionError(absl::StrFormat(
         "the checkpoint folder '%s' was written before sharding, and its one shard is the folder "
@@ -1860,6 +1864,17 @@ Status CheckpointManager::Continue(int64_t generation, bool committer,
     std::lock_guard<std::mutex> lock(mu_);
     writer_status_ = absl::OkStatus();
     writer_done_ = true;
+  }
+  // A store that holds this shard's checkpoint versions is reached through its scheduler of now:
+  // a re-form may have handed it to another one.
+  if (tiered_ != nullptr) {
+    if (tiered == nullptr) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "shard %s of '%s' continues without the TIERED scheduler whose store holds its "
+          "checkpoints' versions; pass the scheduler that holds that store now",
+          shard_name_, options_.dir));
+    }
+    tiered_ = tiered;
   }
   if (committer && lock_fd_ < 0) {
     ASSIGN_OR_RETURN(lock_fd_, LockFolder(options_.dir + "/LOCK", options_.dir));

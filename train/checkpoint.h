@@ -55,7 +55,9 @@
 // opened, committed or not. Save
 // and Resume borrow the model, optimizer and context for the call; the TieredExpertScheduler given
 // to them and Save's ctx.tracer are kept (the writer updates the store's references to checkpoint
-// versions and records its span) and must stay alive until no persist runs (Wait). The destructor
+// versions and records its span) and must stay alive until no persist runs (Wait); a later Save or
+// Continue given the scheduler that holds the same store now (a re-form hands it on) uses that
+// one from then on. The destructor
 // abandons a commit waiting for other shards (Abandon) and waits for the persist in flight; so does
 // Continue, which keeps the manager (its shard, SSD tier, index and writer) across membership
 // generations and takes or gives up the committer's role and lock. The
@@ -229,10 +231,15 @@ class CheckpointManager {
   // resumed), and the previous generation's committer, if it still runs, has finished its persist
   // (its own Continue or destructor returned) before a worker continues — else it might still
   // commit a set naming a part this drops (the trainer continues rank 0 first, as
-  // OpenWorkerCheckpoints opens). The TieredExpertScheduler last given to Save or Resume must
-  // still be alive: dropped checkpoints give their versions back to its store.
+  // OpenWorkerCheckpoints opens). `tiered` (TIERED; else null) is the scheduler that holds, now,
+  // the store given to Save or Resume before — the same scheduler, or the one a re-form handed the
+  // store to (TieredExpertScheduler::ReleaseStore): dropped checkpoints give their versions back
+  // to that store, and later removals go through it too. INVALID_ARGUMENT when the store holds
+  // this shard's versions and `tiered` is null; the scheduler given before must stay alive until
+  // Continue has waited for the persist in flight.
   [[nodiscard]] Status Continue(int64_t generation, bool committer,
-                                std::shared_ptr<std::atomic<bool>> abandoned);
+                                std::shared_ptr<std::atomic<bool>> abandoned,
+                                scheduler::TieredExpertScheduler* tiered);
   // The step of the newest committed checkpoint (0: none); safe while a persist runs.
   int64_t NewestCommitted();
   // Waits for the persist in flight; returns its error, if any.

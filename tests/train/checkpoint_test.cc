@@ -1307,7 +1307,7 @@ TEST_F(CheckpointContinueTest, AWorkerTakesOverAsCommitterAndDropsWhatNeverCommi
   // The re-form: the old generation's flag is set; the worker continues as rank 0.
   *workers_[1].abandoned = true;
   auto generation2 = std::make_shared<std::atomic<bool>>(false);
-  Status s = workers_[1].ckpt->Continue(2, /*committer=*/true, generation2);
+  Status s = workers_[1].ckpt->Continue(2, /*committer=*/true, generation2, nullptr);
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_TRUE(workers_[1].ckpt->committer());
   EXPECT_EQ(StepsIn(ck_), (std::vector<int64_t>{10, 20}));
@@ -1421,9 +1421,13 @@ TEST_F(CheckpointContinueTest, TieredLiveTensorsKeepTheirExtentsAcrossGeneration
   if (HasFatalFailure()) return;
   check_experts("before the re-form");
   if (HasFatalFailure()) return;
-  // The re-form: rank 0 continues first (its commit waiting for r2 ends), then the worker.
+  // The re-form: rank 0 continues first (its commit waiting for r2 ends), then the worker, which
+  // must name the scheduler holding its store.
+  Status s = workers_[1].ckpt->Continue(2, false, nullptr, nullptr);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
   for (int k = 0; k < 2; ++k) {
-    Status s = workers_[k].ckpt->Continue(2, k == 0, std::make_shared<std::atomic<bool>>(false));
+    s = workers_[k].ckpt->Continue(2, k == 0, std::make_shared<std::atomic<bool>>(false),
+                                   workers_[k].tiered.get());
     ASSERT_TRUE(s.ok()) << "r" << k << ": " << s;
   }
   EXPECT_EQ(StepsIn(ck_), (std::vector<int64_t>{10, 20}));
@@ -1508,7 +1512,7 @@ TEST_F(CheckpointContinueTest, GivingUpTheCommitterRoleReleasesTheFolderLock) {
   ASSERT_TRUE(r0.ok()) << r0.status();
   auto other = open("r1", true);
   ASSERT_TRUE(absl::IsUnavailable(other.status())) << other.status();
-  Status s = (*r0)->Continue(2, /*committer=*/false, nullptr);
+  Status s = (*r0)->Continue(2, /*committer=*/false, nullptr, nullptr);
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_FALSE((*r0)->committer());
   other = open("r1", true);
@@ -1516,12 +1520,12 @@ TEST_F(CheckpointContinueTest, GivingUpTheCommitterRoleReleasesTheFolderLock) {
   // Taking it back waits for the other committer to let go.
   PlantReport(ck, 2, 50, "r1");
   PlantReport(ck, 3, 60, "r1");
-  s = (*r0)->Continue(3, /*committer=*/true, nullptr);
+  s = (*r0)->Continue(3, /*committer=*/true, nullptr, nullptr);
   EXPECT_TRUE(absl::IsUnavailable(s)) << s;
   EXPECT_FALSE((*r0)->committer());
   EXPECT_TRUE(std::filesystem::exists(ck + "/prepared/2/50/r1"));
   other->reset();
-  s = (*r0)->Continue(3, /*committer=*/true, nullptr);
+  s = (*r0)->Continue(3, /*committer=*/true, nullptr, nullptr);
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_TRUE((*r0)->committer());
   EXPECT_FALSE(std::filesystem::exists(ck + "/prepared/2"));
