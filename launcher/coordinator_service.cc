@@ -389,6 +389,17 @@ StatusOr<coordinator::CoordinatorRecord> CoordinatorClient::GetStatus() {
 }
 
 Status CoordinatorClient::Attach(const std::string& id) {
+  if (attachment_) {
+    // Attaching again once a coordinator that did not answer answers again. One that only stood
+    // still (a synced write a busy disk held up) still holds this stream, and ending it would be
+    // this worker's failure: a message it reads keeps it. A restarted one lost the stream with its
+    // old process, and the write fails.
+    coordinator::AttachMessage m;
+    m.set_id(id);
+    if (attachment_->writer->Write(m)) return absl::OkStatus();
+    auto broken = std::move(attachment_);
+    (void)broken->writer->Finish();
+  }
   auto a = std::make_unique<Attachment>();
   a->ctx = std::make_unique<grpc::ClientContext>();
   a->ctx->AddMetadata(kTokenKey, token_);

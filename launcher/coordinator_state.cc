@@ -400,6 +400,14 @@ Status CoordinatorState::PersistLocked() {
   return s;
 }
 
+void CoordinatorState::SeenLocked(const std::string& id, Time now) {
+  // A time read before the last credited stall ended (the call waited for mu_ through it, or made
+  // the write that stalled) is moved on by it, as the credit moved every heartbeat: the
+  // coordinator's stall is not held against a worker by a report that waited for it.
+  if (now < stall_ended_) now += last_stall_;
+  last_seen_[id] = now;
+}
+
 void CoordinatorState::CreditStallLocked(std::chrono::steady_clock::duration stalled,
                                          const char* what) {
   // Heartbeats wait for mu_ while the coordinator is stalled: the time is the coordinator's, not
@@ -407,6 +415,8 @@ void CoordinatorState::CreditStallLocked(std::chrono::steady_clock::duration sta
   // for seconds). Short stalls are below what a heartbeat timeout notices.
   if (stalled < options_.heartbeat_timeout / 4) return;
   for (auto& [id, seen] : last_seen_) seen += stalled;
+  stall_ended_ = std::chrono::steady_clock::now();
+  last_stall_ = stalled;
   STRATA_LOG(WARNING) << absl::StrFormat(
       "the coordinator stood still for %d ms (%s); the workers' heartbeats are not held against "
       "them for that time",
@@ -462,7 +472,7 @@ Status CoordinatorState::NewGenerationLocked(std::vector<coordinator::WorkerInfo
   started_.clear();
   for (const auto& w : record_.generation().workers()) {
     reported_[w.id()] = record_.step();
-    last_seen_[w.id()] = now;
+    SeenLocked(w.id(), now);
   }
   return absl::OkStatus();
 }
@@ -514,7 +524,7 @@ StatusOr<CoordinatorState::JoinReply> CoordinatorState::Join(const std::string& 
       record_ = before;
       return s;
     }
-    last_seen_[info.id()] = now;
+    SeenLocked(info.id(), now);
   }
   reply.generation = record_.generation().number();
   return reply;
@@ -531,7 +541,7 @@ StatusOr<coordinator::Generation> CoordinatorState::Heartbeat(const std::string&
         "must Join again with a new id",
         id));
   }
-  it->second = now;
+  SeenLocked(id, now);
   return record_.generation();
 }
 
@@ -564,7 +574,7 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStep(const std::string
     it->second = step - 1;  // the first report to a restarted coordinator
   }
   if (step == it->second) {
-    last_seen_[id] = now;
+    SeenLocked(id, now);
     return record_.generation();  // a retried report that was already counted
   }
   if (step != it->second + 1) {
@@ -574,7 +584,7 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStep(const std::string
         id, step, it->second, it->second + 1));
   }
   it->second = step;
-  last_seen_[id] = now;
+  SeenLocked(id, now);
   int64_t boundary = step;
   for (const auto& [w, s] : reported_) boundary = std::min(boundary, s);
   if (boundary > record_.step()) {
@@ -653,7 +663,7 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
   coordinator::CoordinatorRecord before = record_;
   it->second = step;
   started_[id] = true;
-  last_seen_[id] = now;
+  SeenLocked(id, now);
   record_.mutable_generation()->set_first_step(step);
   if (!experts_per_worker.empty()) {
     record_.clear_experts_per_worker();

@@ -184,6 +184,8 @@ class CoordinatorState {
   // Moves every member's last heartbeat `stalled` later when the coordinator itself stood still
   // that long (a slow synced write under mu_, opening its record): heartbeats waited meanwhile.
   // Stalls under a quarter of the heartbeat timeout are ignored. Locked.
+  // Worker `id` was heard from at `now` (never moving its last heartbeat back).
+  void SeenLocked(const std::string& id, Time now);
   void CreditStallLocked(std::chrono::steady_clock::duration stalled, const char* what);
   bool IsMemberLocked(const std::string& id) const;
   // Records rank 0's checkpoint report in the catalog. REQUIRES: catalog_mu_ held, mu_ not.
@@ -203,7 +205,10 @@ class CoordinatorState {
   mutable std::mutex mu_;
   std::condition_variable kv_cv_;
   coordinator::CoordinatorRecord record_;
-  std::map<std::string, Time> last_seen_;    // members and pending workers
+  std::map<std::string, Time> last_seen_;  // members and pending workers
+  // The last stall CreditStallLocked credited: when it ended, and how long it was.
+  Time stall_ended_{};
+  std::chrono::steady_clock::duration last_stall_{};
   std::map<std::string, int64_t> reported_;  // member -> last step reported
   std::map<std::string, bool> started_;      // member -> sent its start report
   std::map<std::string, std::string> kv_;

@@ -27,6 +27,13 @@ using std::chrono::milliseconds;
 
 constexpr char kToken[] = "s3cret-token";
 
+coordinator::WorkerInfo Worker(const std::string& id) {
+  coordinator::WorkerInfo w;
+  w.set_id(id);
+  w.set_host("127.0.0.1");
+  return w;
+}
+
 class CoordinatorServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -42,6 +49,18 @@ class CoordinatorServiceTest : public ::testing::Test {
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(*server);
   }
+  // Workers a and b join (generation 1 of two) and attach their streams.
+  void JoinAndAttachTwo(std::unique_ptr<CoordinatorClient>* a,
+                        std::unique_ptr<CoordinatorClient>* b) {
+    *a = Client();
+    *b = Client();
+    ASSERT_TRUE((*a)->Join(Worker("a")).ok());
+    auto jb = (*b)->Join(Worker("b"));
+    ASSERT_TRUE(jb.ok()) << jb.status();
+    ASSERT_TRUE(jb->admitted());
+    ASSERT_TRUE((*a)->Attach("a").ok());
+    ASSERT_TRUE((*b)->Attach("b").ok());
+  }
   std::unique_ptr<CoordinatorClient> Client(const std::string& token = kToken) {
     auto c = CoordinatorClient::Connect(server_->address(), token);
     EXPECT_TRUE(c.ok()) << c.status();
@@ -51,13 +70,6 @@ class CoordinatorServiceTest : public ::testing::Test {
   std::unique_ptr<CoordinatorState> state_;
   std::unique_ptr<CoordinatorServer> server_;
 };
-
-coordinator::WorkerInfo Worker(const std::string& id) {
-  coordinator::WorkerInfo w;
-  w.set_id(id);
-  w.set_host("127.0.0.1");
-  return w;
-}
 
 TEST(CoordinatorTlsTest, WithCertificatesOnlyTlsClientsThatTrustThemGetIn) {
   // A self-signed certificate for 127.0.0.1, made by openssl for this test.
@@ -128,13 +140,8 @@ TEST_F(CoordinatorServiceTest, WorkersJoinReportAndSeeTheirGenerationOverGrpc) {
 // their failure. The record keeps them in their generation, so a restarted coordinator gives them
 // elastic.restart_grace_ms to come back instead of re-forming without them.
 TEST_F(CoordinatorServiceTest, StoppingTheServerIsNotTheFailureOfItsAttachedWorkers) {
-  auto a = Client(), b = Client();
-  ASSERT_TRUE(a->Join(Worker("a")).ok());
-  auto jb = b->Join(Worker("b"));
-  ASSERT_TRUE(jb.ok()) << jb.status();
-  ASSERT_TRUE(jb->admitted());
-  ASSERT_TRUE(a->Attach("a").ok());
-  ASSERT_TRUE(b->Attach("b").ok());
+  std::unique_ptr<CoordinatorClient> a, b;
+  ASSERT_NO_FATAL_FAILURE(JoinAndAttachTwo(&a, &b));
   const coordinator::CoordinatorRecord before = state_->Snapshot();
   ASSERT_EQ(before.generation().number(), 1);
   ASSERT_EQ(before.generation().workers_size(), 2);
@@ -145,6 +152,33 @@ TEST_F(CoordinatorServiceTest, StoppingTheServerIsNotTheFailureOfItsAttachedWork
   // The streams' ends reach the clients, which may now be torn down.
   a.reset();
   b.reset();
+}
+
+// A worker whose heartbeats went unanswered while the coordinator stood still (a synced write of
+// its record held up by a busy disk) attaches again when it answers: its stream is still there,
+// and attaching again must not end it, or the coordinator would take that for its death.
+TEST_F(CoordinatorServiceTest, AttachingAgainToACoordinatorThatOnlyStoodStillIsNoFailure) {
+  std::unique_ptr<CoordinatorClient> a, b;
+  ASSERT_NO_FATAL_FAILURE(JoinAndAttachTwo(&a, &b));
+  ASSERT_TRUE(a->Attach("a").ok());
+  ASSERT_TRUE(b->Attach("b").ok());
+  // A stream's end reaches the coordinator within milliseconds on loopback; give it a second.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (std::chrono::steady_clock::now() < deadline) {
+    const coordinator::CoordinatorRecord r = state_->Snapshot();
+    ASSERT_EQ(r.generation().number(), 1) << r.generation().reason();
+    ASSERT_EQ(r.generation().workers_size(), 2);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // The streams still tell a death at once: b goes without finishing, and a new generation forms.
+  ASSERT_TRUE(b->Detach(/*finished=*/false).ok());
+  const auto formed = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (state_->Snapshot().generation().number() == 1) {
+    ASSERT_LT(std::chrono::steady_clock::now(), formed) << "b's end was not seen";
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(state_->Snapshot().generation().workers_size(), 1);
+  a.reset();
 }
 
 TEST_F(CoordinatorServiceTest, ACallWithoutTheTokenIsRefusedAndChangesNothing) {

@@ -426,6 +426,32 @@ TEST_F(CoordinatorStateTest, AStalledWriteOfTheRecordIsNotHeldAgainstTheMembers)
   EXPECT_EQ(Ids(c->Snapshot().generation()), (std::vector<std::string>{"a"}));
 }
 
+TEST_F(CoordinatorStateTest, AStalledWriteOfANewGenerationIsNotHeldAgainstItsMembers) {
+#ifndef STRATA_FAULT_INJECTION
+  GTEST_SKIP() << "this build compiled fault points out (-DSTRATA_FAULT_INJECTION=OFF)";
+#endif
+  auto now = [] { return std::chrono::steady_clock::now(); };
+  auto c = Open(/*initial=*/3, /*min=*/1);
+  for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), now()).ok());
+  ASSERT_EQ(c->Snapshot().generation().workers_size(), 3);
+  // c's stream breaks; the write of the generation without it stalls 2.5 s (the heartbeat timeout
+  // is 2 s), and the survivors are seen as of the call's start, before the stall.
+  ASSERT_TRUE(FaultPoints::Instance().Arm("coordinator.persist=sleep_ms:2500").ok());
+  ASSERT_TRUE(c->StreamBroken("c", now()).ok());
+  FaultPoints::Instance().ClearAll();
+  ASSERT_EQ(Ids(c->Snapshot().generation()), (std::vector<std::string>{"a", "b"}));
+  auto failed = c->Tick(now());
+  ASSERT_TRUE(failed.ok()) << failed.status();
+  EXPECT_EQ(*failed, 0) << "the survivors were declared failed for the coordinator's own stall";
+  EXPECT_EQ(Ids(c->Snapshot().generation()), (std::vector<std::string>{"a", "b"}));
+  // A heartbeat that waited for the write and carries its arrival time does not undo the credit.
+  const auto arrived = now() - milliseconds(2400);
+  ASSERT_TRUE(c->Heartbeat(kToken, "a", arrived).ok());
+  failed = c->Tick(now());
+  ASSERT_TRUE(failed.ok());
+  EXPECT_EQ(*failed, 0);
+}
+
 TEST_F(CoordinatorStateTest, TheRecordKeepsTheWorkerCountsAndTheAddress) {
   {
     auto c = Open(/*initial=*/3, /*min=*/2, /*max=*/5);
