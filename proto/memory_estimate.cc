@@ -195,13 +195,19 @@ MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers, bool e
     e.parameter_bytes = e.gradient_bytes = Mul(4, Add(dense, held));
     e.optimizer_bytes = Mul(8, Add(dense, held));
   }
-  // In an elastic job with checkpoints, rank 0 restores lost state from them through a model with
-  // every expert: values, gradients and both moments of every parameter.
-  if (elastic && !config.checkpoint().dir().empty()) {
-    e.full_copy_bytes = Mul(16, Add(dense, U(e.expert_parameters)));
+  // An elastic IN_MEMORY job with one expert-parallel group keeps copies a later generation goes
+  // on from (values and both moments, 12 bytes a parameter): its own state from before the
+  // update, the experts of elastic.replicas other workers after their latest two updates, and
+  // during a re-form the state handed over. Other layouts go back to a checkpoint, which every
+  // worker reads into its own model and store.
+  if (elastic && config.storage().mode() == StorageConfig::IN_MEMORY && ep == 0 &&
+      config.parallel().experts_per_worker_size() == 0) {
+    const uint64_t replicas =
+        std::min<uint64_t>(U(std::max(0, config.elastic().replicas())), W - 1);
+    e.elastic_copy_bytes = Add(Mul(24, Add(dense, held)), Mul(Mul(24, replicas), held));
   }
   e.total_bytes = Add(Add(Add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes),
-                      Add(Add(e.activation_bytes, e.store_bytes), e.full_copy_bytes));
+                      Add(Add(e.activation_bytes, e.store_bytes), e.elastic_copy_bytes));
   return e;
 }
 
@@ -213,8 +219,8 @@ std::string FormatMemoryEstimate(const MemoryEstimate& e) {
       FormatBytes(e.total_bytes), e.on_gpu ? " on the GPU" : "", FormatBytes(e.parameter_bytes),
       FormatBytes(e.gradient_bytes), FormatBytes(e.optimizer_bytes),
       FormatBytes(e.activation_bytes));
-  if (e.full_copy_bytes > 0) {
-    absl::StrAppend(&out, " + rank 0's full model copy ", FormatBytes(e.full_copy_bytes));
+  if (e.elastic_copy_bytes > 0) {
+    absl::StrAppend(&out, " + elastic copies ", FormatBytes(e.elastic_copy_bytes));
   }
   if (e.expert_state_bytes > 0 || e.store_bytes > 0) {
     absl::StrAppend(&out, " + tiered store ", FormatBytes(e.store_bytes),

@@ -47,10 +47,10 @@ struct MemoryEstimate {
   uint64_t optimizer_bytes = 0;   // AdamW's first and second moments
   uint64_t activation_bytes = 0;  // buffers for one batch, the token ids included
   uint64_t store_bytes = 0;       // TIERED: the device and host tiers' expert slots
-  // One of several workers of an elastic job with checkpoints: rank 0's model with every expert and
-  // its Adam moments (restoring lost state from a checkpoint); counted for every worker, since any
-  // may become rank 0.
-  uint64_t full_copy_bytes = 0;
+  // One of several workers of an elastic IN_MEMORY job with one expert-parallel group: the
+  // rollback copy of its state, the buddy copies of elastic.replicas workers' experts (after their
+  // latest two updates) and, during a re-form, the state handed over (values and Adam moments).
+  uint64_t elastic_copy_bytes = 0;
   uint64_t total_bytes = 0;  // the sum of the six above
 
   // TIERED: expert weights, gradients and Adam moments, held on the SSD tier.
@@ -68,9 +68,9 @@ MemoryEstimate EstimateMemory(const JobConfig& config);
 
 // What one of `workers` workers of the job holds at most (workers <= 1: EstimateMemory). Its
 // expert_parameters stay the model's; the byte figures are the worker's. `elastic`: a worker of a
-// coordinator's job, which may become rank 0 and restore state lost with failed workers from a
-// checkpoint through a model with every expert (full_copy_bytes); a `strata worker --store`
-// worker writes and reads only its own shard.
+// coordinator's job, which keeps copies of its state for a later generation when its layout does
+// (elastic_copy_bytes; other layouts go back to a checkpoint, each worker reading its own share);
+// a `strata worker --store` worker keeps none.
 MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers, bool elastic = true);
 
 // One line per figure, human-readable ("parameters  1.2 M (4.6 MiB) ..."), for `strata check`.

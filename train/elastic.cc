@@ -16,7 +16,13 @@
 // new owner (a worker that already holds it keeps it). Workers lacking the dense state at s0 get
 // it by broadcast. Training goes on from s0: a step cut short is redone, with the same samples.
 // Those phases are train/state_sync.h; SyncState says what this worker holds and reads its
-// copies for them.
+// copies for them. That is an IN_MEMORY job with one expert-parallel group (KeepsCopies). When
+// the state cannot be put together — and always for every other layout (TIERED, expert-parallel
+// groups, experts_per_worker) — the generation goes back to the newest checkpoint: it places the
+// experts for its own worker count (PlanFromCheckpoint) and every worker reads its own share from
+// the shards that hold it (GoBackToCheckpoint), or all start over from step 0 when none is
+// committed. A TIERED worker's store goes with the old generation: it shares the checkpoint
+// shard's SSD tier, which the new generation opens again.
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -25,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/common/logging.h"
+#include "scheduler/replan.h"
 #include "train/state_sync.h"
 #include "train/trainer.h"
 
@@ -54,34 +61,54 @@ void Trainer::AbortCollectives(const std::string& why, int64_t newer_generation)
   }
 }
 
+bool Trainer::KeepsCopies() const {
+  const config::JobConfig& cfg = options_.config;
+  return cfg.storage().mode() == config::StorageConfig::IN_MEMORY &&
+         cfg.parallel().expert_parallel() == 0 && cfg.parallel().experts_per_worker_size() == 0;
+}
+
 Status Trainer::CheckElastic() const {
   const config::JobConfig& cfg = options_.config;
-  if (cfg.storage().mode() == config::StorageConfig::TIERED) {
-    return absl::UnimplementedError(
-        "re-forming a running job needs storage.mode: IN_MEMORY (a TIERED job's experts live in "
-        "each worker's own store); restart a TIERED job from its checkpoint on the new workers");
-  }
-  if (cfg.parallel().expert_parallel() != 0) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "re-forming a running job needs parallel.expert_parallel: 0 (one expert-parallel group of "
-        "all workers); it is %d",
-        cfg.parallel().expert_parallel()));
-  }
-  if (cfg.parallel().experts_per_worker_size() > 0) {
-    return absl::UnimplementedError(
-        "re-forming a running job places experts by measured load; leave "
-        "parallel.experts_per_worker empty");
+  if (KeepsCopies()) return absl::OkStatus();
+  // Every other layout re-forms from the newest checkpoint, so there must be checkpoints.
+  if (cfg.checkpoint().dir().empty() || cfg.checkpoint().every() <= 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "an elastic job with %s re-forms from its newest checkpoint; set checkpoint.dir and "
+        "checkpoint.every (or train IN_MEMORY with parallel.expert_parallel: 0 and no "
+        "parallel.experts_per_worker, which keeps buddy copies instead)",
+        cfg.storage().mode() == config::StorageConfig::TIERED ? std::string("storage.mode: TIERED")
+        : cfg.parallel().expert_parallel() != 0
+            ? absl::StrFormat("parallel.expert_parallel: %d", cfg.parallel().expert_parallel())
+            : std::string("parallel.experts_per_worker")));
   }
   return absl::OkStatus();
 }
 
+StatusOr<int> Trainer::GroupSize(int workers) const {
+  const config::ParallelConfig& par = options_.config.parallel();
+  const int want = par.expert_parallel();
+  if (want == 0 || want >= workers) return workers;
+  if (workers % want == 0) return want;
+  if (!options_.worker.elastic) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "parallel.expert_parallel = %d does not divide the %d workers; choose a divisor of %d "
+        "(or 0 for all workers)",
+        want, workers, workers));
+  }
+  // An elastic generation whose count the configured groups do not divide takes the smallest
+  // larger groups that do: no worker holds more experts than the configured layout gives it.
+  int g = want + 1;
+  while (workers % g != 0) ++g;
+  return g;
+}
+
 size_t Trainer::DenseBlobFloats() const {
-  const model::MoeTransformer& m = model_ ? *model_ : *full_model_;
+  const model::MoeTransformer& m = *model_;
   return 3 * static_cast<size_t>(model::CountScalars(m.DenseParameters()));
 }
 
 size_t Trainer::ExpertBlobFloats() const {
-  const model::MoeTransformer& m = model_ ? *model_ : *full_model_;
+  const model::MoeTransformer& m = *model_;
   size_t n = 0;
   for (const auto& ref : m.moe_layers()) {
     if (ref.layer->num_local_experts() == 0) return 0;
@@ -196,8 +223,8 @@ Status Trainer::RefreshBuddies() {
 
 Holdings Trainer::HoldingsOfThisWorker() const {
   Holdings mine(1, options_.config.model().moe().num_experts());
-  // A worker that just joined holds nothing, unless it is rank 0 offering a checkpoint.
-  if (model_ != nullptr || rollback_.version >= 0) {
+  // A worker that just joined holds nothing.
+  if (model_ != nullptr) {
     mine.SetBlobFloats(0, static_cast<int64_t>(DenseBlobFloats()),
                        static_cast<int64_t>(ExpertBlobFloats()));
     if (rollback_.version >= 0) {
@@ -254,22 +281,24 @@ void Trainer::ReadHeldItem(size_t i, int64_t step, const Holdings& all, float* d
   std::memcpy(dst, src, (i == kDenseItem ? all.dense_floats() : S) * sizeof(float));
 }
 
-StatusOr<Trainer::SyncedState> Trainer::SyncState(bool from_checkpoint) {
+StatusOr<Trainer::SyncedState> Trainer::SyncState() {
   const config::JobConfig& cfg = options_.config;
   const int W = options_.worker.world_size, rank = options_.worker.rank;
+  // Only an IN_MEMORY job with one expert-parallel group keeps the copies a generation can go on
+  // from; every other layout goes back to its newest checkpoint (CheckElastic made sure there is
+  // a checkpoint folder).
+  if (!KeepsCopies()) return PlanFromCheckpoint();
   comm::Communicator* comm = W > 1 ? world_comm_.get() : nullptr;
   ASSIGN_OR_RETURN(const Holdings all, GatherHoldings(comm, HoldingsOfThisWorker()));
   const AgreedStep agreed = AgreeOnStep(all);
-  if (agreed.step < 0 && !from_checkpoint && !cfg.checkpoint().dir().empty()) {
-    // Lost with the failed workers and their buddy copies: every worker goes back to the latest
-    // checkpoint, which rank 0 reads and offers as its copy of the whole state.
+  if (agreed.step < 0 && !cfg.checkpoint().dir().empty()) {
+    // Lost with the failed workers and their buddy copies: every worker goes back to the newest
+    // checkpoint and reads its own share of it.
     if (rank == 0) {
       STRATA_LOG(WARNING) << absl::StrFormat("%s; going back to the latest checkpoint in %s",
                                              agreed.lost, cfg.checkpoint().dir());
-      if (!checkpoints_) RETURN_IF_ERROR(OpenCheckpoints(/*continuing=*/true));
-      RETURN_IF_ERROR(LoadCheckpointAsCopy(/*or_beginning=*/true));
     }
-    return SyncState(/*from_checkpoint=*/true);
+    return PlanFromCheckpoint();
   }
   if (agreed.step < 0) {
     return absl::DataLossError(absl::StrFormat(
@@ -314,12 +343,22 @@ Status Trainer::ImportState(const SyncedState& s) {
                true);
   }
   optimizer_->set_steps(s.step);
-  step_ = live_version_ = s.step;
+  step_ = s.step;
+  return absl::OkStatus();
+}
+
+Status Trainer::StartFrom(const SyncedState& s) {
+  if (s.from_checkpoint) {
+    RETURN_IF_ERROR(GoBackToCheckpoint());
+  } else {
+    RETURN_IF_ERROR(ImportState(s));
+  }
+  live_version_ = step_;
   rollback_ = Copy();
   buddies_.clear();
-  while (!history_.empty() && history_.back().step > s.step) history_.pop_back();
+  while (!history_.empty() && history_.back().step > step_) history_.pop_back();
   // The new generation is protected from its first step on.
-  return RefreshBuddies();
+  return KeepsCopies() ? RefreshBuddies() : absl::OkStatus();
 }
 
 void Trainer::ResetParallel(int64_t generation) {
@@ -354,6 +393,14 @@ Status Trainer::Reform(const WorkerOptions& w) {
   // every worker has let go of its old one (a checkpoint being written is abandoned: the new
   // generation saves again at its own schedule).
   checkpoints_.reset();
+  // A TIERED worker's store goes with it (it shares the shard's SSD tier): the generation reads its
+  // experts back from the checkpoint.
+  if (scheduler_) {
+    if (model_) model_->AttachResidency(nullptr);
+    experts_->Quiesce();
+    experts_.reset();
+    scheduler_.reset();
+  }
   ResetParallel(w.generation);
   options_.worker = w;
   options_.worker.rejoin = true;
@@ -368,7 +415,7 @@ Status Trainer::Reform(const WorkerOptions& w) {
   ASSIGN_OR_RETURN(SyncedState s, SyncState());
   std::tie(first_sequence_, local_batch_) =
       BatchShare(options_.config.train().global_batch(), w.world_size, w.rank);
-  RETURN_IF_ERROR(AdoptState(s, /*rebuild=*/true));
+  RETURN_IF_ERROR(AdoptState(s));
   // A checkpoint whose commit the previous generation never got to report (its step was cut
   // short) may be the one this generation went back to: the coordinator hears of it before the
   // generation says where it starts (again, if a report to the previous generation was refused).
@@ -377,69 +424,77 @@ Status Trainer::Reform(const WorkerOptions& w) {
   return absl::OkStatus();
 }
 
-Status Trainer::AdoptState(const SyncedState& s, bool rebuild) {
-  if (rebuild || s.counts != experts_per_worker_ || !model_) {
-    experts_per_worker_ = s.counts;
-    ASSIGN_OR_RETURN(scheduler::ExpertPlacement placement,
-                     scheduler::ExpertPlacement::FromCounts(experts_per_worker_));
-    const int rank = options_.worker.rank;
-    // The seams point into what goes next; BuildModel chooses new ones.
-    gradients_.reset();
-    keeping_.reset();
-    optimizer_.reset();
-    dense_slices_.reset();
-    if (model_) model_->AttachParallel(nullptr, nullptr, nullptr);
-    exchange_.reset();
-    data_parallel_.reset();
-    model_.reset();
-    RETURN_IF_ERROR(BuildModel(placement.first(rank), placement.count(rank)));
+Status Trainer::AdoptState(const SyncedState& s) {
+  experts_per_worker_ = s.counts;
+  ASSIGN_OR_RETURN(scheduler::ExpertPlacement placement,
+                   scheduler::ExpertPlacement::FromCounts(experts_per_worker_));
+  const int rank = options_.worker.rank, G = static_cast<int>(s.counts.size());
+  expert_replica_leader_ = rank < G;
+  // The seams point into what goes next; BuildModel chooses new ones.
+  gradients_.reset();
+  keeping_.reset();
+  optimizer_.reset();
+  dense_slices_.reset();
+  if (model_) model_->AttachParallel(nullptr, nullptr, nullptr);
+  if (model_ && scheduler_) model_->AttachResidency(nullptr);
+  experts_.reset();
+  scheduler_.reset();
+  exchange_.reset();
+  data_parallel_.reset();
+  model_.reset();
+  RETURN_IF_ERROR(BuildModel(placement.first(rank % G), placement.count(rank % G)));
+  RETURN_IF_ERROR(SetUpExpertState());
+  return StartFrom(s);
+}
+
+StatusOr<Trainer::SyncedState> Trainer::PlanFromCheckpoint() {
+  const config::JobConfig& cfg = options_.config;
+  const int W = options_.worker.world_size;
+  ASSIGN_OR_RETURN(const int G, GroupSize(W));
+  SyncedState out;
+  out.from_checkpoint = true;
+  const config::ParallelConfig& par = cfg.parallel();
+  if (par.experts_per_worker_size() == G && G > 1) {
+    // The configured placement, for groups of the size it was written for.
+    out.counts.assign(par.experts_per_worker().begin(), par.experts_per_worker().end());
+    return out;
   }
-  return ImportState(s);
+  // Contiguous ranges over a group, balanced by rank 0's measured loads (equal loads when rank 0
+  // has none, e.g. it just joined); nothing is held, so nothing counts as staying put.
+  const int64_t E = cfg.model().moe().num_experts();
+  std::vector<double> load(E, 0.0);
+  if (options_.worker.rank == 0 && static_cast<int64_t>(expert_load_.size()) == E) {
+    load = expert_load_;
+  }
+  if (W > 1) RETURN_IF_ERROR(world_comm_->Broadcast(load.data(), load.size() * sizeof(double), 0));
+  out.counts = scheduler::ReplanRanges(std::vector<int>(E, -1), load, G).counts;
+  return out;
 }
 
-Status Trainer::EnsureFullModel() {
-  if (full_model_) return absl::OkStatus();
-  model::ModelOptions mo;
-  mo.config = options_.config.model();
-  mo.seed = options_.config.seed();
-  mo.max_batch = 1;  // never runs: it only holds values for checkpoints
-  mo.expert_factory = options_.expert_factory;
-  ASSIGN_OR_RETURN(full_model_, model::MoeTransformer::Create(ctx_, mo));
-  model::AdamWOptions ao;
-  full_optimizer_ = std::make_unique<model::AdamW>(full_model_->Parameters(), ao);
-  return absl::OkStatus();
-}
-
-Status Trainer::LoadCheckpointAsCopy(bool or_beginning) {
-  // The checkpoint, read into a model holding every expert, becomes rank 0's copy of the whole
-  // state at its step; placing it over the workers is what a new generation does.
-  const int64_t E = options_.config.model().moe().num_experts();
+Status Trainer::GoBackToCheckpoint() {
+  // Every worker decides alike: all resume, or all start over (no checkpoint committed yet).
+  const std::string& dir = options_.config.checkpoint().dir();
   RETURN_IF_ERROR(checkpoints_->Wait());  // a checkpoint being written counts once committed
-  int64_t step = 0;
-  if (or_beginning && checkpoints_->NewestCommitted() == 0) {
+  double empty = checkpoints_->Steps().empty() ? 1.0 : 0.0;
+  if (distributed()) RETURN_IF_ERROR(world_comm_->AllReduce(&empty, 1));
+  if (empty == options_.worker.world_size) {
     // No checkpoint yet: the job goes back to its beginning, which every run shares — the model
-    // as the seed initialises it, with fresh optimizer state.
-    STRATA_LOG(WARNING) << "no checkpoint is committed in " << options_.config.checkpoint().dir()
-                        << " yet; the job goes back to step 0";
-    full_model_.reset();
-    full_optimizer_.reset();
-    RETURN_IF_ERROR(EnsureFullModel());
-  } else {
-    RETURN_IF_ERROR(EnsureFullModel());
-    ASSIGN_OR_RETURN(
-        step, checkpoints_->Resume(options_.config, *full_model_, *full_optimizer_, nullptr, ctx_));
+    // as the seed initialises it (just built), with fresh optimizer state.
+    if (options_.worker.rank == 0) {
+      STRATA_LOG(WARNING) << "no checkpoint is committed in " << dir
+                          << " yet; the job goes back to step 0";
+    }
+    step_ = 0;
+    return absl::OkStatus();
   }
-  const size_t S = ExpertBlobFloats();
-  rollback_.version = step;
-  rollback_.first = 0;
-  rollback_.count = E;
-  rollback_.dense.resize(DenseBlobFloats());
-  CopyParams(full_model_->DenseParameters(), *full_optimizer_, IndexOf(*full_optimizer_),
-             rollback_.dense.data(), false);
-  rollback_.experts.resize(S * static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) {
-    CopyExpert(*full_model_, *full_optimizer_, e, &rollback_.experts[e * S], false);
+  if (empty > 0) {
+    return absl::InternalError(absl::StrFormat(
+        "the workers of generation %d do not see the same checkpoints in %s (%d see none)",
+        options_.worker.generation, dir, static_cast<int>(empty)));
   }
+  if (distributed()) return ResumeDistributed();
+  ASSIGN_OR_RETURN(
+      step_, checkpoints_->Resume(options_.config, *model_, *optimizer_, scheduler_.get(), ctx_));
   return absl::OkStatus();
 }
 

@@ -117,9 +117,12 @@ double DataParallelGradients::TakeCommSeconds() {
   return seconds;
 }
 
-Trainer::ElasticKeeping::ElasticKeeping(Trainer& trainer) : t_(trainer) {}
+Trainer::ElasticKeeping::ElasticKeeping(Trainer& trainer, bool copies)
+    : t_(trainer), copies_(copies) {}
 
-void Trainer::ElasticKeeping::BeforeUpdate() { t_.TakeRollbackCopy(); }
+void Trainer::ElasticKeeping::BeforeUpdate() {
+  if (copies_) t_.TakeRollbackCopy();
+}
 
 Status Trainer::ElasticKeeping::AfterUpdate(const std::vector<model::MoeStats>& moe) {
   // Loads steer the placement of the next generation; every worker sees the batch-wide counts.
@@ -131,6 +134,7 @@ Status Trainer::ElasticKeeping::AfterUpdate(const std::vector<model::MoeStats>& 
       t_.expert_load_[e] += static_cast<double>(m.load[e]);
     }
   }
+  if (!copies_) return absl::OkStatus();
   TraceScope span(t_.ctx_.tracer, "buddy copies", "comm");
   return t_.RefreshBuddies();
 }

@@ -13,12 +13,13 @@
 //     the expert's copies, its gradients' norm, the experts' AdamW step on the host tier, the
 //     store's step figures).
 //   StepKeeping — what a step keeps around its update for a later membership generation:
-//     NoKeeping, or an elastic worker's rollback and buddy copies (Trainer::ElasticKeeping).
+//     NoKeeping, or an elastic worker's measured expert loads, with its rollback and buddy copies
+//     when its layout keeps them (Trainer::ElasticKeeping).
 //
-// The trainer chooses each once: the gradient sync and the keeping in BuildModel, for the model
-// and communicators it has just built (a new membership generation builds both anew, so neither
-// outlives what it points to), the expert state in Create once the store exists (a TIERED job
-// never re-forms: see Trainer::CheckElastic).
+// The trainer chooses each once per model: the gradient sync and the keeping in BuildModel, for
+// the model and communicators it has just built, and the expert state once the store exists
+// (SetUpExpertState). A new membership generation builds all three anew with the model (a TIERED
+// worker's store with them), so none outlives what it points to.
 //
 // Ownership: the trainer owns the seams; a seam owns none of what it is given (model, optimizer,
 // reducers, store), all of which the trainer keeps alive longer. Threads: only the thread that

@@ -118,12 +118,12 @@ Status Trainer::SetUpWorkers() {
   }
   if (w.store == nullptr) return absl::InvalidArgumentError("a distributed worker needs a store");
   const config::ParallelConfig& par = cfg.parallel();
-  const int ep = par.expert_parallel() == 0 ? W : par.expert_parallel();
-  if (W % ep != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "parallel.expert_parallel = %d does not divide the %d workers; choose a divisor of %d "
-        "(or 0 for all workers)",
-        ep, W, W));
+  ASSIGN_OR_RETURN(const int ep, GroupSize(W));
+  if (w.rank == 0 && par.expert_parallel() != 0 && ep != par.expert_parallel()) {
+    STRATA_LOG(WARNING) << absl::StrFormat(
+        "parallel.expert_parallel = %d does not divide this generation's %d workers: its "
+        "expert-parallel groups have %d workers",
+        par.expert_parallel(), W, ep);
   }
   if (cfg.train().global_batch() < W) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -131,7 +131,9 @@ Status Trainer::SetUpWorkers() {
         "least %d",
         cfg.train().global_batch(), W, W));
   }
-  if (ep > 1 && par.experts_per_worker_size() > 0 && par.experts_per_worker_size() != ep) {
+  // (A later generation of an elastic job whose groups changed size places experts anew.)
+  if (ep > 1 && !w.rejoin && par.experts_per_worker_size() > 0 &&
+      par.experts_per_worker_size() != ep) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "parallel.experts_per_worker has %d entries but expert-parallel groups have %d workers",
         par.experts_per_worker_size(), ep));
@@ -458,14 +460,33 @@ Status Trainer::BuildModel(int64_t first, int64_t count) {
   } else {
     gradients_ = std::make_unique<LocalGradients>(&ctx_, optimizer_.get());
   }
-  if (options_.worker.elastic && distributed() && CheckElastic().ok()) {
-    keeping_ = std::make_unique<ElasticKeeping>(*this);
+  if (options_.worker.elastic && distributed()) {
+    keeping_ = std::make_unique<ElasticKeeping>(*this, KeepsCopies());
   } else {
     keeping_ = std::make_unique<NoKeeping>();
   }
   const int64_t n = local_batch_ * cfg.model().seq_len();
   inputs_.resize(n);
   targets_.resize(n);
+  return absl::OkStatus();
+}
+
+Status Trainer::SetUpExpertState() {
+  if (options_.config.storage().mode() != config::StorageConfig::TIERED) {
+    experts_ = std::make_unique<InMemoryExperts>();
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(SetUpTiered());
+  scheduler_->set_tracer(tracer_.get());
+  // With expert replicas every copy holds its experts in its own store; their gradients are
+  // summed over the copies (the expert-parallel groups, or every worker without expert
+  // parallelism) and the leader counts them in the norm.
+  TieredExperts::Options to;
+  to.workers = std::max(1, options_.worker.world_size);
+  if (distributed()) to.replicas = ep_comm_ ? replica_comm_.get() : world_comm_.get();
+  to.counts_norm = expert_replica_leader_;
+  experts_ =
+      std::make_unique<TieredExperts>(scheduler_.get(), options_.config.train(), to, ctx_.tracer);
   return absl::OkStatus();
 }
 
@@ -481,6 +502,8 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
                           config::EstimateWorkerMemory(cfg, std::max(1, options.worker.world_size),
                                                        options.worker.elastic),
                           config::AvailableHostMemory(), "job config"));
+  // An elastic job learns at its start what its layout needs to re-form, not at its first failure.
+  if (options.worker.elastic) RETURN_IF_ERROR(tr->CheckElastic());
   storage::Env* env = options.env ? options.env : storage::Env::Default();
   ASSIGN_OR_RETURN(tr->device_, Device::Parse(cfg.train().device()));
   if (!tr->device_.is_cpu() && (options.worker.world_size > 1 || options.worker.elastic)) {
@@ -505,7 +528,6 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
 
   ASSIGN_OR_RETURN(tr->dataset_, data::TokenDataset::Open(cfg.data(), cfg.model().vocab_size(),
                                                           cfg.model().seq_len(), env));
-  const bool tiered = cfg.storage().mode() == config::StorageConfig::TIERED;
   tr->local_batch_ = cfg.train().global_batch();
   int64_t first = 0, count = -1;
   std::optional<SyncedState> synced;
@@ -518,8 +540,7 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     const int64_t E = cfg.model().moe().num_experts();
     RETURN_IF_ERROR(tr->OpenWorkerCheckpoints(/*continuing=*/options.worker.rejoin));
     if (options.worker.rejoin) {
-      // Joining a running job: the others hand over the state.
-      RETURN_IF_ERROR(tr->CheckElastic());
+      // Joining a running job: the others hand over the state (or all go back to a checkpoint).
       ASSIGN_OR_RETURN(synced, tr->SyncState());
       tr->experts_per_worker_ = synced->counts;
     } else if (cfg.parallel().experts_per_worker_size() > 0 && ep > 1) {
@@ -536,12 +557,10 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     tr->expert_replica_leader_ = rank < ep;
   } else if (options.worker.rejoin) {
     // Joining a running job alone: its only source is the latest checkpoint.
-    RETURN_IF_ERROR(tr->CheckElastic());
     ASSIGN_OR_RETURN(synced, tr->SyncState());
     tr->experts_per_worker_ = synced->counts;
   }
   RETURN_IF_ERROR(tr->BuildModel(first, count));
-  if (synced) RETURN_IF_ERROR(tr->ImportState(*synced));
   // Workers opened their shards above; a worker joining a running job alone may have opened the
   // folder already, to go back to a checkpoint.
   if (tr->checkpoints_ || (tr->distributed() && !cfg.checkpoint().dir().empty())) {
@@ -552,28 +571,14 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     return absl::InvalidArgumentError(
         "--resume needs a checkpoint folder: pass --checkpoint-dir or set checkpoint.dir");
   }
-  if (tiered) {
-    RETURN_IF_ERROR(tr->SetUpTiered());
-    tr->scheduler_->set_tracer(tr->tracer_.get());
-    // With expert replicas every copy holds its experts in its own store; their gradients are
-    // summed over the copies (the expert-parallel groups, or every worker without expert
-    // parallelism) and the leader counts them in the norm.
-    TieredExperts::Options to;
-    to.workers = std::max(1, options.worker.world_size);
-    if (tr->distributed()) {
-      to.replicas = tr->ep_comm_ ? tr->replica_comm_.get() : tr->world_comm_.get();
-    }
-    to.counts_norm = tr->expert_replica_leader_;
-    tr->experts_ =
-        std::make_unique<TieredExperts>(tr->scheduler_.get(), cfg.train(), to, tr->ctx_.tracer);
-  } else {
-    tr->experts_ = std::make_unique<InMemoryExperts>();
-  }
+  RETURN_IF_ERROR(tr->SetUpExpertState());
 
   if (!options.metrics_path.empty()) {
     ASSIGN_OR_RETURN(tr->metrics_, MetricsWriter::Open(options.metrics_path, env));
   }
-  if (options.resume && tr->distributed()) {
+  if (synced) {
+    RETURN_IF_ERROR(tr->StartFrom(*synced));
+  } else if (options.resume && tr->distributed()) {
     RETURN_IF_ERROR(tr->ResumeDistributed());
   } else if (options.resume) {
     ASSIGN_OR_RETURN(tr->step_, tr->checkpoints_->Resume(cfg, *tr->model_, *tr->optimizer_,

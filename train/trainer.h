@@ -62,9 +62,10 @@ struct WorkerOptions {
   // so a later job can use it.
   std::function<void()> after_rendezvous;
   // A job whose membership may change (`strata worker --coordinator`): every step keeps what a
-  // later generation needs to go on without this worker or with more — a copy of this worker's
-  // state from before the step's update, and buddy copies of other workers' experts
-  // (elastic.replicas). See elastic.cc.
+  // later generation needs to go on without this worker or with more — IN_MEMORY with one
+  // expert-parallel group, a copy of this worker's state from before the step's update and buddy
+  // copies of other workers' experts (elastic.replicas); any other layout goes back to its newest
+  // checkpoint (which it must have: Create refuses it without). See elastic.cc.
   bool elastic = false;
   // This generation is not the job's first: the workers agree on the newest step whose whole state
   // they still hold, re-place the experts, and move state to where it now lives (a worker that
@@ -183,8 +184,9 @@ class Trainer {
   void AbortCollectives(const std::string& why,
                         int64_t newer_generation = std::numeric_limits<int64_t>::max());
   // Re-forms this worker, in place, for a new generation: new communicators under w.store, the
-  // state agreed on (see WorkerOptions::rejoin), the experts re-placed by measured load. On
-  // success Run goes on from step(), which may be one step back when a step was cut short. On
+  // state agreed on (see WorkerOptions::rejoin) or the newest checkpoint, the experts re-placed
+  // by measured load (in groups re-planned for the new count, see GroupSize). On success Run goes
+  // on from step(), which may be behind the step that was cut short. On
   // failure the trainer holds no generation: only another Reform (or the destructor) may follow.
   [[nodiscard]] Status Reform(const WorkerOptions& w);
   // Experts each rank of the current generation holds (contiguous ranges in rank order).
@@ -206,19 +208,36 @@ class Trainer {
   // Builds model_ (with this worker's `first`, `count` experts when distributed), the exchange and
   // the data-parallel reducer around it, and the optimizer.
   [[nodiscard]] Status BuildModel(int64_t first, int64_t count);
-  // Elastic (elastic.cc): what a generation starts from.
+  // The expert state seam for the model just built: the tiered store (TIERED) or the model itself.
+  [[nodiscard]] Status SetUpExpertState();
+  // Elastic (elastic.cc): what a generation starts from — the state its workers hold (placement
+  // and blobs), or the newest checkpoint (the placement only; every worker reads its own share).
   struct SyncedState {
     int64_t step = 0;
-    std::vector<int64_t> counts;  // experts per rank
+    std::vector<int64_t> counts;  // experts per rank of an expert-parallel group
     std::vector<float> dense;     // this worker's dense parameters with moments
     std::vector<float> experts;   // its experts' blobs, in expert order
+    bool from_checkpoint = false;
   };
-  // from_checkpoint: rank 0 already offers the latest checkpoint; no second fallback.
-  [[nodiscard]] StatusOr<SyncedState> SyncState(bool from_checkpoint = false);
+  [[nodiscard]] StatusOr<SyncedState> SyncState();
+  // Whether this job's steps keep the copies a generation goes on from (rollback and buddy
+  // copies): IN_MEMORY with one expert-parallel group. Every other layout re-forms from the
+  // newest checkpoint.
+  bool KeepsCopies() const;
+  // The expert-parallel group size of a generation of `workers` (see GroupSize in elastic.cc).
+  [[nodiscard]] StatusOr<int> GroupSize(int workers) const;
+  // The placement of a generation that goes back to the newest checkpoint (collective).
+  [[nodiscard]] StatusOr<SyncedState> PlanFromCheckpoint();
+  // Every worker reads its share of the newest checkpoint all of them find intact — or, with none
+  // committed, all start over from step 0 (collective).
+  [[nodiscard]] Status GoBackToCheckpoint();
   // What this worker can supply to SyncState, and its copy of item `i` at `step` (one it holds).
   Holdings HoldingsOfThisWorker() const;
   void ReadHeldItem(size_t i, int64_t step, const Holdings& all, float* dst) const;
+  // The values of a synced state, into the model just built for its placement.
   [[nodiscard]] Status ImportState(const SyncedState& s);
+  // The synced state's values (or the checkpoint's), and the copies kept from then on.
+  [[nodiscard]] Status StartFrom(const SyncedState& s);
   [[nodiscard]] Status CheckElastic() const;
   // Opens config.checkpoint.dir (`continuing`: a worker that became rank 0 of a running job).
   [[nodiscard]] Status OpenCheckpoints(bool continuing);
@@ -232,13 +251,9 @@ class Trainer {
   // rank 0 commits; resuming, every worker reads what it now holds from the shards that have it,
   // whatever the number of workers that wrote them.
   [[nodiscard]] Status ResumeDistributed();
-  // Rank 0's copy of the whole state from the newest checkpoint — or, with `or_beginning` and no
-  // checkpoint committed yet, from step 0 (the model as the seed initialises it) — when a new
-  // generation of an elastic job goes back to a checkpoint (read from every shard).
-  [[nodiscard]] Status LoadCheckpointAsCopy(bool or_beginning = false);
-  [[nodiscard]] Status EnsureFullModel();
-  // Adopts a synced state: the placement (rebuilding the model if it changes) and the values.
-  [[nodiscard]] Status AdoptState(const SyncedState& s, bool rebuild);
+  // Rebuilds the model, its seams and expert state for a synced state's placement, and starts
+  // from it.
+  [[nodiscard]] Status AdoptState(const SyncedState& s);
   // Blobs: every dense parameter's value, first and second moment, in DenseParameters() order;
   // an expert's: for each MoE layer in order, each parameter's value and moments.
   size_t DenseBlobFloats() const;
@@ -284,12 +299,14 @@ class Trainer {
   // (elastic.cc says why).
   class ElasticKeeping final : public StepKeeping {
    public:
-    explicit ElasticKeeping(Trainer& trainer);
+    // `copies`: keep the rollback and buddy copies (KeepsCopies); else only the expert loads.
+    ElasticKeeping(Trainer& trainer, bool copies);
     void BeforeUpdate() override;
     [[nodiscard]] Status AfterUpdate(const std::vector<model::MoeStats>& moe) override;
 
    private:
     Trainer& t_;
+    bool copies_;
   };
 
   std::unique_ptr<MetricsWriter> metrics_;
@@ -321,9 +338,6 @@ class Trainer {
   };
   std::vector<Buddy> buddies_;       // [elastic.replicas], from ranks rank-1, rank-2, ...
   std::vector<double> expert_load_;  // rows routed to each expert, decayed over steps
-  // Rank 0 of a distributed job with checkpoints: every expert, for writing and reading them.
-  std::unique_ptr<model::MoeTransformer> full_model_;
-  std::unique_ptr<model::AdamW> full_optimizer_;
   std::vector<StepResult> history_;
   std::vector<std::pair<int64_t, EvalResult>> evals_;
   double started_ = 0;

@@ -264,15 +264,17 @@ class ElasticTest : public ::testing::Test {
                               " --config job.textproto --id joiner --quiet --metrics-out "
                               "joiner.jsonl > joiner.log 2>&1"));
   }
-  // `strata launch` of the job with these flags, its coordinator's folder "coord", metrics
-  // m.jsonl.<i>, output to `log`.
-  pid_t Launch(const std::string& flags, const std::string& log) {
+  // `strata launch` of the job with these flags (and `env`, VAR=value words), its coordinator's
+  // folder "coord", metrics m.jsonl.<i>, output to `log`.
+  pid_t Launch(const std::string& flags, const std::string& log, const std::string& env = "") {
     launch_log_ = log;
-    return Spawn(absl::StrCat("cd ", dir_.path(), " && exec ", kStrata, " launch --config ",
-                              dir_.File("job.textproto"), " ", flags,
+    return Spawn(absl::StrCat("cd ", dir_.path(), " && ", env, " exec ", kStrata,
+                              " launch --config ", dir_.File("job.textproto"), " ", flags,
                               " --coordinator-dir coord --metrics-out m.jsonl > ", log, " 2>&1"));
   }
   Trajectory KillWithoutBuddies(int steps, int every, int kill_at, std::string* out);
+  Trajectory KillAndJoin(int steps, int kill_at, int on_three, const std::string& env);
+  void TieredKillAndJoin(int expert_parallel, const std::string& env);
   // Until worker-0 has trained a step alone.
   void WaitForAStepOnOneWorker(const std::string& log) {
     WaitFor(
@@ -289,43 +291,79 @@ class ElasticTest : public ::testing::Test {
   std::string launch_log_;
 };
 
-TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess) {
-  constexpr int kSteps = 80;
-  WriteFile(dir_.File("job.textproto"), Config(kSteps));
+// Four workers of job.textproto launched (with `env`, VAR=value words): worker-2 is SIGKILLed
+// once it has trained `kill_at` steps, the three survivors go on without restarting, and once
+// they trained `on_three` steps together a new worker joins. Every step must equal the
+// failure-free replay of the same memberships, with each sample trained once; the joiner trains to
+// the end. Returns the job's trajectory.
+Trajectory ElasticTest::KillAndJoin(int steps, int kill_at, int on_three, const std::string& env) {
   const std::string log = dir_.File("launch.log");
-  const pid_t launch = Launch("--workers 4 --min-workers 2 --max-workers 4", log);
-  // SIGKILL worker-2 once it has trained 15 steps.
-  WaitFor([&] { return LastStep(dir_.File("m.jsonl.2")) >= 15; }, "step 15", log);
-  ASSERT_TRUE(KillWorker(2));
-  // Three workers go on; once they trained 15 steps together, a new worker joins.
+  const pid_t launch = Launch("--workers 4 --min-workers 2 --max-workers 4", log, env);
+  WaitFor([&] { return LastStep(dir_.File("m.jsonl.2")) >= kill_at; }, "the step to kill at", log);
+  EXPECT_TRUE(KillWorker(2));
   const auto three = [&] {
     const Trajectory t =
         Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"), dir_.File("m.jsonl.3")});
     int n = 0;
     for (const auto& [step, gen] : t.generation) n += t.workers.at(gen) == 3;
-    return n >= 15;
+    return n >= on_three;
   };
-  WaitFor(three, "15 steps on 3 workers", log);
-  const std::string out = ReadFile(log);
-  const std::string address = AddressIn(out);
-  ASSERT_FALSE(address.empty()) << out;
+  WaitFor(three, "steps on 3 workers", log);
+  const std::string address = AddressIn(ReadFile(log));
+  EXPECT_FALSE(address.empty()) << ReadFile(log);
   const pid_t joiner = StartJoiner(address);
   EXPECT_EQ(WaitExit(joiner), 0) << ReadFile(dir_.File("joiner.log"));
   EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
   const std::string launched = ReadFile(log);
   EXPECT_NE(launched.find("worker-2 exited with signal 9"), std::string::npos) << launched;
-  EXPECT_NE(launched.find("3 workers | generation 2 (failure)"), std::string::npos) << launched;
-  EXPECT_NE(launched.find("4 workers | generation 3 (join)"), std::string::npos) << launched;
-
   const Trajectory t = Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"), dir_.File("m.jsonl.2"),
                              dir_.File("m.jsonl.3"), dir_.File("joiner.jsonl")});
   EXPECT_EQ(t.generations, (std::set<int64_t>{1, 2, 3}));
   EXPECT_EQ(t.workers.at(1), 4);
   EXPECT_EQ(t.workers.at(2), 3);
   EXPECT_EQ(t.workers.at(3), 4);
-  ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
-  // The joiner trained to the end, from the step its generation began.
-  EXPECT_EQ(LastStep(dir_.File("joiner.jsonl")), kSteps);
+  ExpectMatches(t, Replay(Memberships(t, steps)), steps);
+  EXPECT_EQ(LastStep(dir_.File("joiner.jsonl")), steps);
+  return t;
+}
+
+TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess) {
+  constexpr int kSteps = 80;
+  WriteFile(dir_.File("job.textproto"), Config(kSteps));
+  const Trajectory t = KillAndJoin(kSteps, /*kill_at=*/15, /*on_three=*/15, "");
+  const std::string launched = ReadFile(dir_.File("launch.log"));
+  EXPECT_NE(launched.find("3 workers | generation 2 (failure)"), std::string::npos) << launched;
+  EXPECT_NE(launched.find("4 workers | generation 3 (join)"), std::string::npos) << launched;
+}
+
+// A TIERED job: 32 experts whose weights and Adam moments (12 KiB a tensor) live in each worker's
+// tiers, under device and host budgets of 3 and 7 tensors besides the dense state — 16x and 6.9x
+// below a worker's share of 4 (8 experts of 2 layers, 3 tensors each) — and a checkpoint every 5
+// steps, which a re-form goes back to. `expert_parallel` is the parallel block's setting.
+constexpr int64_t kTensorBytes = 12288, kTieredDense = 312320;
+std::string TieredConfig(int steps, int expert_parallel = 0, const std::string& extra = "") {
+  std::string c = Config(
+      steps, absl::StrCat("storage { mode: TIERED io_block_bytes: 8192 "
+                          "device_budget_bytes: ",
+                          kTieredDense + 3 * kTensorBytes, " host_budget_bytes: ", 7 * kTensorBytes,
+                          " }\ncheckpoint { every: 5 dir: \"ckpt\" }\n", extra));
+  c.replace(c.find("num_experts: 8"), 14, "num_experts: 32");
+  c.replace(c.find("expert_parallel: 0"), 18, absl::StrCat("expert_parallel: ", expert_parallel));
+  return c;
+}
+
+// Each generation after the first began at a checkpoint (a multiple of 5) at or before the step
+// it replaced.
+void ExpectGenerationsBeganAtCheckpoints(const Trajectory& t) {
+  std::map<int64_t, int64_t> first;  // generation -> its first counted step
+  for (const auto& [step, gen] : t.generation) {
+    if (!first.count(gen) || step < first[gen]) first[gen] = step;
+  }
+  for (const auto& [gen, step] : first) {
+    if (gen > 1) {
+      EXPECT_EQ((step - 1) % 5, 0) << "generation " << gen << " began at step " << step;
+    }
+  }
 }
 
 // The rank a launched worker has in generation 1, from its metrics file.
@@ -723,6 +761,86 @@ TEST_F(ElasticTest, ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn) {
       {dir_.File("w0.jsonl"), dir_.File("w1.jsonl"), dir_.File("w2.jsonl"), dir_.File("w3.jsonl")});
   EXPECT_EQ(t.workers.at(t.generation.at(kSteps)), 3) << "the replacement trained the last step";
   ExpectEveryStepTiled(t, kSteps);
+}
+
+// Four TIERED workers (TieredConfig: budgets far below each one's share): worker-2 is SIGKILLed
+// once it trained 11 steps, the three survivors go on from the newest checkpoint without
+// restarting, a joiner makes four again (from the newest checkpoint too), and every step equals the
+// failure-free replay of the same memberships, each sample trained once. `env` goes before the
+// launch (STRATA_FAULTS).
+void ElasticTest::TieredKillAndJoin(int expert_parallel, const std::string& env) {
+  constexpr int kSteps = 50;
+  WriteFile(dir_.File("job.textproto"), TieredConfig(kSteps, expert_parallel));
+  const Trajectory t = KillAndJoin(kSteps, /*kill_at=*/11, /*on_three=*/6, env);
+  ExpectGenerationsBeganAtCheckpoints(t);
+}
+
+TEST_F(ElasticTest, ATieredJobGoesOnFromItsCheckpointsThroughAFailureAndAJoin) {
+  TieredKillAndJoin(/*expert_parallel=*/0, "");
+}
+
+TEST_F(ElasticTest, TieredExpertParallelGroupsOfTwoBecomeOneGroupOfThree) {
+  TieredKillAndJoin(/*expert_parallel=*/2, "");
+  // Three workers cannot form groups of 2: they formed one group of 3 (and four, groups of 2).
+  const std::string w0 = ReadFile(dir_.File("launch.log"));
+  EXPECT_NE(w0.find("expert-parallel groups of 3"), std::string::npos) << w0;
+}
+
+TEST_F(ElasticTest, ATieredWorkerKilledWhileACheckpointCommitsLeavesTheOneBefore) {
+  // Every checkpoint's shards wait 1.5 s between their synced extents and their commit, so the
+  // kill after step 11 lands while checkpoint 10 commits: it never completes (or completes just
+  // before), and the survivors go back to the newest one that did.
+  TieredKillAndJoin(/*expert_parallel=*/0, "STRATA_FAULTS=checkpoint.before_commit=sleep_ms:1500");
+  const std::string log = ReadFile(dir_.File("launch.log"));
+  const size_t killed = log.find("worker-2 exited with signal 9");
+  const size_t committed = log.find("checkpoint 10 committed");
+  if (committed == std::string::npos || committed > killed) {
+    const Trajectory t = Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"),
+                               dir_.File("m.jsonl.3"), dir_.File("joiner.jsonl")});
+    // The first step a later generation trained again (generation 3 may have gone back as far).
+    int64_t first_redone = 0;
+    for (const auto& [step, gen] : t.generation) {
+      if (gen > 1 && first_redone == 0) first_redone = step;
+    }
+    EXPECT_EQ(first_redone, 6) << "checkpoint 10 never committed: generation 2 went back to 5\n"
+                               << log;
+  }
+}
+
+TEST_F(ElasticTest, ATieredJobRidesThroughASecondFailureDuringItsReform) {
+  // Ranks 1 and 3 of 4 die 40 ms apart: the second death lands while the survivors re-form.
+  constexpr int kSteps = 40;
+  WriteFile(dir_.File("job.textproto"), TieredConfig(kSteps));
+  const std::string log = dir_.File("launch.log");
+  const pid_t launch = Launch("--workers 4 --min-workers 2", log);
+  WaitFor([&] { return LastStep(dir_.File("m.jsonl.0")) >= 8; }, "step 8", log);
+  std::map<int, int> worker_of;  // rank -> launch's worker index
+  for (int i = 0; i < 4; ++i) worker_of[RankOf(dir_.File(absl::StrCat("m.jsonl.", i)))] = i;
+  ASSERT_EQ(worker_of.size(), 4u);
+  for (int rank : {1, 3}) {
+    ASSERT_TRUE(KillWorker(worker_of.at(rank))) << "rank " << rank;
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  }
+  EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
+  std::vector<std::string> files;
+  for (int i = 0; i < 4; ++i) files.push_back(dir_.File(absl::StrCat("m.jsonl.", i)));
+  const Trajectory t = Read(files);
+  EXPECT_EQ(t.workers.at(t.generation.at(kSteps)), 2);
+  ExpectGenerationsBeganAtCheckpoints(t);
+  ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
+}
+
+TEST_F(ElasticTest, ATieredElasticJobWithoutCheckpointsIsRefusedUpFront) {
+  std::string c = TieredConfig(10);
+  c.erase(c.find("checkpoint {"));
+  WriteFile(dir_.File("job.textproto"), c);
+  auto r = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
+                                   " launch --config job.textproto --workers 2 --quiet"));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("storage.mode: TIERED re-forms from its newest checkpoint; set "
+                          "checkpoint.dir and checkpoint.every"),
+            std::string::npos)
+      << r.output;
 }
 
 }  // namespace

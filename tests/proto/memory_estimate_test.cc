@@ -152,7 +152,7 @@ TEST(MemoryEstimateTest, AWorkerHoldsItsShareOfTheExpertsAndTheBatch) {
   // kSmall on 2 workers: each holds 2 of the 4 experts and 2 of the 3 sequences (ceil).
   const JobConfig cfg = Parse(kSmall);
   const MemoryEstimate full = EstimateMemory(cfg);
-  const MemoryEstimate w = EstimateWorkerMemory(cfg, 2);
+  const MemoryEstimate w = EstimateWorkerMemory(cfg, 2, /*elastic=*/false);
   const uint64_t dense = static_cast<uint64_t>(full.dense_parameters);
   const uint64_t half_experts = static_cast<uint64_t>(full.expert_parameters) / 2;
   EXPECT_EQ(w.expert_parameters, full.expert_parameters) << "the model's count is unchanged";
@@ -162,16 +162,26 @@ TEST(MemoryEstimateTest, AWorkerHoldsItsShareOfTheExpertsAndTheBatch) {
   JobConfig two_sequences = cfg;
   two_sequences.mutable_train()->set_global_batch(2);
   EXPECT_EQ(w.activation_bytes, EstimateMemory(two_sequences).activation_bytes);
-  EXPECT_EQ(w.full_copy_bytes, 0u) << "no checkpoints: rank 0 keeps no full copy";
+  EXPECT_EQ(w.elastic_copy_bytes, 0u) << "a --store worker keeps no copies";
   EXPECT_EQ(w.total_bytes,
             w.parameter_bytes + w.gradient_bytes + w.optimizer_bytes + w.activation_bytes);
   EXPECT_LT(w.total_bytes, full.total_bytes);
-  // With checkpoints every worker of an elastic job may become rank 0, which restores lost state
-  // from them through a full model; a `--store` worker writes and reads only its own shard.
-  const JobConfig with_checkpoints = Parse(absl::StrCat(kSmall, "checkpoint { dir: \"ck\" }\n"));
-  const MemoryEstimate c = EstimateWorkerMemory(with_checkpoints, 2);
-  EXPECT_EQ(c.full_copy_bytes, 16 * (dense + static_cast<uint64_t>(full.expert_parameters)));
-  EXPECT_EQ(EstimateWorkerMemory(with_checkpoints, 2, /*elastic=*/false).full_copy_bytes, 0u);
+  // An elastic worker keeps, in values and both moments (12 bytes a parameter), its state from
+  // before the update and the state handed over in a re-form (2 x its share), and its buddy's
+  // experts after its latest two updates (replicas 1 of the other worker: 2 x half the experts).
+  const MemoryEstimate c = EstimateWorkerMemory(cfg, 2);
+  EXPECT_EQ(c.elastic_copy_bytes, 12 * (2 * (dense + half_experts) + 2 * half_experts));
+  EXPECT_EQ(c.total_bytes, w.total_bytes + c.elastic_copy_bytes);
+  // Layouts that go back to a checkpoint instead keep none.
+  for (const char* other : {"storage { mode: TIERED }\n", "parallel { expert_parallel: 1 }\n",
+                            "elastic { replicas: 0 }\n"}) {
+    const MemoryEstimate o = EstimateWorkerMemory(Parse(absl::StrCat(kSmall, other)), 2);
+    if (std::string(other).find("replicas") != std::string::npos) {
+      EXPECT_EQ(o.elastic_copy_bytes, 24 * (dense + half_experts)) << "no buddy copies";
+    } else {
+      EXPECT_EQ(o.elastic_copy_bytes, 0u) << other;
+    }
+  }
   // Expert-parallel groups of 1: every worker holds every expert.
   const MemoryEstimate g1 =
       EstimateWorkerMemory(Parse(absl::StrCat(kSmall, "parallel { expert_parallel: 1 }\n")), 2);
