@@ -20,10 +20,13 @@
 //              either budget: 48 tensors against 3 and 7 (16x and 6.9x) at 4 workers x 1 thread.
 //              Where more workers or threads leave less, both jobs get more experts (num_experts
 //              becomes the smallest multiple of --workers that does; the first line says so).
-//              elastic.replicas does not apply: a TIERED job re-forms from its newest checkpoint,
-//              every worker reading its own share, the survivors not restarted.
+//              elastic.replicas does not apply (a TIERED store keeps no buddy copies): a failure
+//              goes back to the newest checkpoint, every worker reading its own share, the
+//              survivors not restarted.
 // The sizes come from the model built in this process (its MoE layers, an expert's parameters
-// and the dense parameters, model::MoeTransformer with unbound experts).
+// and the dense parameters, model::MoeTransformer with unbound experts). The heartbeat timeout is
+// 30 s: a SIGKILLed worker is seen at once by its broken stream, and a machine busy with other
+// work (synced writes stalling for seconds) then does not have live workers declared failed.
 //
 //   failure  SIGKILL one worker (a different rank each trial) and time until the first step of
 //            the generation without it is done (coordinator record: step > first_step).
@@ -44,13 +47,17 @@
 //                         MoE layers x an expert's parameters x 4 bytes) plus, for every worker of
 //                         the new generation, the dense parameters and their 2 Adam moments (12
 //                         bytes a scalar).
-//   dead worker's experts (a failure that did not go back: IN_MEMORY from its buddies) 3 tensors x
+//   dead worker's experts (a failure that did not go back; IN_MEMORY: from its buddies) 3 tensors x
 //                         its experts (the record's experts_per_worker) x MoE layers x an expert's
 //                         parameters x 4 bytes.
-//   not computed          (a join that did not go back, IN_MEMORY) which experts move to the joiner
-//                         depends on the measured expert loads.
+//   experts changing owner + dense to joiner  (a join that did not go back) 3 tensors x the
+//                         experts whose owner differs between the record's experts_per_worker
+//                         before and after the join (contiguous ranges in rank order) x MoE layers
+//                         x an expert's parameters x 4 bytes, plus the dense parameters and their 2
+//                         moments for the joiner; "not computed" where the record lacks the ranges.
 // The first failure waits for a committed checkpoint (the coordinator's catalog), so a job that
-// goes back replays the steps since one, not the whole run.
+// goes back replays the steps since one, not the whole run; every failure waits until the job is
+// 2 steps or more past a multiple of checkpoint.every (see WentBackToCheckpoint).
 //
 // The SSD tier's speed (TIERED only), measured in the same run before the jobs, in the bench's
 // folder: through storage::SsdTier (io_uring, O_DIRECT, the TIERED job's queue depth and request
@@ -135,6 +142,11 @@ std::set<pid_t>& LiveWorkers() {
 
 constexpr int64_t kDefaultExperts = 16;
 constexpr int64_t kCheckpointEvery = 20;
+// A worker SIGKILLed is seen at once (its stream to the coordinator breaks), so the heartbeat
+// timeout does not enter the times; 15x the default keeps a machine busy with other work (synced
+// writes that stall for seconds) from declaring live workers failed. The restart grace must be at
+// least as long.
+constexpr int kHeartbeatTimeoutMs = 30000;
 constexpr int kSsdRounds = 5;
 constexpr const char* kReadFromCheckpoint = "read from checkpoint";
 
@@ -152,7 +164,9 @@ std::string JobText(const std::string& dir, int64_t experts, const std::string& 
       "data { path: \"corpus.txt\" format: BYTES }\n"
       "train { steps: 1000000 global_batch: 32 lr: 0.003 warmup_steps: 20 eval_every: 0 "
       "log_every: 1000000 }\n"
-      "elastic { replicas: 1 }\n"
+      "elastic { replicas: 1 heartbeat_timeout_ms: ",
+      kHeartbeatTimeoutMs, " restart_grace_ms: ", kHeartbeatTimeoutMs,
+      " }\n"
       "checkpoint { every: ",
       kCheckpointEvery, " dir: \"", dir, "/ckpt\" keep: 2 }\n", storage);
 }
@@ -177,11 +191,12 @@ struct Sizes {
   uint64_t ExpertStateBytes(int64_t n) const {
     return 3 * static_cast<uint64_t>(n * moe_layers) * TensorBytes();
   }
-  // What `workers` workers read from a checkpoint: every expert once, the dense parameters and
-  // their moments each.
+  // The dense parameters with both Adam moments: what a worker reads from a checkpoint, or a
+  // joiner receives.
+  uint64_t DenseCheckpointBytes() const { return 3 * dense_scalars * sizeof(float); }
+  // What `workers` workers read from a checkpoint: every expert once, the dense state each.
   uint64_t CheckpointReadBytes(int workers) const {
-    return ExpertStateBytes(experts) +
-           static_cast<uint64_t>(workers) * 3 * dense_scalars * sizeof(float);
+    return ExpertStateBytes(experts) + static_cast<uint64_t>(workers) * DenseCheckpointBytes();
   }
   // The device budget's share that the trainer reserves for the dense state (with gradients).
   uint64_t DenseDeviceBytes() const { return 4 * dense_scalars * sizeof(float); }
@@ -225,9 +240,37 @@ bool HasCheckpoint(const coordinator::CoordinatorRecord& r) {
 }
 
 // Whether a generation that began at `back_to`, replacing one at step boundary `boundary`, went
-// back to a checkpoint (rather than going on from the state its workers held).
+// back to a checkpoint (rather than going on from the state its workers held, at the boundary or
+// one step before it). The record holds no more than the steps: an event at a checkpoint's step,
+// or the step after it, cannot be told apart, so the failures wait until 2 steps past one.
 bool WentBackToCheckpoint(int64_t boundary, int64_t back_to) {
   return back_to < boundary && back_to % kCheckpointEvery == 0;
+}
+
+// Whether step boundary `step` is 2 steps or more from every multiple of checkpoint.every, so that
+// WentBackToCheckpoint can tell the two ways of re-forming apart for an event there.
+bool AwayFromCheckpoints(int64_t step) {
+  return step % kCheckpointEvery >= 2 && step % kCheckpointEvery <= kCheckpointEvery - 2;
+}
+
+// How many experts have another worker as owner in `after` than in `before`: each record's
+// experts_per_worker are contiguous ranges in rank order (one expert-parallel group); -1 when a
+// record lacks them.
+int64_t ExpertsChangingOwner(const coordinator::CoordinatorRecord& before,
+                             const coordinator::CoordinatorRecord& after) {
+  auto owners = [](const coordinator::CoordinatorRecord& r) {
+    std::vector<std::string> owner;
+    if (r.experts_per_worker_size() != r.generation().workers_size()) return owner;
+    for (int w = 0; w < r.experts_per_worker_size(); ++w) {
+      owner.insert(owner.end(), r.experts_per_worker(w), r.generation().workers(w).id());
+    }
+    return owner;
+  };
+  const std::vector<std::string> a = owners(before), b = owners(after);
+  if (a.empty() || a.size() != b.size()) return -1;
+  int64_t moved = 0;
+  for (size_t e = 0; e < a.size(); ++e) moved += a[e] != b[e];
+  return moved;
 }
 
 class Job {
@@ -243,6 +286,8 @@ class Job {
     co.initial_workers = o.workers;
     co.min_workers = 2;
     co.max_workers = o.workers;
+    co.heartbeat_timeout = std::chrono::milliseconds(kHeartbeatTimeoutMs);
+    co.restart_grace = co.heartbeat_timeout;
     auto state = launcher::CoordinatorState::Open(co, job, Clock::now());
     if (!state.ok()) Die(std::string(state.status().message()));
     state_ = std::move(*state);
@@ -312,9 +357,11 @@ class Job {
   // Waits until a generation after `gen` with `n` workers (0: any number) has done a step, and
   // returns the lowest first step of the generations after `gen` seen on the way: the job may form
   // more than one (a restart's first workers form one, the others join it at a step boundary).
-  int64_t FirstStepAfter(int64_t gen, int n, const std::string& what) {
+  // `reached`, when given, receives the record that ended the wait.
+  int64_t FirstStepAfter(int64_t gen, int n, const std::string& what,
+                         coordinator::CoordinatorRecord* reached = nullptr) {
     int64_t back_to = INT64_MAX;
-    WaitFor(
+    coordinator::CoordinatorRecord r = WaitFor(
         [&](const auto& r) {
           const bool later = r.generation().number() > gen && r.generation().workers_size() > 0;
           if (later) back_to = std::min(back_to, r.generation().first_step());
@@ -322,6 +369,7 @@ class Job {
                  r.step() > r.generation().first_step();
         },
         what);
+    if (reached != nullptr) *reached = std::move(r);
     return back_to;
   }
   const std::map<std::string, pid_t>& pids() const { return pids_; }
@@ -375,11 +423,12 @@ ModeRows RunJob(const Options& o, bool tiered, const Sizes& s, const std::string
   job.Steady(o.workers, 5);
   for (int t = 0; t < o.trials; ++t) {
     // Failure: a different rank each trial, once the job has a checkpoint to go back to (a job
-    // that goes back to its first step measures nothing a long-running job would see).
+    // that goes back to its first step measures nothing a long-running job would see), and not
+    // within a step of one (see WentBackToCheckpoint).
     coordinator::CoordinatorRecord before = job.WaitFor(
         [&](const auto& r) {
           return HasCheckpoint(r) && r.generation().workers_size() == o.workers &&
-                 r.step() >= r.generation().first_step() + 3;
+                 r.step() >= r.generation().first_step() + 3 && AwayFromCheckpoints(r.step());
         },
         "a committed checkpoint");
     const int rank = t % o.workers;
@@ -400,7 +449,12 @@ ModeRows RunJob(const Options& o, bool tiered, const Sizes& s, const std::string
       m.failure.Moved(s.ExpertStateBytes(held), tiered ? "dead worker's experts, store to store"
                                                        : "dead worker's experts from buddies");
     }
-    job.Steady(o.workers - 1, 3);
+    job.WaitFor(
+        [&](const auto& r) {
+          return r.generation().workers_size() == o.workers - 1 &&
+                 r.step() >= r.generation().first_step() + 3 && AwayFromCheckpoints(r.step());
+        },
+        "the survivors to train 3 steps");
     // Join.
     const std::string id = absl::StrCat("w", next_id++);
     const int64_t gen_before_join = job.Record().generation().number();
@@ -415,9 +469,11 @@ ModeRows RunJob(const Options& o, bool tiered, const Sizes& s, const std::string
         },
         "the joiner to join");
     const auto joined = Clock::now();
-    const int64_t boundary = job.Record().step();
-    const int64_t join_back_to =
-        job.FirstStepAfter(gen_before_join, o.workers, "the first step with the joiner");
+    const coordinator::CoordinatorRecord before_join = job.Record();
+    const int64_t boundary = before_join.step();
+    coordinator::CoordinatorRecord with_joiner;
+    const int64_t join_back_to = job.FirstStepAfter(gen_before_join, o.workers,
+                                                    "the first step with the joiner", &with_joiner);
     m.join.seconds.push_back(Since(joined));
     m.join_spawn.seconds.push_back(Since(spawned));
     m.join.steps_lost = std::max(m.join.steps_lost, boundary - join_back_to);
@@ -425,6 +481,12 @@ ModeRows RunJob(const Options& o, bool tiered, const Sizes& s, const std::string
     if (WentBackToCheckpoint(boundary, join_back_to)) {
       m.join.Moved(s.CheckpointReadBytes(o.workers), kReadFromCheckpoint);
       m.join_spawn.Moved(s.CheckpointReadBytes(o.workers), kReadFromCheckpoint);
+    } else if (const int64_t moved = ExpertsChangingOwner(before_join, with_joiner); moved >= 0) {
+      const uint64_t bytes = s.ExpertStateBytes(moved) + s.DenseCheckpointBytes();
+      const char* what = tiered ? "experts changing owner, store to store, + dense to joiner"
+                                : "experts changing owner + dense to joiner";
+      m.join.Moved(bytes, what);
+      m.join_spawn.Moved(bytes, what);
     }
     job.Steady(o.workers, 3);
     std::fprintf(stderr,
@@ -635,10 +697,11 @@ int main(int argc, char** argv) {
   for (const ModeRows& m : modes) {
     const std::string& mode = m.failure.storage;
     if (!m.restart.seconds.empty()) {
+      const double ratio = m.restart.Median() / m.failure.Median();
       std::printf(
-          "%s: a failure costs %.1fx less time than a restart from the checkpoint (medians), with "
+          "%s: a failure costs %.1fx %s time than a restart from the checkpoint (medians), with "
           "up to %lld steps replayed against up to %lld\n",
-          mode.c_str(), m.restart.Median() / m.failure.Median(),
+          mode.c_str(), ratio >= 1 ? ratio : 1 / ratio, ratio >= 1 ? "less" : "more",
           static_cast<long long>(m.failure.steps_lost),
           static_cast<long long>(m.restart.steps_lost));
     }
