@@ -30,6 +30,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -164,13 +165,19 @@ void ExpectMatches(const Trajectory& t, const std::map<int64_t, double>& referen
   }
 }
 
-// The memberships of an elastic run as (workers, last step): each generation that trained, up to
-// the step the next one started from.
-std::vector<std::pair<int, int64_t>> Memberships(const Trajectory& t, int steps) {
-  std::map<int64_t, int64_t> first;  // generation -> its first counted step
+// Each generation's first counted step (generation -> step).
+std::map<int64_t, int64_t> FirstSteps(const Trajectory& t) {
+  std::map<int64_t, int64_t> first;
   for (const auto& [step, gen] : t.generation) {
     if (!first.count(gen) || step < first[gen]) first[gen] = step;
   }
+  return first;
+}
+
+// The memberships of an elastic run as (workers, last step): each generation that trained, up to
+// the step the next one started from.
+std::vector<std::pair<int, int64_t>> Memberships(const Trajectory& t, int steps) {
+  const std::map<int64_t, int64_t> first = FirstSteps(t);
   std::vector<std::pair<int, int64_t>> out;
   for (auto it = first.begin(); it != first.end(); ++it) {
     auto next = std::next(it);
@@ -221,6 +228,12 @@ std::string Between(const std::string& s, const std::string& before, const std::
                   b == std::string::npos ? std::string::npos : b - a - before.size());
 }
 
+// The peak resident set of a process so far (its VmHWM), in bytes; -1 once it is gone.
+int64_t PeakRss(pid_t pid) {
+  const std::string kb = Between(ReadFile(absl::StrCat("/proc/", pid, "/status")), "VmHWM:", "kB");
+  return kb.empty() ? -1 : std::stoll(kb) * 1024;
+}
+
 // The coordinator's address in a launch's output: the word after the first "--coordinator ".
 std::string AddressIn(const std::string& out) {
   const std::string rest = Between(out, "--coordinator ", "\n");
@@ -248,14 +261,27 @@ class ElasticTest : public ::testing::Test {
     }
     return out;
   }
+  // What `pkill -f` and `pgrep -f` find the launch's worker-<i> of this test's job by ("" before
+  // the launch printed its address); "[w]" keeps the shell that runs them from matching itself.
+  std::string WorkerPattern(int i) {
+    const std::string address = AddressIn(ReadFile(launch_log_));
+    if (address.empty()) return "";
+    return absl::StrCat("'--coordinator ", address, " --id [w]orker-", i, "( |$)'");
+  }
   // SIGKILLs the launch's worker-<i> of this test's job.
   ::testing::AssertionResult KillWorker(int i) {
-    const std::string address = AddressIn(ReadFile(launch_log_));
-    if (address.empty()) return ::testing::AssertionFailure() << "no address in the launch's log";
-    auto k = RunCommand(
-        absl::StrCat("pkill -KILL -f -- '--coordinator ", address, " --id [w]orker-", i, "( |$)'"));
+    const std::string pattern = WorkerPattern(i);
+    if (pattern.empty()) return ::testing::AssertionFailure() << "no address in the launch's log";
+    auto k = RunCommand(absl::StrCat("pkill -KILL -f -- ", pattern));
     if (k.exit_code == 0) return ::testing::AssertionSuccess();
     return ::testing::AssertionFailure() << "no worker-" << i << " to kill: " << k.output;
+  }
+  // The process id of the launch's worker-<i> of this test's job (0 when there is none).
+  pid_t WorkerPid(int i) {
+    const std::string pattern = WorkerPattern(i);
+    if (pattern.empty()) return 0;
+    auto r = RunCommand(absl::StrCat("pgrep -f -- ", pattern));
+    return r.exit_code == 0 ? static_cast<pid_t>(std::stol(r.output)) : 0;
   }
   // `strata worker --coordinator address` joining the launched job, metrics to joiner.jsonl.
   pid_t StartJoiner(const std::string& address) {
@@ -275,6 +301,8 @@ class ElasticTest : public ::testing::Test {
   Trajectory KillWithoutBuddies(int steps, int every, int kill_at, std::string* out);
   Trajectory KillAndJoin(int steps, int kill_at, int on_three, const std::string& env);
   void TieredKillAndJoin(int expert_parallel, const std::string& env);
+  Trajectory CoordinatorRestartWithAWorkerLost(const std::string& config, int steps, int kill_at,
+                                               int on_two);
   // Until worker-0 has trained a step alone.
   void WaitForAStepOnOneWorker(const std::string& log) {
     WaitFor(
@@ -341,26 +369,27 @@ TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess)
 // below a worker's share of 4 (8 experts of 2 layers, 3 tensors each) — and a checkpoint every 5
 // steps, which a re-form goes back to. `expert_parallel` is the parallel block's setting.
 constexpr int64_t kTensorBytes = 12288, kTieredDense = 312320;
+// `config` (a Config) with 32 experts, kept in TIERED storage under these budgets, and a checkpoint
+// every 5 steps.
+std::string WithTieredStorage(std::string config, int64_t device_budget, int64_t host_budget) {
+  config.replace(config.find("num_experts: 8"), 14, "num_experts: 32");
+  return absl::StrCat(
+      config, "storage { mode: TIERED io_block_bytes: 8192 device_budget_bytes: ", device_budget,
+      " host_budget_bytes: ", host_budget, " }\ncheckpoint { every: 5 dir: \"ckpt\" }\n");
+}
 std::string TieredConfig(int steps, int expert_parallel = 0, const std::string& extra = "") {
-  std::string c = Config(
-      steps, absl::StrCat("storage { mode: TIERED io_block_bytes: 8192 "
-                          "device_budget_bytes: ",
-                          kTieredDense + 3 * kTensorBytes, " host_budget_bytes: ", 7 * kTensorBytes,
-                          " }\ncheckpoint { every: 5 dir: \"ckpt\" }\n", extra));
-  c.replace(c.find("num_experts: 8"), 14, "num_experts: 32");
+  std::string c =
+      WithTieredStorage(Config(steps, extra), kTieredDense + 3 * kTensorBytes, 7 * kTensorBytes);
   c.replace(c.find("expert_parallel: 0"), 18, absl::StrCat("expert_parallel: ", expert_parallel));
   return c;
 }
 
-// Each generation after the first began at a checkpoint (a multiple of 5) at or before the step
-// it replaced.
-void ExpectGenerationsBeganAtCheckpoints(const Trajectory& t) {
-  std::map<int64_t, int64_t> first;  // generation -> its first counted step
-  for (const auto& [step, gen] : t.generation) {
-    if (!first.count(gen) || step < first[gen]) first[gen] = step;
-  }
-  for (const auto& [gen, step] : first) {
-    if (gen > 1) {
+// Each generation after the first (or each of `generations`, when given) began at a checkpoint (a
+// multiple of 5) at or before the step it replaced.
+void ExpectGenerationsBeganAtCheckpoints(const Trajectory& t,
+                                         const std::set<int64_t>& generations = {}) {
+  for (const auto& [gen, step] : FirstSteps(t)) {
+    if (generations.empty() ? gen > 1 : generations.count(gen) > 0) {
       EXPECT_EQ((step - 1) % 5, 0) << "generation " << gen << " began at step " << step;
     }
   }
@@ -690,15 +719,16 @@ TEST_F(ElasticTest, ALaunchRefusesACoordinatorFolderThatHoldsAJobAndChangesNothi
   EXPECT_EQ(ReadFile(dir_.File("coord/token")), token);
 }
 
-TEST_F(ElasticTest, ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn) {
-  // Three workers; the coordinator is SIGKILLed, one worker dies while it is down, and the
-  // coordinator is restarted from its folder alone (`strata coordinator --dir record`: config,
-  // worker counts, address and token come from the record). The survivors wait for it, it finds
-  // the lost member when its restart grace ends, they re-form, a replacement joins, the job
-  // finishes, and the coordinator exits by itself.
-  constexpr int kSteps = 200;
-  WriteFile(dir_.File("job.textproto"),
-            Config(kSteps, "elastic { heartbeat_timeout_ms: 1000 restart_grace_ms: 6000 }\n"));
+// Three workers of `config` (a job of `steps` steps) under a standalone coordinator; once worker
+// w0 trained `kill_at` steps the coordinator is SIGKILLed, worker w2 dies while it is down, and
+// the coordinator is restarted from its folder alone (`strata coordinator --dir record`: config,
+// worker counts, address and token come from the record). The survivors wait for it, it finds the
+// lost member when its restart grace ends, they re-form, and once they trained `on_two` steps
+// together a replacement joins; the job finishes, and the coordinator exits by itself. Returns the
+// job's trajectory.
+Trajectory ElasticTest::CoordinatorRestartWithAWorkerLost(const std::string& config, int steps,
+                                                          int kill_at, int on_two) {
+  WriteFile(dir_.File("job.textproto"), config);
   WriteFile(dir_.File("token.txt"), "secret-token\n");
   const std::string clog = dir_.File("coordinator.log");
   pid_t coordinator = Spawn(absl::StrCat(
@@ -708,6 +738,11 @@ TEST_F(ElasticTest, ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn) {
       clog, " 2>&1"));
   WaitFor([&] { return ReadFile(clog).find("listening on ") != std::string::npos; },
           "the coordinator", clog);
+  if (HasFailure()) {
+    kill(coordinator, SIGKILL);
+    WaitExit(coordinator);
+    return {};
+  }
   const std::string address = Between(ReadFile(clog), "listening on ", " ");
   auto start_worker = [&](const std::string& id) {
     return Spawn(absl::StrCat("cd ", dir_.path(), " && exec ", kStrata, " worker --coordinator ",
@@ -716,7 +751,7 @@ TEST_F(ElasticTest, ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn) {
   };
   std::map<std::string, pid_t> workers;
   for (const char* id : {"w0", "w1", "w2"}) workers[id] = start_worker(id);
-  WaitFor([&] { return LastStep(dir_.File("w0.jsonl")) >= 20; }, "step 20", clog);
+  WaitFor([&] { return LastStep(dir_.File("w0.jsonl")) >= kill_at; }, "the step to kill at", clog);
   auto status = RunCommand(
       absl::StrCat(kStrata, " status ", address, " --token-file ", dir_.File("token.txt")));
   EXPECT_EQ(status.exit_code, 0) << status.output;
@@ -738,12 +773,11 @@ TEST_F(ElasticTest, ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn) {
   WaitFor(
       [&] {
         const Trajectory t = Read({dir_.File("w0.jsonl"), dir_.File("w1.jsonl")});
-        for (const auto& [gen, n] : t.workers) {
-          if (gen > 1 && n == 2) return true;
-        }
-        return false;
+        int n = 0;
+        for (const auto& [step, gen] : t.generation) n += gen > 1 && t.workers.at(gen) == 2;
+        return n >= on_two;
       },
-      "a step on the 2 survivors", clog + ".2");
+      "steps on the 2 survivors", clog + ".2");
   workers["w3"] = start_worker("w3");
   for (const char* id : {"w0", "w1", "w3"}) {
     EXPECT_EQ(WaitExit(workers[id]), 0) << id << ":\n"
@@ -756,11 +790,24 @@ TEST_F(ElasticTest, ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn) {
   EXPECT_NE(restarted.find("coordinator listening on " + address + " (resumed"), std::string::npos)
       << restarted;
   EXPECT_NE(restarted.find("workers 1 to 3"), std::string::npos) << restarted;
-  EXPECT_NE(restarted.find("the job finished at step 200"), std::string::npos) << restarted;
+  EXPECT_NE(restarted.find(absl::StrCat("the job finished at step ", steps)), std::string::npos)
+      << restarted;
   const Trajectory t = Read(
       {dir_.File("w0.jsonl"), dir_.File("w1.jsonl"), dir_.File("w2.jsonl"), dir_.File("w3.jsonl")});
-  EXPECT_EQ(t.workers.at(t.generation.at(kSteps)), 3) << "the replacement trained the last step";
-  ExpectEveryStepTiled(t, kSteps);
+  const auto last = t.generation.find(steps);
+  if (last == t.generation.end()) {
+    ADD_FAILURE() << "nobody trained step " << steps;
+  } else {
+    EXPECT_EQ(t.workers.at(last->second), 3) << "the replacement trained the last step";
+  }
+  ExpectEveryStepTiled(t, steps);
+  return t;
+}
+
+TEST_F(ElasticTest, ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn) {
+  CoordinatorRestartWithAWorkerLost(
+      Config(200, "elastic { heartbeat_timeout_ms: 1000 restart_grace_ms: 6000 }\n"), 200,
+      /*kill_at=*/20, /*on_two=*/1);
 }
 
 // Four TIERED workers (TieredConfig: budgets far below each one's share): worker-2 is SIGKILLed
@@ -828,6 +875,98 @@ TEST_F(ElasticTest, ATieredJobRidesThroughASecondFailureDuringItsReform) {
   EXPECT_EQ(t.workers.at(t.generation.at(kSteps)), 2);
   ExpectGenerationsBeganAtCheckpoints(t);
   ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
+}
+
+TEST_F(ElasticTest, ATieredJobRidesThroughACoordinatorRestartWithAWorkerLostMeanwhile) {
+  // The coordinator restart of ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn, for a TIERED
+  // job: the survivors that waited for the coordinator go back to the newest checkpoint (the kill
+  // after step 12 lies past checkpoint 10), a replacement joins them, and every step equals the
+  // failure-free replay of the same memberships. A worker's death is seen
+  // at once (its stream to the coordinator breaks); heartbeats may lapse for 8 s (and the restart
+  // grace may not be shorter), because the synced writes of a TIERED job (and of the replay's
+  // checkpoint every step) on a loaded machine have held a live worker up past 2 s, and a live
+  // worker declared failed would end the job another way.
+  constexpr int kSteps = 50;
+  const Trajectory t = CoordinatorRestartWithAWorkerLost(
+      TieredConfig(kSteps, /*expert_parallel=*/0,
+                   "elastic { heartbeat_timeout_ms: 8000 restart_grace_ms: 8000 }\n"),
+      kSteps, /*kill_at=*/12, /*on_two=*/6);
+  if (HasFailure()) return;  // the replay would only repeat what failed
+  EXPECT_EQ(t.workers.at(1), 3);
+  // The failure's generation went back to a checkpoint: the lost worker's experts were nowhere
+  // else (a TIERED job keeps no buddy copies). The join's generation may go on from its workers'
+  // live state instead (every expert is held), so where it began is left to the replay.
+  ASSERT_EQ(FirstSteps(t).count(2), 1u) << "the 2 survivors trained no step that counted";
+  ExpectGenerationsBeganAtCheckpoints(t, {2});
+  ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
+}
+
+TEST_F(ElasticTest, ATieredReformHoldsNoMoreMemoryThanItsBudgets) {
+  // A TIERED re-form rebuilds each survivor's model and store and reads its share of the newest
+  // checkpoint into them; that share must go through the store's slots, not sit in memory. The
+  // experts are big enough for that to show in a survivor's peak RSS: d_model 64, d_expert 1024
+  // (GELU, biases) gives each expert tensor 2 * 64 * 1024 + 1024 + 64 = 132160 floats (528640
+  // bytes, a slot of 532480 with its 4 KiB alignment), and each of the 2 survivors of 3 holds 16
+  // of the 32 experts of both MoE layers: 32 experts x 3 tensors (weights, 2 Adam moments) =
+  // 48.4 MiB (64.5 MiB with their gradients), the whole model's experts 96.8 MiB. The budgets are
+  // the store's minimum at 1 thread: the dense state (55424 parameters x 16 bytes: value,
+  // gradient, 2 moments) and 3 slots on the device, 7 slots on the host. During the re-form and
+  // the steps after it a survivor may hold: the device and host budgets, a checkpoint's snapshot
+  // arena (the dense state and the dirty experts in its slots: at most the same again), and 16 MiB
+  // for the allocator and the new generation's communicators and checkpoint index: 27.8 MiB above
+  // its peak before, well below the share it would hold otherwise.
+  constexpr int kSteps = 40;
+  constexpr int64_t kTensor = (2 * 64 * 1024 + 1024 + 64) * 4;
+  constexpr int64_t kSlot = (kTensor + 4095) / 4096 * 4096, kDense = 55424 * 16;
+  constexpr int64_t kDevice = kDense + 3 * kSlot, kHost = 7 * kSlot;
+  constexpr int64_t kBound = 2 * (kDevice + kHost) + (16 << 20);
+  static_assert(kBound < 32 * 3 * kTensor, "a survivor's expert share would fit in the bound");
+  // Heartbeats may lapse for 8 s (see ATieredJobRidesThroughACoordinatorRestartWith...).
+  std::string c =
+      WithTieredStorage(Config(kSteps, "elastic { heartbeat_timeout_ms: 8000 }\n"), kDevice, kHost);
+  c.replace(c.find("d_model: 32"), 11, "d_model: 64");
+  c.replace(c.find("d_expert: 32"), 12, "d_expert: 1024");
+  WriteFile(dir_.File("job.textproto"), c);
+  const std::string log = dir_.File("launch.log");
+  const pid_t launch = Launch("--workers 3 --min-workers 2", log);
+  WaitFor([&] { return LastStep(dir_.File("m.jsonl.2")) >= 12; }, "step 12", log);
+  std::map<int, int64_t> before;  // worker -> peak RSS before the failure
+  for (int i : {0, 1}) {
+    before[i] = PeakRss(WorkerPid(i));
+    ASSERT_GT(before[i], 0) << "no worker-" << i;
+  }
+  ASSERT_TRUE(KillWorker(2));
+  // Past the re-form (back to checkpoint 10) and two checkpoints of the new generation.
+  const std::vector<std::string> survivors = {dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1")};
+  WaitFor(
+      [&] {
+        const Trajectory t = Read(survivors);
+        return t.generation.count(22) && t.generation.at(22) > 1;
+      },
+      "step 22 on the 2 survivors", log);
+  for (int i : {0, 1}) {
+    const int64_t after = PeakRss(WorkerPid(i));
+    ASSERT_GT(after, 0) << "worker-" << i << " is gone";
+    std::printf("worker-%d: peak RSS %.1f MiB before the failure, %.1f MiB after the re-form\n", i,
+                before[i] / 1048576.0, after / 1048576.0);
+    EXPECT_LE(after, before[i] + kBound)
+        << "worker-" << i << ": the re-form raised its peak RSS by "
+        << (after - before[i]) / 1048576.0 << " MiB, more than its budgets allow ("
+        << kBound / 1048576.0 << " MiB)";
+  }
+  EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
+  // The budgets left the slots they were meant to: 3 on the device and 7 on the host (a dense
+  // state or a slot size other than the one above would leave others).
+  const std::string metrics = ReadFile(dir_.File("m.jsonl.0"));
+  const size_t at = metrics.find("\"tiers\"");
+  ASSERT_NE(at, std::string::npos) << metrics;
+  const std::string tiers = metrics.substr(at, metrics.find('\n', at) - at);
+  EXPECT_EQ(IntField(tiers, "budget_bytes"), 3 * kSlot) << tiers;
+  EXPECT_EQ(IntField(tiers.substr(tiers.find("\"host\"")), "budget_bytes"), 7 * kSlot) << tiers;
+  const Trajectory t =
+      Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"), dir_.File("m.jsonl.2")});
+  ExpectEveryStepTiled(t, kSteps);
+  ExpectGenerationsBeganAtCheckpoints(t);  // the re-form read the checkpoint
 }
 
 TEST_F(ElasticTest, ATieredElasticJobWithoutCheckpointsIsRefusedUpFront) {
