@@ -1105,6 +1105,10 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
         options_.dir));
   }
   RETURN_IF_ERROR(CheckCompatible(config));
+  bool holds_every_expert = true;
+  for (const auto& ref : model.moe_layers()) {
+    holds_every_expert &= ref.layer->num_local_experts() == ref.layer->num_experts();
+  }
   // Newest first; nothing is changed until one passes every check. A checkpoint wholly in this
   // shard is read from it (a TIERED store takes its extents as they are); any other is read from
   // the shards that hold what this model needs.
@@ -1122,7 +1126,10 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
       if (cs.step() == *step) set = &cs;
     }
     Status s;
-    if (set == nullptr || (set->shards_size() == 1 && set->shards(0).name() == shard_name_)) {
+    // A checkpoint wholly in this shard is read from it as it stands only by a model that holds
+    // all of it (a worker's shard may hold a checkpoint of a job it trained alone).
+    if (set == nullptr ||
+        (set->shards_size() == 1 && set->shards(0).name() == shard_name_ && holds_every_expert)) {
       s = CheckCheckpoint(*step, &chosen);
     } else {
       reader = std::make_unique<SetReader>(options_, *set);
@@ -1300,6 +1307,25 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
   }
   STRATA_LOG(INFO) << "resumed from checkpoint " << chosen_step << " in " << options_.dir;
   return chosen_step;
+}
+
+void CheckpointManager::RebindStore(scheduler::TieredExpertScheduler* tiered) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (tiered_ != nullptr) tiered_ = tiered;
+}
+
+void CheckpointManager::AdoptStore(scheduler::TieredExpertScheduler* tiered) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const CheckpointManifest& cm : manifests_) {
+    for (const TensorRef& r : cm.tensors()) {
+      if (r.expert() < 0) continue;
+      const storage::TensorKey key{r.layer(), r.expert(),
+                                   static_cast<storage::TensorKind>(r.kind())};
+      tiered->store().ReserveVersions(key, r.version());
+      if (r.has_extent()) tiered->store().RefVersion(key, r.version(), FromRecord(r.extent()));
+    }
+  }
+  tiered_ = tiered;
 }
 
 Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,

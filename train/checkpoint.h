@@ -180,6 +180,15 @@ class CheckpointManager {
                                          model::MoeTransformer& model, model::AdamW& optimizer,
                                          scheduler::TieredExpertScheduler* tiered,
                                          ops::Context& ctx, const ResumeAgreement& agree = nullptr);
+  // A store made while this shard already holds checkpoints, which no Resume read into it (a
+  // worker that joins a running job under an id it had before, and takes its experts from the
+  // other workers): the store takes references on the versions those checkpoints use and never
+  // reuses their numbers, as Resume does. Call before the store writes anything, while no persist
+  // runs; `tiered` is kept as Save keeps its scheduler.
+  void AdoptStore(scheduler::TieredExpertScheduler* tiered);
+  // The store whose references this manager holds (Resume, AdoptStore, Save) has been handed to
+  // `tiered` (a re-form): reach it through that scheduler from now on. While no persist runs.
+  void RebindStore(scheduler::TieredExpertScheduler* tiered);
 
   // Checkpoints the state after `step` steps: `share` of it, persisted in the background. Waits
   // for the previous checkpoint's persist first. Checkpoints of `step` and later steps (training

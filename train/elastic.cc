@@ -16,13 +16,16 @@
 // new owner (a worker that already holds it keeps it). Workers lacking the dense state at s0 get
 // it by broadcast. Training goes on from s0: a step cut short is redone, with the same samples.
 // Those phases are train/state_sync.h; SyncState says what this worker holds and reads its
-// copies for them. That is an IN_MEMORY job with one expert-parallel group (KeepsCopies). When
-// the state cannot be put together — and always for every other layout (TIERED, expert-parallel
-// groups, experts_per_worker) — the generation goes back to the newest checkpoint: it places the
-// experts for its own worker count (PlanFromCheckpoint) and every worker reads its own share from
-// the shards that hold it (GoBackToCheckpoint), or all start over from step 0 when none is
-// committed. A TIERED worker's store goes with the old generation: it shares the checkpoint
-// shard's SSD tier, which the new generation opens again.
+// copies for them. That is a job with one expert-parallel group (MovesLiveState): IN_MEMORY with
+// its rollback and buddy copies (KeepsCopies), TIERED with the live state of its workers' stores
+// only — a TIERED worker keeps its store and its checkpoint shard (whose SSD tier the store
+// shares) across the re-form, and each expert that changes owner moves from store to store in
+// bounded rounds (MoveStoredExperts). When the state cannot be put together — and always for the
+// other layouts (expert-parallel groups, experts_per_worker) — the generation goes back to the
+// newest checkpoint: it places the experts for its own worker count (PlanFromCheckpoint) and every
+// worker reads its own share from the shards that hold it (GoBackToCheckpoint), or all start over
+// from step 0 when none is committed; a TIERED worker's store then goes, and its shard is opened
+// again for a store the checkpoint fills.
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -61,10 +64,13 @@ void Trainer::AbortCollectives(const std::string& why, int64_t newer_generation)
   }
 }
 
+bool Trainer::MovesLiveState() const {
+  const config::ParallelConfig& par = options_.config.parallel();
+  return par.expert_parallel() == 0 && par.experts_per_worker_size() == 0;
+}
+
 bool Trainer::KeepsCopies() const {
-  const config::JobConfig& cfg = options_.config;
-  return cfg.storage().mode() == config::StorageConfig::IN_MEMORY &&
-         cfg.parallel().expert_parallel() == 0 && cfg.parallel().experts_per_worker_size() == 0;
+  return options_.config.storage().mode() == config::StorageConfig::IN_MEMORY && MovesLiveState();
 }
 
 Status Trainer::CheckElastic() const {
@@ -233,7 +239,12 @@ Holdings Trainer::HoldingsOfThisWorker() const {
   }
   if (model_) {
     mine.Set(0, kDenseItem, HoldingSlot::kLive, live_version_);
-    mine.SetExperts(0, first_expert_, num_experts_, HoldingSlot::kLive, live_version_);
+    // A TIERED worker's experts are its store's, whole unless the last update failed (and gone
+    // with it when a re-form failed after handing it on).
+    const bool tiered = options_.config.storage().mode() == config::StorageConfig::TIERED;
+    if (!tiered || (scheduler_ != nullptr && store_whole_)) {
+      mine.SetExperts(0, first_expert_, num_experts_, HoldingSlot::kLive, live_version_);
+    }
   }
   if (rollback_.version >= 0) {
     mine.SetExperts(0, rollback_.first, rollback_.count, HoldingSlot::kRollback, rollback_.version);
@@ -284,10 +295,10 @@ void Trainer::ReadHeldItem(size_t i, int64_t step, const Holdings& all, float* d
 StatusOr<Trainer::SyncedState> Trainer::SyncState() {
   const config::JobConfig& cfg = options_.config;
   const int W = options_.worker.world_size, rank = options_.worker.rank;
-  // Only an IN_MEMORY job with one expert-parallel group keeps the copies a generation can go on
-  // from; every other layout goes back to its newest checkpoint (CheckElastic made sure there is
-  // a checkpoint folder).
-  if (!KeepsCopies()) return PlanFromCheckpoint();
+  // A job with one expert-parallel group goes on from the state its workers hold (IN_MEMORY: with
+  // rollback and buddy copies; TIERED: the live state in their stores); every other layout goes
+  // back to its newest checkpoint (CheckElastic made sure there is a checkpoint folder).
+  if (!MovesLiveState()) return PlanFromCheckpoint();
   comm::Communicator* comm = W > 1 ? world_comm_.get() : nullptr;
   ASSIGN_OR_RETURN(const Holdings all, GatherHoldings(comm, HoldingsOfThisWorker()));
   const AgreedStep agreed = AgreeOnStep(all);
@@ -315,20 +326,115 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState() {
   out.step = s0;
   out.counts = plan.counts;
   ASSIGN_OR_RETURN(out.dense, MoveDenseState(comm, all, s0, sources, read));
-  ASSIGN_OR_RETURN(MovedExperts experts,
-                   MoveExperts(comm, plan.owner, sources, all.expert_floats(), read));
-  out.experts = std::move(experts.blobs);
+  int64_t moved = 0;
+  if (cfg.storage().mode() == config::StorageConfig::TIERED) {
+    ASSIGN_OR_RETURN(out.store,
+                     MoveStoredExperts(comm, plan.owner, sources, all.expert_floats(), &moved));
+  } else {
+    ASSIGN_OR_RETURN(MovedExperts experts,
+                     MoveExperts(comm, plan.owner, sources, all.expert_floats(), read));
+    out.experts = std::move(experts.blobs);
+    moved = experts.moved;
+  }
   if (rank == 0) {
     STRATA_LOG(INFO) << absl::StrFormat(
         "generation of %d workers starts from step %d (this worker was at step %d): experts "
         "%s, %d moved (%d by the planner)",
-        W, s0, model_ ? live_version_ : -1, Ranges(plan.counts), experts.moved, plan.planner_moved);
+        W, s0, model_ ? live_version_ : -1, Ranges(plan.counts), moved, plan.planner_moved);
   }
   return out;
 }
 
+StatusOr<std::unique_ptr<storage::TieredExpertStore>> Trainer::MoveStoredExperts(
+    comm::Communicator* comm, const std::vector<int>& owner, const CopySources& sources,
+    int64_t blob_floats, int64_t* moved) {
+  const config::JobConfig& cfg = options_.config;
+  const int64_t E = cfg.model().moe().num_experts();
+  // This worker's store (a joiner has none yet) goes, for the moves, to a scheduler over a model
+  // that holds every expert unbound: any expert can then be read (a never-written one from its
+  // initial value) and written. The model's own dense parameters are a second copy of the dense
+  // state for the duration.
+  std::unique_ptr<storage::TieredExpertStore> store;
+  if (scheduler_) {
+    if (model_) model_->AttachResidency(nullptr);
+    experts_.reset();
+    store = scheduler_->ReleaseStore();
+    scheduler_.reset();
+  }
+  model::ModelOptions mo;
+  mo.config = cfg.model();
+  mo.seed = cfg.seed();
+  mo.max_batch = 1;
+  mo.expert_factory = options_.expert_factory;
+  mo.unbound_experts = true;
+  mo.first_local_expert = 0;
+  mo.num_local_experts = E;
+  mo.device = device_;
+  std::unique_ptr<model::MoeTransformer> every;
+  std::unique_ptr<scheduler::TieredExpertScheduler> mover;
+  Status ready = [&]() -> Status {
+    ASSIGN_OR_RETURN(every, model::MoeTransformer::Create(ctx_, mo));
+    RETURN_IF_ERROR(EnsureBudgets(*every));
+    ASSIGN_OR_RETURN(const scheduler::TieredOptions to, TieredOptionsOf());
+    const bool fresh = store == nullptr;
+    ASSIGN_OR_RETURN(mover, scheduler::TieredExpertScheduler::Create(*every, to, std::move(store)));
+    // A store made here may sit beside checkpoints of this worker's shard (an id it had before).
+    if (fresh && checkpoints_) checkpoints_->AdoptStore(mover.get());
+    const int64_t floats = 3 * static_cast<int64_t>(mover->expert_floats()) * mover->moe_layers();
+    if (blob_floats != floats) {
+      return absl::InternalError(
+          absl::StrFormat("the workers' expert blobs have %d floats; this model's experts have %d",
+                          blob_floats, floats));
+    }
+    return absl::OkStatus();
+  }();
+  // Nobody starts the rounds while another worker cannot take part (its store is lost then: the
+  // next re-form finds its experts missing and goes back to a checkpoint).
+  if (comm != nullptr) {
+    RETURN_IF_ERROR(AllWorkersOk(ready,
+                                 "another worker could not prepare its store for the "
+                                 "expert moves"));
+  }
+  RETURN_IF_ERROR(ready);
+  // A blob is, for each MoE layer, the weights and both Adam moments, one tensor each.
+  const int64_t F = static_cast<int64_t>(mover->expert_floats());
+  constexpr storage::TensorKind kKinds[] = {
+      storage::TensorKind::kWeights, storage::TensorKind::kAdamM, storage::TensorKind::kAdamV};
+  // Calls fn(moe layer, kind, offset in the tensor, floats, offset in the piece) for the tensors
+  // the piece [offset, offset + n) of a blob spans.
+  auto each_tensor = [&](int64_t offset, int64_t n, const auto& fn) -> Status {
+    for (int64_t done = 0; done < n;) {
+      const int64_t t = (offset + done) / F, at = (offset + done) % F;
+      const int64_t m = std::min(n - done, F - at);
+      RETURN_IF_ERROR(fn(static_cast<int>(t / 3), kKinds[t % 3], at, m, done));
+      done += m;
+    }
+    return absl::OkStatus();
+  };
+  const ReadChunk read = [&](size_t item, int64_t offset, int64_t n, float* dst) {
+    const int e = static_cast<int>(item) - 1;
+    return each_tensor(offset, n,
+                       [&](int li, storage::TensorKind kind, int64_t at, int64_t m, int64_t done) {
+                         return mover->ReadExpertRange(li, e, kind, at, m, dst + done);
+                       });
+  };
+  const WriteChunk write = [&](size_t item, int64_t offset, int64_t n, const float* src) {
+    const int e = static_cast<int>(item) - 1;
+    return each_tensor(offset, n,
+                       [&](int li, storage::TensorKind kind, int64_t at, int64_t m, int64_t done) {
+                         return mover->WriteExpertRange(li, e, kind, at, m, src + done);
+                       });
+  };
+  // Rounds of one tensor, or 4 MiB when tensors are smaller, out of and into each worker.
+  const int64_t chunk = std::max<int64_t>(F, int64_t{1} << 20);
+  ASSIGN_OR_RETURN(*moved,
+                   MoveExpertsInChunks(comm, owner, sources, blob_floats, chunk, read, write));
+  return mover->ReleaseStore();
+}
+
 Status Trainer::ImportState(const SyncedState& s) {
-  const size_t S = ExpertBlobFloats();
+  // A TIERED worker's experts are in the store it adopted already.
+  const size_t S = scheduler_ ? 0 : ExpertBlobFloats();
   if (s.dense.size() != DenseBlobFloats() || s.experts.size() != S * num_experts_) {
     return absl::InternalError(absl::StrFormat(
         "state handed over for a different model: %d dense and %d expert floats, this model needs "
@@ -338,7 +444,7 @@ Status Trainer::ImportState(const SyncedState& s) {
   const auto index = IndexOf(*optimizer_);
   CopyParams(model_->DenseParameters(), *optimizer_, index, const_cast<float*>(s.dense.data()),
              true);
-  for (int64_t i = 0; i < num_experts_; ++i) {
+  for (int64_t i = 0; S > 0 && i < num_experts_; ++i) {
     CopyExpert(*model_, *optimizer_, first_expert_ + i, const_cast<float*>(&s.experts[i * S]),
                true);
   }
@@ -389,30 +495,35 @@ Status Trainer::Reform(const WorkerOptions& w) {
   RETURN_IF_ERROR(CheckElastic());
   // The previous generation's communicators are finished (aborted or failed); their threads stop.
   AbortCollectives("a new generation forms");
-  // Each worker writes the shard of its rank, which may change: the shards are opened again once
-  // every worker has let go of its old one (a checkpoint being written is abandoned: the new
-  // generation saves again at its own schedule).
-  checkpoints_.reset();
-  // A TIERED worker's store goes with it (it shares the shard's SSD tier): the generation reads its
-  // experts back from the checkpoint.
-  if (scheduler_) {
-    if (model_) model_->AttachResidency(nullptr);
-    experts_->Quiesce();
-    experts_.reset();
-    scheduler_.reset();
+  // A TIERED worker whose last re-form failed after handing its store on has none left.
+  const bool tiered = scheduler_ != nullptr;
+  if (tiered) {
+    // A TIERED worker's store shares its checkpoint shard's SSD tier, so the shard stays open
+    // (ContinueCheckpoints). The old generation's checkpoint in flight ends first: its writer
+    // reads the scheduler that is about to hand its store on. The expert update in flight needs
+    // no collective; once it is done the store holds the state of live_version_ — unless it
+    // failed, and then no whole state.
+    if (checkpoints_) {
+      checkpoints_->Abandon();
+      if (Status c = checkpoints_->Wait(); !c.ok()) {
+        STRATA_LOG(WARNING) << "the checkpoint in flight when generation " << w.generation
+                            << " formed is given up: " << c.message();
+      }
+    }
+    store_whole_ = store_whole_ && scheduler_->FinishExpertStep().ok();
+  } else {
+    // Each worker writes the shard of its rank, which may change: the shards are opened again once
+    // every worker has let go of its old one (a checkpoint being written is abandoned: the new
+    // generation saves again at its own schedule).
+    checkpoints_.reset();
   }
   ResetParallel(w.generation);
   options_.worker = w;
   options_.worker.rejoin = true;
-  if (distributed()) {
-    RETURN_IF_ERROR(SetUpWorkers());
-    // The lowest surviving rank becomes rank 0, the committer (the folder's lock went with the
-    // process that held it).
-    RETURN_IF_ERROR(OpenWorkerCheckpoints(/*continuing=*/true));
-  } else if (!options_.config.checkpoint().dir().empty()) {
-    RETURN_IF_ERROR(OpenCheckpoints(/*continuing=*/true));
-  }
+  if (distributed()) RETURN_IF_ERROR(SetUpWorkers());
+  RETURN_IF_ERROR(OpenCheckpointsOfGeneration());
   ASSIGN_OR_RETURN(SyncedState s, SyncState());
+  if (s.from_checkpoint) RETURN_IF_ERROR(ReopenForCheckpoint());
   std::tie(first_sequence_, local_batch_) =
       BatchShare(options_.config.train().global_batch(), w.world_size, w.rank);
   RETURN_IF_ERROR(AdoptState(s));
@@ -424,7 +535,41 @@ Status Trainer::Reform(const WorkerOptions& w) {
   return absl::OkStatus();
 }
 
-Status Trainer::AdoptState(const SyncedState& s) {
+Status Trainer::OpenCheckpointsOfGeneration() {
+  // The lowest surviving rank becomes rank 0, the committer (the folder's lock went with the
+  // process that held it, or the previous committer gives it up).
+  if (distributed()) return OpenWorkerCheckpoints(/*continuing=*/true);
+  if (checkpoints_) return ContinueCheckpoints();
+  if (options_.config.checkpoint().dir().empty()) return absl::OkStatus();
+  return OpenCheckpoints(/*continuing=*/true);
+}
+
+Status Trainer::ReopenForCheckpoint() {
+  if (options_.config.storage().mode() != config::StorageConfig::TIERED) return absl::OkStatus();
+  // The shard's space that no checkpoint lists (the live store's) is free again once it is opened
+  // afresh; the store goes first.
+  if (model_ && scheduler_) model_->AttachResidency(nullptr);
+  experts_.reset();
+  scheduler_.reset();
+  checkpoints_.reset();
+  if (distributed()) RETURN_IF_ERROR(world_comm_->Barrier());
+  return OpenCheckpointsOfGeneration();
+}
+
+Status Trainer::ContinueCheckpoints() {
+  auto abandoned = std::make_shared<std::atomic<bool>>(false);
+  {
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    checkpoint_abandoned_ = abandoned;
+  }
+  return checkpoints_->Continue(options_.worker.generation, options_.worker.rank == 0, abandoned,
+                                scheduler_.get());
+}
+
+Status Trainer::AdoptState(SyncedState& s) {
+  // Until the state is in, this worker holds none (a failure below leaves it holding nothing).
+  live_version_ = -1;
+  store_whole_ = false;
   experts_per_worker_ = s.counts;
   ASSIGN_OR_RETURN(scheduler::ExpertPlacement placement,
                    scheduler::ExpertPlacement::FromCounts(experts_per_worker_));
@@ -443,7 +588,7 @@ Status Trainer::AdoptState(const SyncedState& s) {
   data_parallel_.reset();
   model_.reset();
   RETURN_IF_ERROR(BuildModel(placement.first(rank % G), placement.count(rank % G)));
-  RETURN_IF_ERROR(SetUpExpertState());
+  RETURN_IF_ERROR(SetUpExpertState(std::move(s.store)));
   return StartFrom(s);
 }
 

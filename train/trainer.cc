@@ -42,26 +42,35 @@ Trainer::~Trainer() {
   }
 }
 
-Status Trainer::SetUpTiered() {
-  const config::JobConfig& cfg = options_.config;
-  const config::StorageConfig& st = cfg.storage();
+Status Trainer::EnsureBudgets(const model::MoeTransformer& model) {
+  if (device_budget_) return absl::OkStatus();  // a worker's budgets outlive its stores
+  const config::StorageConfig& st = options_.config.storage();
   // Dense parameters with their gradients and Adam state live in the device tier for good.
   const uint64_t dense_bytes =
-      static_cast<uint64_t>(model::CountScalars(model_->DenseParameters())) * sizeof(float) * 4;
-  device_budget_ = std::make_unique<MemoryBudget>("device", st.device_budget_bytes());
-  host_budget_ = std::make_unique<MemoryBudget>("host", st.host_budget_bytes());
-  if (!device_budget_->Reserve(dense_bytes).ok()) {
+      static_cast<uint64_t>(model::CountScalars(model.DenseParameters())) * sizeof(float) * 4;
+  auto device = std::make_unique<MemoryBudget>("device", st.device_budget_bytes());
+  if (!device->Reserve(dense_bytes).ok()) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "storage.device_budget_bytes = %d cannot hold the dense parameters with their "
         "gradients and Adam state (%d bytes) and any expert; raise it",
         st.device_budget_bytes(), dense_bytes));
   }
+  device_budget_ = std::move(device);
+  host_budget_ = std::make_unique<MemoryBudget>("host", st.host_budget_bytes());
+  dense_state_bytes_ = dense_bytes;
+  return absl::OkStatus();
+}
+
+StatusOr<scheduler::TieredOptions> Trainer::TieredOptionsOf() {
+  const config::JobConfig& cfg = options_.config;
+  const config::StorageConfig& st = cfg.storage();
   scheduler::TieredOptions to;
   to.storage = st;
   to.seed = cfg.seed();
   to.threads = pool_->num_threads();
   to.device_budget = device_budget_.get();
-  to.device_slot_bytes = st.device_budget_bytes() == 0 ? 0 : st.device_budget_bytes() - dense_bytes;
+  to.device_slot_bytes =
+      st.device_budget_bytes() == 0 ? 0 : st.device_budget_bytes() - dense_state_bytes_;
   to.host_budget = host_budget_.get();
   to.wrap_io = options_.wrap_io;
   if (checkpoints_) {
@@ -72,20 +81,32 @@ Status Trainer::SetUpTiered() {
     to.ssd_dir =
         distributed() ? absl::StrCat(st.ssd_dir(), "/rank-", options_.worker.rank) : st.ssd_dir();
   } else {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/strata-ssd-XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (mkdtemp(buf.data()) == nullptr) {
-      return absl::PermissionDeniedError(absl::StrFormat(
-          "cannot create a temporary SSD-tier folder from '%s': %s; set storage.ssd_dir", tmpl,
-          std::strerror(errno)));
+    if (temp_ssd_dir_.empty()) {
+      const char* base = std::getenv("TMPDIR");
+      std::string tmpl = std::string(base && *base ? base : "/tmp") + "/strata-ssd-XXXXXX";
+      std::vector<char> buf(tmpl.begin(), tmpl.end());
+      buf.push_back('\0');
+      if (mkdtemp(buf.data()) == nullptr) {
+        return absl::PermissionDeniedError(absl::StrFormat(
+            "cannot create a temporary SSD-tier folder from '%s': %s; set storage.ssd_dir", tmpl,
+            std::strerror(errno)));
+      }
+      temp_ssd_dir_ = buf.data();
     }
-    temp_ssd_dir_ = buf.data();
     to.ssd_dir = temp_ssd_dir_;
   }
-  ASSIGN_OR_RETURN(scheduler_, scheduler::TieredExpertScheduler::Create(*model_, to));
+  return to;
+}
+
+Status Trainer::SetUpTiered(std::unique_ptr<storage::TieredExpertStore> store) {
+  RETURN_IF_ERROR(EnsureBudgets(*model_));
+  ASSIGN_OR_RETURN(const scheduler::TieredOptions to, TieredOptionsOf());
+  ASSIGN_OR_RETURN(scheduler_,
+                   scheduler::TieredExpertScheduler::Create(*model_, to, std::move(store)));
   model_->AttachResidency(scheduler_.get());
+  store_whole_ = true;
+  // The checkpoints' references to versions in the store are reached through this scheduler now.
+  if (checkpoints_) checkpoints_->RebindStore(scheduler_.get());
   return absl::OkStatus();
 }
 
@@ -343,6 +364,11 @@ Status Trainer::OpenCheckpoints(bool continuing) {
     co.shard = shard_names_.at(static_cast<size_t>(options_.worker.rank));
     co.committer = options_.worker.rank == 0;
     co.generation = options_.worker.generation;
+  } else if (!options_.worker.member_ids.empty()) {
+    // A coordinator's worker alone keeps the shard named by its id: the one a TIERED store shares
+    // across generations of any size.
+    ASSIGN_OR_RETURN(co.shard, ShardNameOfWorker(options_.worker.member_ids[0]));
+    co.generation = options_.worker.generation;
   }
   ASSIGN_OR_RETURN(checkpoints_, CheckpointManager::Open(co, resume && !continuing));
   if (resume || continuing) RETURN_IF_ERROR(checkpoints_->CheckCompatible(cfg));
@@ -374,24 +400,41 @@ Status Trainer::OpenWorkerCheckpoints(bool continuing) {
   // Rank 0 (the committer) first: it moves a folder aside (--start-over) and clears reports of
   // checkpoints no longer in flight before any other worker opens its shard. Every worker learns
   // whether the others could open theirs, so that none waits on a collective for one that failed.
-  const std::string& dir = options_.config.checkpoint().dir();
-  auto all_opened = [&](Status mine, const std::string& who) -> Status {
-    double failed = mine.ok() ? 0.0 : 1.0;
-    RETURN_IF_ERROR(world_comm_->AllReduce(&failed, 1));
-    if (!mine.ok()) return mine;
-    if (failed > 0) {
-      return absl::FailedPreconditionError(absl::StrFormat(
-          "%s could not open the checkpoint folder '%s' (its log says why); this worker stops "
-          "with it",
-          who, dir));
-    }
-    return absl::OkStatus();
-  };
+  // A worker that keeps its shard open across a re-form (a TIERED worker's store shares its SSD
+  // tier) continues in it; the others open theirs. Every worker takes part in the three rounds,
+  // whichever it does: the previous committer first gives up its role (it may not be rank 0 now),
+  // then rank 0 takes it, lists what is committed and clears old reports, then the others.
   const bool first = options_.worker.rank == 0;
-  RETURN_IF_ERROR(
-      all_opened(first && !checkpoints_ ? OpenCheckpoints(continuing) : Status(), "rank 0"));
-  RETURN_IF_ERROR(all_opened(!first && !checkpoints_ ? OpenCheckpoints(continuing) : Status(),
-                             "another worker"));
+  const bool keep = checkpoints_ != nullptr;
+  const bool was_committer = keep && checkpoints_->committer();
+  const std::string& mine = shard_names_.at(static_cast<size_t>(options_.worker.rank));
+  auto take = [&]() -> Status {
+    if (!keep) return OpenCheckpoints(continuing);
+    if (checkpoints_->shard_name() != mine) {
+      return absl::InternalError(absl::StrFormat(
+          "this worker's checkpoint shard was '%s' and is now '%s': a shard kept open across a "
+          "re-form must keep its name (the worker's id)",
+          checkpoints_->shard_name(), mine));
+    }
+    return ContinueCheckpoints();
+  };
+  const std::string folder =
+      absl::StrFormat("the checkpoint folder '%s'", options_.config.checkpoint().dir());
+  RETURN_IF_ERROR(AllWorkersOk(was_committer && !first ? take() : Status(),
+                               "the previous committer could not give up " + folder));
+  RETURN_IF_ERROR(AllWorkersOk(first ? take() : Status(), "rank 0 could not open " + folder));
+  return AllWorkersOk(!first && !was_committer ? take() : Status(),
+                      "another worker could not open " + folder);
+}
+
+Status Trainer::AllWorkersOk(Status mine, const std::string& others_failed) {
+  double failed = mine.ok() ? 0.0 : 1.0;
+  RETURN_IF_ERROR(world_comm_->AllReduce(&failed, 1));
+  if (!mine.ok()) return mine;
+  if (failed > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(others_failed, " (its log says why); this worker stops with it"));
+  }
   return absl::OkStatus();
 }
 
@@ -471,12 +514,12 @@ Status Trainer::BuildModel(int64_t first, int64_t count) {
   return absl::OkStatus();
 }
 
-Status Trainer::SetUpExpertState() {
+Status Trainer::SetUpExpertState(std::unique_ptr<storage::TieredExpertStore> store) {
   if (options_.config.storage().mode() != config::StorageConfig::TIERED) {
     experts_ = std::make_unique<InMemoryExperts>();
     return absl::OkStatus();
   }
-  RETURN_IF_ERROR(SetUpTiered());
+  RETURN_IF_ERROR(SetUpTiered(std::move(store)));
   scheduler_->set_tracer(tracer_.get());
   // With expert replicas every copy holds its experts in its own store; their gradients are
   // summed over the copies (the expert-parallel groups, or every worker without expert
@@ -542,6 +585,7 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     if (options.worker.rejoin) {
       // Joining a running job: the others hand over the state (or all go back to a checkpoint).
       ASSIGN_OR_RETURN(synced, tr->SyncState());
+      if (synced->from_checkpoint) RETURN_IF_ERROR(tr->ReopenForCheckpoint());
       tr->experts_per_worker_ = synced->counts;
     } else if (cfg.parallel().experts_per_worker_size() > 0 && ep > 1) {
       tr->experts_per_worker_.assign(cfg.parallel().experts_per_worker().begin(),
@@ -571,7 +615,7 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     return absl::InvalidArgumentError(
         "--resume needs a checkpoint folder: pass --checkpoint-dir or set checkpoint.dir");
   }
-  RETURN_IF_ERROR(tr->SetUpExpertState());
+  RETURN_IF_ERROR(tr->SetUpExpertState(synced ? std::move(synced->store) : nullptr));
 
   if (!options.metrics_path.empty()) {
     ASSIGN_OR_RETURN(tr->metrics_, MetricsWriter::Open(options.metrics_path, env));
@@ -637,7 +681,10 @@ StatusOr<StepResult> Trainer::Step() {
     optimizer_->Step(ctx_, r.lr, scale);
   }
   live_version_ = step_ + 1;
-  RETURN_IF_ERROR(experts_->Update(r.lr, scale, optimizer_->steps()));
+  if (Status u = experts_->Update(r.lr, scale, optimizer_->steps()); !u.ok()) {
+    store_whole_ = false;  // the experts may not have taken the update the dense state took
+    return u;
+  }
   r.tiered = experts_->TakeStats(&r.store);
   // 6. Step boundary: the step's figures.
   RecordMoeStats(*model_, batch.z_loss, &r);

@@ -196,7 +196,12 @@ class Trainer {
   Trainer() = default;
   void PrintProgress(const StepResult& r, const EvalResult* eval, bool final_line);
 
-  [[nodiscard]] Status SetUpTiered();
+  // TIERED: the budgets (once per worker: the stores it makes in turn all charge them), the
+  // scheduler's options, and the scheduler over model_ — with a new store, or adopting `store`
+  // (one a re-form handed on, see TieredExpertScheduler::ReleaseStore).
+  [[nodiscard]] Status EnsureBudgets(const model::MoeTransformer& model);
+  [[nodiscard]] StatusOr<scheduler::TieredOptions> TieredOptionsOf();
+  [[nodiscard]] Status SetUpTiered(std::unique_ptr<storage::TieredExpertStore> store = nullptr);
   [[nodiscard]] Status SetUpWorkers();
   // Runs `connect` (a Connect*Gloo call) so that WorkerOptions::superseded can abandon it.
   // Stores a newly connected communicator in *slot under comm_mu_ (aborting it at once when
@@ -208,15 +213,20 @@ class Trainer {
   // Builds model_ (with this worker's `first`, `count` experts when distributed), the exchange and
   // the data-parallel reducer around it, and the optimizer.
   [[nodiscard]] Status BuildModel(int64_t first, int64_t count);
-  // The expert state seam for the model just built: the tiered store (TIERED) or the model itself.
-  [[nodiscard]] Status SetUpExpertState();
+  // The expert state seam for the model just built: the tiered store (TIERED; `store` as in
+  // SetUpTiered) or the model itself.
+  [[nodiscard]] Status SetUpExpertState(
+      std::unique_ptr<storage::TieredExpertStore> store = nullptr);
   // Elastic (elastic.cc): what a generation starts from — the state its workers hold (placement
   // and blobs), or the newest checkpoint (the placement only; every worker reads its own share).
   struct SyncedState {
     int64_t step = 0;
     std::vector<int64_t> counts;  // experts per rank of an expert-parallel group
     std::vector<float> dense;     // this worker's dense parameters with moments
-    std::vector<float> experts;   // its experts' blobs, in expert order
+    std::vector<float> experts;   // its experts' blobs, in expert order (IN_MEMORY)
+    // TIERED: the store holding this worker's experts of the new placement (and, until the new
+    // scheduler adopts it, the ones it gave away).
+    std::unique_ptr<storage::TieredExpertStore> store;
     bool from_checkpoint = false;
   };
   [[nodiscard]] StatusOr<SyncedState> SyncState();
@@ -224,6 +234,28 @@ class Trainer {
   // copies): IN_MEMORY with one expert-parallel group. Every other layout re-forms from the
   // newest checkpoint.
   bool KeepsCopies() const;
+  // Whether a generation can go on from the state its workers hold (one expert-parallel group:
+  // IN_MEMORY with its copies, TIERED from the live state in the workers' stores).
+  bool MovesLiveState() const;
+  // TIERED, phase 6: moves every expert whose source is not its owner from the source's store to
+  // the owner's in bounded rounds (state_sync.h, MoveExpertsInChunks), through a scheduler over a
+  // model of every expert; returns this worker's store for the new placement (collective).
+  [[nodiscard]] StatusOr<std::unique_ptr<storage::TieredExpertStore>> MoveStoredExperts(
+      comm::Communicator* comm, const std::vector<int>& owner, const CopySources& sources,
+      int64_t blob_floats, int64_t* moved);
+  // The checkpoint folder of a new generation: opened again (IN_MEMORY, or a TIERED generation
+  // that goes back to a checkpoint), or kept open across it by a worker that still has its
+  // manager (a TIERED worker's store shares its shard's SSD tier): ContinueCheckpoints, in the
+  // order the committer's role needs (OpenWorkerCheckpoints).
+  [[nodiscard]] Status OpenCheckpointsOfGeneration();
+  [[nodiscard]] Status ContinueCheckpoints();
+  // Whether every worker's `mine` is OK (collective): this worker's error, or `others_failed`
+  // ("rank 0 could not open ...") when another one failed.
+  [[nodiscard]] Status AllWorkersOk(Status mine, const std::string& others_failed);
+  // A TIERED generation that goes back to a checkpoint: the live store goes and the shard is
+  // opened afresh, for a store the checkpoint fills (collective for every worker of a TIERED job,
+  // survivors and joiners alike; nothing for IN_MEMORY).
+  [[nodiscard]] Status ReopenForCheckpoint();
   // The expert-parallel group size of a generation of `workers` (see GroupSize in elastic.cc).
   [[nodiscard]] StatusOr<int> GroupSize(int workers) const;
   // The placement of a generation that goes back to the newest checkpoint (collective).
@@ -241,7 +273,8 @@ class Trainer {
   [[nodiscard]] Status CheckElastic() const;
   // Opens config.checkpoint.dir (`continuing`: a worker that became rank 0 of a running job).
   [[nodiscard]] Status OpenCheckpoints(bool continuing);
-  // Every worker opens its own shard of config.checkpoint.dir, rank 0 (the committer) first.
+  // Every worker opens its own shard of config.checkpoint.dir (or continues in it, when it kept
+  // its manager across a re-form), rank 0 (the committer) first.
   [[nodiscard]] Status OpenWorkerCheckpoints(bool continuing);
   // What this worker's shard of a checkpoint holds.
   CheckpointShare CheckpointShareOfThisWorker() const;
@@ -253,7 +286,7 @@ class Trainer {
   [[nodiscard]] Status ResumeDistributed();
   // Rebuilds the model, its seams and expert state for a synced state's placement, and starts
   // from it.
-  [[nodiscard]] Status AdoptState(const SyncedState& s);
+  [[nodiscard]] Status AdoptState(SyncedState& s);
   // Blobs: every dense parameter's value, first and second moment, in DenseParameters() order;
   // an expert's: for each MoE layer in order, each parameter's value and moments.
   size_t DenseBlobFloats() const;
@@ -280,6 +313,7 @@ class Trainer {
   // they charge, then the temporary SSD folder).
   std::string temp_ssd_dir_;
   std::unique_ptr<MemoryBudget> device_budget_, host_budget_;
+  uint64_t dense_state_bytes_ = 0;                  // charged to device_budget_ for good
   std::unique_ptr<CheckpointManager> checkpoints_;  // uses the budgets' SSD tier; goes last
   std::unique_ptr<scheduler::TieredExpertScheduler> scheduler_;
   // Distributed (declared so that the exchanges go before the communicators they use).
@@ -327,6 +361,7 @@ class Trainer {
   int64_t first_expert_ = 0, num_experts_ = 0;  // this worker's range
   Device device_;                               // where the model lives (train.device)
   int64_t live_version_ = 0;                    // the step the model's state is the result of
+  bool store_whole_ = true;  // TIERED: the store holds live_version_'s experts (no failed update)
   struct Copy {
     int64_t version = -1;
     int64_t first = 0, count = 0;  // experts held

@@ -814,8 +814,9 @@ TEST_F(ElasticTest, ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn) {
 // once it trained 11 steps, the three survivors go on from the newest checkpoint without
 // restarting (the dead worker's experts were nowhere else), a joiner makes four again, and every
 // step equals the failure-free replay of the same memberships, each sample trained once. With
-// expert-parallel groups the join goes back to the newest checkpoint too; with one group it may go
-// on from the workers' live state (every expert is held), so where it began is left to the replay.
+// expert-parallel groups the join goes back to the newest checkpoint too; with one group every
+// expert is still held, so the join goes on from the step the three finished, replaying nothing:
+// the experts the joiner now owns moved from the others' stores to its own.
 // `env` goes before the launch (STRATA_FAULTS).
 void ElasticTest::TieredKillAndJoin(int expert_parallel, const std::string& env) {
   constexpr int kSteps = 50;
@@ -824,9 +825,25 @@ void ElasticTest::TieredKillAndJoin(int expert_parallel, const std::string& env)
   ASSERT_EQ(FirstSteps(t).count(2), 1u) << "the 3 survivors trained no step that counted";
   ExpectGenerationsBeganAtCheckpoints(
       t, expert_parallel > 0 ? std::set<int64_t>{} : std::set<int64_t>{2});
+  if (expert_parallel > 0) return;
+  const std::string launched = ReadFile(dir_.File("launch.log"));
+  int64_t last_of_2 = 0;
+  for (const std::string f : {"m.jsonl.0", "m.jsonl.1", "m.jsonl.3"}) {
+    for (const auto& l : absl::StrSplit(ReadFile(dir_.File(f)), '\n', absl::SkipEmpty())) {
+      if (IntField(std::string(l), "generation") == 2) {
+        last_of_2 = std::max(last_of_2, IntField(std::string(l), "step"));
+      }
+    }
+  }
+  EXPECT_EQ(FirstSteps(t).at(3), last_of_2 + 1) << "the join replayed steps\n" << launched;
+  const std::string moved =
+      Between(launched, absl::StrCat("generation of 4 workers starts from step ", last_of_2), "\n");
+  EXPECT_NE(moved.find(" moved"), std::string::npos) << launched;
+  EXPECT_EQ(moved.find(", 0 moved"), std::string::npos) << "the joiner got no experts\n"
+                                                        << launched;
 }
 
-TEST_F(ElasticTest, ATieredJobGoesOnFromItsCheckpointsThroughAFailureAndAJoin) {
+TEST_F(ElasticTest, ATieredJobGoesBackToACheckpointOnAFailureAndMovesLiveExpertsToAJoiner) {
   TieredKillAndJoin(/*expert_parallel=*/0, "");
 }
 
