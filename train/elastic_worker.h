@@ -116,8 +116,9 @@ inline int64_t SteadyMs() {
 
 // Calls `call` until the coordinator answers (it may be restarting): UNAVAILABLE,
 // DEADLINE_EXCEEDED, CANCELLED, UNKNOWN and INTERNAL are retried every 200 ms for up to `patience`
-// (elastic.coordinator_patience_ms), other answers returned as they are. A call still failing
-// after `patience` returns UNAVAILABLE saying so, with the last error. Each failed try stores the
+// (elastic.coordinator_patience_ms), other answers returned as they are (also after retries: an
+// answer is not a silence). A call still failing so after `patience` returns UNAVAILABLE saying
+// so, with the last error. Each failed try stores the
 // time (SteadyMs) in *unreachable_ms. `call` returns a Status-carrying value (StatusOr). Any thread
 // may call it; it blocks that thread while it retries.
 template <typename Call>
@@ -136,7 +137,7 @@ auto RetryWhileUnreachable(const char* what, const std::string& address,
         code == absl::StatusCode::kCancelled || code == absl::StatusCode::kUnknown ||
         code == absl::StatusCode::kInternal;
     if (r.ok() || !retryable || std::chrono::steady_clock::now() > deadline) {
-      if (!r.ok() && told) {
+      if (!r.ok() && retryable && told) {
         return decltype(call())(absl::UnavailableError(absl::StrFormat(
             "%s: the coordinator at %s did not answer for %d s (elastic.coordinator_patience_ms); "
             "last error: %s",

@@ -503,5 +503,33 @@ TEST_F(ElasticWorkerTest, ACoordinatorThatNeverAnswersEndsTheWorkerAfterItsPatie
   EXPECT_TRUE(coordinator.detached().empty());
 }
 
+// A coordinator that answers after a silence is heard: its answer (here: this worker was declared
+// failed meanwhile) comes back as it is, not as the silence before it.
+TEST(RetryWhileUnreachableTest, AnAnswerAfterRetriesIsReturnedAsItIs) {
+  int calls = 0;
+  auto answer = [&]() -> StatusOr<int> {
+    if (++calls < 3) return absl::UnavailableError("connection refused");
+    return absl::NotFoundError("worker 'a' is not part of the job");
+  };
+  const StatusOr<int> r =
+      RetryWhileUnreachable("heartbeat", "fake:7777", std::chrono::milliseconds(5000), answer);
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(r.status().message(), "worker 'a' is not part of the job");
+  // A silence that outlasts the patience is said to be one.
+  calls = 0;
+  auto silent = [&]() -> StatusOr<int> {
+    ++calls;
+    return absl::DeadlineExceededError("deadline");
+  };
+  const StatusOr<int> s =
+      RetryWhileUnreachable("heartbeat", "fake:7777", std::chrono::milliseconds(300), silent);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(s.status().message(),
+            "heartbeat: the coordinator at fake:7777 did not answer for 0 s "
+            "(elastic.coordinator_patience_ms); last error: deadline");
+  EXPECT_GE(calls, 2);
+}
+
 }  // namespace
 }  // namespace strata::train
