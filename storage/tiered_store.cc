@@ -328,7 +328,8 @@ void TieredExpertStore::Discard(const TensorKey& key) {
   if (e.host_slot >= 0) host_->Free(e.host_slot);
   if (e.dev_slot >= 0) device_->Free(e.dev_slot);
   if (e.has_ssd) UnrefLocked(key, e.ssd_version);
-  entries_.erase(it);
+  // By key: the wait let other threads insert entries, which may have rehashed the table.
+  entries_.erase(key);
   cv_.notify_all();
 }
 

@@ -1322,7 +1322,10 @@ void CheckpointManager::AdoptStore(scheduler::TieredExpertScheduler* tiered) {
       const storage::TensorKey key{r.layer(), r.expert(),
                                    static_cast<storage::TensorKind>(r.kind())};
       tiered->store().ReserveVersions(key, r.version());
-      if (r.has_extent()) tiered->store().RefVersion(key, r.version(), FromRecord(r.extent()));
+      // An extent outside the data files was never marked used: nothing to hold or give back.
+      if (r.has_extent() && !outside_.count(KeyOf(r))) {
+        tiered->store().RefVersion(key, r.version(), FromRecord(r.extent()));
+      }
     }
   }
   tiered_ = tiered;

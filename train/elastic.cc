@@ -425,8 +425,9 @@ StatusOr<std::unique_ptr<storage::TieredExpertStore>> Trainer::MoveStoredExperts
                          return mover->WriteExpertRange(li, e, kind, at, m, src + done);
                        });
   };
-  // Rounds of one tensor, or 4 MiB when tensors are smaller, out of and into each worker.
-  const int64_t chunk = std::max<int64_t>(F, int64_t{1} << 20);
+  // Rounds of whole tensors, one or as many as fit in 4 MiB, out of and into each worker (a piece
+  // of a tensor costs a whole one's trip through a host slot).
+  const int64_t chunk = F * std::max<int64_t>(1, (int64_t{1} << 20) / F);
   ASSIGN_OR_RETURN(*moved,
                    MoveExpertsInChunks(comm, owner, sources, blob_floats, chunk, read, write));
   return mover->ReleaseStore();
@@ -522,11 +523,19 @@ Status Trainer::Reform(const WorkerOptions& w) {
   options_.worker.rejoin = true;
   if (distributed()) RETURN_IF_ERROR(SetUpWorkers());
   RETURN_IF_ERROR(OpenCheckpointsOfGeneration());
-  ASSIGN_OR_RETURN(SyncedState s, SyncState());
+  // A TIERED worker whose store was handed on and then lost (a move or the new model failed)
+  // lets go of its shard too: its manager's references were the store's.
+  auto lost_store = [&](Status s) {
+    if (tiered && scheduler_ == nullptr) checkpoints_.reset();
+    return s;
+  };
+  StatusOr<SyncedState> synced = SyncState();
+  if (!synced.ok()) return lost_store(synced.status());
+  SyncedState& s = *synced;
   if (s.from_checkpoint) RETURN_IF_ERROR(ReopenForCheckpoint());
   std::tie(first_sequence_, local_batch_) =
       BatchShare(options_.config.train().global_batch(), w.world_size, w.rank);
-  RETURN_IF_ERROR(AdoptState(s));
+  if (Status a = AdoptState(s); !a.ok()) return lost_store(a);
   // A checkpoint whose commit the previous generation never got to report (its step was cut
   // short) may be the one this generation went back to: the coordinator hears of it before the
   // generation says where it starts (again, if a report to the previous generation was refused).
@@ -557,9 +566,11 @@ Status Trainer::ReopenForCheckpoint() {
 }
 
 Status Trainer::ContinueCheckpoints() {
-  auto abandoned = std::make_shared<std::atomic<bool>>(false);
+  std::shared_ptr<std::atomic<bool>> abandoned;
   {
+    // A newer generation may have aborted this one's collectives already.
     std::lock_guard<std::mutex> lock(comm_mu_);
+    abandoned = std::make_shared<std::atomic<bool>>(aborted_why_.has_value());
     checkpoint_abandoned_ = abandoned;
   }
   return checkpoints_->Continue(options_.worker.generation, options_.worker.rank == 0, abandoned,

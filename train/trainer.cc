@@ -356,7 +356,8 @@ Status Trainer::OpenCheckpoints(bool continuing) {
   co.start_over = options_.start_over && !continuing;
   {
     std::lock_guard<std::mutex> lock(comm_mu_);
-    checkpoint_abandoned_ = std::make_shared<std::atomic<bool>>(false);
+    // A newer generation may have aborted this one's collectives already.
+    checkpoint_abandoned_ = std::make_shared<std::atomic<bool>>(aborted_why_.has_value());
     co.abandoned = checkpoint_abandoned_;
   }
   if (distributed()) {
