@@ -1,0 +1,178 @@
+#include "storage/copy_shelf.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/common/logging.h"
+
+namespace strata::storage {
+namespace {
+
+constexpr char kFolderPrefix[] = "strata-copies-";
+
+// Removes the folders of shelves whose process is gone (killed before its destructor ran): their
+// names carry the process id.
+void RemoveAbandoned(const std::string& parent) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(parent, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(kFolderPrefix, 0) != 0) continue;
+    const std::string rest = name.substr(sizeof(kFolderPrefix) - 1);
+    int pid = 0;
+    if (!absl::SimpleAtoi(rest.substr(0, rest.find('-')), &pid) || pid <= 0) continue;
+    if (kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
+    std::error_code removed;
+    std::filesystem::remove_all(entry.path(), removed);
+    if (!removed) {
+      STRATA_LOG(INFO) << "removed the buddy copies of process " << pid << " (gone) in "
+                       << entry.path().string();
+    }
+  }
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<CopyShelf>> CopyShelf::Create(const Options& options) {
+  if (options.piece_bytes == 0 || options.piece_bytes % sizeof(float) != 0 || options.pieces < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "a copy shelf needs pieces of a positive number of floats (got %d bytes, %d pieces)",
+        options.piece_bytes, options.pieces));
+  }
+  if (options.parent_dir.empty()) {
+    return absl::InvalidArgumentError("a copy shelf needs a parent folder");
+  }
+  RemoveAbandoned(options.parent_dir);
+  std::unique_ptr<CopyShelf> s(new CopyShelf(options));
+  std::string tmpl = absl::StrFormat("%s/%s%d-XXXXXX", options.parent_dir, kFolderPrefix, getpid());
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  if (mkdtemp(buf.data()) == nullptr) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("cannot create a folder for the buddy copies from '%s': %s; point "
+                        "storage.ssd_dir (or TMPDIR) at a writable folder",
+                        tmpl, std::strerror(errno)));
+  }
+  s->dir_ = buf.data();
+  ASSIGN_OR_RETURN(std::unique_ptr<BlockIo> io, MakeUringIo(options.io));
+  if (options.wrap_io) io = options.wrap_io(std::move(io));
+  SsdOptions so;
+  so.dir = s->dir_;
+  ASSIGN_OR_RETURN(s->tier_, SsdTier::Open(so, std::move(io)));
+  ASSIGN_OR_RETURN(s->bounce_, IoBuffer::Allocate(options.piece_bytes));
+  return s;
+}
+
+CopyShelf::~CopyShelf() {
+  tier_.reset();
+  if (!dir_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+}
+
+std::string CopyShelf::What(int64_t version, int64_t item, int piece) const {
+  return absl::StrFormat("copy of item %d piece %d v%d in %s", item, piece, version, dir_);
+}
+
+Status CopyShelf::Write(int64_t version, int64_t item, int piece, const float* data) {
+  if (piece < 0 || piece >= options_.pieces) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "piece %d of item %d is outside its blob of %d pieces", piece, item, options_.pieces));
+  }
+  std::memcpy(bounce_.data(), data, options_.piece_bytes);
+  ASSIGN_OR_RETURN(const StoredExtent stored, tier_->Write(bounce_.data(), options_.piece_bytes));
+  Blob& b = items_[item][version];
+  if (b.pieces.empty()) {
+    b.pieces.resize(options_.pieces);
+    b.written.assign(options_.pieces, false);
+    b.missing = options_.pieces;
+  }
+  if (b.written[piece]) {
+    tier_->Free(b.pieces[piece].extent);
+  } else {
+    b.written[piece] = true;
+    --b.missing;
+  }
+  b.pieces[piece] = stored;
+  return absl::OkStatus();
+}
+
+Status CopyShelf::Read(int64_t version, int64_t item, int piece, float* out) {
+  auto it = items_.find(item);
+  const Blob* b = nullptr;
+  if (it != items_.end()) {
+    auto v = it->second.find(version);
+    if (v != it->second.end()) b = &v->second;
+  }
+  if (b == nullptr || piece < 0 || piece >= options_.pieces || !b->written[piece]) {
+    return absl::NotFoundError(absl::StrCat(What(version, item, piece), " was never written"));
+  }
+  if (Status s = tier_->Read(b->pieces[piece], bounce_.data(), What(version, item, piece));
+      !s.ok()) {
+    // A copy that cannot be read is lost like its worker: the other copies, or a checkpoint, are
+    // what the job goes on from.
+    return Status(s.code(), absl::StrCat("reading a buddy copy: ", s.message()));
+  }
+  std::memcpy(out, bounce_.data(), options_.piece_bytes);
+  return absl::OkStatus();
+}
+
+std::vector<int64_t> CopyShelf::Versions(int64_t item) const {
+  std::vector<int64_t> out;
+  auto it = items_.find(item);
+  if (it == items_.end()) return out;
+  for (auto v = it->second.rbegin(); v != it->second.rend(); ++v) {
+    if (v->second.missing == 0) out.push_back(v->first);
+  }
+  return out;
+}
+
+std::map<int64_t, CopyShelf::Blob>::iterator CopyShelf::DropPieces(
+    std::map<int64_t, Blob>::iterator it) {
+  for (int p = 0; p < options_.pieces; ++p) {
+    if (it->second.written[p]) tier_->Free(it->second.pieces[p].extent);
+  }
+  return it;
+}
+
+void CopyShelf::KeepNewest(int64_t item, int keep) {
+  auto it = items_.find(item);
+  if (it == items_.end()) return;
+  auto& versions = it->second;
+  int kept = 0;
+  for (auto v = versions.end(); v != versions.begin();) {
+    --v;
+    if (v->second.missing == 0 && kept < keep) {
+      ++kept;
+      continue;
+    }
+    v = versions.erase(DropPieces(v));
+  }
+  if (versions.empty()) items_.erase(it);
+}
+
+void CopyShelf::KeepOnly(int64_t item, int64_t version) {
+  auto it = items_.find(item);
+  if (it == items_.end()) return;
+  auto& versions = it->second;
+  for (auto v = versions.begin(); v != versions.end();) {
+    v = v->first == version ? std::next(v) : versions.erase(DropPieces(v));
+  }
+  if (versions.empty()) items_.erase(it);
+}
+
+void CopyShelf::Clear() {
+  for (auto& [item, versions] : items_) {
+    for (auto v = versions.begin(); v != versions.end(); ++v) DropPieces(v);
+  }
+  items_.clear();
+}
+
+}  // namespace strata::storage
