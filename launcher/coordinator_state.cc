@@ -17,6 +17,7 @@
 #include "core/common/logging.h"
 #include "google/protobuf/text_format.h"
 #include "proto/config.pb.h"
+#include "proto/config_io.h"
 #include "train/checkpoint_set.h"
 
 namespace strata::launcher {
@@ -195,6 +196,7 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Open(
   config::JobConfig job;
   if (google::protobuf::TextFormat::ParseFromString(c->record_.job_config(), &job)) {
     c->checkpoint_dir_ = job.checkpoint().dir();
+    c->copies_lag_ = config::CopiesLagSteps(job);
   } else {
     STRATA_LOG(WARNING) << "the job config in the coordinator's record in '" << options.dir
                         << "' does not parse: its checkpoint catalog is not checked against the "
@@ -624,7 +626,7 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
     std::lock_guard<std::mutex> lock(mu_);
     const CatalogCheckpoint* e = FindInCatalog(record_, step);
     going_back = step > 0 && !first_generation() &&
-                 (step < record_.step() || step > record_.step() + 1) &&
+                 (step < record_.step() - copies_lag_ || step > record_.step() + 1) &&
                  (e == nullptr || !e->complete());
   }
   // A generation going back to a checkpoint the catalog does not hold as complete: its commit
@@ -644,13 +646,17 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
   const bool catalogued = (step == 0 && CompleteCheckpoints(record_) == 0) ||
                           (entry != nullptr && entry->complete()) ||
                           (step > 0 && entry != nullptr && !CatalogFollowsFolderLocked());
+  // A TIERED job's buddy copies may be up to copies_lag_ steps older than the boundary.
   if (!first && !(catalogued && step <= record_.step()) &&
-      (step < record_.step() || step > record_.step() + 1)) {
+      (step < record_.step() - copies_lag_ || step > record_.step() + 1)) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "worker '%s' started generation %d at step %d, but the job's last step boundary is %d: a "
-        "generation starts there, one step later, or at a committed checkpoint (complete in "
+        "generation starts there, one step later,%s or at a committed checkpoint (complete in "
         "the catalog `strata status` lists)",
-        id, current, step, record_.step()));
+        id, current, step, record_.step(),
+        copies_lag_ > 0
+            ? absl::StrFormat(" up to %d steps before (elastic.replica_every),", copies_lag_)
+            : std::string()));
   }
   for (const auto& [w, started] : started_) {
     if (started && reported_.at(w) != step && w != id) {

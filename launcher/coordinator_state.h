@@ -118,7 +118,8 @@ class CoordinatorState {
                                                              double tokens_per_s = 0);
   // Worker `id` begins generation `generation` at `step`, the state it re-formed on: the
   // generation's first step. It must lie within one step of the last boundary (a failure can cut
-  // the step after it short on some workers only) or be a committed checkpoint of the catalog
+  // the step after it short on some workers only), or up to config::CopiesLagSteps before it (a
+  // TIERED job's buddy copies lag), or be a committed checkpoint of the catalog
   // (the state was lost and the job goes back) — in the job's first generation, anywhere its
   // workers resumed from — and agree with the other members'.
   // Rank 0 also gives the experts each rank holds, for Status.
@@ -200,6 +201,7 @@ class CoordinatorState {
 
   CoordinatorOptions options_;
   std::string checkpoint_dir_;  // the job config's checkpoint.dir, read at Open ("": none)
+  int64_t copies_lag_ = 0;      // config::CopiesLagSteps of the job config, read at Open
   std::unique_ptr<rocksdb::DB> db_;
   std::mutex catalog_mu_;  // orders checkpoint reports and reads of the folder; before mu_
   mutable std::mutex mu_;

@@ -370,6 +370,9 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
             "heartbeat_timeout_ms must be at least 100");
   v.Require(el.replicas() >= 0 && el.replicas() <= 8, {"elastic", "replicas"},
             "replicas must be in [0, 8] (0: no buddy copies)");
+  v.Require(el.replica_every() >= 1 && el.replica_every() <= 1'000'000,
+            {"elastic", "replica_every"},
+            "replica_every must be in [1, 1000000] (steps between refreshes of the buddy copies)");
   v.Require(el.heartbeat_timeout_ms() <= 600'000, {"elastic", "heartbeat_timeout_ms"},
             "heartbeat_timeout_ms must be at most 600000 (ten minutes)");
   v.Require(
@@ -580,6 +583,13 @@ std::string ToText(const JobConfig& config) {
   std::string out;
   TextFormat::PrintToString(config, &out);
   return out;
+}
+
+int64_t CopiesLagSteps(const JobConfig& config) {
+  const bool tiered_copies =
+      config.storage().mode() == StorageConfig::TIERED && config.elastic().replicas() > 0 &&
+      config.parallel().expert_parallel() == 0 && config.parallel().experts_per_worker_size() == 0;
+  return tiered_copies ? std::max(1, config.elastic().replica_every()) : 0;
 }
 
 }  // namespace strata::config

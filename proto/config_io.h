@@ -47,6 +47,13 @@ void Normalize(JobConfig* config);
 // Text format of a config, for logs and the metrics header.
 std::string ToText(const JobConfig& config);
 
+// How many steps before the last step boundary (the step every member of an elastic job finished)
+// a new generation may go on from its workers' copies, without a checkpoint: a TIERED job with
+// buddy copies (elastic.replicas > 0, one expert-parallel group, no experts_per_worker) refreshes
+// them every elastic.replica_every steps from the state before an update, so up to that many; 0
+// for every other job (an IN_MEMORY job's copies hold the boundary's state or the step after).
+int64_t CopiesLagSteps(const JobConfig& config);
+
 // True when layer `layer` (0-based) of the model has an MoE FFN.
 inline bool IsMoeLayer(const ModelConfig& model, int layer) {
   return model.moe_every() > 0 && (layer + 1) % model.moe_every() == 0;

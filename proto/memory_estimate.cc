@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
+#include "proto/config_io.h"
 
 namespace strata::config {
 namespace {
@@ -206,6 +207,9 @@ MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers, bool e
         std::min<uint64_t>(U(std::max(0, config.elastic().replicas())), W - 1);
     e.elastic_copy_bytes = Add(Mul(24, Add(dense, held)), Mul(Mul(24, replicas), held));
   }
+  // A TIERED one keeps its expert copies on its SSD: in memory, the dense state of the latest two
+  // refreshes and, during a re-form, the dense state handed over.
+  if (elastic && CopiesLagSteps(config) > 0) e.elastic_copy_bytes = Mul(36, dense);
   e.total_bytes = Add(Add(Add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes),
                       Add(Add(e.activation_bytes, e.store_bytes), e.elastic_copy_bytes));
   return e;

@@ -69,8 +69,9 @@ MemoryEstimate EstimateMemory(const JobConfig& config);
 // What one of `workers` workers of the job holds at most (workers <= 1: EstimateMemory). Its
 // expert_parameters stay the model's; the byte figures are the worker's. `elastic`: a worker of a
 // coordinator's job, which keeps copies of its state for a later generation when its layout does
-// (elastic_copy_bytes; other layouts go back to a checkpoint, each worker reading its own share);
-// a `strata worker --store` worker keeps none.
+// (elastic_copy_bytes: in memory, or for a TIERED worker the dense part of them, its experts'
+// copies being on its SSD; other layouts go back to a checkpoint, each worker reading its own
+// share); a `strata worker --store` worker keeps none.
 MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers, bool elastic = true);
 
 // One line per figure, human-readable ("parameters  1.2 M (4.6 MiB) ..."), for `strata check`.

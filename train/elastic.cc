@@ -27,7 +27,9 @@
 // from step 0 when none is committed; a TIERED worker's store then goes, and its shard is opened
 // again for a store the checkpoint fills.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <tuple>
 
@@ -40,6 +42,16 @@
 
 namespace strata::train {
 namespace {
+
+// The tensors of an expert's blob, per MoE layer: the weights and both Adam moments.
+constexpr storage::TensorKind kBlobKinds[] = {
+    storage::TensorKind::kWeights, storage::TensorKind::kAdamM, storage::TensorKind::kAdamV};
+
+// Rounds of whole tensors of `tensor_floats`, one or as many as fit in 4 MiB, out of and into each
+// worker (a piece of a tensor costs a whole one's trip through a host slot).
+int64_t ChunkOfTensors(int64_t tensor_floats) {
+  return tensor_floats * std::max<int64_t>(1, (int64_t{1} << 20) / tensor_floats);
+}
 
 std::string Ranges(const std::vector<int64_t>& counts) {
   std::string out;
@@ -70,7 +82,11 @@ bool Trainer::MovesLiveState() const {
 }
 
 bool Trainer::KeepsCopies() const {
-  return options_.config.storage().mode() == config::StorageConfig::IN_MEMORY && MovesLiveState();
+  // An IN_MEMORY worker keeps at least its rollback copy; a TIERED one keeps its copies with its
+  // buddy copies, on its SSD.
+  return MovesLiveState() &&
+         (options_.config.storage().mode() == config::StorageConfig::IN_MEMORY ||
+          options_.config.elastic().replicas() > 0);
 }
 
 Status Trainer::CheckElastic() const {
@@ -80,12 +96,14 @@ Status Trainer::CheckElastic() const {
   if (cfg.checkpoint().dir().empty() || cfg.checkpoint().every() <= 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "an elastic job with %s re-forms from its newest checkpoint; set checkpoint.dir and "
-        "checkpoint.every (or train IN_MEMORY with parallel.expert_parallel: 0 and no "
-        "parallel.experts_per_worker, which keeps buddy copies instead)",
-        cfg.storage().mode() == config::StorageConfig::TIERED ? std::string("storage.mode: TIERED")
-        : cfg.parallel().expert_parallel() != 0
+        "checkpoint.every (or train with parallel.expert_parallel: 0, no "
+        "parallel.experts_per_worker and elastic.replicas of 1 or more, which keeps buddy "
+        "copies instead)",
+        cfg.parallel().expert_parallel() != 0
             ? absl::StrFormat("parallel.expert_parallel: %d", cfg.parallel().expert_parallel())
-            : std::string("parallel.experts_per_worker")));
+        : cfg.parallel().experts_per_worker_size() > 0
+            ? std::string("parallel.experts_per_worker")
+            : std::string("storage.mode: TIERED and elastic.replicas: 0")));
   }
   return absl::OkStatus();
 }
@@ -227,6 +245,115 @@ Status Trainer::RefreshBuddies() {
   return absl::OkStatus();
 }
 
+Status Trainer::EnsureShelf() {
+  if (shelf_) return absl::OkStatus();
+  const config::StorageConfig& st = options_.config.storage();
+  storage::CopyShelf::Options so;
+  if (!st.ssd_dir().empty()) {
+    so.parent_dir = st.ssd_dir();
+    std::error_code ec;
+    std::filesystem::create_directories(so.parent_dir, ec);
+    if (ec) {
+      return absl::PermissionDeniedError(absl::StrFormat(
+          "cannot create storage.ssd_dir '%s' for the buddy copies: %s; point it at a writable "
+          "folder",
+          so.parent_dir, ec.message()));
+    }
+  } else {
+    const char* base = std::getenv("TMPDIR");
+    so.parent_dir = base && *base ? base : "/tmp";
+  }
+  so.piece_bytes = scheduler_->expert_floats() * sizeof(float);
+  so.pieces = 3 * scheduler_->moe_layers();
+  ASSIGN_OR_RETURN(shelf_, storage::CopyShelf::Create(so));
+  return absl::OkStatus();
+}
+
+Status Trainer::RefreshStoredCopiesIfDue() {
+  const int64_t every = std::max(1, options_.config.elastic().replica_every());
+  if (copied_version_ >= 0 && step_ - copied_version_ < every) return absl::OkStatus();
+  return RefreshStoredCopies();
+}
+
+Status Trainer::RefreshStoredCopies() {
+  TraceScope span(ctx_.tracer, "buddy copies", "copy");
+  const int W = options_.worker.world_size, rank = options_.worker.rank;
+  const int64_t v = step_;
+  auto failed = [&](const Status& s) {
+    return Status(s.code(), absl::StrFormat("step %d: copying the state of step %d for the buddy "
+                                            "copies: %s",
+                                            step_ + 1, v, s.message()));
+  };
+  // A worker alone has nobody to go on without it: its live state is all a joiner needs.
+  const int R = std::min(options_.config.elastic().replicas(), W - 1);
+  if (R < 1) return absl::OkStatus();
+  // The copies are of the state the store holds once the update in flight is done.
+  if (Status s = scheduler_->FinishExpertStep(); !s.ok()) return failed(s);
+  if (Status s = EnsureShelf(); !s.ok()) return failed(s);
+  // Dense: in memory, the latest two refreshes.
+  rollback_older_ = std::move(rollback_);
+  rollback_ = Copy();
+  rollback_.version = v;
+  rollback_.dense.resize(DenseBlobFloats());
+  ReadDense(rollback_.dense.data());
+  // This worker's experts: out of the store into its shelf, a tensor at a time (each expert keeps
+  // its copy of the refresh before, for a refresh cut short).
+  const int64_t F = static_cast<int64_t>(scheduler_->expert_floats());
+  const int pieces = shelf_->pieces();
+  std::vector<float> piece(F);
+  for (int64_t i = 0; i < num_experts_; ++i) {
+    const int64_t e = first_expert_ + i;
+    shelf_->KeepNewest(e, 1);
+    for (int p = 0; p < pieces; ++p) {
+      Status s = scheduler_->ReadExpertRange(p / 3, static_cast<int>(i), kBlobKinds[p % 3], 0, F,
+                                             piece.data());
+      if (s.ok()) s = shelf_->Write(v, e, p, piece.data());
+      if (!s.ok()) return failed(s);
+    }
+  }
+  // Buddy copies: the experts of ranks rank-1 .. rank-R come from their shelves into this one,
+  // one buddy distance at a time, in bounded rounds (the moves of a re-form, with every expert's
+  // "owner" its holder's buddy).
+  const int64_t E = options_.config.model().moe().num_experts();
+  std::vector<int> holder(E);
+  if (static_cast<int>(experts_per_worker_.size()) != W) {
+    return failed(absl::InternalError(absl::StrFormat("the placement has %d ranges for %d workers",
+                                                      experts_per_worker_.size(), W)));
+  }
+  for (int w = 0, e = 0; w < W; ++w) {
+    for (int64_t k = 0; k < experts_per_worker_[w] && e < E; ++k) holder[e++] = w;
+  }
+  const int64_t blob = F * pieces;
+  const ReadChunk read = [&](size_t item, int64_t offset, int64_t n, float* dst) -> Status {
+    for (int64_t done = 0; done < n; done += F) {
+      RETURN_IF_ERROR(shelf_->Read(v, static_cast<int64_t>(item) - 1,
+                                   static_cast<int>((offset + done) / F), dst + done));
+    }
+    return absl::OkStatus();
+  };
+  const WriteChunk write = [&](size_t item, int64_t offset, int64_t n, const float* src) -> Status {
+    for (int64_t done = 0; done < n; done += F) {
+      RETURN_IF_ERROR(shelf_->Write(v, static_cast<int64_t>(item) - 1,
+                                    static_cast<int>((offset + done) / F), src + done));
+    }
+    return absl::OkStatus();
+  };
+  for (int j = 1; j <= R; ++j) {
+    CopySources sources;
+    sources.expert = holder;
+    std::vector<int> buddy(E);
+    for (int64_t e = 0; e < E; ++e) {
+      buddy[e] = (holder[e] + j) % W;
+      if (buddy[e] == rank) shelf_->KeepNewest(e, 1);
+    }
+    StatusOr<int64_t> moved = MoveExpertsInChunks(world_comm_.get(), buddy, sources, blob,
+                                                  ChunkOfTensors(F), read, write);
+    if (!moved.ok()) return failed(moved.status());
+  }
+  copied_version_ = v;
+  return absl::OkStatus();
+}
+
 Holdings Trainer::HoldingsOfThisWorker() const {
   Holdings mine(1, options_.config.model().moe().num_experts());
   // A worker that just joined holds nothing.
@@ -257,6 +384,21 @@ Holdings Trainer::HoldingsOfThisWorker() const {
                       c->version);
     }
   }
+  // TIERED: the dense state of the refresh before, and the copies on the shelf whose every
+  // tensor is written (this worker's experts as its rollback copies, the others as buddy copies).
+  if (rollback_older_.version >= 0) {
+    mine.Set(0, kDenseItem, HoldingSlot::kRollbackPrevious, rollback_older_.version);
+  }
+  for (int64_t e = 0; shelf_ && e < options_.config.model().moe().num_experts(); ++e) {
+    const bool own = model_ && e >= first_expert_ && e < first_expert_ + num_experts_;
+    const std::vector<int64_t> versions = shelf_->Versions(e);
+    for (size_t k = 0; k < versions.size() && k < 2; ++k) {
+      const HoldingSlot slot =
+          own ? (k == 0 ? HoldingSlot::kRollback : HoldingSlot::kRollbackPrevious)
+              : (k == 0 ? HoldingSlot::kBuddyLatest : HoldingSlot::kBuddyPrevious);
+      mine.Set(0, ExpertItem(e), slot, versions[k]);
+    }
+  }
   return mine;
 }
 
@@ -276,6 +418,7 @@ void Trainer::ReadHeldItem(size_t i, int64_t step, const Holdings& all, float* d
   const float* src = nullptr;
   if (i == kDenseItem) {
     if (rollback_.version == step) src = rollback_.dense.data();
+    if (rollback_older_.version == step) src = rollback_older_.dense.data();
   } else if (rollback_.version == step && e >= rollback_.first &&
              e < rollback_.first + rollback_.count) {
     src = &rollback_.experts[(e - rollback_.first) * S];
@@ -329,7 +472,7 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState() {
   int64_t moved = 0;
   if (cfg.storage().mode() == config::StorageConfig::TIERED) {
     ASSIGN_OR_RETURN(out.store,
-                     MoveStoredExperts(comm, plan.owner, sources, all.expert_floats(), &moved));
+                     MoveStoredExperts(comm, s0, plan.owner, sources, all.expert_floats(), &moved));
   } else {
     ASSIGN_OR_RETURN(MovedExperts experts,
                      MoveExperts(comm, plan.owner, sources, all.expert_floats(), read));
@@ -337,19 +480,32 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState() {
     moved = experts.moved;
   }
   if (rank == 0) {
+    // Experts whose state at the step comes from a copy (a rollback or buddy copy), not from a
+    // live model or store.
+    int64_t from_copies = 0;
+    for (int64_t e = 0; e < cfg.model().moe().num_experts(); ++e) {
+      from_copies += all.version(sources.expert[e], ExpertItem(e), HoldingSlot::kLive) != s0;
+    }
     STRATA_LOG(INFO) << absl::StrFormat(
         "generation of %d workers starts from step %d (this worker was at step %d): experts "
-        "%s, %d moved (%d by the planner)",
-        W, s0, model_ ? live_version_ : -1, Ranges(plan.counts), moved, plan.planner_moved);
+        "%s, %d moved (%d by the planner), %d from copies",
+        W, s0, model_ ? live_version_ : -1, Ranges(plan.counts), moved, plan.planner_moved,
+        from_copies);
   }
   return out;
 }
 
 StatusOr<std::unique_ptr<storage::TieredExpertStore>> Trainer::MoveStoredExperts(
-    comm::Communicator* comm, const std::vector<int>& owner, const CopySources& sources,
-    int64_t blob_floats, int64_t* moved) {
+    comm::Communicator* comm, int64_t step, const std::vector<int>& owner,
+    const CopySources& sources, int64_t blob_floats, int64_t* moved) {
   const config::JobConfig& cfg = options_.config;
   const int64_t E = cfg.model().moe().num_experts();
+  // This worker's copy of an expert at the step is in its store when the store holds the live
+  // state of that step, else on its shelf (a rollback or buddy copy).
+  const bool live_at_step = scheduler_ != nullptr && store_whole_ && live_version_ == step;
+  auto in_store = [&, first = first_expert_, count = num_experts_](int64_t e) {
+    return live_at_step && e >= first && e < first + count;
+  };
   // This worker's store (a joiner has none yet) goes, for the moves, to a scheduler over a model
   // that holds every expert unbound: any expert can then be read (a never-written one from its
   // initial value) and written. The model's own dense parameters are a second copy of the dense
@@ -386,6 +542,24 @@ StatusOr<std::unique_ptr<storage::TieredExpertStore>> Trainer::MoveStoredExperts
           absl::StrFormat("the workers' expert blobs have %d floats; this model's experts have %d",
                           blob_floats, floats));
     }
+    // An expert this worker keeps whose copy at the step is on its shelf (its store holds a later
+    // update, or none) goes back to that copy, a tensor at a time.
+    const int64_t F = static_cast<int64_t>(mover->expert_floats());
+    std::vector<float> piece(F);
+    for (int64_t e = 0; e < E; ++e) {
+      if (owner[e] != options_.worker.rank || sources.expert[e] != owner[e] || in_store(e)) {
+        continue;
+      }
+      if (shelf_ == nullptr) {
+        return absl::InternalError(absl::StrFormat(
+            "expert %d of step %d is neither in this worker's store nor on a shelf", e, step));
+      }
+      for (int p = 0; p < 3 * mover->moe_layers(); ++p) {
+        RETURN_IF_ERROR(shelf_->Read(step, e, p, piece.data()));
+        RETURN_IF_ERROR(mover->WriteExpertRange(p / 3, static_cast<int>(e), kBlobKinds[p % 3], 0, F,
+                                                piece.data()));
+      }
+    }
     return absl::OkStatus();
   }();
   // Nobody starts the rounds while another worker cannot take part (its store is lost then: the
@@ -398,21 +572,26 @@ StatusOr<std::unique_ptr<storage::TieredExpertStore>> Trainer::MoveStoredExperts
   RETURN_IF_ERROR(ready);
   // A blob is, for each MoE layer, the weights and both Adam moments, one tensor each.
   const int64_t F = static_cast<int64_t>(mover->expert_floats());
-  constexpr storage::TensorKind kKinds[] = {
-      storage::TensorKind::kWeights, storage::TensorKind::kAdamM, storage::TensorKind::kAdamV};
   // Calls fn(moe layer, kind, offset in the tensor, floats, offset in the piece) for the tensors
   // the piece [offset, offset + n) of a blob spans.
   auto each_tensor = [&](int64_t offset, int64_t n, const auto& fn) -> Status {
     for (int64_t done = 0; done < n;) {
       const int64_t t = (offset + done) / F, at = (offset + done) % F;
       const int64_t m = std::min(n - done, F - at);
-      RETURN_IF_ERROR(fn(static_cast<int>(t / 3), kKinds[t % 3], at, m, done));
+      RETURN_IF_ERROR(fn(static_cast<int>(t / 3), kBlobKinds[t % 3], at, m, done));
       done += m;
     }
     return absl::OkStatus();
   };
   const ReadChunk read = [&](size_t item, int64_t offset, int64_t n, float* dst) {
     const int e = static_cast<int>(item) - 1;
+    if (!in_store(e)) {
+      // Rounds carry whole tensors, so a piece is whole pieces of the shelf's.
+      for (int64_t done = 0; done < n; done += F) {
+        RETURN_IF_ERROR(shelf_->Read(step, e, static_cast<int>((offset + done) / F), dst + done));
+      }
+      return absl::OkStatus();
+    }
     return each_tensor(offset, n,
                        [&](int li, storage::TensorKind kind, int64_t at, int64_t m, int64_t done) {
                          return mover->ReadExpertRange(li, e, kind, at, m, dst + done);
@@ -425,11 +604,8 @@ StatusOr<std::unique_ptr<storage::TieredExpertStore>> Trainer::MoveStoredExperts
                          return mover->WriteExpertRange(li, e, kind, at, m, src + done);
                        });
   };
-  // Rounds of whole tensors, one or as many as fit in 4 MiB, out of and into each worker (a piece
-  // of a tensor costs a whole one's trip through a host slot).
-  const int64_t chunk = F * std::max<int64_t>(1, (int64_t{1} << 20) / F);
-  ASSIGN_OR_RETURN(*moved,
-                   MoveExpertsInChunks(comm, owner, sources, blob_floats, chunk, read, write));
+  ASSIGN_OR_RETURN(*moved, MoveExpertsInChunks(comm, owner, sources, blob_floats, ChunkOfTensors(F),
+                                               read, write));
   return mover->ReleaseStore();
 }
 
@@ -462,10 +638,15 @@ Status Trainer::StartFrom(const SyncedState& s) {
   }
   live_version_ = step_;
   rollback_ = Copy();
+  rollback_older_ = Copy();
   buddies_.clear();
+  // The shelf's copies were of the previous placement.
+  if (shelf_) shelf_->Clear();
+  copied_version_ = -1;
   while (!history_.empty() && history_.back().step > step_) history_.pop_back();
   // The new generation is protected from its first step on.
-  return KeepsCopies() ? RefreshBuddies() : absl::OkStatus();
+  if (!KeepsCopies()) return absl::OkStatus();
+  return scheduler_ ? RefreshStoredCopies() : RefreshBuddies();
 }
 
 void Trainer::ResetParallel(int64_t generation) {

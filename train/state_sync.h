@@ -43,12 +43,13 @@ inline size_t ExpertItem(int64_t e) { return 1 + static_cast<size_t>(e); }
 
 // Where a worker keeps a version of an item.
 enum class HoldingSlot : int {
-  kLive = 0,           // its model
-  kRollback = 1,       // its copy from before the latest update
-  kBuddyLatest = 2,    // a buddy copy after its source's latest update
-  kBuddyPrevious = 3,  // a buddy copy after the update before
+  kLive = 0,             // its model
+  kRollback = 1,         // its copy from before the latest update
+  kBuddyLatest = 2,      // a buddy copy after its source's latest update
+  kBuddyPrevious = 3,    // a buddy copy after the update before
+  kRollbackPrevious = 4  // its copy from before the update before (TIERED, see elastic.cc)
 };
-inline constexpr int kHoldingSlots = 4;
+inline constexpr int kHoldingSlots = 5;
 
 // Which versions of which items each of `workers` workers can supply, and the blob sizes of its
 // model (0 for a worker that holds no state). A value type: a worker fills one of one worker for

@@ -120,8 +120,13 @@ double DataParallelGradients::TakeCommSeconds() {
 Trainer::ElasticKeeping::ElasticKeeping(Trainer& trainer, bool copies)
     : t_(trainer), copies_(copies) {}
 
-void Trainer::ElasticKeeping::BeforeUpdate() {
-  if (copies_) t_.TakeRollbackCopy();
+Status Trainer::ElasticKeeping::BeforeUpdate() {
+  if (!copies_) return absl::OkStatus();
+  // A TIERED worker's copies are of the state before the update, on its SSD, every
+  // elastic.replica_every steps; an IN_MEMORY worker's rollback copy is taken every step.
+  if (t_.scheduler_ != nullptr) return t_.RefreshStoredCopiesIfDue();
+  t_.TakeRollbackCopy();
+  return absl::OkStatus();
 }
 
 Status Trainer::ElasticKeeping::AfterUpdate(const std::vector<model::MoeStats>& moe) {
@@ -134,7 +139,7 @@ Status Trainer::ElasticKeeping::AfterUpdate(const std::vector<model::MoeStats>& 
       t_.expert_load_[e] += static_cast<double>(m.load[e]);
     }
   }
-  if (!copies_) return absl::OkStatus();
+  if (!copies_ || t_.scheduler_ != nullptr) return absl::OkStatus();
   TraceScope span(t_.ctx_.tracer, "buddy copies", "comm");
   return t_.RefreshBuddies();
 }

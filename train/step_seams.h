@@ -193,14 +193,14 @@ class StepKeeping {
  public:
   virtual ~StepKeeping() = default;
   // Just before the update (the model still holds the state of the step before).
-  virtual void BeforeUpdate() = 0;
+  [[nodiscard]] virtual Status BeforeUpdate() = 0;
   // After the update, with the step's per-layer MoE figures.
   [[nodiscard]] virtual Status AfterUpdate(const std::vector<model::MoeStats>& moe) = 0;
 };
 
 class NoKeeping final : public StepKeeping {
  public:
-  void BeforeUpdate() override {}
+  Status BeforeUpdate() override { return absl::OkStatus(); }
   Status AfterUpdate(const std::vector<model::MoeStats>&) override { return absl::OkStatus(); }
 };
 

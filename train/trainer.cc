@@ -676,7 +676,7 @@ StatusOr<StepResult> Trainer::Step() {
   const double scale = ops::ClipScale(r.grad_norm, cfg.train().grad_clip());
   // A checkpoint saved after the last step copies the state while forward and backward ran.
   if (checkpoints_) checkpoints_->FinishSnapshot(ctx_.tracer);
-  keeping_->BeforeUpdate();
+  RETURN_IF_ERROR(keeping_->BeforeUpdate());
   {
     TraceScope span(ctx_.tracer, "dense optimizer", "optimizer");
     optimizer_->Step(ctx_, r.lr, scale);

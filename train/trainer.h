@@ -44,6 +44,7 @@
 #include "scheduler/data_parallel.h"
 #include "scheduler/expert_parallel.h"
 #include "scheduler/tiered_scheduler.h"
+#include "storage/copy_shelf.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/state_sync.h"
@@ -231,8 +232,8 @@ class Trainer {
   };
   [[nodiscard]] StatusOr<SyncedState> SyncState();
   // Whether this job's steps keep the copies a generation goes on from (rollback and buddy
-  // copies): IN_MEMORY with one expert-parallel group. Every other layout re-forms from the
-  // newest checkpoint.
+  // copies): one expert-parallel group, IN_MEMORY, or TIERED with elastic.replicas. Every other
+  // layout re-forms from the newest checkpoint.
   bool KeepsCopies() const;
   // Whether a generation can go on from the state its workers hold (one expert-parallel group:
   // IN_MEMORY with its copies, TIERED from the live state in the workers' stores).
@@ -241,8 +242,8 @@ class Trainer {
   // the owner's in bounded rounds (state_sync.h, MoveExpertsInChunks), through a scheduler over a
   // model of every expert; returns this worker's store for the new placement (collective).
   [[nodiscard]] StatusOr<std::unique_ptr<storage::TieredExpertStore>> MoveStoredExperts(
-      comm::Communicator* comm, const std::vector<int>& owner, const CopySources& sources,
-      int64_t blob_floats, int64_t* moved);
+      comm::Communicator* comm, int64_t step, const std::vector<int>& owner,
+      const CopySources& sources, int64_t blob_floats, int64_t* moved);
   // The checkpoint folder of a new generation: opened again (IN_MEMORY, or a TIERED generation
   // that goes back to a checkpoint), or kept open across it by a worker that still has its
   // manager (a TIERED worker's store shares its shard's SSD tier): ContinueCheckpoints, in the
@@ -295,6 +296,14 @@ class Trainer {
   void ReadExpert(int64_t e, float* out) const;
   void TakeRollbackCopy();
   [[nodiscard]] Status RefreshBuddies();
+  // TIERED with copies: the state before this step's update — the dense part in memory, this
+  // worker's experts and the buddy copies of the previous elastic.replicas ranks' experts on its
+  // shelf — when elastic.replica_every steps have passed since the last copies (collective).
+  [[nodiscard]] Status RefreshStoredCopiesIfDue();
+  [[nodiscard]] Status RefreshStoredCopies();
+  // The shelf, made on first use: an expert's blob is 3 pieces per MoE layer, its weights and
+  // Adam moments, in the order of the blobs the state sync moves.
+  [[nodiscard]] Status EnsureShelf();
   // Drops this generation's reducers and communicators; `generation` is the one to come.
   void ResetParallel(int64_t generation);
   [[nodiscard]] Status ExportParameters() const;
@@ -335,7 +344,7 @@ class Trainer {
    public:
     // `copies`: keep the rollback and buddy copies (KeepsCopies); else only the expert loads.
     ElasticKeeping(Trainer& trainer, bool copies);
-    void BeforeUpdate() override;
+    [[nodiscard]] Status BeforeUpdate() override;
     [[nodiscard]] Status AfterUpdate(const std::vector<model::MoeStats>& moe) override;
 
    private:
@@ -371,7 +380,13 @@ class Trainer {
   struct Buddy {
     Copy cur, prev;  // the source's experts after its latest two updates
   };
-  std::vector<Buddy> buddies_;       // [elastic.replicas], from ranks rank-1, rank-2, ...
+  std::vector<Buddy> buddies_;  // [elastic.replicas], from ranks rank-1, rank-2, ...
+  // TIERED with copies: the dense state of the refresh before rollback_'s (rollback_ holds the
+  // latest one's; their experts are on the shelf), the shelf with this worker's experts and the
+  // buddy copies (two versions of each expert at most), and the version of the latest refresh.
+  Copy rollback_older_;
+  std::unique_ptr<storage::CopyShelf> shelf_;
+  int64_t copied_version_ = -1;
   std::vector<double> expert_load_;  // rows routed to each expert, decayed over steps
   std::vector<StepResult> history_;
   std::vector<std::pair<int64_t, EvalResult>> evals_;

@@ -240,6 +240,10 @@ std::string AddressIn(const std::string& out) {
   return rest.substr(0, rest.find(' '));
 }
 
+// Where the generation after a TIERED worker's failure goes on from: its buddy copies (of a job
+// without checkpoints, or beside them), or the newest checkpoint.
+enum class GoesBackTo { kBuddies, kBuddiesBesideCheckpoints, kCheckpoint };
+
 class ElasticTest : public ::testing::Test {
  protected:
   void SetUp() override { WriteFile(dir_.File("text.txt"), strata::testing::SyntheticText(30000)); }
@@ -300,7 +304,8 @@ class ElasticTest : public ::testing::Test {
   }
   Trajectory KillWithoutBuddies(int steps, int every, int kill_at, std::string* out);
   Trajectory KillAndJoin(int steps, int kill_at, int on_three, const std::string& env);
-  void TieredKillAndJoin(int expert_parallel, const std::string& env);
+  void TieredKillAndJoin(int expert_parallel, const std::string& env, GoesBackTo back);
+  void TieredReformPeakRss(GoesBackTo back);
   Trajectory CoordinatorRestartWithAWorkerLost(const std::string& config, int steps, int kill_at,
                                                int on_two);
   // Until worker-0 has trained a step alone.
@@ -367,7 +372,8 @@ TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess)
 // A TIERED job: 32 experts whose weights and Adam moments (12 KiB a tensor) live in each worker's
 // tiers, under device and host budgets of 3 and 7 tensors besides the dense state — 16x and 6.9x
 // below a worker's share of 4 (8 experts of 2 layers, 3 tensors each) — and a checkpoint every 5
-// steps, which a re-form goes back to. `expert_parallel` is the parallel block's setting.
+// steps, which a re-form without buddy copies goes back to. `expert_parallel` is the parallel
+// block's setting.
 constexpr int64_t kTensorBytes = 12288, kTieredDense = 312320;
 // `config` (a Config) with 32 experts, kept in TIERED storage under these budgets, and a checkpoint
 // every 5 steps.
@@ -382,6 +388,27 @@ std::string TieredConfig(int steps, int expert_parallel = 0, const std::string& 
       WithTieredStorage(Config(steps, extra), kTieredDense + 3 * kTensorBytes, 7 * kTensorBytes);
   c.replace(c.find("expert_parallel: 0"), 18, absl::StrCat("expert_parallel: ", expert_parallel));
   return c;
+}
+
+// The same without checkpoints: a TIERED job with buddy copies (elastic.replicas 1, the default)
+// needs none.
+std::string TieredConfigWithoutCheckpoints(int steps, const std::string& extra = "") {
+  std::string c = TieredConfig(steps, /*expert_parallel=*/0, extra);
+  c.erase(c.find("checkpoint {"));
+  return c;
+}
+
+// The last step generation `gen` trained in any of `files` (a step redone later included).
+int64_t LastStepOfGeneration(const std::vector<std::string>& files, int64_t gen) {
+  int64_t last = 0;
+  for (const std::string& f : files) {
+    for (const auto& l : absl::StrSplit(ReadFile(f), '\n', absl::SkipEmpty())) {
+      if (IntField(std::string(l), "generation") == gen) {
+        last = std::max(last, IntField(std::string(l), "step"));
+      }
+    }
+  }
+  return last;
 }
 
 // Each generation after the first (or each of `generations`, when given) began at a checkpoint (a
@@ -811,30 +838,48 @@ TEST_F(ElasticTest, ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn) {
 }
 
 // Four TIERED workers (TieredConfig: budgets far below each one's share): worker-2 is SIGKILLed
-// once it trained 11 steps, the three survivors go on from the newest checkpoint without
-// restarting (the dead worker's experts were nowhere else), a joiner makes four again, and every
-// step equals the failure-free replay of the same memberships, each sample trained once. With
+// once it trained 11 steps, the three survivors go on without restarting, a joiner makes four
+// again, and every step equals the failure-free replay of the same memberships, each sample
+// trained once. With buddy copies (elastic.replicas 1; kBuddies: with no checkpoints at all) the
+// dead worker's experts come from its buddy's SSD: the failure's generation goes back at most the
+// two refreshes the copies keep, and moves experts. Without (kCheckpoint: elastic.replicas 0, or
+// expert-parallel groups, which keep none) it goes back to the newest checkpoint. With
 // expert-parallel groups the join goes back to the newest checkpoint too; with one group every
 // expert is still held, so the join goes on from the step the three finished, replaying nothing:
 // the experts the joiner now owns moved from the others' stores to its own.
 // `env` goes before the launch (STRATA_FAULTS).
-void ElasticTest::TieredKillAndJoin(int expert_parallel, const std::string& env) {
+void ElasticTest::TieredKillAndJoin(int expert_parallel, const std::string& env, GoesBackTo back) {
   constexpr int kSteps = 50;
-  WriteFile(dir_.File("job.textproto"), TieredConfig(kSteps, expert_parallel));
+  if (back == GoesBackTo::kBuddies) {
+    WriteFile(dir_.File("job.textproto"), TieredConfigWithoutCheckpoints(kSteps));
+  } else if (back == GoesBackTo::kBuddiesBesideCheckpoints) {
+    WriteFile(dir_.File("job.textproto"), TieredConfig(kSteps));
+  } else {
+    WriteFile(dir_.File("job.textproto"),
+              TieredConfig(kSteps, expert_parallel,
+                           expert_parallel == 0 ? "elastic { replicas: 0 }\n" : ""));
+  }
   const Trajectory t = KillAndJoin(kSteps, /*kill_at=*/11, /*on_three=*/6, env);
   ASSERT_EQ(FirstSteps(t).count(2), 1u) << "the 3 survivors trained no step that counted";
-  ExpectGenerationsBeganAtCheckpoints(
-      t, expert_parallel > 0 ? std::set<int64_t>{} : std::set<int64_t>{2});
-  if (expert_parallel > 0) return;
   const std::string launched = ReadFile(dir_.File("launch.log"));
-  int64_t last_of_2 = 0;
-  for (const std::string f : {"m.jsonl.0", "m.jsonl.1", "m.jsonl.3"}) {
-    for (const auto& l : absl::StrSplit(ReadFile(dir_.File(f)), '\n', absl::SkipEmpty())) {
-      if (IntField(std::string(l), "generation") == 2) {
-        last_of_2 = std::max(last_of_2, IntField(std::string(l), "step"));
-      }
-    }
+  const std::vector<std::string> files = {dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"),
+                                          dir_.File("m.jsonl.2"), dir_.File("m.jsonl.3")};
+  if (back != GoesBackTo::kCheckpoint) {
+    EXPECT_EQ(launched.find("going back to the latest checkpoint"), std::string::npos) << launched;
+    const int64_t last_of_1 = LastStepOfGeneration(files, 1);
+    EXPECT_GE(FirstSteps(t).at(2), last_of_1 - 1)
+        << "the failure went back further than its copies\n"
+        << launched;
+    // The dead worker's experts came from copies (its buddy's, moved or kept where they were).
+    const std::string from = Between(launched, "generation of 3 workers starts from step ", "\n");
+    EXPECT_NE(from.find(" from copies"), std::string::npos) << launched;
+    EXPECT_EQ(from.find(", 0 from copies"), std::string::npos) << launched;
+  } else {
+    ExpectGenerationsBeganAtCheckpoints(
+        t, expert_parallel > 0 ? std::set<int64_t>{} : std::set<int64_t>{2});
   }
+  if (expert_parallel > 0) return;
+  const int64_t last_of_2 = LastStepOfGeneration(files, 2);
   EXPECT_EQ(FirstSteps(t).at(3), last_of_2 + 1) << "the join replayed steps\n" << launched;
   const std::string moved =
       Between(launched, absl::StrCat("generation of 4 workers starts from step ", last_of_2), "\n");
@@ -843,12 +888,16 @@ void ElasticTest::TieredKillAndJoin(int expert_parallel, const std::string& env)
                                                         << launched;
 }
 
-TEST_F(ElasticTest, ATieredJobGoesBackToACheckpointOnAFailureAndMovesLiveExpertsToAJoiner) {
-  TieredKillAndJoin(/*expert_parallel=*/0, "");
+TEST_F(ElasticTest, ATieredJobTakesAFailedWorkersExpertsFromItsBuddiesAndAJoinerFromTheStores) {
+  TieredKillAndJoin(/*expert_parallel=*/0, "", GoesBackTo::kBuddies);
+}
+
+TEST_F(ElasticTest, WithoutBuddyCopiesATieredJobGoesBackToACheckpointOnAFailure) {
+  TieredKillAndJoin(/*expert_parallel=*/0, "", GoesBackTo::kCheckpoint);
 }
 
 TEST_F(ElasticTest, TieredExpertParallelGroupsOfTwoBecomeOneGroupOfThree) {
-  TieredKillAndJoin(/*expert_parallel=*/2, "");
+  TieredKillAndJoin(/*expert_parallel=*/2, "", GoesBackTo::kCheckpoint);
   // Three workers cannot form groups of 2: they formed one group of 3 (and four, groups of 2).
   const std::string w0 = ReadFile(dir_.File("launch.log"));
   EXPECT_NE(w0.find("expert-parallel groups of 3"), std::string::npos) << w0;
@@ -858,9 +907,11 @@ TEST_F(ElasticTest, ATieredWorkerKilledWhileACheckpointCommitsLeavesTheOneBefore
   // Every checkpoint's shards wait 1.5 s between their synced extents and their commit, so the
   // kill after step 11 lands while checkpoint 10 commits: it never completes (or completes just
   // before), and the survivors go back to the newest one that did.
-  TieredKillAndJoin(/*expert_parallel=*/0, "STRATA_FAULTS=checkpoint.before_commit=sleep_ms:1500");
+  TieredKillAndJoin(/*expert_parallel=*/0, "STRATA_FAULTS=checkpoint.before_commit=sleep_ms:1500",
+                    GoesBackTo::kCheckpoint);
   const std::string log = ReadFile(dir_.File("launch.log"));
   const size_t killed = log.find("worker-2 exited with signal 9");
+  ASSERT_NE(killed, std::string::npos) << log;
   const size_t committed = log.find("checkpoint 10 committed");
   if (committed == std::string::npos || committed > killed) {
     const Trajectory t = Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"),
@@ -875,8 +926,17 @@ TEST_F(ElasticTest, ATieredWorkerKilledWhileACheckpointCommitsLeavesTheOneBefore
   }
 }
 
+TEST_F(ElasticTest, ATieredWorkerKilledWhileACheckpointCommitsIsReplacedFromItsBuddies) {
+  // The same kill during checkpoint 10's commit, with buddy copies: the commit is given up and the
+  // survivors go on from their copies, not from a checkpoint.
+  TieredKillAndJoin(/*expert_parallel=*/0, "STRATA_FAULTS=checkpoint.before_commit=sleep_ms:1500",
+                    GoesBackTo::kBuddiesBesideCheckpoints);
+}
+
 TEST_F(ElasticTest, ATieredJobRidesThroughASecondFailureDuringItsReform) {
-  // Ranks 1 and 3 of 4 die 40 ms apart: the second death lands while the survivors re-form.
+  // Ranks 1 and 3 of 4 die 40 ms apart: the second death lands while the survivors re-form (from
+  // their buddy copies, or — when the second death cut the copies of the first re-form's
+  // placement short — from the newest checkpoint).
   constexpr int kSteps = 40;
   WriteFile(dir_.File("job.textproto"), TieredConfig(kSteps));
   const std::string log = dir_.File("launch.log");
@@ -894,15 +954,14 @@ TEST_F(ElasticTest, ATieredJobRidesThroughASecondFailureDuringItsReform) {
   for (int i = 0; i < 4; ++i) files.push_back(dir_.File(absl::StrCat("m.jsonl.", i)));
   const Trajectory t = Read(files);
   EXPECT_EQ(t.workers.at(t.generation.at(kSteps)), 2);
-  ExpectGenerationsBeganAtCheckpoints(t);
   ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
 }
 
 TEST_F(ElasticTest, ATieredJobRidesThroughACoordinatorRestartWithAWorkerLostMeanwhile) {
   // The coordinator restart of ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn, for a TIERED
-  // job: the survivors that waited for the coordinator go back to the newest checkpoint (the kill
-  // after step 12 lies past checkpoint 10), a replacement joins them, and every step equals the
-  // failure-free replay of the same memberships. A worker's death is seen
+  // job: the survivors that waited for the coordinator take the lost worker's experts from their
+  // buddy copies (not from checkpoint 10: the kill lands after step 12), a replacement joins them,
+  // and every step equals the failure-free replay of the same memberships. A worker's death is seen
   // at once (its stream to the coordinator breaks); heartbeats may lapse for 8 s (and the restart
   // grace may not be shorter), because the synced writes of a TIERED job (and of the replay's
   // checkpoint every step) on a loaded machine have held a live worker up past 2 s, and a live
@@ -914,28 +973,31 @@ TEST_F(ElasticTest, ATieredJobRidesThroughACoordinatorRestartWithAWorkerLostMean
       kSteps, /*kill_at=*/12, /*on_two=*/6);
   if (HasFailure()) return;  // the replay would only repeat what failed
   EXPECT_EQ(t.workers.at(1), 3);
-  // The failure's generation went back to a checkpoint: the lost worker's experts were nowhere
-  // else (a TIERED job keeps no buddy copies). The join's generation may go on from its workers'
-  // live state instead (every expert is held), so where it began is left to the replay.
   ASSERT_EQ(FirstSteps(t).count(2), 1u) << "the 2 survivors trained no step that counted";
-  ExpectGenerationsBeganAtCheckpoints(t, {2});
+  EXPECT_GE(FirstSteps(t).at(2), 12) << "the failure went back to a checkpoint";
+  for (const char* w : {"w0.log", "w1.log"}) {
+    const std::string out = ReadFile(dir_.File(w));
+    EXPECT_EQ(out.find("going back to the latest checkpoint"), std::string::npos) << out;
+  }
   ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
 }
 
-TEST_F(ElasticTest, ATieredReformHoldsNoMoreMemoryThanItsBudgets) {
-  // A TIERED re-form rebuilds each survivor's model and store and reads its share of the newest
-  // checkpoint into them; that share must go through the store's slots, not sit in memory. The
-  // experts are big enough for that to show in a survivor's peak RSS: d_model 64, d_expert 1024
-  // (GELU, biases) gives each expert tensor 2 * 64 * 1024 + 1024 + 64 = 132160 floats (528640
-  // bytes, a slot of 532480 with its 4 KiB alignment), and each of the 2 survivors of 3 holds 16
-  // of the 32 experts of both MoE layers: 32 experts x 3 tensors (weights, 2 Adam moments) =
-  // 48.4 MiB (64.5 MiB with their gradients), the whole model's experts 96.8 MiB. The budgets are
-  // the store's minimum at 1 thread: the dense state (55424 parameters x 16 bytes: value,
-  // gradient, 2 moments) and 3 slots on the device, 7 slots on the host. During the re-form and
-  // the steps after it a survivor may hold: the device and host budgets, a checkpoint's snapshot
-  // arena (the dense state and the dirty experts in its slots: at most the same again), and 16 MiB
-  // for the allocator and the new generation's communicators and checkpoint index: 27.8 MiB above
-  // its peak before, well below the share it would hold otherwise.
+// A TIERED re-form rebuilds each survivor's model and store and fills them from the buddy copies
+// (GoesBackTo::kBuddiesBesideCheckpoints) or from its share of the newest checkpoint
+// (kCheckpoint); that share must go through the store's slots and bounded rounds, not sit in
+// memory. The
+// experts are big enough for that to show in a survivor's peak RSS: d_model 64, d_expert 1024
+// (GELU, biases) gives each expert tensor 2 * 64 * 1024 + 1024 + 64 = 132160 floats (528640
+// bytes, a slot of 532480 with its 4 KiB alignment), and each of the 2 survivors of 3 holds 16
+// of the 32 experts of both MoE layers: 32 experts x 3 tensors (weights, 2 Adam moments) =
+// 48.4 MiB (64.5 MiB with their gradients), the whole model's experts 96.8 MiB. The budgets are
+// the store's minimum at 1 thread: the dense state (55424 parameters x 16 bytes: value,
+// gradient, 2 moments) and 3 slots on the device, 7 slots on the host. During the re-form and
+// the steps after it a survivor may hold: the device and host budgets, a checkpoint's snapshot
+// arena (the dense state and the dirty experts in its slots: at most the same again), and 16 MiB
+// for the allocator and the new generation's communicators and checkpoint index: 27.8 MiB above
+// its peak before, well below the share it would hold otherwise.
+void ElasticTest::TieredReformPeakRss(GoesBackTo back) {
   constexpr int kSteps = 40;
   constexpr int64_t kTensor = (2 * 64 * 1024 + 1024 + 64) * 4;
   constexpr int64_t kSlot = (kTensor + 4095) / 4096 * 4096, kDense = 55424 * 16;
@@ -944,7 +1006,10 @@ TEST_F(ElasticTest, ATieredReformHoldsNoMoreMemoryThanItsBudgets) {
   static_assert(kBound < 32 * 3 * kTensor, "a survivor's expert share would fit in the bound");
   // Heartbeats may lapse for 8 s (see ATieredJobRidesThroughACoordinatorRestartWith...).
   std::string c =
-      WithTieredStorage(Config(kSteps, "elastic { heartbeat_timeout_ms: 8000 }\n"), kDevice, kHost);
+      WithTieredStorage(Config(kSteps, back == GoesBackTo::kCheckpoint
+                                           ? "elastic { heartbeat_timeout_ms: 8000 replicas: 0 }\n"
+                                           : "elastic { heartbeat_timeout_ms: 8000 }\n"),
+                        kDevice, kHost);
   c.replace(c.find("d_model: 32"), 11, "d_model: 64");
   c.replace(c.find("d_expert: 32"), 12, "d_expert: 1024");
   WriteFile(dir_.File("job.textproto"), c);
@@ -957,7 +1022,8 @@ TEST_F(ElasticTest, ATieredReformHoldsNoMoreMemoryThanItsBudgets) {
     ASSERT_GT(before[i], 0) << "no worker-" << i;
   }
   ASSERT_TRUE(KillWorker(2));
-  // Past the re-form (back to checkpoint 10) and two checkpoints of the new generation.
+  // Past the re-form (back to checkpoint 10, or to the copies of step 11 or after) and two
+  // checkpoints of the new generation.
   const std::vector<std::string> survivors = {dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1")};
   WaitFor(
       [&] {
@@ -987,18 +1053,29 @@ TEST_F(ElasticTest, ATieredReformHoldsNoMoreMemoryThanItsBudgets) {
   const Trajectory t =
       Read({dir_.File("m.jsonl.0"), dir_.File("m.jsonl.1"), dir_.File("m.jsonl.2")});
   ExpectEveryStepTiled(t, kSteps);
-  ExpectGenerationsBeganAtCheckpoints(t);  // the re-form read the checkpoint
+  if (back == GoesBackTo::kCheckpoint) {
+    ExpectGenerationsBeganAtCheckpoints(t);  // the re-form read the checkpoint
+  } else {
+    EXPECT_GE(FirstSteps(t).at(2), 12) << "the re-form went back to a checkpoint";
+  }
 }
 
-TEST_F(ElasticTest, ATieredElasticJobWithoutCheckpointsIsRefusedUpFront) {
-  std::string c = TieredConfig(10);
-  c.erase(c.find("checkpoint {"));
-  WriteFile(dir_.File("job.textproto"), c);
+TEST_F(ElasticTest, ATieredReformFromBuddyCopiesHoldsNoMoreMemoryThanItsBudgets) {
+  TieredReformPeakRss(GoesBackTo::kBuddiesBesideCheckpoints);
+}
+
+TEST_F(ElasticTest, ATieredReformFromACheckpointHoldsNoMoreMemoryThanItsBudgets) {
+  TieredReformPeakRss(GoesBackTo::kCheckpoint);
+}
+
+TEST_F(ElasticTest, ATieredElasticJobWithoutCheckpointsOrBuddyCopiesIsRefusedUpFront) {
+  WriteFile(dir_.File("job.textproto"),
+            TieredConfigWithoutCheckpoints(10, "elastic { replicas: 0 }\n"));
   auto r = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
                                    " launch --config job.textproto --workers 2 --quiet"));
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("storage.mode: TIERED re-forms from its newest checkpoint; set "
-                          "checkpoint.dir and checkpoint.every"),
+  EXPECT_NE(r.output.find("storage.mode: TIERED and elastic.replicas: 0 re-forms from its newest "
+                          "checkpoint; set checkpoint.dir and checkpoint.every"),
             std::string::npos)
       << r.output;
 }

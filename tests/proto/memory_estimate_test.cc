@@ -172,11 +172,17 @@ TEST(MemoryEstimateTest, AWorkerHoldsItsShareOfTheExpertsAndTheBatch) {
   const MemoryEstimate c = EstimateWorkerMemory(cfg, 2);
   EXPECT_EQ(c.elastic_copy_bytes, 12 * (2 * (dense + half_experts) + 2 * half_experts));
   EXPECT_EQ(c.total_bytes, w.total_bytes + c.elastic_copy_bytes);
+  // A TIERED worker keeps its expert copies on its SSD; in memory, the dense state of its latest
+  // two copies and the one handed over (3 x 12 bytes a dense parameter).
+  EXPECT_EQ(EstimateWorkerMemory(Parse(absl::StrCat(kSmall, "storage { mode: TIERED }\n")), 2)
+                .elastic_copy_bytes,
+            36 * dense);
   // Layouts that go back to a checkpoint instead keep none.
-  for (const char* other : {"storage { mode: TIERED }\n", "parallel { expert_parallel: 1 }\n",
-                            "elastic { replicas: 0 }\n"}) {
+  for (const char* other : {"storage { mode: TIERED }\nelastic { replicas: 0 }\n",
+                            "parallel { expert_parallel: 1 }\n", "elastic { replicas: 0 }\n"}) {
     const MemoryEstimate o = EstimateWorkerMemory(Parse(absl::StrCat(kSmall, other)), 2);
-    if (std::string(other).find("replicas") != std::string::npos) {
+    if (std::string(other).find("replicas") != std::string::npos &&
+        std::string(other).find("TIERED") == std::string::npos) {
       EXPECT_EQ(o.elastic_copy_bytes, 24 * (dense + half_experts)) << "no buddy copies";
     } else {
       EXPECT_EQ(o.elastic_copy_bytes, 0u) << other;
