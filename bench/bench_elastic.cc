@@ -20,9 +20,11 @@
 //              either budget: 48 tensors against 3 and 7 (16x and 6.9x) at 4 workers x 1 thread.
 //              Where more workers or threads leave less, both jobs get more experts (num_experts
 //              becomes the smallest multiple of --workers that does; the first line says so).
-//              elastic.replicas does not apply (a TIERED store keeps no buddy copies): a failure
-//              goes back to the newest checkpoint, every worker reading its own share, the
-//              survivors not restarted.
+//              Buddy copies on each worker's SSD (elastic.replicas 1, replica_every 1): at the
+//              start of every update a worker copies its experts' state from before it out of its
+//              store onto its own shelf and its buddy's (storage::CopyShelf), so a failure goes
+//              on from the newest step held there — at most replica_every steps back, not to the
+//              checkpoint — with the dead worker's experts taken from its buddy's shelf.
 // The sizes come from the model built in this process (its MoE layers, an expert's parameters
 // and the dense parameters, model::MoeTransformer with unbound experts). The heartbeat timeout is
 // 30 s: a SIGKILLed worker is seen at once by its broken stream, and a machine busy with other
@@ -36,9 +38,16 @@
 //   restart  the baseline: SIGKILL every worker and start as many fresh ones; time until the job's
 //            first step done again (from the latest checkpoint).
 // Steps replayed: the recorded step boundary before the event minus the lowest first step of the
-// generations formed after it (0 where buddy copies and the survivors hold every expert; a job
-// that goes back to its checkpoint replays the steps since it). The times end at the first step
-// done, so they do not include replaying those steps.
+// generations formed after it (0 where buddy copies and the survivors hold every expert, up to
+// replica_every for the TIERED job's copies of the state before an update; a job that goes back
+// to its checkpoint replays the steps since it). The times end at the first step done, so they
+// do not include replaying those steps.
+//
+// The price of the TIERED copies in steady state: the mean time of 20 steps of the TIERED job
+// from the first step boundary after step 5 (before any event), against the same job with
+// elastic.replicas 0 (no copies; it re-forms from its checkpoints) timed the same way in its own
+// folder just before it, with the same workers and budgets; both spans hold the checkpoint of
+// step 20.
 //
 // Bytes moved per event are computed from the sizes above, not measured; per row, the most over
 // the trials. An event went back to a checkpoint when the generation after it began at a multiple
@@ -47,9 +56,9 @@
 //                         MoE layers x an expert's parameters x 4 bytes) plus, for every worker of
 //                         the new generation, the dense parameters and their 2 Adam moments (12
 //                         bytes a scalar).
-//   dead worker's experts (a failure that did not go back; IN_MEMORY: from its buddies) 3 tensors x
-//                         its experts (the record's experts_per_worker) x MoE layers x an expert's
-//                         parameters x 4 bytes.
+//   dead worker's experts (a failure that did not go back: from its buddies' memory, or TIERED
+//                         their SSD copies) 3 tensors x its experts (the record's
+//                         experts_per_worker) x MoE layers x an expert's parameters x 4 bytes.
 //   experts changing owner + dense to joiner  (a join that did not go back) 3 tensors x the
 //                         experts whose owner differs between the record's experts_per_worker
 //                         before and after the join (contiguous ranges in rank order) x MoE layers
@@ -67,11 +76,13 @@
 // speed (read out of one store, written into another).
 //
 // Prints a table, each mode's failure against its own restart baseline (medians), the IN_MEMORY
-// targets and the TIERED goals — failure (median) < restart from checkpoint (median), and failure
-// (worst) < 3 s + moving the failed worker's experts at the SSD tier's speed — and with --json one
-// JSON object per row (storage, event, workers, trials, median_s, worst_s, steps_lost — the most
-// steps replayed —, bytes_moved, bytes_what, seconds: each trial), then the SSD speed and the
-// goals as objects of their own (event "ssd_tier", "goals").
+// targets, the TIERED step time with and without copies, and the TIERED goals — failure (median)
+// < restart from checkpoint (median), failure (worst) < 3 s + moving the failed worker's experts
+// at the SSD tier's speed, and no failure replays more than replica_every steps — and with --json
+// one JSON object per row (storage, event, workers, trials, median_s, worst_s, steps_lost — the
+// most steps replayed —, bytes_moved, bytes_what, seconds: each trial), then the SSD speed, the
+// steady-state step times and the goals as objects of their own (event "ssd_tier",
+// "steady_state", "goals").
 #include <signal.h>
 #include <sys/uio.h>
 #include <sys/wait.h>
@@ -148,12 +159,19 @@ constexpr int64_t kCheckpointEvery = 20;
 // least as long.
 constexpr int kHeartbeatTimeoutMs = 30000;
 constexpr int kSsdRounds = 5;
+// The TIERED job's buddy copies: refreshed before every update.
+constexpr int kReplicaEvery = 1;
+// The steps whose mean time prices the copies: from step kSteadyFrom, kSteadySteps of them.
+constexpr int64_t kSteadyFrom = 5;
+constexpr int64_t kSteadySteps = 20;
 constexpr const char* kReadFromCheckpoint = "read from checkpoint";
 
 // The job either mode runs in `dir`: the default example's model with `experts` experts; `storage`
-// is a storage block, or "" for IN_MEMORY. The checkpoint folder is named in full, so that the
-// coordinator in this process finds the one the workers (started in `dir`) write.
-std::string JobText(const std::string& dir, int64_t experts, const std::string& storage) {
+// is a storage block, or "" for IN_MEMORY; `replicas` buddy copies (0: none). The checkpoint
+// folder is named in full, so that the coordinator in this process finds the one the workers
+// (started in `dir`) write.
+std::string JobText(const std::string& dir, int64_t experts, const std::string& storage,
+                    int replicas) {
   return absl::StrCat(
       "name: \"bench_elastic\"\n"
       "model { vocab_size: 256 seq_len: 64 d_model: 128 n_layers: 4 n_heads: 4\n"
@@ -164,8 +182,9 @@ std::string JobText(const std::string& dir, int64_t experts, const std::string& 
       "data { path: \"corpus.txt\" format: BYTES }\n"
       "train { steps: 1000000 global_batch: 32 lr: 0.003 warmup_steps: 20 eval_every: 0 "
       "log_every: 1000000 }\n"
-      "elastic { replicas: 1 heartbeat_timeout_ms: ",
-      kHeartbeatTimeoutMs, " restart_grace_ms: ", kHeartbeatTimeoutMs,
+      "elastic { replicas: ",
+      replicas, " replica_every: ", kReplicaEvery, " heartbeat_timeout_ms: ", kHeartbeatTimeoutMs,
+      " restart_grace_ms: ", kHeartbeatTimeoutMs,
       " }\n"
       "checkpoint { every: ",
       kCheckpointEvery, " dir: \"", dir, "/ckpt\" keep: 2 }\n", storage);
@@ -202,10 +221,10 @@ struct Sizes {
   uint64_t DenseDeviceBytes() const { return 4 * dense_scalars * sizeof(float); }
 };
 
-// Builds the model of JobText(., experts, "") in this process for its shapes (experts unbound, one
-// built).
+// Builds the model of JobText(., experts, "", 1) in this process for its shapes (experts unbound,
+// one built).
 Sizes MeasureModel(int64_t experts) {
-  const config::JobConfig cfg = ParseJob(JobText(".", experts, ""));
+  const config::JobConfig cfg = ParseJob(JobText(".", experts, "", 1));
   ThreadPool pool(1);
   ops::Context ctx;
   ctx.pool = &pool;
@@ -372,6 +391,25 @@ class Job {
     if (reached != nullptr) *reached = std::move(r);
     return back_to;
   }
+  // The mean time of `steps` steps of a generation of `n` workers, from the first step boundary
+  // after step `from` (timed from the poll that sees it, 2 ms apart, to the one that sees the
+  // last).
+  double MeanStepSeconds(int n, int64_t from, int64_t steps) {
+    const coordinator::CoordinatorRecord reached = WaitFor(
+        [&](const auto& r) { return r.generation().workers_size() == n && r.step() >= from; },
+        absl::StrFormat("%d workers to reach step %d", n, from));
+    const coordinator::CoordinatorRecord start =
+        WaitFor([&](const auto& r) { return r.step() > reached.step(); },
+                absl::StrFormat("%d workers to finish step %d", n, reached.step() + 1));
+    const auto t0 = Clock::now();
+    const coordinator::CoordinatorRecord end = WaitFor(
+        [&](const auto& r) {
+          return r.generation().number() == start.generation().number() &&
+                 r.step() >= start.step() + steps;
+        },
+        absl::StrFormat("%d workers to train %d steps from step %d", n, steps, start.step()));
+    return Since(t0) / static_cast<double>(end.step() - start.step());
+  }
   const std::map<std::string, pid_t>& pids() const { return pids_; }
 
  private:
@@ -407,6 +445,8 @@ struct ModeRows {
         restart(storage, "restart_from_checkpoint") {}
   Row failure, join, join_spawn, restart;
   uint64_t failed_expert_bytes = 0;  // the dead worker's expert state, the most over the failures
+  // TIERED: the mean step time before any event, with buddy copies and without (replicas 0).
+  double step_s = 0, no_copies_step_s = 0;
   std::vector<const Row*> rows() const { return {&failure, &join, &join_spawn, &restart}; }
 };
 
@@ -417,10 +457,11 @@ ModeRows RunJob(const Options& o, bool tiered, const Sizes& s, const std::string
   const std::string mode = tiered ? "TIERED" : "IN_MEMORY";
   ModeRows m(mode);
   std::filesystem::create_directories(dir);
-  Job job(o, dir, strata, JobText(dir, s.experts, storage));
+  Job job(o, dir, strata, JobText(dir, s.experts, storage, 1));
   int next_id = 0;
   for (int i = 0; i < o.workers; ++i) job.Start(absl::StrCat("w", next_id++));
   job.Steady(o.workers, 5);
+  if (tiered) m.step_s = job.MeanStepSeconds(o.workers, kSteadyFrom, kSteadySteps);
   for (int t = 0; t < o.trials; ++t) {
     // Failure: a different rank each trial, once the job has a checkpoint to go back to (a job
     // that goes back to its first step measures nothing a long-running job would see), and not
@@ -446,7 +487,7 @@ ModeRows RunJob(const Options& o, bool tiered, const Sizes& s, const std::string
     if (WentBackToCheckpoint(before.step(), back_to)) {
       m.failure.Moved(s.CheckpointReadBytes(o.workers - 1), kReadFromCheckpoint);
     } else {
-      m.failure.Moved(s.ExpertStateBytes(held), tiered ? "dead worker's experts, store to store"
+      m.failure.Moved(s.ExpertStateBytes(held), tiered ? "dead worker's experts from buddy copies"
                                                        : "dead worker's experts from buddies");
     }
     job.WaitFor(
@@ -517,6 +558,24 @@ ModeRows RunJob(const Options& o, bool tiered, const Sizes& s, const std::string
                  static_cast<long long>(before.step()), static_cast<long long>(back_to));
   }
   return m;
+}
+
+// The TIERED job with elastic.replicas 0 (no buddy copies) in `dir`: its mean step time over the
+// steps the TIERED job with copies is timed on.
+double NoCopiesStepSeconds(const Options& o, const Sizes& s, const std::string& storage,
+                           const std::string& dir, const std::string& strata) {
+  std::filesystem::create_directories(dir);
+  const auto t0 = Clock::now();
+  double step_s = 0;
+  {
+    Job job(o, dir, strata, JobText(dir, s.experts, storage, 0));
+    for (int i = 0; i < o.workers; ++i) job.Start(absl::StrCat("w", i));
+    step_s = job.MeanStepSeconds(o.workers, kSteadyFrom, kSteadySteps);
+  }
+  std::filesystem::remove_all(dir);
+  std::fprintf(stderr, "TIERED without buddy copies: %.3f s a step (the job ran %.1f s)\n", step_s,
+               Since(t0));
+  return step_s;
 }
 
 struct SsdSpeed {
@@ -651,13 +710,19 @@ int main(int argc, char** argv) {
   SsdSpeed ssd;
   if (o.tiered) {
     const int64_t most = (sizes.experts + o.workers - 1) / o.workers;
-    ssd = MeasureSsd(dir + "/ssd", ParseJob(JobText(dir, sizes.experts, tiered_storage)).storage(),
-                     sizes.TensorBytes(), 3 * most * sizes.moe_layers);
+    ssd =
+        MeasureSsd(dir + "/ssd", ParseJob(JobText(dir, sizes.experts, tiered_storage, 1)).storage(),
+                   sizes.TensorBytes(), 3 * most * sizes.moe_layers);
     std::filesystem::remove_all(dir + "/ssd");
   }
   std::vector<ModeRows> modes;
   if (o.in_memory) modes.push_back(RunJob(o, false, sizes, "", dir + "/in_memory", strata));
-  if (o.tiered) modes.push_back(RunJob(o, true, sizes, tiered_storage, dir + "/tiered", strata));
+  if (o.tiered) {
+    const double no_copies_step_s =
+        NoCopiesStepSeconds(o, sizes, tiered_storage, dir + "/tiered_no_copies", strata);
+    modes.push_back(RunJob(o, true, sizes, tiered_storage, dir + "/tiered", strata));
+    modes.back().no_copies_step_s = no_copies_step_s;
+  }
   std::filesystem::remove_all(dir);
 
   std::printf(
@@ -692,8 +757,8 @@ int main(int argc, char** argv) {
                   MB(r->bytes).c_str(), r->bytes < 0 ? "not computed" : r->bytes_what.c_str());
     }
   }
-  bool tiered_below_restart = false, tiered_below_move = false;
-  double move_s = 0;
+  bool tiered_below_restart = false, tiered_below_move = false, tiered_replay = false;
+  double move_s = 0, step_s = 0, no_copies_step_s = 0;
   for (const ModeRows& m : modes) {
     const std::string& mode = m.failure.storage;
     if (!m.restart.seconds.empty()) {
@@ -720,19 +785,30 @@ int main(int argc, char** argv) {
         "speed, read then written: %.3f s\n",
         ssd.write_gbps, ssd.read_gbps, static_cast<long long>(ssd.extents),
         static_cast<unsigned long long>(ssd.extent_bytes), kSsdRounds, mb / 1e6, move_s);
+    step_s = m.step_s;
+    no_copies_step_s = m.no_copies_step_s;
+    std::printf(
+        "TIERED steady state, mean of %lld steps after step %lld: %.3f s a step with buddy "
+        "copies (replicas 1, replica_every %d), %.3f s without (replicas 0): the copies cost "
+        "%.2fx the step time\n",
+        static_cast<long long>(kSteadySteps), static_cast<long long>(kSteadyFrom), step_s,
+        kReplicaEvery, no_copies_step_s, step_s / no_copies_step_s);
     tiered_below_restart = !m.restart.seconds.empty() && m.failure.Median() < m.restart.Median();
     tiered_below_move = m.failure.Worst() < 3 + move_s;
+    tiered_replay = m.failure.steps_lost <= kReplicaEvery;
     std::printf(
         "TIERED failure < restart from checkpoint: %s; TIERED failure < 3 s + moving the failed "
-        "worker's experts at the SSD tier's speed: %s\n",
+        "worker's experts at the SSD tier's speed: %s; TIERED failure replays at most "
+        "replica_every (%d) steps: %s\n",
         m.restart.seconds.empty() ? "no baseline (--restarts 0)"
         : tiered_below_restart    ? "met"
                                   : "MISSED",
-        tiered_below_move ? "met" : "MISSED");
+        tiered_below_move ? "met" : "MISSED", kReplicaEvery, tiered_replay ? "met" : "MISSED");
     std::printf(
         "  (failure median %.3f s against restart median %.3f s; failure worst %.3f s "
-        "against %.3f s)\n",
-        m.failure.Median(), m.restart.Median(), m.failure.Worst(), 3 + move_s);
+        "against %.3f s; up to %lld steps replayed)\n",
+        m.failure.Median(), m.restart.Median(), m.failure.Worst(), 3 + move_s,
+        static_cast<long long>(m.failure.steps_lost));
   }
   if (o.json) {
     for (const ModeRows& m : modes) {
@@ -772,12 +848,25 @@ int main(int argc, char** argv) {
           .Field("move_failed_experts_s", move_s)
           .EndObject();
       std::printf("%s\n", j.str().c_str());
+      JsonWriter st;
+      st.BeginObject()
+          .Field("storage", "TIERED")
+          .Field("event", "steady_state")
+          .Field("from_step", kSteadyFrom)
+          .Field("steps", kSteadySteps)
+          .Field("replica_every", kReplicaEvery)
+          .Field("step_s_copies", step_s)
+          .Field("step_s_no_copies", no_copies_step_s)
+          .Field("copies_step_ratio", step_s / no_copies_step_s)
+          .EndObject();
+      std::printf("%s\n", st.str().c_str());
       JsonWriter g;
       g.BeginObject()
           .Field("storage", "TIERED")
           .Field("event", "goals")
           .Field("failure_below_restart", tiered_below_restart)
           .Field("failure_below_3s_plus_move", tiered_below_move)
+          .Field("failure_replays_at_most_replica_every", tiered_replay)
           .EndObject();
       std::printf("%s\n", g.str().c_str());
     }
