@@ -65,7 +65,7 @@ StatusOr<std::unique_ptr<CopyShelf>> CopyShelf::Create(const Options& options) {
   SsdOptions so;
   so.dir = s->dir_;
   ASSIGN_OR_RETURN(s->tier_, SsdTier::Open(so, std::move(io)));
-  ASSIGN_OR_RETURN(s->bounce_, IoBuffer::Allocate(options.piece_bytes));
+  RETURN_IF_ERROR(s->Reserve(options.piece_bytes));
   return s;
 }
 
@@ -81,46 +81,83 @@ std::string CopyShelf::What(int64_t version, int64_t item, int piece) const {
   return absl::StrFormat("copy of item %d piece %d v%d in %s", item, piece, version, dir_);
 }
 
-Status CopyShelf::Write(int64_t version, int64_t item, int piece, const float* data) {
-  if (piece < 0 || piece >= options_.pieces) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "piece %d of item %d is outside its blob of %d pieces", piece, item, options_.pieces));
+Status CopyShelf::Reserve(uint64_t bytes) {
+  if (bounce_.size() >= bytes) return absl::OkStatus();
+  ASSIGN_OR_RETURN(bounce_, IoBuffer::Allocate(bytes));
+  return absl::OkStatus();
+}
+
+Status CopyShelf::Write(int64_t version, int64_t item, int first, int count, const float* data) {
+  if (first < 0 || count < 1 || first + count > options_.pieces) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("pieces [%d, %d) of item %d are outside its blob of %d pieces", first,
+                        first + count, item, options_.pieces));
   }
-  std::memcpy(bounce_.data(), data, options_.piece_bytes);
-  ASSIGN_OR_RETURN(const StoredExtent stored, tier_->Write(bounce_.data(), options_.piece_bytes));
+  // Each piece at its own 4 KiB-aligned place in the bounce buffer, all written together.
+  const uint64_t stride = (options_.piece_bytes + kSsdGranule - 1) / kSsdGranule * kSsdGranule;
+  RETURN_IF_ERROR(Reserve(stride * count));
+  std::vector<StoredExtent> stored(count);
+  std::vector<SsdTier::WriteItem> writes;
+  for (int k = 0; k < count; ++k) {
+    char* at = bounce_.data() + stride * k;
+    std::memcpy(at, reinterpret_cast<const char*>(data) + options_.piece_bytes * k,
+                options_.piece_bytes);
+    writes.push_back({at, options_.piece_bytes, &stored[k]});
+  }
+  RETURN_IF_ERROR(tier_->WriteMany(writes));
   Blob& b = items_[item][version];
   if (b.pieces.empty()) {
     b.pieces.resize(options_.pieces);
     b.written.assign(options_.pieces, false);
     b.missing = options_.pieces;
   }
-  if (b.written[piece]) {
-    tier_->Free(b.pieces[piece].extent);
-  } else {
-    b.written[piece] = true;
-    --b.missing;
+  for (int k = 0; k < count; ++k) {
+    const int piece = first + k;
+    if (b.written[piece]) {
+      tier_->Free(b.pieces[piece].extent);
+    } else {
+      b.written[piece] = true;
+      --b.missing;
+    }
+    b.pieces[piece] = stored[k];
   }
-  b.pieces[piece] = stored;
   return absl::OkStatus();
 }
 
-Status CopyShelf::Read(int64_t version, int64_t item, int piece, float* out) {
+Status CopyShelf::Read(int64_t version, int64_t item, int first, int count, float* out) {
   auto it = items_.find(item);
-  const Blob* b = nullptr;
+  Blob* b = nullptr;
   if (it != items_.end()) {
     auto v = it->second.find(version);
     if (v != it->second.end()) b = &v->second;
   }
-  if (b == nullptr || piece < 0 || piece >= options_.pieces || !b->written[piece]) {
-    return absl::NotFoundError(absl::StrCat(What(version, item, piece), " was never written"));
+  for (int piece = first; piece < first + count; ++piece) {
+    if (b == nullptr || piece < 0 || piece >= options_.pieces || !b->written[piece]) {
+      return absl::NotFoundError(absl::StrCat(What(version, item, piece), " was never written"));
+    }
   }
-  if (Status s = tier_->Read(b->pieces[piece], bounce_.data(), What(version, item, piece));
-      !s.ok()) {
-    // A copy that cannot be read is lost like its worker: the other copies, or a checkpoint, are
-    // what the job goes on from.
+  const uint64_t stride = (options_.piece_bytes + kSsdGranule - 1) / kSsdGranule * kSsdGranule;
+  RETURN_IF_ERROR(Reserve(stride * count));
+  std::vector<std::string> what;
+  for (int k = 0; k < count; ++k) what.push_back(What(version, item, first + k));
+  std::vector<SsdTier::ReadItem> reads;
+  for (int k = 0; k < count; ++k) {
+    reads.push_back({&b->pieces[first + k], bounce_.data() + stride * k, &what[k]});
+  }
+  if (Status s = tier_->ReadMany(reads); !s.ok()) {
+    // A copy that cannot be read is lost like its worker: it is dropped, and the other copies, or
+    // a checkpoint, are what the job goes on from.
+    if (absl::IsDataLoss(s)) {
+      auto v = it->second.find(version);
+      it->second.erase(DropPieces(v));
+      if (it->second.empty()) items_.erase(it);
+    }
     return Status(s.code(), absl::StrCat("reading a buddy copy: ", s.message()));
   }
-  std::memcpy(out, bounce_.data(), options_.piece_bytes);
+  for (int k = 0; k < count; ++k) {
+    std::memcpy(reinterpret_cast<char*>(out) + options_.piece_bytes * k,
+                bounce_.data() + stride * k, options_.piece_bytes);
+  }
   return absl::OkStatus();
 }
 
@@ -164,6 +201,16 @@ void CopyShelf::KeepOnly(int64_t item, int64_t version) {
   auto& versions = it->second;
   for (auto v = versions.begin(); v != versions.end();) {
     v = v->first == version ? std::next(v) : versions.erase(DropPieces(v));
+  }
+  if (versions.empty()) items_.erase(it);
+}
+
+void CopyShelf::DropNewerThan(int64_t item, int64_t version) {
+  auto it = items_.find(item);
+  if (it == items_.end()) return;
+  auto& versions = it->second;
+  for (auto v = versions.upper_bound(version); v != versions.end();) {
+    v = versions.erase(DropPieces(v));
   }
   if (versions.empty()) items_.erase(it);
 }

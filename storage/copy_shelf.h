@@ -10,7 +10,8 @@
 // shelf; nothing of it needs to survive the process (a worker that dies loses its copies, which
 // is what the other workers' copies are for). The folder of a process killed before it could
 // remove it is removed by the next shelf made under the same parent on that machine. The shelf
-// charges no memory budget: pieces pass through one bounce buffer of piece_bytes.
+// charges no memory budget: pieces pass through a bounce buffer as large as the most pieces one
+// call moved.
 //
 // Ownership and threads: the shelf owns its tier, its folder and its bounce buffer. It is not
 // thread-safe: one thread at a time calls it (the trainer's).
@@ -44,12 +45,21 @@ class CopyShelf {
   [[nodiscard]] static StatusOr<std::unique_ptr<CopyShelf>> Create(const Options& options);
   ~CopyShelf();
 
-  // Writes piece `piece` of `item` at `version` (piece_bytes at `data`). Writing a piece again
-  // replaces it.
-  [[nodiscard]] Status Write(int64_t version, int64_t item, int piece, const float* data);
-  // Reads it back into `out` (piece_bytes); DATA_LOSS when its bytes changed on disk, NOT_FOUND
-  // when it was never written (or was dropped).
-  [[nodiscard]] Status Read(int64_t version, int64_t item, int piece, float* out);
+  // Writes pieces [first, first + count) of `item` at `version` (count * piece_bytes at `data`),
+  // their transfers in flight together. Writing a piece again replaces it; on an error none of
+  // them is written (the ones before stay as they were).
+  [[nodiscard]] Status Write(int64_t version, int64_t item, int first, int count,
+                             const float* data);
+  [[nodiscard]] Status Write(int64_t version, int64_t item, int piece, const float* data) {
+    return Write(version, item, piece, 1, data);
+  }
+  // Reads them back into `out` (count * piece_bytes); DATA_LOSS when their bytes changed on disk
+  // (that version of the item is then dropped: it is no copy any more), NOT_FOUND when one was
+  // never written (or was dropped).
+  [[nodiscard]] Status Read(int64_t version, int64_t item, int first, int count, float* out);
+  [[nodiscard]] Status Read(int64_t version, int64_t item, int piece, float* out) {
+    return Read(version, item, piece, 1, out);
+  }
   // The versions of `item` whose every piece is written, newest first.
   std::vector<int64_t> Versions(int64_t item) const;
   // Drops every version of `item` but the newest `keep` whole ones (a version not yet whole is
@@ -57,6 +67,8 @@ class CopyShelf {
   void KeepNewest(int64_t item, int keep);
   // Drops every version of `item` other than `version`.
   void KeepOnly(int64_t item, int64_t version);
+  // Drops the versions of `item` newer than `version`.
+  void DropNewerThan(int64_t item, int64_t version);
   // Drops everything.
   void Clear();
 
@@ -80,6 +92,7 @@ class CopyShelf {
   Options options_;
   std::string dir_;
   std::unique_ptr<SsdTier> tier_;
+  [[nodiscard]] Status Reserve(uint64_t bytes);  // the bounce buffer holds at least `bytes`
   IoBuffer bounce_;
   std::map<int64_t, std::map<int64_t, Blob>> items_;  // item -> version -> blob
 };

@@ -3,29 +3,38 @@
 // and move it to where it now lives.
 //
 // Versions. A worker's state (dense parameters, its experts, their Adam moments) after step s is
-// version s. Each step keeps:
-//   - live: the model itself, version live_version_;
-//   - rollback_: this worker's state from before the step's update (version live - 1), because a
-//     failure can cut a step short after some workers applied its update and before others did;
-//   - buddies_: the experts of the `elastic.replicas` previous ranks, after their latest two
-//     updates (two, for the same reason), refreshed by one all-to-all after every update.
+// version s. A job with one expert-parallel group keeps (KeepsCopies):
+//   - live: the model (IN_MEMORY) or the store (TIERED), version live_version_;
+//   - IN_MEMORY, every step: rollback_, this worker's state from before the step's update (version
+//     live - 1), because a failure can cut a step short after some workers applied its update and
+//     before others did; buddies_, the experts of the `elastic.replicas` previous ranks after
+//     their latest two updates (two, for the same reason), refreshed by one all-to-all after every
+//     update;
+//   - TIERED, every elastic.replica_every steps (RefreshStoredCopies, at the start of the update,
+//     so the expert update keeps running behind the next forward): the state from before the
+//     update — the dense part in memory (rollback_, and rollback_older_ of the refresh before),
+//     this worker's experts and the buddy copies of the previous `elastic.replicas` ranks' experts
+//     on its CopyShelf (storage/copy_shelf.h: its own SSD folder, outside the store's budgets),
+//     two versions of each, moved in bounded rounds like a re-form's. A failure then goes back at
+//     most replica_every steps (the coordinator allows it: config::CopiesLagSteps).
+// With several expert-parallel groups every group holds a copy of every expert: those copies are
+// what a generation goes on from, without rollback or buddy copies.
 // A new generation all-gathers which versions of which state every worker holds, takes the newest
 // step s0 whose whole state (the dense part and every expert) is held somewhere, re-places the
-// experts in contiguous ranges balanced by measured load with as few moves as possible
-// (scheduler/replan.h), and moves each expert's blob from the lowest rank holding it at s0 to its
-// new owner (a worker that already holds it keeps it). Workers lacking the dense state at s0 get
-// it by broadcast. Training goes on from s0: a step cut short is redone, with the same samples.
-// Those phases are train/state_sync.h; SyncState says what this worker holds and reads its
-// copies for them. That is a job with one expert-parallel group (MovesLiveState): IN_MEMORY with
-// its rollback and buddy copies (KeepsCopies), TIERED with the live state of its workers' stores
-// only — a TIERED worker keeps its store and its checkpoint shard (whose SSD tier the store
-// shares) across the re-form, and each expert that changes owner moves from store to store in
-// bounded rounds (MoveStoredExperts). When the state cannot be put together — and always for the
-// other layouts (expert-parallel groups, experts_per_worker) — the generation goes back to the
-// newest checkpoint: it places the experts for its own worker count (PlanFromCheckpoint) and every
-// worker reads its own share from the shards that hold it (GoBackToCheckpoint), or all start over
-// from step 0 when none is committed; a TIERED worker's store then goes, and its shard is opened
-// again for a store the checkpoint fills.
+// experts in contiguous ranges over a group of its group size (GroupSize), balanced by measured
+// load with as few moves as possible (scheduler/replan.h), and gives each group a copy of each
+// expert's blob from the lowest rank holding it at s0 (a worker that already holds it keeps it).
+// Workers lacking the dense state at s0 get it by broadcast. Training goes on from s0: a step cut
+// short is redone, with the same samples. Those phases are train/state_sync.h; SyncState says
+// what this worker holds and reads its copies for them. A TIERED worker keeps its store and its
+// checkpoint shard (whose SSD tier the store shares) across the re-form; each expert that changes
+// owner moves from store (or shelf) to store in bounded rounds, and an owner whose store is past
+// s0 restores from its shelf (MoveStoredExperts). When the state cannot be put together — and
+// always for experts_per_worker — the generation goes back to the newest checkpoint: it places the
+// experts for its own worker count (PlanFromCheckpoint) and every worker reads its own share from
+// the shards that hold it (GoBackToCheckpoint), or all start over from step 0 when none is
+// committed; a TIERED worker's store then goes, and its shard is opened again for a store the
+// checkpoint fills.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -77,14 +86,14 @@ void Trainer::AbortCollectives(const std::string& why, int64_t newer_generation)
 }
 
 bool Trainer::MovesLiveState() const {
-  const config::ParallelConfig& par = options_.config.parallel();
-  return par.expert_parallel() == 0 && par.experts_per_worker_size() == 0;
+  return options_.config.parallel().experts_per_worker_size() == 0;
 }
 
 bool Trainer::KeepsCopies() const {
-  // An IN_MEMORY worker keeps at least its rollback copy; a TIERED one keeps its copies with its
-  // buddy copies, on its SSD.
-  return MovesLiveState() &&
+  // With one expert-parallel group, an IN_MEMORY worker keeps at least its rollback copy; a TIERED
+  // one keeps its copies with its buddy copies, on its SSD. With several, each expert's copies in
+  // the other groups are what a generation goes on from.
+  return MovesLiveState() && options_.config.parallel().expert_parallel() == 0 &&
          (options_.config.storage().mode() == config::StorageConfig::IN_MEMORY ||
           options_.config.elastic().replicas() > 0);
 }
@@ -95,10 +104,10 @@ Status Trainer::CheckElastic() const {
   // Every other layout re-forms from the newest checkpoint, so there must be checkpoints.
   if (cfg.checkpoint().dir().empty() || cfg.checkpoint().every() <= 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "an elastic job with %s re-forms from its newest checkpoint; set checkpoint.dir and "
-        "checkpoint.every (or train with parallel.expert_parallel: 0, no "
-        "parallel.experts_per_worker and elastic.replicas of 1 or more, which keeps buddy "
-        "copies instead)",
+        "an elastic job with %s goes back to its newest checkpoint when its workers' copies "
+        "cannot make up its state; set checkpoint.dir and checkpoint.every (or train with "
+        "parallel.expert_parallel: 0, no parallel.experts_per_worker and elastic.replicas of 1 "
+        "or more, which keeps buddy copies)",
         cfg.parallel().expert_parallel() != 0
             ? absl::StrFormat("parallel.expert_parallel: %d", cfg.parallel().expert_parallel())
         : cfg.parallel().experts_per_worker_size() > 0
@@ -266,6 +275,9 @@ Status Trainer::EnsureShelf() {
   so.piece_bytes = scheduler_->expert_floats() * sizeof(float);
   so.pieces = 3 * scheduler_->moe_layers();
   ASSIGN_OR_RETURN(shelf_, storage::CopyShelf::Create(so));
+  STRATA_LOG(INFO) << "worker " << options_.worker.rank << " of " << options_.worker.world_size
+                   << ": buddy copies in " << shelf_->dir()
+                   << (st.ssd_dir().empty() ? " (set storage.ssd_dir to keep them elsewhere)" : "");
   return absl::OkStatus();
 }
 
@@ -287,56 +299,49 @@ Status Trainer::RefreshStoredCopies() {
   // A worker alone has nobody to go on without it: its live state is all a joiner needs.
   const int R = std::min(options_.config.elastic().replicas(), W - 1);
   if (R < 1) return absl::OkStatus();
-  // The copies are of the state the store holds once the update in flight is done.
-  if (Status s = scheduler_->FinishExpertStep(); !s.ok()) return failed(s);
-  if (Status s = EnsureShelf(); !s.ok()) return failed(s);
-  // Dense: in memory, the latest two refreshes.
-  rollback_older_ = std::move(rollback_);
-  rollback_ = Copy();
-  rollback_.version = v;
-  rollback_.dense.resize(DenseBlobFloats());
-  ReadDense(rollback_.dense.data());
-  // This worker's experts: out of the store into its shelf, a tensor at a time (each expert keeps
-  // its copy of the refresh before, for a refresh cut short).
+  const int64_t E = options_.config.model().moe().num_experts();
   const int64_t F = static_cast<int64_t>(scheduler_->expert_floats());
-  const int pieces = shelf_->pieces();
-  std::vector<float> piece(F);
-  for (int64_t i = 0; i < num_experts_; ++i) {
-    const int64_t e = first_expert_ + i;
-    shelf_->KeepNewest(e, 1);
-    for (int p = 0; p < pieces; ++p) {
-      Status s = scheduler_->ReadExpertRange(p / 3, static_cast<int>(i), kBlobKinds[p % 3], 0, F,
-                                             piece.data());
-      if (s.ok()) s = shelf_->Write(v, e, p, piece.data());
-      if (!s.ok()) return failed(s);
+  std::vector<int> holder(E, -1);
+  // This worker's own copies, out of its store (nobody starts the rounds while another worker
+  // cannot take part in them).
+  Status ready = [&]() -> Status {
+    if (static_cast<int>(experts_per_worker_.size()) != W) {
+      return absl::InternalError(absl::StrFormat("the placement has %d ranges for %d workers",
+                                                 experts_per_worker_.size(), W));
     }
-  }
+    for (int w = 0, e = 0; w < W; ++w) {
+      for (int64_t k = 0; k < experts_per_worker_[w] && e < E; ++k) holder[e++] = w;
+    }
+    // The copies are of the state the store holds once the update in flight is done.
+    RETURN_IF_ERROR(scheduler_->FinishExpertStep());
+    RETURN_IF_ERROR(EnsureShelf());
+    // Copies of experts this worker neither holds nor is a buddy of (a placement before) go: the
+    // refresh before this one, complete everywhere, made them moot.
+    for (int64_t e = 0; e < E; ++e) {
+      const int j = (rank - holder[e] + W) % W;  // this worker is holder + j
+      if (j > R) shelf_->KeepNewest(e, 0);
+    }
+    // Dense: in memory, the latest two refreshes.
+    std::swap(rollback_older_, rollback_);
+    rollback_.version = v;
+    rollback_.dense.resize(DenseBlobFloats());
+    ReadDense(rollback_.dense.data());
+    // This worker's experts: out of the store into its shelf, whole tensors at a time (each expert
+    // keeps its copy of the refresh before, for a refresh cut short).
+    return CopyOwnExperts(v);
+  }();
+  if (W > 1) ready = AllWorkersOk(ready, "another worker could not copy its experts");
+  if (!ready.ok()) return failed(ready);
   // Buddy copies: the experts of ranks rank-1 .. rank-R come from their shelves into this one,
   // one buddy distance at a time, in bounded rounds (the moves of a re-form, with every expert's
   // "owner" its holder's buddy).
-  const int64_t E = options_.config.model().moe().num_experts();
-  std::vector<int> holder(E);
-  if (static_cast<int>(experts_per_worker_.size()) != W) {
-    return failed(absl::InternalError(absl::StrFormat("the placement has %d ranges for %d workers",
-                                                      experts_per_worker_.size(), W)));
-  }
-  for (int w = 0, e = 0; w < W; ++w) {
-    for (int64_t k = 0; k < experts_per_worker_[w] && e < E; ++k) holder[e++] = w;
-  }
+  const int pieces = shelf_->pieces();
   const int64_t blob = F * pieces;
   const ReadChunk read = [&](size_t item, int64_t offset, int64_t n, float* dst) -> Status {
-    for (int64_t done = 0; done < n; done += F) {
-      RETURN_IF_ERROR(shelf_->Read(v, static_cast<int64_t>(item) - 1,
-                                   static_cast<int>((offset + done) / F), dst + done));
-    }
-    return absl::OkStatus();
+    return ShelfPieces(v, static_cast<int64_t>(item) - 1, offset, n, dst, nullptr);
   };
   const WriteChunk write = [&](size_t item, int64_t offset, int64_t n, const float* src) -> Status {
-    for (int64_t done = 0; done < n; done += F) {
-      RETURN_IF_ERROR(shelf_->Write(v, static_cast<int64_t>(item) - 1,
-                                    static_cast<int>((offset + done) / F), src + done));
-    }
-    return absl::OkStatus();
+    return ShelfPieces(v, static_cast<int64_t>(item) - 1, offset, n, nullptr, src);
   };
   for (int j = 1; j <= R; ++j) {
     CopySources sources;
@@ -351,6 +356,58 @@ Status Trainer::RefreshStoredCopies() {
     if (!moved.ok()) return failed(moved.status());
   }
   copied_version_ = v;
+  return absl::OkStatus();
+}
+
+Status Trainer::ShelfPieces(int64_t version, int64_t e, int64_t offset, int64_t n, float* read,
+                            const float* write) {
+  const int64_t F = static_cast<int64_t>(shelf_ ? shelf_->piece_bytes() / sizeof(float) : 0);
+  // Rounds carry whole tensors (ChunkOfTensors), so a piece of a blob is whole pieces of the
+  // shelf's.
+  if (F == 0 || offset % F != 0 || n % F != 0) {
+    return absl::InternalError(
+        absl::StrFormat("floats [%d, %d) of expert %d's copy are not whole tensors of %d floats",
+                        offset, offset + n, e, F));
+  }
+  const int first = static_cast<int>(offset / F), count = static_cast<int>(n / F);
+  if (read != nullptr) return shelf_->Read(version, e, first, count, read);
+  return shelf_->Write(version, e, first, count, write);
+}
+
+Status Trainer::CopyOwnExperts(int64_t version) {
+  const int64_t F = static_cast<int64_t>(scheduler_->expert_floats());
+  const int pieces = shelf_->pieces();
+  // A few tensors at a time: read out of the store (the next ones brought to the host behind
+  // them) and written to the shelf together.
+  const int batch = static_cast<int>(std::min<int64_t>(pieces, ChunkOfTensors(F) / F));
+  std::vector<float> buf(static_cast<size_t>(batch) * F);
+  auto key = [&](int64_t i, int p) {
+    return scheduler_->Key(p / 3, static_cast<int>(i), kBlobKinds[p % 3]);
+  };
+  for (int64_t i = 0; i < num_experts_; ++i) {
+    const int64_t e = first_expert_ + i;
+    shelf_->KeepNewest(e, 1);
+    for (int p0 = 0; p0 < pieces; p0 += batch) {
+      const int m = std::min(batch, pieces - p0);
+      // The next batch (of this expert or the next) is fetched while this one is copied.
+      std::vector<storage::TensorKey> next;
+      for (int k = 0; k < m; ++k) {
+        const int p = p0 + batch + k;
+        if (p < pieces) {
+          next.push_back(key(i, p));
+        } else if (i + 1 < num_experts_ && p - pieces < pieces) {
+          next.push_back(key(i + 1, p - pieces));
+        }
+      }
+      scheduler_->store().PrefetchHost(next);
+      for (int k = 0; k < m; ++k) {
+        const int p = p0 + k;
+        RETURN_IF_ERROR(scheduler_->ReadExpertRange(p / 3, static_cast<int>(i), kBlobKinds[p % 3],
+                                                    0, F, &buf[static_cast<size_t>(k) * F]));
+      }
+      RETURN_IF_ERROR(shelf_->Write(version, e, p0, m, buf.data()));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -438,9 +495,10 @@ void Trainer::ReadHeldItem(size_t i, int64_t step, const Holdings& all, float* d
 StatusOr<Trainer::SyncedState> Trainer::SyncState() {
   const config::JobConfig& cfg = options_.config;
   const int W = options_.worker.world_size, rank = options_.worker.rank;
-  // A job with one expert-parallel group goes on from the state its workers hold (IN_MEMORY: with
-  // rollback and buddy copies; TIERED: the live state in their stores); every other layout goes
-  // back to its newest checkpoint (CheckElastic made sure there is a checkpoint folder).
+  // A job goes on from the state its workers hold (with one expert-parallel group: IN_MEMORY with
+  // rollback and buddy copies, TIERED with its stores and copies; with several, each expert's
+  // copies in the other groups); experts_per_worker goes back to its newest checkpoint
+  // (CheckElastic made sure there is a checkpoint folder).
   if (!MovesLiveState()) return PlanFromCheckpoint();
   comm::Communicator* comm = W > 1 ? world_comm_.get() : nullptr;
   ASSIGN_OR_RETURN(const Holdings all, GatherHoldings(comm, HoldingsOfThisWorker()));
@@ -462,29 +520,42 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState() {
         agreed.lost, agreed.newest));
   }
   const int64_t s0 = agreed.step;
-  ASSIGN_OR_RETURN(const ExpertPlan plan, ReplanExperts(comm, all, expert_load_));
-  const CopySources sources = LocateCopies(all, s0, plan.owner);
+  // The experts are placed over a group of the generation's group size; every group gets a copy
+  // of each, from the lowest rank holding it at s0 (a member of the group that holds it keeps it).
+  ASSIGN_OR_RETURN(const int G, GroupSize(W));
+  ASSIGN_OR_RETURN(const ExpertPlan plan, ReplanExperts(comm, all, expert_load_, G));
+  std::vector<std::vector<int>> owners(W / G, plan.owner);
+  std::vector<CopySources> sources;
+  for (int g = 0; g < W / G; ++g) {
+    for (int& o : owners[g]) o += g * G;
+    sources.push_back(LocateCopies(all, s0, owners[g]));
+  }
   const ReadItem read = [&](size_t i, float* dst) { ReadHeldItem(i, s0, all, dst); };
   SyncedState out;
   out.step = s0;
   out.counts = plan.counts;
-  ASSIGN_OR_RETURN(out.dense, MoveDenseState(comm, all, s0, sources, read));
+  ASSIGN_OR_RETURN(out.dense, MoveDenseState(comm, all, s0, sources[0], read));
   int64_t moved = 0;
   if (cfg.storage().mode() == config::StorageConfig::TIERED) {
     ASSIGN_OR_RETURN(out.store,
-                     MoveStoredExperts(comm, s0, plan.owner, sources, all.expert_floats(), &moved));
+                     MoveStoredExperts(comm, s0, owners, sources, all.expert_floats(), &moved));
   } else {
-    ASSIGN_OR_RETURN(MovedExperts experts,
-                     MoveExperts(comm, plan.owner, sources, all.expert_floats(), read));
-    out.experts = std::move(experts.blobs);
-    moved = experts.moved;
+    // One exchange per group: this worker receives its blobs in its own group's.
+    for (int g = 0; g < W / G; ++g) {
+      ASSIGN_OR_RETURN(MovedExperts experts,
+                       MoveExperts(comm, owners[g], sources[g], all.expert_floats(), read));
+      if (rank / G == g) out.experts = std::move(experts.blobs);
+      moved += experts.moved;
+    }
   }
   if (rank == 0) {
-    // Experts whose state at the step comes from a copy (a rollback or buddy copy), not from a
-    // live model or store.
+    // Expert copies (over the groups) whose state at the step comes from a rollback or buddy copy,
+    // not from a live model or store.
     int64_t from_copies = 0;
-    for (int64_t e = 0; e < cfg.model().moe().num_experts(); ++e) {
-      from_copies += all.version(sources.expert[e], ExpertItem(e), HoldingSlot::kLive) != s0;
+    for (const CopySources& from : sources) {
+      for (int64_t e = 0; e < cfg.model().moe().num_experts(); ++e) {
+        from_copies += all.version(from.expert[e], ExpertItem(e), HoldingSlot::kLive) != s0;
+      }
     }
     STRATA_LOG(INFO) << absl::StrFormat(
         "generation of %d workers starts from step %d (this worker was at step %d): experts "
@@ -496,8 +567,8 @@ StatusOr<Trainer::SyncedState> Trainer::SyncState() {
 }
 
 StatusOr<std::unique_ptr<storage::TieredExpertStore>> Trainer::MoveStoredExperts(
-    comm::Communicator* comm, int64_t step, const std::vector<int>& owner,
-    const CopySources& sources, int64_t blob_floats, int64_t* moved) {
+    comm::Communicator* comm, int64_t step, const std::vector<std::vector<int>>& owners,
+    const std::vector<CopySources>& sources, int64_t blob_floats, int64_t* moved) {
   const config::JobConfig& cfg = options_.config;
   const int64_t E = cfg.model().moe().num_experts();
   // This worker's copy of an expert at the step is in its store when the store holds the live
@@ -547,15 +618,17 @@ StatusOr<std::unique_ptr<storage::TieredExpertStore>> Trainer::MoveStoredExperts
     const int64_t F = static_cast<int64_t>(mover->expert_floats());
     std::vector<float> piece(F);
     for (int64_t e = 0; e < E; ++e) {
-      if (owner[e] != options_.worker.rank || sources.expert[e] != owner[e] || in_store(e)) {
-        continue;
+      bool restore = false;
+      for (size_t g = 0; g < owners.size(); ++g) {
+        restore |= owners[g][e] == options_.worker.rank && sources[g].expert[e] == owners[g][e];
       }
+      if (!restore || in_store(e)) continue;
       if (shelf_ == nullptr) {
         return absl::InternalError(absl::StrFormat(
             "expert %d of step %d is neither in this worker's store nor on a shelf", e, step));
       }
       for (int p = 0; p < 3 * mover->moe_layers(); ++p) {
-        RETURN_IF_ERROR(shelf_->Read(step, e, p, piece.data()));
+        RETURN_IF_ERROR(ShelfPieces(step, e, p * F, F, piece.data(), nullptr));
         RETURN_IF_ERROR(mover->WriteExpertRange(p / 3, static_cast<int>(e), kBlobKinds[p % 3], 0, F,
                                                 piece.data()));
       }
@@ -585,13 +658,7 @@ StatusOr<std::unique_ptr<storage::TieredExpertStore>> Trainer::MoveStoredExperts
   };
   const ReadChunk read = [&](size_t item, int64_t offset, int64_t n, float* dst) {
     const int e = static_cast<int>(item) - 1;
-    if (!in_store(e)) {
-      // Rounds carry whole tensors, so a piece is whole pieces of the shelf's.
-      for (int64_t done = 0; done < n; done += F) {
-        RETURN_IF_ERROR(shelf_->Read(step, e, static_cast<int>((offset + done) / F), dst + done));
-      }
-      return absl::OkStatus();
-    }
+    if (!in_store(e)) return ShelfPieces(step, e, offset, n, dst, nullptr);
     return each_tensor(offset, n,
                        [&](int li, storage::TensorKind kind, int64_t at, int64_t m, int64_t done) {
                          return mover->ReadExpertRange(li, e, kind, at, m, dst + done);
@@ -604,8 +671,13 @@ StatusOr<std::unique_ptr<storage::TieredExpertStore>> Trainer::MoveStoredExperts
                          return mover->WriteExpertRange(li, e, kind, at, m, src + done);
                        });
   };
-  ASSIGN_OR_RETURN(*moved, MoveExpertsInChunks(comm, owner, sources, blob_floats, ChunkOfTensors(F),
-                                               read, write));
+  // One round of moves per group: its members receive their experts in theirs.
+  *moved = 0;
+  for (size_t g = 0; g < owners.size(); ++g) {
+    ASSIGN_OR_RETURN(const int64_t n, MoveExpertsInChunks(comm, owners[g], sources[g], blob_floats,
+                                                          ChunkOfTensors(F), read, write));
+    *moved += n;
+  }
   return mover->ReleaseStore();
 }
 
@@ -638,10 +710,17 @@ Status Trainer::StartFrom(const SyncedState& s) {
   }
   live_version_ = step_;
   rollback_ = Copy();
-  rollback_older_ = Copy();
   buddies_.clear();
-  // The shelf's copies were of the previous placement.
-  if (shelf_) shelf_->Clear();
+  // A TIERED worker's copies of steps up to the one the generation starts from are the job's
+  // history, whatever the placement was: they stay until the generation's own copies are whole
+  // everywhere (its first refresh after this one drops what it no longer needs). Later ones were
+  // of a trajectory the generation replaces.
+  if (shelf_) {
+    for (int64_t e = 0; e < options_.config.model().moe().num_experts(); ++e) {
+      shelf_->DropNewerThan(e, step_);
+    }
+  }
+  if (rollback_older_.version > step_) rollback_older_ = Copy();
   copied_version_ = -1;
   while (!history_.empty() && history_.back().step > step_) history_.pop_back();
   // The new generation is protected from its first step on.

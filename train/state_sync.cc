@@ -123,9 +123,11 @@ AgreedStep AgreeOnStep(const Holdings& all) {
 }
 
 StatusOr<ExpertPlan> ReplanExperts(comm::Communicator* comm, const Holdings& all,
-                                   const std::vector<double>& measured_load) {
+                                   const std::vector<double>& measured_load, int group_size) {
   const int W = all.workers();
   CHECK_EQ(WorldOf(comm), W);
+  const int G = group_size > 0 ? group_size : W;
+  CHECK_EQ(W % G, 0) << "groups of " << G << " do not divide " << W << " workers";
   const int64_t E = all.num_experts();
   // The new placement, from rank 0's measured loads (a joiner has none: equal loads).
   std::vector<double> load(E, 0.0);
@@ -136,16 +138,16 @@ StatusOr<ExpertPlan> ReplanExperts(comm::Communicator* comm, const Holdings& all
     for (int w = 0; w < W && current[e] < 0; ++w) {
       if (all.version(w, ExpertItem(e), HoldingSlot::kLive) >= 0 ||
           all.version(w, ExpertItem(e), HoldingSlot::kRollback) >= 0) {
-        current[e] = w;
+        current[e] = w % G;
       }
     }
   }
-  const scheduler::RangePlan plan = scheduler::ReplanRanges(current, load, W);
+  const scheduler::RangePlan plan = scheduler::ReplanRanges(current, load, G);
   ExpertPlan out;
   out.counts = plan.counts;
   out.planner_moved = plan.moved;
   out.owner.resize(E);
-  for (int w = 0, e = 0; w < W; ++w) {
+  for (int w = 0, e = 0; w < G; ++w) {
     for (int64_t i = 0; i < plan.counts[w]; ++i) out.owner[e++] = w;
   }
   return out;

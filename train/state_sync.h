@@ -105,17 +105,20 @@ struct AgreedStep {
 AgreedStep AgreeOnStep(const Holdings& all);
 
 struct ExpertPlan {
-  std::vector<int64_t> counts;  // [workers] experts of each rank, ranges in rank order
-  std::vector<int> owner;       // [E] each expert's new owner
+  std::vector<int64_t> counts;  // [group size] experts of each rank of a group, in rank order
+  std::vector<int> owner;       // [E] each expert's new owner in group 0 (ranks [0, group size))
   int planner_moved = 0;        // experts whose owner (live or rollback holder) changes
 };
 
 // Phase 3 (collective). `measured_load` is this worker's measured load of each expert; rank 0's
 // is broadcast and used by every worker (equal loads when rank 0's has not num_experts entries,
-// e.g. rank 0 just joined). An expert's current owner is the lowest rank holding its live or
-// rollback copy.
+// e.g. rank 0 just joined). The experts are placed over the ranks of an expert-parallel group of
+// `group_size` workers (0: all of them; each group g of ranks [g G, (g + 1) G) holds a copy, its
+// rank g G + i the experts of group 0's rank i). An expert's current position is that of the
+// lowest rank holding its live or rollback copy within its group.
 [[nodiscard]] StatusOr<ExpertPlan> ReplanExperts(comm::Communicator* comm, const Holdings& all,
-                                                 const std::vector<double>& measured_load);
+                                                 const std::vector<double>& measured_load,
+                                                 int group_size = 0);
 
 struct CopySources {
   std::vector<int> expert;  // [E] the rank whose copy of the expert at the step goes to its owner

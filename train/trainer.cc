@@ -631,6 +631,11 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     tr->resumed_from_ = tr->step_;
   }
   tr->live_version_ = tr->step_;
+  // An elastic TIERED worker's copies exist from the first step on (a failure during it goes on
+  // from them), and a shelf that cannot be made fails the job here, not at its first step.
+  if (options.worker.elastic && !synced && tr->scheduler_ && tr->KeepsCopies()) {
+    RETURN_IF_ERROR(tr->RefreshStoredCopies());
+  }
   tr->tty_ = isatty(STDERR_FILENO);
   return tr;
 }

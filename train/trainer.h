@@ -63,10 +63,12 @@ struct WorkerOptions {
   // so a later job can use it.
   std::function<void()> after_rendezvous;
   // A job whose membership may change (`strata worker --coordinator`): every step keeps what a
-  // later generation needs to go on without this worker or with more — IN_MEMORY with one
-  // expert-parallel group, a copy of this worker's state from before the step's update and buddy
-  // copies of other workers' experts (elastic.replicas); any other layout goes back to its newest
-  // checkpoint (which it must have: Create refuses it without). See elastic.cc.
+  // later generation needs to go on without this worker or with more — with one expert-parallel
+  // group, a copy of this worker's state from before the update and buddy copies of other
+  // workers' experts (elastic.replicas; TIERED: on its SSD, every elastic.replica_every steps);
+  // with several, every group's copy of each expert. Where those cannot make up the state, and
+  // always with experts_per_worker, the job goes back to its newest checkpoint (which it must
+  // have unless it keeps buddy copies: Create refuses it without). See elastic.cc.
   bool elastic = false;
   // This generation is not the job's first: the workers agree on the newest step whose whole state
   // they still hold, re-place the experts, and move state to where it now lives (a worker that
@@ -231,19 +233,20 @@ class Trainer {
     bool from_checkpoint = false;
   };
   [[nodiscard]] StatusOr<SyncedState> SyncState();
-  // Whether this job's steps keep the copies a generation goes on from (rollback and buddy
-  // copies): one expert-parallel group, IN_MEMORY, or TIERED with elastic.replicas. Every other
-  // layout re-forms from the newest checkpoint.
+  // Whether this job's steps keep rollback and buddy copies: one expert-parallel group, IN_MEMORY,
+  // or TIERED with elastic.replicas. Every other job needs a checkpoint folder to fall back on.
   bool KeepsCopies() const;
-  // Whether a generation can go on from the state its workers hold (one expert-parallel group:
-  // IN_MEMORY with its copies, TIERED from the live state in the workers' stores).
+  // Whether a generation can go on from the state its workers hold (every layout but
+  // experts_per_worker: with one expert-parallel group, IN_MEMORY with its copies and TIERED with
+  // its stores and copies; with several, from each expert's copies in the other groups).
   bool MovesLiveState() const;
-  // TIERED, phase 6: moves every expert whose source is not its owner from the source's store to
-  // the owner's in bounded rounds (state_sync.h, MoveExpertsInChunks), through a scheduler over a
-  // model of every expert; returns this worker's store for the new placement (collective).
+  // TIERED, phase 6: for each group of the new generation (owners[g], sources[g]), moves every
+  // expert whose source is not its owner from the source's store or shelf to the owner's store in
+  // bounded rounds (state_sync.h, MoveExpertsInChunks), through a scheduler over a model of every
+  // expert; returns this worker's store for the new placement (collective).
   [[nodiscard]] StatusOr<std::unique_ptr<storage::TieredExpertStore>> MoveStoredExperts(
-      comm::Communicator* comm, int64_t step, const std::vector<int>& owner,
-      const CopySources& sources, int64_t blob_floats, int64_t* moved);
+      comm::Communicator* comm, int64_t step, const std::vector<std::vector<int>>& owners,
+      const std::vector<CopySources>& sources, int64_t blob_floats, int64_t* moved);
   // The checkpoint folder of a new generation: opened again (IN_MEMORY, or a TIERED generation
   // that goes back to a checkpoint), or kept open across it by a worker that still has its
   // manager (a TIERED worker's store shares its shard's SSD tier): ContinueCheckpoints, in the
@@ -301,6 +304,12 @@ class Trainer {
   // shelf — when elastic.replica_every steps have passed since the last copies (collective).
   [[nodiscard]] Status RefreshStoredCopiesIfDue();
   [[nodiscard]] Status RefreshStoredCopies();
+  // This worker's experts, out of its store onto its shelf as `version`.
+  [[nodiscard]] Status CopyOwnExperts(int64_t version);
+  // Floats [offset, offset + n) of expert e's blob at `version` on the shelf, into `read` or from
+  // `write` (whole tensors only).
+  [[nodiscard]] Status ShelfPieces(int64_t version, int64_t e, int64_t offset, int64_t n,
+                                   float* read, const float* write);
   // The shelf, made on first use: an expert's blob is 3 pieces per MoE layer, its weights and
   // Adam moments, in the order of the blobs the state sync moves.
   [[nodiscard]] Status EnsureShelf();

@@ -225,7 +225,34 @@ TEST_F(CopyShelfTest, AByteFlippedOnDiskIsDataLossNamingTheFile) {
   EXPECT_TRUE(absl::StartsWith(s.message(), "reading a buddy copy: ")) << s;
   EXPECT_NE(s.message().find(file), std::string::npos) << s;
   EXPECT_NE(s.message().find("item 0 piece 0 v1"), std::string::npos) << s;
-  EXPECT_TRUE(ReadsAs(*shelf_, 1, 0, 1, second)) << "the piece next to it is intact";
+  // A copy that cannot be read is no copy: that version of the item is dropped with its space,
+  // while another item's copy stays.
+  const std::vector<float> other = Source(1, 5, 0);
+  ASSERT_TRUE(shelf_->Write(1, 5, 0, other.data()).ok());
+  EXPECT_TRUE(absl::IsNotFound(shelf_->Read(1, 0, 1, out.data())));
+  EXPECT_TRUE(shelf_->Versions(0).empty());
+  EXPECT_TRUE(ReadsAs(*shelf_, 1, 5, 0, other));
+}
+
+TEST_F(CopyShelfTest, SeveralPiecesMoveInOneCallAndReadBackBitwise) {
+  // Pieces 1 and 2 of a blob written in one call, read in one call and one by one.
+  std::vector<float> both = Source(2, 7, 1);
+  const std::vector<float> third = Source(2, 7, 2);
+  both.insert(both.end(), third.begin(), third.end());
+  ASSERT_TRUE(shelf_->Write(2, 7, 1, 2, both.data()).ok());
+  ASSERT_TRUE(shelf_->Write(2, 7, 0, Source(2, 7, 0).data()).ok());
+  EXPECT_EQ(shelf_->Versions(7), (std::vector<int64_t>{2}));
+  std::vector<float> out(2 * kFloats);
+  ASSERT_TRUE(shelf_->Read(2, 7, 1, 2, out.data()).ok());
+  EXPECT_EQ(std::memcmp(out.data(), both.data(), 2 * kPieceBytes), 0);
+  EXPECT_TRUE(ReadsAs(*shelf_, 2, 7, 2, third));
+  EXPECT_TRUE(absl::IsInvalidArgument(shelf_->Write(2, 7, 2, 2, both.data())))
+      << "pieces past the blob";
+  // DropNewerThan keeps the versions up to the one given.
+  ASSERT_TRUE(shelf_->Write(3, 7, 0, Source(3, 7, 0).data()).ok());
+  shelf_->DropNewerThan(7, 2);
+  EXPECT_EQ(shelf_->Versions(7), (std::vector<int64_t>{2}));
+  EXPECT_TRUE(absl::IsNotFound(shelf_->Read(3, 7, 0, out.data())));
 }
 
 TEST_F(CopyShelfTest, AFullDiskFailsTheWriteAndKeepsEarlierVersions) {
