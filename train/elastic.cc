@@ -379,7 +379,10 @@ Status Trainer::CopyOwnExperts(int64_t version) {
   const int pieces = shelf_->pieces();
   // A few tensors at a time: read out of the store (the next ones brought to the host behind
   // them) and written to the shelf together.
-  const int batch = static_cast<int>(std::min<int64_t>(pieces, ChunkOfTensors(F) / F));
+  // At most half the host slots in flight, so that the prefetches do not evict each other.
+  const int slots = scheduler_->store().host_slots();
+  const int batch = static_cast<int>(std::min<int64_t>(
+      {pieces, ChunkOfTensors(F) / F, slots < 0 ? pieces : std::max(1, slots / 2)}));
   std::vector<float> buf(static_cast<size_t>(batch) * F);
   auto key = [&](int64_t i, int p) {
     return scheduler_->Key(p / 3, static_cast<int>(i), kBlobKinds[p % 3]);
