@@ -1,6 +1,8 @@
 #include "storage/copy_shelf.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -17,8 +19,12 @@ namespace {
 
 constexpr char kFolderPrefix[] = "strata-copies-";
 
-// Removes the folders of shelves whose process is gone (killed before its destructor ran): their
-// names carry the process id.
+constexpr char kLockFile[] = "/lock";
+
+// Removes the folders of shelves whose process is gone (killed before its destructor ran). A live
+// shelf holds an exclusive flock on its folder's lock file, which any process on the machine sees
+// (also from another PID namespace sharing the folder); a folder without one (being made right
+// now) is judged by the process id its name carries.
 void RemoveAbandoned(const std::string& parent) {
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(parent, ec)) {
@@ -27,7 +33,15 @@ void RemoveAbandoned(const std::string& parent) {
     const std::string rest = name.substr(sizeof(kFolderPrefix) - 1);
     int pid = 0;
     if (!absl::SimpleAtoi(rest.substr(0, rest.find('-')), &pid) || pid <= 0) continue;
-    if (kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
+    const std::string lock = entry.path().string() + kLockFile;
+    const int fd = ::open(lock.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd >= 0) {
+      const bool held = flock(fd, LOCK_EX | LOCK_NB) != 0;
+      ::close(fd);  // a lock taken here goes with it
+      if (held) continue;
+    } else if (kill(pid, 0) == 0 || errno != ESRCH) {
+      continue;  // alive (or not ours to judge)
+    }
     std::error_code removed;
     std::filesystem::remove_all(entry.path(), removed);
     if (!removed) {
@@ -60,6 +74,14 @@ StatusOr<std::unique_ptr<CopyShelf>> CopyShelf::Create(const Options& options) {
                         tmpl, std::strerror(errno)));
   }
   s->dir_ = buf.data();
+  // Held for the shelf's life: RemoveAbandoned elsewhere leaves the folder alone.
+  s->lock_fd_ = ::open((s->dir_ + kLockFile).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (s->lock_fd_ < 0 || flock(s->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "cannot lock '%s%s' for the buddy copies: %s; point storage.ssd_dir (or TMPDIR) at a "
+        "local, writable folder",
+        s->dir_, kLockFile, std::strerror(errno)));
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<BlockIo> io, MakeUringIo(options.io));
   if (options.wrap_io) io = options.wrap_io(std::move(io));
   SsdOptions so;
@@ -75,6 +97,7 @@ CopyShelf::~CopyShelf() {
     std::error_code ec;
     std::filesystem::remove_all(dir_, ec);
   }
+  if (lock_fd_ >= 0) ::close(lock_fd_);
 }
 
 std::string CopyShelf::What(int64_t version, int64_t item, int piece) const {

@@ -9,7 +9,8 @@
 // folder made under the parent given to Create (strata-copies-<pid>-XXXXXX) and removed with the
 // shelf; nothing of it needs to survive the process (a worker that dies loses its copies, which
 // is what the other workers' copies are for). The folder of a process killed before it could
-// remove it is removed by the next shelf made under the same parent on that machine. The shelf
+// remove it is removed by the next shelf made under the same parent on that machine (a live
+// shelf holds a flock on its folder's lock file, which tells the two apart). The shelf
 // charges no memory budget: pieces pass through a bounce buffer as large as the most pieces one
 // call moved.
 //
@@ -91,6 +92,7 @@ class CopyShelf {
 
   Options options_;
   std::string dir_;
+  int lock_fd_ = -1;  // an exclusive flock on dir_/lock, for the shelf's life
   std::unique_ptr<SsdTier> tier_;
   [[nodiscard]] Status Reserve(uint64_t bytes);  // the bounce buffer holds at least `bytes`
   IoBuffer bounce_;

@@ -9,6 +9,7 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -377,6 +378,41 @@ TEST_F(CopyShelfTest, CreateRemovesTheFoldersOfProcessesThatAreGone) {
   EXPECT_TRUE(absl::StartsWith(shelf_->dir(), prefix)) << shelf_->dir();
   // Nothing else came or went: the two kept folders and the two shelves'.
   EXPECT_EQ(std::distance(fs::directory_iterator(parent_.path()), fs::directory_iterator()), 4);
+}
+
+TEST_F(CopyShelfTest, AFolderWhoseLockIsHeldStaysWhateverItsName) {
+  // A process in another PID namespace sharing the folder: its pid means nothing here, but it
+  // holds its shelf's lock. One whose lock nobody holds is gone.
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0) << std::strerror(errno);
+  if (child == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+  namespace fs = std::filesystem;
+  const std::string held = parent_.File(absl::StrCat("strata-copies-", child, "-held00"));
+  const std::string loose = parent_.File(absl::StrCat("strata-copies-", child, "-loose0"));
+  for (const std::string& d : {held, loose}) {
+    ASSERT_TRUE(fs::create_directory(d)) << d;
+    strata::testing::WriteFile(d + "/lock", "");
+  }
+  const int fd = ::open((held + "/lock").c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  auto made = CopyShelf::Create(Defaults());
+  ASSERT_TRUE(made.ok()) << made.status();
+  EXPECT_TRUE(fs::is_directory(held)) << "a live shelf's folder was removed";
+  EXPECT_FALSE(fs::exists(loose)) << loose;
+  // And a shelf's own lock is held: another process (a child here) cannot take it.
+  const std::string own = (*made)->dir() + "/lock";
+  const pid_t probe = ::fork();
+  ASSERT_GE(probe, 0);
+  if (probe == 0) {
+    const int f = ::open(own.c_str(), O_RDWR | O_CLOEXEC);
+    ::_exit(f >= 0 && ::flock(f, LOCK_EX | LOCK_NB) != 0 ? 0 : 1);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(::waitpid(probe, &wstatus, 0), probe);
+  EXPECT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0) << "the shelf's lock is not held";
+  ::close(fd);
 }
 
 }  // namespace
