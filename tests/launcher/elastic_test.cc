@@ -307,6 +307,8 @@ class ElasticTest : public ::testing::Test {
   Trajectory KillAndJoin(int steps, int kill_at, int on_three, const std::string& env);
   void TieredKillAndJoin(int expert_parallel, const std::string& env, GoesBackTo back);
   void TieredReformPeakRss(GoesBackTo back);
+  void TieredSecondFailureDuringReform(int expert_parallel, const std::string& elastic);
+  void TieredCoordinatorRestart(int expert_parallel, const std::string& elastic, GoesBackTo back);
   Trajectory CoordinatorRestartWithAWorkerLost(const std::string& config, int steps, int kill_at,
                                                int on_two);
   // Until worker-0 has trained a step alone.
@@ -957,12 +959,14 @@ TEST_F(ElasticTest, ATieredWorkerKilledWhileACheckpointCommitsIsReplacedFromItsB
                     GoesBackTo::kBuddiesBesideCheckpoints);
 }
 
-TEST_F(ElasticTest, ATieredJobRidesThroughASecondFailureDuringItsReform) {
-  // Ranks 1 and 3 of 4 die 40 ms apart: the second death lands while the survivors re-form (from
-  // their buddy copies, or — when the second death cut the copies of the first re-form's
-  // placement short — from the newest checkpoint).
+// Ranks 1 and 3 of 4 TIERED workers die 40 ms apart: the second death lands while the survivors
+// re-form (from their buddy copies, or — when the second death cut the copies of the first
+// re-form's placement short, or took both copies of some experts — from the newest checkpoint).
+// `expert_parallel` and `elastic` (an elastic block's fields) go into the job's config.
+void ElasticTest::TieredSecondFailureDuringReform(int expert_parallel, const std::string& elastic) {
   constexpr int kSteps = 40;
-  WriteFile(dir_.File("job.textproto"), TieredConfig(kSteps));
+  WriteFile(dir_.File("job.textproto"),
+            TieredConfig(kSteps, expert_parallel, absl::StrCat("elastic { ", elastic, " }\n")));
   const std::string log = dir_.File("launch.log");
   const pid_t launch = Launch("--workers 4 --min-workers 2", log);
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.0")) >= 8; }, "step 8", log);
@@ -981,29 +985,69 @@ TEST_F(ElasticTest, ATieredJobRidesThroughASecondFailureDuringItsReform) {
   ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
 }
 
-TEST_F(ElasticTest, ATieredJobRidesThroughACoordinatorRestartWithAWorkerLostMeanwhile) {
-  // The coordinator restart of ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn, for a TIERED
-  // job: the survivors that waited for the coordinator take the lost worker's experts from their
-  // buddy copies (not from checkpoint 10: the kill lands after step 12), a replacement joins them,
-  // and every step equals the failure-free replay of the same memberships. A worker's death is seen
-  // at once (its stream to the coordinator breaks); heartbeats may lapse for 8 s (and the restart
-  // grace may not be shorter), because the synced writes of a TIERED job (and of the replay's
-  // checkpoint every step) on a loaded machine have held a live worker up past 2 s, and a live
-  // worker declared failed would end the job another way.
+TEST_F(ElasticTest, ATieredJobRidesThroughASecondFailureDuringItsReform) {
+  TieredSecondFailureDuringReform(0, "");
+}
+
+TEST_F(ElasticTest, ATieredJobWithExpertParallelGroupsRidesThroughASecondFailureDuringItsReform) {
+  TieredSecondFailureDuringReform(2, "");
+}
+
+TEST_F(ElasticTest, ATieredJobWithoutBuddyCopiesRidesThroughASecondFailureDuringItsReform) {
+  TieredSecondFailureDuringReform(0, "replicas: 0");
+}
+
+// The coordinator restart of ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn, for a TIERED
+// job with `expert_parallel` and `elastic` (more of the elastic block's fields): the survivors
+// that waited for the coordinator re-form (`back` says from what), a replacement joins them, and
+// every step equals the failure-free replay of the same memberships. A worker's death is seen at
+// once (its stream to the coordinator breaks); heartbeats may lapse for 8 s (and the restart grace
+// may not be shorter), because the synced writes of a TIERED job (and of the replay's checkpoint
+// every step) on a loaded machine have held a live worker up past 2 s, and a live worker declared
+// failed would end the job another way.
+void ElasticTest::TieredCoordinatorRestart(int expert_parallel, const std::string& elastic,
+                                           GoesBackTo back) {
   constexpr int kSteps = 50;
   const Trajectory t = CoordinatorRestartWithAWorkerLost(
-      TieredConfig(kSteps, /*expert_parallel=*/0,
-                   "elastic { heartbeat_timeout_ms: 8000 restart_grace_ms: 8000 }\n"),
+      TieredConfig(kSteps, expert_parallel,
+                   absl::StrCat("elastic { heartbeat_timeout_ms: 8000 restart_grace_ms: 8000 ",
+                                elastic, " }\n")),
       kSteps, /*kill_at=*/12, /*on_two=*/6);
   if (HasFailure()) return;  // the replay would only repeat what failed
-  EXPECT_EQ(t.workers.at(1), 3);
   ASSERT_EQ(FirstSteps(t).count(2), 1u) << "the 2 survivors trained no step that counted";
-  EXPECT_GE(FirstSteps(t).at(2), 12) << "the failure went back to a checkpoint";
-  for (const char* w : {"w0.log", "w1.log"}) {
-    const std::string out = ReadFile(dir_.File(w));
-    EXPECT_EQ(out.find("going back to the latest checkpoint"), std::string::npos) << out;
+  if (back == GoesBackTo::kCheckpoint) {
+    ExpectGenerationsBeganAtCheckpoints(t, {2});
+  } else if (back == GoesBackTo::kBuddiesBesideCheckpoints) {
+    // Not from checkpoint 10: the kill lands after step 12.
+    EXPECT_GE(FirstSteps(t).at(2), 12) << "the failure went back to a checkpoint";
+    for (const char* w : {"w0.log", "w1.log"}) {
+      const std::string out = ReadFile(dir_.File(w));
+      EXPECT_EQ(out.find("going back to the latest checkpoint"), std::string::npos) << out;
+    }
   }
   ExpectMatches(t, Replay(Memberships(t, kSteps)), kSteps);
+}
+
+TEST_F(ElasticTest, ATieredJobRidesThroughACoordinatorRestartWithAWorkerLostMeanwhile) {
+  TieredCoordinatorRestart(0, "", GoesBackTo::kBuddiesBesideCheckpoints);
+}
+
+TEST_F(ElasticTest, ATieredJobWithoutBuddyCopiesRidesThroughACoordinatorRestartWithAWorkerLost) {
+  TieredCoordinatorRestart(0, "replicas: 0", GoesBackTo::kCheckpoint);
+}
+
+TEST_F(ElasticTest, ATieredJobWithExpertParallelGroupsRidesThroughACoordinatorRestart) {
+  // Groups of 2: 3 workers form one group of 3, so the lost worker's experts have no other copy
+  // and the survivors (one group of 2) go back to the newest checkpoint; the replacement makes one
+  // group of 3 again.
+  TieredCoordinatorRestart(2, "", GoesBackTo::kCheckpoint);
+}
+
+TEST_F(ElasticTest, ATieredWorkerWithExpertParallelGroupsKilledWhileACheckpointCommits) {
+  // The kill during checkpoint 10's commit, with groups of 2: the survivors take the lost
+  // member's experts from the other group.
+  TieredKillAndJoin(/*expert_parallel=*/2, "STRATA_FAULTS=checkpoint.before_commit=sleep_ms:1500",
+                    GoesBackTo::kOtherGroups);
 }
 
 // A TIERED re-form rebuilds each survivor's model and store and fills them from the buddy copies
