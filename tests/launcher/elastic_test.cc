@@ -309,8 +309,11 @@ class ElasticTest : public ::testing::Test {
   void TieredReformPeakRss(GoesBackTo back);
   void TieredSecondFailureDuringReform(int expert_parallel, const std::string& elastic);
   void TieredCoordinatorRestart(int expert_parallel, const std::string& elastic, GoesBackTo back);
+  // `n` workers (w0 ..), the coordinator SIGKILLed once w0 trained `kill_at` steps and the last
+  // worker with it; the restarted coordinator forms a generation of the n - 1 survivors, which
+  // train `on_survivors` steps before a replacement joins.
   Trajectory CoordinatorRestartWithAWorkerLost(const std::string& config, int steps, int kill_at,
-                                               int on_two);
+                                               int on_survivors, int n = 3);
   // Until worker-0 has trained a step alone.
   void WaitForAStepOnOneWorker(const std::string& log) {
     WaitFor(
@@ -770,23 +773,26 @@ TEST_F(ElasticTest, ALaunchRefusesACoordinatorFolderThatHoldsAJobAndChangesNothi
   EXPECT_EQ(ReadFile(dir_.File("coord/token")), token);
 }
 
-// Three workers of `config` (a job of `steps` steps) under a standalone coordinator; once worker
-// w0 trained `kill_at` steps the coordinator is SIGKILLed, worker w2 dies while it is down, and
-// the coordinator is restarted from its folder alone (`strata coordinator --dir record`: config,
-// worker counts, address and token come from the record). The survivors wait for it, it finds the
-// lost member when its restart grace ends, they re-form, and once they trained `on_two` steps
-// together a replacement joins; the job finishes, and the coordinator exits by itself. Returns the
-// job's trajectory.
+// `n` workers of `config` (a job of `steps` steps) under a standalone coordinator; once worker
+// w0 trained `kill_at` steps the coordinator is SIGKILLed, the last worker dies while it is down,
+// and the coordinator is restarted from its folder alone (`strata coordinator --dir record`:
+// config, worker counts, address and token come from the record). The survivors wait for it, it
+// finds the lost member when its restart grace ends, they re-form, and once they trained
+// `on_survivors` steps together a replacement joins; the job finishes, and the coordinator exits
+// by itself. Returns the job's trajectory.
 Trajectory ElasticTest::CoordinatorRestartWithAWorkerLost(const std::string& config, int steps,
-                                                          int kill_at, int on_two) {
+                                                          int kill_at, int on_survivors, int n) {
+  // Workers w0 .. w<n-1>; w<n-1> is lost, w<n> replaces it.
+  auto id_of = [](int i) { return absl::StrCat("w", i); };
+  std::vector<std::string> survivors;
+  for (int i = 0; i + 1 < n; ++i) survivors.push_back(dir_.File(id_of(i) + ".jsonl"));
   WriteFile(dir_.File("job.textproto"), config);
   WriteFile(dir_.File("token.txt"), "secret-token\n");
   const std::string clog = dir_.File("coordinator.log");
   pid_t coordinator = Spawn(absl::StrCat(
       "cd ", dir_.path(), " && exec ", kStrata,
-      " coordinator --dir record --config job.textproto --token-file token.txt --workers 3 "
-      "--min-workers 1 --max-workers 3 --listen 127.0.0.1:0 > ",
-      clog, " 2>&1"));
+      " coordinator --dir record --config job.textproto --token-file token.txt --workers ", n,
+      " --min-workers 1 --max-workers ", n, " --listen 127.0.0.1:0 > ", clog, " 2>&1"));
   WaitFor([&] { return ReadFile(clog).find("listening on ") != std::string::npos; },
           "the coordinator", clog);
   if (HasFailure()) {
@@ -801,12 +807,13 @@ Trajectory ElasticTest::CoordinatorRestartWithAWorkerLost(const std::string& con
                               "--metrics-out ", id, ".jsonl > ", id, ".log 2>&1"));
   };
   std::map<std::string, pid_t> workers;
-  for (const char* id : {"w0", "w1", "w2"}) workers[id] = start_worker(id);
+  for (int i = 0; i < n; ++i) workers[id_of(i)] = start_worker(id_of(i));
   WaitFor([&] { return LastStep(dir_.File("w0.jsonl")) >= kill_at; }, "the step to kill at", clog);
   auto status = RunCommand(
       absl::StrCat(kStrata, " status ", address, " --token-file ", dir_.File("token.txt")));
   EXPECT_EQ(status.exit_code, 0) << status.output;
-  EXPECT_NE(status.output.find("  w2  127.0.0.1"), std::string::npos) << status.output;
+  EXPECT_NE(status.output.find(absl::StrCat("  ", id_of(n - 1), "  127.0.0.1")), std::string::npos)
+      << status.output;
   WriteFile(dir_.File("wrong.txt"), "secret-tokem\n");
   auto refused = RunCommand(
       absl::StrCat(kStrata, " status ", address, " --token-file ", dir_.File("wrong.txt")));
@@ -815,24 +822,26 @@ Trajectory ElasticTest::CoordinatorRestartWithAWorkerLost(const std::string& con
 
   kill(coordinator, SIGKILL);
   EXPECT_EQ(WaitExit(coordinator), 128 + SIGKILL);
-  kill(workers["w2"], SIGKILL);
-  EXPECT_EQ(WaitExit(workers["w2"]), 128 + SIGKILL);
+  kill(workers[id_of(n - 1)], SIGKILL);
+  EXPECT_EQ(WaitExit(workers[id_of(n - 1)]), 128 + SIGKILL);
   std::this_thread::sleep_for(std::chrono::seconds(1));
   coordinator = Spawn(absl::StrCat("cd ", dir_.path(), " && exec ", kStrata,
                                    " coordinator --dir record > ", clog, ".2 2>&1"));
-  // The survivors train on, two of them, in a generation formed for the failure.
+  // The survivors train on, n - 1 of them, in a generation formed for the failure.
   WaitFor(
       [&] {
-        const Trajectory t = Read({dir_.File("w0.jsonl"), dir_.File("w1.jsonl")});
-        int n = 0;
-        for (const auto& [step, gen] : t.generation) n += gen > 1 && t.workers.at(gen) == 2;
-        return n >= on_two;
+        const Trajectory t = Read(survivors);
+        int trained = 0;
+        for (const auto& [step, gen] : t.generation) {
+          trained += gen > 1 && t.workers.at(gen) == n - 1;
+        }
+        return trained >= on_survivors;
       },
-      "steps on the 2 survivors", clog + ".2");
-  workers["w3"] = start_worker("w3");
-  for (const char* id : {"w0", "w1", "w3"}) {
-    EXPECT_EQ(WaitExit(workers[id]), 0) << id << ":\n"
-                                        << ReadFile(dir_.File(absl::StrCat(id, ".log")));
+      "steps on the survivors", clog + ".2");
+  workers[id_of(n)] = start_worker(id_of(n));
+  workers.erase(id_of(n - 1));
+  for (const auto& [id, pid] : workers) {
+    EXPECT_EQ(WaitExit(pid), 0) << id << ":\n" << ReadFile(dir_.File(absl::StrCat(id, ".log")));
   }
   // A job that failed never finishes: its coordinator would serve on.
   if (HasFailure()) kill(coordinator, SIGKILL);
@@ -840,16 +849,17 @@ Trajectory ElasticTest::CoordinatorRestartWithAWorkerLost(const std::string& con
   const std::string restarted = ReadFile(clog + ".2");
   EXPECT_NE(restarted.find("coordinator listening on " + address + " (resumed"), std::string::npos)
       << restarted;
-  EXPECT_NE(restarted.find("workers 1 to 3"), std::string::npos) << restarted;
+  EXPECT_NE(restarted.find(absl::StrCat("workers 1 to ", n)), std::string::npos) << restarted;
   EXPECT_NE(restarted.find(absl::StrCat("the job finished at step ", steps)), std::string::npos)
       << restarted;
-  const Trajectory t = Read(
-      {dir_.File("w0.jsonl"), dir_.File("w1.jsonl"), dir_.File("w2.jsonl"), dir_.File("w3.jsonl")});
+  std::vector<std::string> files;
+  for (int i = 0; i <= n; ++i) files.push_back(dir_.File(id_of(i) + ".jsonl"));
+  const Trajectory t = Read(files);
   const auto last = t.generation.find(steps);
   if (last == t.generation.end()) {
     ADD_FAILURE() << "nobody trained step " << steps;
   } else {
-    EXPECT_EQ(t.workers.at(last->second), 3) << "the replacement trained the last step";
+    EXPECT_EQ(t.workers.at(last->second), n) << "the replacement trained the last step";
   }
   ExpectEveryStepTiled(t, steps);
   return t;
@@ -858,7 +868,7 @@ Trajectory ElasticTest::CoordinatorRestartWithAWorkerLost(const std::string& con
 TEST_F(ElasticTest, ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn) {
   CoordinatorRestartWithAWorkerLost(
       Config(200, "elastic { heartbeat_timeout_ms: 1000 restart_grace_ms: 6000 }\n"), 200,
-      /*kill_at=*/20, /*on_two=*/1);
+      /*kill_at=*/20, /*on_survivors=*/1);
 }
 
 // Four TIERED workers (TieredConfig: budgets far below each one's share): worker-2 is SIGKILLed
@@ -997,14 +1007,14 @@ TEST_F(ElasticTest, ATieredJobWithoutBuddyCopiesRidesThroughASecondFailureDuring
   TieredSecondFailureDuringReform(0, "replicas: 0");
 }
 
-// The coordinator restart of ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn, for a TIERED
-// job with `expert_parallel` and `elastic` (more of the elastic block's fields): the survivors
-// that waited for the coordinator re-form (`back` says from what), a replacement joins them, and
-// every step equals the failure-free replay of the same memberships. A worker's death is seen at
-// once (its stream to the coordinator breaks); heartbeats may lapse for 8 s (and the restart grace
-// may not be shorter), because the synced writes of a TIERED job (and of the replay's checkpoint
-// every step) on a loaded machine have held a live worker up past 2 s, and a live worker declared
-// failed would end the job another way.
+// The coordinator restart of ACoordinatorRestartWithAWorkerLostMeanwhileCarriesOn, for a 4-worker
+// TIERED job with `expert_parallel` and `elastic` (more of the elastic block's fields): the 3
+// survivors that waited for the coordinator re-form (`back` says from what), a replacement joins
+// them, and every step equals the failure-free replay of the same memberships. A worker's death is
+// seen at once (its stream to the coordinator breaks); heartbeats may lapse for 8 s (and the
+// restart grace may not be shorter), because the synced writes of a TIERED job (and of the replay's
+// checkpoint every step) on a loaded machine have held a live worker up past 2 s, and a live worker
+// declared failed would end the job another way.
 void ElasticTest::TieredCoordinatorRestart(int expert_parallel, const std::string& elastic,
                                            GoesBackTo back) {
   constexpr int kSteps = 50;
@@ -1012,15 +1022,15 @@ void ElasticTest::TieredCoordinatorRestart(int expert_parallel, const std::strin
       TieredConfig(kSteps, expert_parallel,
                    absl::StrCat("elastic { heartbeat_timeout_ms: 8000 restart_grace_ms: 8000 ",
                                 elastic, " }\n")),
-      kSteps, /*kill_at=*/12, /*on_two=*/6);
+      kSteps, /*kill_at=*/12, /*on_survivors=*/6, /*n=*/4);
   if (HasFailure()) return;  // the replay would only repeat what failed
-  ASSERT_EQ(FirstSteps(t).count(2), 1u) << "the 2 survivors trained no step that counted";
+  ASSERT_EQ(FirstSteps(t).count(2), 1u) << "the 3 survivors trained no step that counted";
   if (back == GoesBackTo::kCheckpoint) {
     ExpectGenerationsBeganAtCheckpoints(t, {2});
-  } else if (back == GoesBackTo::kBuddiesBesideCheckpoints) {
+  } else {
     // Not from checkpoint 10: the kill lands after step 12.
     EXPECT_GE(FirstSteps(t).at(2), 12) << "the failure went back to a checkpoint";
-    for (const char* w : {"w0.log", "w1.log"}) {
+    for (const char* w : {"w0.log", "w1.log", "w2.log"}) {
       const std::string out = ReadFile(dir_.File(w));
       EXPECT_EQ(out.find("going back to the latest checkpoint"), std::string::npos) << out;
     }
@@ -1037,10 +1047,9 @@ TEST_F(ElasticTest, ATieredJobWithoutBuddyCopiesRidesThroughACoordinatorRestartW
 }
 
 TEST_F(ElasticTest, ATieredJobWithExpertParallelGroupsRidesThroughACoordinatorRestart) {
-  // Groups of 2: 3 workers form one group of 3, so the lost worker's experts have no other copy
-  // and the survivors (one group of 2) go back to the newest checkpoint; the replacement makes one
-  // group of 3 again.
-  TieredCoordinatorRestart(2, "", GoesBackTo::kCheckpoint);
+  // Groups of 2: the lost worker's experts come from the other group (3 survivors form one group
+  // of 3); the replacement makes groups of 2 again.
+  TieredCoordinatorRestart(2, "", GoesBackTo::kOtherGroups);
 }
 
 TEST_F(ElasticTest, ATieredWorkerWithExpertParallelGroupsKilledWhileACheckpointCommits) {
