@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 
@@ -23,8 +24,9 @@ constexpr char kLockFile[] = "/lock";
 
 // Removes the folders of shelves whose process is gone (killed before its destructor ran). A live
 // shelf holds an exclusive flock on its folder's lock file, which any process on the machine sees
-// (also from another PID namespace sharing the folder); a folder without one (being made right
-// now) is judged by the process id its name carries.
+// (also from another PID namespace sharing the folder); a folder is named for the sweep only once
+// it is locked (Create). One without a lock file (made before shelves took locks) is judged by
+// the process id its name carries.
 void RemoveAbandoned(const std::string& parent) {
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(parent, ec)) {
@@ -34,7 +36,7 @@ void RemoveAbandoned(const std::string& parent) {
     int pid = 0;
     if (!absl::SimpleAtoi(rest.substr(0, rest.find('-')), &pid) || pid <= 0) continue;
     const std::string lock = entry.path().string() + kLockFile;
-    const int fd = ::open(lock.c_str(), O_RDWR | O_CLOEXEC);
+    const int fd = ::open(lock.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd >= 0) {
       const bool held = flock(fd, LOCK_EX | LOCK_NB) != 0;
       ::close(fd);  // a lock taken here goes with it
@@ -64,7 +66,10 @@ StatusOr<std::unique_ptr<CopyShelf>> CopyShelf::Create(const Options& options) {
   }
   RemoveAbandoned(options.parent_dir);
   std::unique_ptr<CopyShelf> s(new CopyShelf(options));
-  std::string tmpl = absl::StrFormat("%s/%s%d-XXXXXX", options.parent_dir, kFolderPrefix, getpid());
+  // Made under a name the sweep skips (no process id after the prefix), locked, and only then
+  // given its name: a sweep elsewhere never sees it unlocked.
+  std::string tmpl =
+      absl::StrFormat("%s/%snew-%d-XXXXXX", options.parent_dir, kFolderPrefix, getpid());
   std::vector<char> buf(tmpl.begin(), tmpl.end());
   buf.push_back('\0');
   if (mkdtemp(buf.data()) == nullptr) {
@@ -82,6 +87,15 @@ StatusOr<std::unique_ptr<CopyShelf>> CopyShelf::Create(const Options& options) {
         "local, writable folder",
         s->dir_, kLockFile, std::strerror(errno)));
   }
+  const std::string named = absl::StrFormat("%s/%s%d-%s", options.parent_dir, kFolderPrefix,
+                                            getpid(), s->dir_.substr(s->dir_.size() - 6));
+  if (std::rename(s->dir_.c_str(), named.c_str()) != 0) {
+    return absl::PermissionDeniedError(absl::StrFormat(
+        "cannot rename '%s' to '%s' for the buddy copies: %s; point storage.ssd_dir (or TMPDIR) "
+        "at a local, writable folder",
+        s->dir_, named, std::strerror(errno)));
+  }
+  s->dir_ = named;
   ASSIGN_OR_RETURN(std::unique_ptr<BlockIo> io, MakeUringIo(options.io));
   if (options.wrap_io) io = options.wrap_io(std::move(io));
   SsdOptions so;

@@ -315,12 +315,6 @@ Status Trainer::RefreshStoredCopies() {
     // The copies are of the state the store holds once the update in flight is done.
     RETURN_IF_ERROR(scheduler_->FinishExpertStep());
     RETURN_IF_ERROR(EnsureShelf());
-    // Copies of experts this worker neither holds nor is a buddy of (a placement before) go: the
-    // refresh before this one, complete everywhere, made them moot.
-    for (int64_t e = 0; e < E; ++e) {
-      const int j = (rank - holder[e] + W) % W;  // this worker is holder + j
-      if (j > R) shelf_->KeepNewest(e, 0);
-    }
     // Dense: in memory, the latest two refreshes.
     std::swap(rollback_older_, rollback_);
     rollback_.version = v;
@@ -332,6 +326,13 @@ Status Trainer::RefreshStoredCopies() {
   }();
   if (W > 1) ready = AllWorkersOk(ready, "another worker could not copy its experts");
   if (!ready.ok()) return failed(ready);
+  // Copies of experts this worker neither holds nor is a buddy of (of an earlier placement) go
+  // once this generation has made its own: a refresh of it before this one, which every worker
+  // finished before the step that followed it.
+  for (int64_t e = 0; copied_version_ >= 0 && e < E; ++e) {
+    const int j = (rank - holder[e] + W) % W;  // this worker is holder + j
+    if (j > R) shelf_->KeepNewest(e, 0);
+  }
   // Buddy copies: the experts of ranks rank-1 .. rank-R come from their shelves into this one,
   // one buddy distance at a time, in bounded rounds (the moves of a re-form, with every expert's
   // "owner" its holder's buddy).
@@ -712,17 +713,19 @@ Status Trainer::StartFrom(const SyncedState& s) {
     RETURN_IF_ERROR(ImportState(s));
   }
   live_version_ = step_;
-  rollback_ = Copy();
   buddies_.clear();
-  // A TIERED worker's copies of steps up to the one the generation starts from are the job's
-  // history, whatever the placement was: they stay until the generation's own copies are whole
-  // everywhere (its first refresh after this one drops what it no longer needs). Later ones were
-  // of a trajectory the generation replaces.
+  // A TIERED worker's copies of steps up to the one the generation starts from — its experts' and
+  // its dense state's — are the job's history, whatever the placement was: they stay until the
+  // generation's own copies are whole everywhere (the second refresh of the generation drops what
+  // it no longer needs), so a failure during the first one still finds a whole state. Later ones
+  // were of a trajectory the generation replaces. An IN_MEMORY worker's rollback copy was of its
+  // old range.
   if (shelf_) {
     for (int64_t e = 0; e < options_.config.model().moe().num_experts(); ++e) {
       shelf_->DropNewerThan(e, step_);
     }
   }
+  if (scheduler_ == nullptr || rollback_.version > step_) rollback_ = Copy();
   if (rollback_older_.version > step_) rollback_older_ = Copy();
   copied_version_ = -1;
   while (!history_.empty() && history_.back().step > step_) history_.pop_back();
