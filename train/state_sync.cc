@@ -100,18 +100,36 @@ AgreedStep AgreeOnStep(const Holdings& all) {
   std::string missing;
   for (int64_t v : versions) {
     missing.clear();
+    std::vector<int64_t> experts;  // missing at v, ascending
+    bool dense = false;
     for (size_t i = 0; i < all.items(); ++i) {
       bool found = false;
       for (int w = 0; w < W && !found; ++w) found = all.Holds(w, i, v);
-      if (!found) {
-        absl::StrAppend(
-            &missing, missing.empty() ? "" : ", ",
-            i == kDenseItem ? std::string("the dense parameters") : absl::StrCat("expert ", i - 1));
+      if (found) continue;
+      if (i == kDenseItem) {
+        dense = true;
+      } else {
+        experts.push_back(static_cast<int64_t>(i) - 1);
       }
     }
-    if (missing.empty()) {
+    if (!dense && experts.empty()) {
       out.step = v;
       return out;
+    }
+    // "the dense parameters, expert 1, expert 3, experts 5-9": runs of three or more as ranges.
+    if (dense) missing = "the dense parameters";
+    for (size_t a = 0; a < experts.size();) {
+      size_t b = a;
+      while (b + 1 < experts.size() && experts[b + 1] == experts[b] + 1) ++b;
+      const std::string sep = missing.empty() ? "" : ", ";
+      if (b - a >= 2) {
+        absl::StrAppend(&missing, sep, "experts ", experts[a], "-", experts[b]);
+      } else {
+        for (size_t k = a; k <= b; ++k) {
+          absl::StrAppend(&missing, missing.empty() ? "" : ", ", "expert ", experts[k]);
+        }
+      }
+      a = b + 1;
     }
   }
   out.lost = all.dense_floats() == 0

@@ -96,8 +96,8 @@ struct AgreedStep {
   int64_t step = -1;   // the newest version of which every item is held somewhere; -1: none
   int64_t newest = 0;  // the newest version any worker holds (0 when none holds any)
   // step < 0: what cannot be put together, for messages — the items no worker holds at the oldest
-  // version any holds ("expert 4, expert 5 went with the failed workers and their buddy
-  // copies"), or that no worker holds any state at all.
+  // version any holds ("expert 2, experts 4-7 went with the failed workers and their buddy
+  // copies": runs of three or more as ranges), or that no worker holds any state at all.
   std::string lost;
 };
 

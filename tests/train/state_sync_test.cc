@@ -316,6 +316,17 @@ TEST(StateSyncTest, NamesTheExpertsNothingCovers) {
                "expert 2, expert 3 went with the failed workers and their buddy copies");
 }
 
+TEST(StateSyncTest, NamesRunsOfLostExpertsAsRanges) {
+  // Two of four workers of 16 experts (4 each, one buddy copy) died together: ranks 1 and 2, so
+  // old rank 1's experts 4-7 are gone with their buddy copy on rank 2.
+  std::vector<Worker> w;
+  for (int r = 0; r < 2; ++r) w.emplace_back(r, 16);
+  w[0].Trained(12, 0, 4, /*buddies of old rank 3:*/ 12, 4, 12);
+  w[1].Trained(12, 12, 4, /*of old rank 2:*/ 8, 4, 12);
+  ExpectNoStep(Sync(w), /*newest=*/12,
+               "experts 4-7 went with the failed workers and their buddy copies");
+}
+
 TEST(StateSyncTest, SaysSoWhenNoWorkerHoldsAnyState) {
   // Every worker of the generation is new.
   std::vector<Worker> w;
