@@ -305,26 +305,22 @@ TEST(StateSyncTest, PlansWithRankZerosMeasuredLoads) {
   EXPECT_EQ(out[2].read, (std::set<size_t>{0, 5, 6, 7}));
 }
 
-TEST(StateSyncTest, NamesTheExpertsNothingCovers) {
-  // Four workers trained 8 experts (2 each) with one buddy copy; old ranks 1 and 2 died together,
-  // so experts 2 and 3 (old rank 1's, its buddy copy on old rank 2) are gone at every step.
+// Four workers trained 4 * `per` experts (`per` each) with one buddy copy; old ranks 1 and 2 died
+// together, so old rank 1's experts (its buddy copy on old rank 2) are gone at every step: the
+// message names them.
+void ExpectLostWithTwoNeighbours(int64_t per, const std::string& lost) {
   std::vector<Worker> w;
-  for (int r = 0; r < 2; ++r) w.emplace_back(r, 8);
-  w[0].Trained(12, 0, 2, /*buddies of old rank 3:*/ 6, 2, 12);
-  w[1].Trained(12, 6, 2, /*of old rank 2:*/ 4, 2, 12);
+  for (int r = 0; r < 2; ++r) w.emplace_back(r, 4 * per);
+  w[0].Trained(12, 0, per, /*buddies of old rank 3:*/ 3 * per, per, 12);
+  w[1].Trained(12, 3 * per, per, /*of old rank 2:*/ 2 * per, per, 12);
   ExpectNoStep(Sync(w), /*newest=*/12,
-               "expert 2, expert 3 went with the failed workers and their buddy copies");
+               lost + " went with the failed workers and their buddy copies");
 }
 
-TEST(StateSyncTest, NamesRunsOfLostExpertsAsRanges) {
-  // Two of four workers of 16 experts (4 each, one buddy copy) died together: ranks 1 and 2, so
-  // old rank 1's experts 4-7 are gone with their buddy copy on rank 2.
-  std::vector<Worker> w;
-  for (int r = 0; r < 2; ++r) w.emplace_back(r, 16);
-  w[0].Trained(12, 0, 4, /*buddies of old rank 3:*/ 12, 4, 12);
-  w[1].Trained(12, 12, 4, /*of old rank 2:*/ 8, 4, 12);
-  ExpectNoStep(Sync(w), /*newest=*/12,
-               "experts 4-7 went with the failed workers and their buddy copies");
+TEST(StateSyncTest, NamesTheExpertsNothingCovers) {
+  ExpectLostWithTwoNeighbours(2, "expert 2, expert 3");
+  // Runs of three or more as ranges.
+  ExpectLostWithTwoNeighbours(4, "experts 4-7");
 }
 
 TEST(StateSyncTest, SaysSoWhenNoWorkerHoldsAnyState) {
