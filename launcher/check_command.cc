@@ -42,6 +42,12 @@ int CheckCommand(const std::vector<std::string>& args) {
       !m.ok()) {
     return Fail(m);
   }
+  // The SSD tier's files (and an elastic worker's copies) against the free space of their folder.
+  const config::DiskEstimate disk =
+      config::EstimateDisk(*cfg, static_cast<int>(workers->value_or(1)));
+  if (Status d = config::CheckDiskHere(*cfg, disk, *flags->String("config")); !d.ok()) {
+    return Fail(d);
+  }
   auto data = data::TokenDataset::Open(cfg->data(), cfg->model().vocab_size(),
                                        cfg->model().seq_len(), storage::Env::Default());
   if (!data.ok()) return Fail(data.status());
@@ -58,9 +64,12 @@ int CheckCommand(const std::vector<std::string>& args) {
   for (absl::string_view line : absl::StrSplit(memory, '\n', absl::SkipEmpty())) {
     std::printf("# %s\n", std::string(line).c_str());
   }
-  std::printf("# available here: %s\n%s",
-              config::FormatBytes(config::AvailableHostMemory()).c_str(),
-              config::ToText(*cfg).c_str());
+  std::printf("# available here: %s\n", config::FormatBytes(config::AvailableHostMemory()).c_str());
+  if (const std::string need = config::FormatDiskEstimate(disk); !need.empty()) {
+    std::printf("# %s# free in %s: %s\n", need.c_str(), disk.ssd_dir.c_str(),
+                config::FormatBytes(config::AvailableDiskBytes(disk.ssd_dir)).c_str());
+  }
+  std::printf("%s", config::ToText(*cfg).c_str());
   return 0;
 }
 

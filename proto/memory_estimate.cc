@@ -1,10 +1,15 @@
 #include "proto/memory_estimate.h"
 
+#include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <limits>
+#include <system_error>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -69,6 +74,66 @@ uint64_t ReadNumber(const std::string& path, const std::string& key, uint64_t un
     if (absl::SimpleAtoi(rest.substr(0, space), &v)) return Mul(v, unit);
   }
   return 0;
+}
+
+uint64_t RoundUp(uint64_t bytes, uint64_t unit) { return Mul(Add(bytes, unit - 1) / unit, unit); }
+
+// Bytes of the files that `n` tensors of `tensor` bytes (a multiple of the granule) take when
+// packed first-fit into files of at most `file` bytes grown kDiskGrowBytes at a time
+// (ExtentAllocator): floor(file / tensor) a file, each file as large as its last growth.
+uint64_t PackedBytes(uint64_t n, uint64_t tensor, uint64_t file) {
+  if (n == 0 || tensor == 0) return 0;
+  const uint64_t per_file = std::max<uint64_t>(1, file / tensor);
+  auto size = [&](uint64_t k) {
+    return std::max(Mul(k, tensor), std::min(file, RoundUp(Mul(k, tensor), kDiskGrowBytes)));
+  };
+  const uint64_t rest = n % per_file;
+  return Add(Mul(n / per_file, size(per_file)), rest > 0 ? size(rest) : 0);
+}
+
+// Bytes of the dense state's tensors in one checkpoint: values and both Adam moments, each tensor
+// counted with a whole granule of padding (an upper bound; the model's dense tensors, as
+// runtime/model builds them: wte, wpe, the final norm, the output head, every block's norms,
+// attention weights and biases, every MoE block's router and every dense block's FFN).
+uint64_t DenseCheckpointBytes(const ModelConfig& m, uint64_t dense_parameters) {
+  const bool ln = m.norm() == ModelConfig::LAYER_NORM;
+  const uint64_t L = U(m.n_layers());
+  const uint64_t moe_layers = m.moe_every() > 0 ? L / U(m.moe_every()) : 0;
+  uint64_t tensors = 3 + (ln ? 1 : 0) + (m.tie_embeddings() ? 0 : 1);
+  tensors = Add(tensors, Mul(L, ln ? 8 : 6));
+  tensors = Add(tensors, Mul(moe_layers, m.moe().gate().type() == GateConfig::NOISY_TOP_K ? 2 : 1));
+  tensors = Add(tensors, Mul(Sub(L, moe_layers), 4));
+  return Mul(3, Add(Mul(4, dense_parameters), Mul(tensors, kDiskGranuleBytes)));
+}
+
+std::string TempBase() {
+  const char* base = std::getenv("TMPDIR");
+  return base != nullptr && *base ? base : "/tmp";
+}
+
+// The nearest existing ancestor of `path` ("." for "").
+std::filesystem::path Existing(const std::string& path) {
+  std::filesystem::path p(path.empty() ? std::string(".") : path);
+  std::error_code ec;
+  while (!std::filesystem::exists(p, ec) && p.has_parent_path() && p != p.parent_path()) {
+    p = p.parent_path();
+  }
+  if (!std::filesystem::exists(p, ec)) p = ".";  // a relative path with no existing part
+  return p;
+}
+
+// Bytes allocated to the files under `path` (0 when it does not exist).
+uint64_t BytesUnder(const std::string& path) {
+  std::error_code ec;
+  uint64_t total = 0;
+  for (auto it = std::filesystem::recursive_directory_iterator(path, ec);
+       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    struct stat st;
+    if (it->is_regular_file(ec) && ::stat(it->path().c_str(), &st) == 0) {
+      total = Add(total, Mul(U(st.st_blocks), 512));
+    }
+  }
+  return total;
 }
 
 }  // namespace
@@ -232,6 +297,131 @@ std::string FormatMemoryEstimate(const MemoryEstimate& e) {
                     FormatBytes(e.expert_state_bytes));
   }
   return out + "\n";
+}
+
+DiskEstimate EstimateDisk(const JobConfig& config, int workers, bool elastic) {
+  DiskEstimate d;
+  const StorageConfig& st = config.storage();
+  if (st.mode() != StorageConfig::TIERED) return d;
+  const MoeConfig& moe = config.model().moe();
+  const MemoryEstimate m = EstimateMemory(config);
+  const uint64_t E = U(moe.num_experts());
+  const uint64_t L = U(config.model().n_layers());
+  const uint64_t moe_layers =
+      config.model().moe_every() > 0 ? L / U(config.model().moe_every()) : 0;
+  // One of W workers: its expert-parallel group's share, ceil(E / G) of every MoE layer.
+  const uint64_t W = U(std::max(1, workers));
+  const int64_t ep = config.parallel().expert_parallel();
+  const uint64_t G = W == 1 ? 1 : ep > 0 ? std::min(U(ep), W) : W;
+  const uint64_t held = Mul(moe_layers, (E + G - 1) / G);
+  d.experts = ToInt64(held);
+  d.expert_tensor_bytes =
+      RoundUp(Mul(4, FfnParameters(config.model(), U(moe.d_expert()), moe.expert_bias())),
+              kDiskGranuleBytes);
+  const uint64_t file = st.ssd_file_bytes();
+  d.expert_bytes = PackedBytes(Mul(4, held), d.expert_tensor_bytes, file);
+  const CheckpointConfig& ck = config.checkpoint();
+  if (!ck.dir().empty()) {
+    d.ssd_dir = ck.dir();
+  } else if (!st.ssd_dir().empty()) {
+    d.ssd_dir = st.ssd_dir();
+  } else {
+    d.ssd_dir = TempBase();
+    d.temporary = true;
+  }
+  uint64_t ssd = d.expert_bytes;
+  if (!ck.dir().empty() && ck.every() > 0) {
+    const uint64_t versions = Add(std::max<uint64_t>(1, ck.keep()), 1);
+    ssd = Add(
+        PackedBytes(Add(Mul(4, held), Mul(Mul(3, versions), held)), d.expert_tensor_bytes, file),
+        Mul(versions, DenseCheckpointBytes(config.model(), U(m.dense_parameters))));
+    d.checkpoint_bytes = Sub(ssd, d.expert_bytes);
+  }
+  d.ssd_bytes = ssd;
+  if (st.ssd_capacity_bytes() > 0 && ssd > st.ssd_capacity_bytes()) {
+    d.ssd_bytes = st.ssd_capacity_bytes();
+    d.capped = true;
+  }
+  // An elastic TIERED worker's shelf: two versions of its own experts and of `replicas` others',
+  // 3 pieces (weights, m, v) per expert, in the shelf's 1 GiB files.
+  const uint64_t replicas = std::min<uint64_t>(U(config.elastic().replicas()), W - 1);
+  if (elastic && CopiesLagSteps(config) > 0 && replicas > 0) {
+    d.copies_dir = st.ssd_dir().empty() ? TempBase() : st.ssd_dir();
+    d.copy_bytes =
+        PackedBytes(Mul(Mul(6, Add(1, replicas)), held), d.expert_tensor_bytes, uint64_t{1} << 30);
+  }
+  return d;
+}
+
+std::string FormatDiskEstimate(const DiskEstimate& d) {
+  if (d.ssd_bytes == 0 && d.copy_bytes == 0) return "";
+  std::string out = absl::StrFormat(
+      "disk: %s in %s%s = expert state %s (%d experts x 4 tensors of %s: weights, gradient, Adam "
+      "m and v)",
+      FormatBytes(Add(d.ssd_bytes, d.copy_bytes)), d.ssd_dir,
+      d.temporary ? " (a temporary folder in it)" : "", FormatBytes(d.expert_bytes), d.experts,
+      FormatBytes(d.expert_tensor_bytes));
+  if (d.checkpoint_bytes > 0) {
+    absl::StrAppend(&out, " + checkpoints ", FormatBytes(d.checkpoint_bytes));
+  }
+  if (d.capped) {
+    absl::StrAppend(&out, ", bounded by storage.ssd_capacity_bytes to ", FormatBytes(d.ssd_bytes));
+  }
+  if (d.copy_bytes > 0) {
+    absl::StrAppend(&out, " + elastic copies ", FormatBytes(d.copy_bytes), " in ", d.copies_dir);
+  }
+  return out + "\n";
+}
+
+uint64_t AvailableDiskBytes(const std::string& path) {
+  struct statvfs vfs;
+  if (::statvfs(Existing(path).c_str(), &vfs) != 0) return 0;
+  return Mul(U(vfs.f_bavail), U(vfs.f_frsize));
+}
+
+Status CheckDisk(const JobConfig& config, const DiskEstimate& d, uint64_t available_bytes,
+                 const std::string& source, std::optional<uint64_t> copies_available_bytes) {
+  const bool shared = !copies_available_bytes.has_value();
+  const uint64_t need = shared ? Add(d.ssd_bytes, d.copy_bytes) : d.ssd_bytes;
+  const bool ssd_short = available_bytes > 0 && need > available_bytes;
+  const bool copies_short =
+      !shared && *copies_available_bytes > 0 && d.copy_bytes > *copies_available_bytes;
+  if (!ssd_short && !copies_short) return absl::OkStatus();
+  std::string figures = FormatDiskEstimate(d);
+  if (!figures.empty()) figures.pop_back();
+  const std::string folder = ssd_short ? d.ssd_dir : d.copies_dir;
+  const uint64_t needed = ssd_short ? need : d.copy_bytes;
+  const uint64_t have = ssd_short ? available_bytes : *copies_available_bytes;
+  std::string drives =
+      "the expert state grows with model.moe.num_experts, model.moe.d_expert, model.d_model and "
+      "the MoE layers (model.n_layers / model.moe_every)";
+  if (d.checkpoint_bytes > 0) {
+    absl::StrAppend(&drives, "; checkpoints with checkpoint.keep");
+  }
+  if (d.copy_bytes > 0) absl::StrAppend(&drives, "; the elastic copies with elastic.replicas");
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "%s: the job needs %s of disk in %s but only %s is free there (%s short):\n  %s\n  Free "
+      "space there, point %s at a folder on a larger disk, or make the model smaller: %s",
+      source, FormatBytes(needed), folder, FormatBytes(have), FormatBytes(Sub(needed, have)),
+      figures,
+      ssd_short && !config.checkpoint().dir().empty() ? "checkpoint.dir (--checkpoint-dir)"
+                                                      : "storage.ssd_dir",
+      drives));
+}
+
+Status CheckDiskHere(const JobConfig& config, const DiskEstimate& d, const std::string& source) {
+  if (d.ssd_bytes == 0 && d.copy_bytes == 0) return absl::OkStatus();
+  uint64_t available = AvailableDiskBytes(d.ssd_dir);
+  // Files already in the tier's folder (a resumed job's) are reused, not added to.
+  if (!d.temporary && available > 0) available = Add(available, BytesUnder(d.ssd_dir));
+  std::optional<uint64_t> copies;
+  if (d.copy_bytes > 0) {
+    struct stat a, b;
+    const bool same = ::stat(Existing(d.ssd_dir).c_str(), &a) == 0 &&
+                      ::stat(Existing(d.copies_dir).c_str(), &b) == 0 && a.st_dev == b.st_dev;
+    if (!same) copies = AvailableDiskBytes(d.copies_dir);
+  }
+  return CheckDisk(config, d, available, source, copies);
 }
 
 uint64_t AvailableHostMemory() {

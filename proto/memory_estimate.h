@@ -23,10 +23,17 @@
 // machine check is the caller's: `strata check` and `strata train` for one process, a worker for
 // its share, `strata launch` for its N local workers together; a coordinator trains nothing.
 //
-// Pure functions of the config, except AvailableHostMemory. Safe to call from any thread.
+// Disk: a TIERED job's SSD tier holds every expert's four tensors, the versions its checkpoints
+// pin and, for an elastic worker, its copy shelf (EstimateDisk). The trainer and `strata check`
+// compare that with the free space of the folders it goes to (CheckDisk), so a job that would fill
+// the disk is refused at its start, not after an hour of training.
+//
+// Pure functions of the config, except AvailableHostMemory, AvailableDiskBytes and
+// CheckDiskHere, which read this machine. Safe to call from any thread.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "core/common/status.h"
@@ -99,5 +106,73 @@ inline constexpr uint64_t kProcessOverheadBytes = uint64_t{256} << 20;
 [[nodiscard]] Status CheckMemory(const JobConfig& config, const MemoryEstimate& estimate,
                                  uint64_t available_bytes, const std::string& source,
                                  int processes = 1);
+
+// What a TIERED job writes to disk, from its config alone: an upper bound of the bytes its SSD
+// tier's files take (allocated with fallocate, so this is what the disk loses) and of its copy
+// shelf's. Tensors are counted as the store lays them out (storage/ssd_tier.h,
+// storage/extent_allocator.h): each rounded up to kDiskGranuleBytes, packed first-fit into files
+// of storage.ssd_file_bytes that grow kDiskGrowBytes at a time, no tensor split between files (so
+// a file holds floor(ssd_file_bytes / tensor) of them and the rest of it is lost).
+//   - live state: 4 tensors per expert (weights, gradient — a gradient spills when the host tier
+//     is full — Adam m and v);
+//   - checkpoints (checkpoint.dir and checkpoint.every set; the SSD tier then lives in
+//     checkpoint.dir): max(1, checkpoint.keep) + 1 versions of every expert's weights and moments
+//     (the oldest is removed only after the newest commits) and of the dense state, whose tensors
+//     are counted as a granule each on top of their bytes; checkpoints may share versions with the
+//     live state, which this does not assume;
+//   - an elastic TIERED worker's copy shelf (config::CopiesLagSteps > 0, more than one worker):
+//     two versions of its own experts and of elastic.replicas other workers' (weights and
+//     moments), in files of the shelf's own (1 GiB, under storage.ssd_dir, else $TMPDIR).
+// storage.ssd_capacity_bytes, when set, bounds the SSD tier (a job that needs more fails when the
+// tier is full, which the check does not predict).
+struct DiskEstimate {
+  // The folder the SSD tier's files go to (checkpoint.dir, else storage.ssd_dir, else $TMPDIR or
+  // /tmp, where a temporary folder is made) and the bytes they take there.
+  std::string ssd_dir;
+  bool temporary = false;            // ssd_dir is the parent of a temporary folder removed at exit
+  uint64_t expert_tensor_bytes = 0;  // one expert tensor on disk (rounded up to the granule)
+  int64_t experts = 0;               // experts of all MoE layers this process's store holds
+  uint64_t expert_bytes = 0;         // the live state's files
+  uint64_t checkpoint_bytes = 0;     // what the checkpoints add to them
+  uint64_t ssd_bytes = 0;            // the SSD tier's files: both, bounded by ssd_capacity_bytes
+  bool capped = false;               // ssd_bytes is storage.ssd_capacity_bytes
+  // The copy shelf's folder (the parent of its private folder) and its files.
+  std::string copies_dir;
+  uint64_t copy_bytes = 0;
+};
+
+// SSD-tier layout constants, as storage/ssd_tier.h and storage/extent_allocator.h have them (proto
+// cannot include storage): the O_DIRECT granule and the step in which a data file grows.
+inline constexpr uint64_t kDiskGranuleBytes = 4096;
+inline constexpr uint64_t kDiskGrowBytes = uint64_t{64} << 20;
+
+// The disk need of one of `workers` processes of the job (its share of the experts; `elastic` as
+// in EstimateWorkerMemory). All zero for an IN_MEMORY job. Saturates like EstimateMemory.
+DiskEstimate EstimateDisk(const JobConfig& config, int workers = 1, bool elastic = true);
+
+// "disk: 40.0 GiB in /tmp (SSD tier: expert state 40.0 GiB + checkpoints 0 B) + ...", for
+// `strata check`; empty for a job that writes nothing.
+std::string FormatDiskEstimate(const DiskEstimate& estimate);
+
+// Bytes an unprivileged process may still write on the file system of `path` (statvfs: f_bavail
+// x f_frsize) — of `path`'s nearest existing ancestor when it does not exist yet ("" is the
+// current folder). 0 when none can be read.
+uint64_t AvailableDiskBytes(const std::string& path);
+
+// RESOURCE_EXHAUSTED when the SSD tier's files need more than `available_bytes` (which includes
+// what files already in its folder hold: a resumed job reuses them), or the copy shelf more than
+// `copies_available_bytes` — nullopt when the shelf is on the SSD tier's file system, whose
+// available_bytes then has to hold both. Not checked when available_bytes is 0 (not known). The
+// message names `source`, the folder, the figures in human units, the fields that drive them and
+// how to make room.
+[[nodiscard]] Status CheckDisk(const JobConfig& config, const DiskEstimate& estimate,
+                               uint64_t available_bytes, const std::string& source,
+                               std::optional<uint64_t> copies_available_bytes = std::nullopt);
+
+// CheckDisk against this machine: AvailableDiskBytes of both folders (one figure when they are on
+// one file system), plus the bytes of the files already under the SSD tier's folder unless it is a
+// temporary one's parent.
+[[nodiscard]] Status CheckDiskHere(const JobConfig& config, const DiskEstimate& estimate,
+                                   const std::string& source);
 
 }  // namespace strata::config

@@ -546,6 +546,10 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
                           config::EstimateWorkerMemory(cfg, std::max(1, options.worker.world_size),
                                                        options.worker.elastic),
                           config::AvailableHostMemory(), "job config"));
+  RETURN_IF_ERROR(config::CheckDiskHere(
+      cfg,
+      config::EstimateDisk(cfg, std::max(1, options.worker.world_size), options.worker.elastic),
+      "job config"));
   // An elastic job learns at its start what its layout needs to re-form, not at its first failure.
   if (options.worker.elastic) RETURN_IF_ERROR(tr->CheckElastic());
   storage::Env* env = options.env ? options.env : storage::Env::Default();

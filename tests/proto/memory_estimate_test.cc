@@ -1,8 +1,9 @@
-// The memory estimate: parameter counts against models built from the same config, the byte
-// figures against hand-computed ones, and the refusals of what cannot fit.
+// The memory and disk estimates: parameter counts against models built from the same config, the
+// byte figures against hand-computed ones, and the refusals of what cannot fit.
 #include "proto/memory_estimate.h"
 
 #include <gtest/gtest.h>
+#include <sys/statvfs.h>
 
 #include "absl/strings/str_cat.h"
 #include "core/common/thread_pool.h"
@@ -215,6 +216,162 @@ TEST(MemoryEstimateTest, AvailableHostMemoryIsReadFromThisMachine) {
   const uint64_t avail = AvailableHostMemory();
   EXPECT_GT(avail, uint64_t{16} << 20) << "a test machine has more than 16 MiB free";
   EXPECT_LT(avail, uint64_t{1} << 50);
+}
+
+// The larger-than-RAM example's expert shape on 2 MoE layers of 4 experts: one expert tensor is
+// 2 x 1024 x 4096 weights + 4096 + 1024 biases = 8,393,728 floats = 33,574,912 bytes, exactly
+// 8197 granules of 4 KiB. A 1 GiB data file holds 31 of them (1,040,822,272 bytes) and grows in
+// 64 MiB steps, so it ends at 1 GiB.
+const char* kWide =
+    "model { vocab_size: 256 seq_len: 32 d_model: 1024 n_layers: 2 n_heads: 8 moe_every: 1\n"
+    "        moe { num_experts: 4 top_k: 1 d_expert: 4096 } }\n"
+    "train { global_batch: 1 }\n";
+constexpr uint64_t kTensor = 33'574'912;
+constexpr uint64_t kGiB = uint64_t{1} << 30, kMiB = uint64_t{1} << 20;
+
+TEST(DiskEstimateTest, FiguresMatchAHandCount) {
+  EXPECT_EQ(EstimateDisk(Parse(kWide)).ssd_bytes, 0u) << "IN_MEMORY writes nothing";
+
+  // 8 experts x 4 tensors = 32: one full file (31 tensors, 1 GiB) and one with 1 tensor, grown to
+  // 64 MiB.
+  const DiskEstimate d =
+      EstimateDisk(Parse(absl::StrCat(kWide, "storage { mode: TIERED ssd_dir: \"/big/ssd\" }")));
+  EXPECT_EQ(d.ssd_dir, "/big/ssd");
+  EXPECT_FALSE(d.temporary);
+  EXPECT_EQ(d.expert_tensor_bytes, kTensor);
+  EXPECT_EQ(d.experts, 8);
+  EXPECT_EQ(d.expert_bytes, kGiB + 64 * kMiB);
+  EXPECT_EQ(d.checkpoint_bytes, 0u);
+  EXPECT_EQ(d.ssd_bytes, kGiB + 64 * kMiB);
+  EXPECT_EQ(d.copy_bytes, 0u);
+  const std::string text = FormatDiskEstimate(d);
+  EXPECT_NE(text.find("disk: 1.1 GiB in /big/ssd = expert state 1.1 GiB (8 experts x 4 tensors of "
+                      "32.0 MiB"),
+            std::string::npos)
+      << text;
+
+  // No folder: the temporary one under $TMPDIR.
+  setenv("TMPDIR", "/scratch", 1);
+  const DiskEstimate t = EstimateDisk(Parse(absl::StrCat(kWide, "storage { mode: TIERED }")));
+  unsetenv("TMPDIR");
+  EXPECT_EQ(t.ssd_dir, "/scratch");
+  EXPECT_TRUE(t.temporary);
+
+  // Checkpoints (keep 2: 3 versions while the newest commits) in the checkpoint folder, where the
+  // SSD tier then lives: 32 + 3 x 3 x 8 = 104 expert tensors = 3 full files and 11 tensors
+  // (369,324,032 bytes, grown to 6 x 64 MiB), and 3 versions of the dense state: values and both
+  // moments, with a granule for each of its 22 tensors (wte, wpe, final norm's 2, 8 per block,
+  // 2 routers).
+  const JobConfig ck = Parse(absl::StrCat(kWide,
+                                          "storage { mode: TIERED ssd_dir: \"/big/ssd\" }\n"
+                                          "checkpoint { dir: \"/ck\" every: 10 keep: 2 }"));
+  const uint64_t dense = static_cast<uint64_t>(EstimateMemory(ck).dense_parameters);
+  EXPECT_EQ(dense,
+            256u * 1024 + 32 * 1024 + 2 * 1024 + 2 * (4 * 1024 * 1024 + 8 * 1024) + 2 * 4 * 1024);
+  const DiskEstimate c = EstimateDisk(ck);
+  EXPECT_EQ(c.ssd_dir, "/ck");
+  EXPECT_EQ(c.expert_bytes, kGiB + 64 * kMiB);
+  const uint64_t with_checkpoints = 3 * kGiB + 6 * 64 * kMiB + 3 * 3 * (4 * dense + 22 * 4096);
+  EXPECT_EQ(c.ssd_bytes, with_checkpoints);
+  EXPECT_EQ(c.checkpoint_bytes, with_checkpoints - (kGiB + 64 * kMiB));
+  // A folder without checkpoints written pins nothing more.
+  EXPECT_EQ(EstimateDisk(Parse(absl::StrCat(kWide,
+                                            "storage { mode: TIERED }\n"
+                                            "checkpoint { dir: \"/ck\" every: 0 }")))
+                .ssd_bytes,
+            kGiB + 64 * kMiB);
+  // storage.ssd_capacity_bytes bounds the SSD tier.
+  JobConfig capped = ck;
+  capped.mutable_storage()->set_ssd_capacity_bytes(2 * kGiB);
+  const DiskEstimate cap = EstimateDisk(capped);
+  EXPECT_EQ(cap.ssd_bytes, 2 * kGiB);
+  EXPECT_TRUE(cap.capped);
+
+  // One of 2 elastic workers holds 2 experts of each layer (4: 16 tensors, 537,198,592 bytes, grown
+  // to 9 x 64 MiB) and keeps on its shelf, under storage.ssd_dir, two versions of its own experts
+  // and of its buddy's, 3 tensors each: 2 x 2 x 4 x 3 = 48 = one full 1 GiB file and 17 tensors
+  // (570,773,504 bytes, grown to 9 x 64 MiB).
+  const DiskEstimate w =
+      EstimateDisk(Parse(absl::StrCat(kWide, "storage { mode: TIERED ssd_dir: \"/big/ssd\" }")), 2);
+  EXPECT_EQ(w.experts, 4);
+  EXPECT_EQ(w.ssd_bytes, 9 * 64 * kMiB);
+  EXPECT_EQ(w.copies_dir, "/big/ssd");
+  EXPECT_EQ(w.copy_bytes, kGiB + 9 * 64 * kMiB);
+  EXPECT_EQ(EstimateDisk(Parse(absl::StrCat(kWide, "storage { mode: TIERED ssd_dir: \"/b\" }")), 2,
+                         /*elastic=*/false)
+                .copy_bytes,
+            0u)
+      << "a --store worker keeps no copies";
+}
+
+TEST(DiskEstimateTest, RefusesWhatDoesNotFitNamingTheFolderAndTheFix) {
+  const JobConfig cfg =
+      Parse(absl::StrCat(kWide, "storage { mode: TIERED ssd_dir: \"/big/ssd\" }"));
+  const DiskEstimate d = EstimateDisk(cfg);
+  const uint64_t need = kGiB + 64 * kMiB;
+  EXPECT_TRUE(CheckDisk(cfg, d, need, "job.textproto").ok());
+  EXPECT_TRUE(CheckDisk(cfg, d, 0, "job.textproto").ok()) << "0: not known, not checked";
+  const Status s = CheckDisk(cfg, d, 512 * kMiB, "job.textproto");
+  ASSERT_TRUE(absl::IsResourceExhausted(s)) << s;
+  const std::string msg(s.message());
+  for (const char* part :
+       {"job.textproto: the job needs 1.1 GiB of disk in /big/ssd but only 512.0 MiB is free "
+        "there (576.0 MiB short)",
+        "expert state 1.1 GiB (8 experts x 4 tensors", "model.moe.num_experts",
+        "point storage.ssd_dir at a folder on a larger disk"}) {
+    EXPECT_NE(msg.find(part), std::string::npos) << part << "\n" << msg;
+  }
+  // With checkpoints the tier is in the checkpoint folder, and keep is named.
+  const JobConfig ck = Parse(absl::StrCat(
+      kWide, "storage { mode: TIERED }\ncheckpoint { dir: \"/ck\" every: 10 keep: 2 }"));
+  const Status c = CheckDisk(ck, EstimateDisk(ck), kGiB, "job.textproto");
+  ASSERT_TRUE(absl::IsResourceExhausted(c)) << c;
+  EXPECT_NE(c.message().find("checkpoint.keep"), std::string::npos) << c;
+  EXPECT_NE(c.message().find("point checkpoint.dir (--checkpoint-dir) at"), std::string::npos) << c;
+
+  // An elastic worker's copies on the tier's file system count against the same free space; on
+  // another, against that one's.
+  const DiskEstimate w = EstimateDisk(cfg, 2);
+  EXPECT_TRUE(CheckDisk(cfg, w, w.ssd_bytes + w.copy_bytes, "job.textproto").ok());
+  EXPECT_FALSE(CheckDisk(cfg, w, w.ssd_bytes + w.copy_bytes - 1, "job.textproto").ok());
+  EXPECT_TRUE(CheckDisk(cfg, w, w.ssd_bytes, "job.textproto", w.copy_bytes).ok());
+  const Status o = CheckDisk(cfg, w, w.ssd_bytes, "job.textproto", w.copy_bytes - 1);
+  ASSERT_TRUE(absl::IsResourceExhausted(o)) << o;
+  EXPECT_NE(o.message().find("elastic.replicas"), std::string::npos) << o;
+}
+
+TEST(DiskEstimateTest, AvailableDiskBytesIsOfTheNearestExistingFolder) {
+  struct statvfs vfs;
+  ASSERT_EQ(statvfs("/", &vfs), 0);
+  const uint64_t root = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+  // Other processes write meanwhile: the two reads agree within 256 MiB.
+  const uint64_t missing = AvailableDiskBytes("/no-such-folder/below/it");
+  EXPECT_GT(missing, 0u);
+  EXPECT_LT(std::max(missing, root) - std::min(missing, root), 256 * kMiB);
+  EXPECT_GT(AvailableDiskBytes("no-such-relative-folder"), 0u);
+}
+
+TEST(DiskEstimateTest, ARealFolderOnASmallFileSystemIsRefused) {
+  // /dev/shm is a tmpfs of at most half the machine's memory; 4096 experts of 32 MiB (512 GiB
+  // with their four tensors) do not fit there on any machine this runs on.
+  struct statvfs vfs;
+  if (statvfs("/dev/shm", &vfs) != 0) GTEST_SKIP() << "no /dev/shm here";
+  const JobConfig cfg = Parse(
+      "model { vocab_size: 256 seq_len: 32 d_model: 1024 n_layers: 4 n_heads: 8\n"
+      "        moe { num_experts: 1024 top_k: 1 d_expert: 4096 } }\n"
+      "storage { mode: TIERED ssd_dir: \"/dev/shm/strata-disk-test/ssd\" }");
+  const DiskEstimate d = EstimateDisk(cfg);
+  ASSERT_GT(d.ssd_bytes, uint64_t{vfs.f_bavail} * vfs.f_frsize);
+  const Status s = CheckDiskHere(cfg, d, "big.textproto");
+  ASSERT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_NE(s.message().find("of disk in /dev/shm/strata-disk-test/ssd but only"),
+            std::string::npos)
+      << s;
+  // The same need on a folder with room for it passes.
+  EXPECT_TRUE(CheckDiskHere(cfg,
+                            EstimateDisk(Parse(absl::StrCat(kWide, "storage { mode: TIERED }"))),
+                            "small.textproto")
+                  .ok());
 }
 
 }  // namespace
