@@ -9,18 +9,37 @@
 // A cloud disk is noisy, so the two alternate within each of --rounds rounds and the medians are
 // compared.
 //
-//   build/bin/bench_ssd_tier [--dir DIR] [--mib N] [--rounds R] [--io-block B] [--small] [--json]
+//   build/bin/bench_ssd_tier [--dir DIR] [--mib N] [--rounds R] [--io-block B]
+//                            [--fio-mem huge|malloc] [--small] [--no-fio] [--json]
 //
 // The tier sends each extent as one request (storage.io_block_bytes = the largest extent, as fio
 // sends one request of bs bytes); --io-block 1048576 measures the default 1 MiB requests.
 //
 // The folder defaults to $TMPDIR (or /tmp), where the SSD tier lives unless storage.ssd_dir says
 // otherwise; it must support O_DIRECT (not tmpfs).
+//
+// fio gets huge pages, as the tier has (storage/io_memory.h): with 4 KiB pages every direct
+// transfer pins and maps one page per 4 KiB, which on the reference VM costs fio a third to a half
+// of its 1 MiB read rate,
+// and the table would compare the tier with fio's buffers rather than with the disk. fio has no
+// option for transparent huge pages, so it gets hugetlb pages: `--iomem=mmaphuge` without a file,
+// which maps its buffer anonymously with MAP_HUGETLB. That needs only 2 MiB pages in the kernel's
+// pool (/proc/sys/vm/nr_hugepages), no hugetlbfs mount: a file on a mount would hold its pages
+// after a killed fio until someone deleted it, an anonymous mapping gives them back when fio
+// exits. (`--iomem=shmhuge` works too, but a SysV segment of a killed fio may outlive it the same
+// way.) The bench tops the pool up to what fio's largest buffer needs (about (iodepth + 1) x bs,
+// see FioHugePages), and puts nr_hugepages back when it ends, also on an
+// error or SIGINT / SIGTERM. Where it cannot (not root, or the kernel finds too few free 2 MiB
+// pages), it says how to reserve them and runs fio with malloc buffers; the table's "fio mem"
+// column says which memory fio used. --fio-mem malloc asks for malloc buffers.
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -56,15 +75,115 @@ struct Options {
   bool fio = true;
   uint32_t queue_depth = 32;
   uint64_t io_block = 0;  // 0: the largest extent
+  bool fio_huge = true;   // huge pages for fio's buffers where they can be reserved
 };
+
+constexpr uint64_t kHugePage = uint64_t{2} << 20;
+constexpr const char* kNrHugePages = "/proc/sys/vm/nr_hugepages";
+
+// fio's queue depth at bs: fio registers one buffer of iodepth x bs, and io_uring takes at most
+// 1 GiB per buffer.
+uint64_t FioDepth(const Options& o, uint64_t bs) {
+  return std::max<uint64_t>(1, std::min<uint64_t>(o.queue_depth, (1ull << 30) / bs));
+}
+
+// 2 MiB pages that fio maps at bs with --iomem=mmaphuge: (iodepth + 1) x bs plus 4 KiB - 1 for
+// O_DIRECT alignment, rounded up to whole huge pages, and one page more. Found by bisecting
+// nr_hugepages with fio 3.33 (1 MiB at depth 32: 18 pages; 33574912 bytes at depth 31: 514);
+// two pages of slack for other versions.
+uint64_t FioHugePages(const Options& o, uint64_t bs) {
+  return ((FioDepth(o, bs) + 1) * bs + 4095 + kHugePage - 1) / kHugePage + 1 + 2;
+}
 
 // One fio job in the benchmark's folder, at bs = the extent size.
 double Fio(const Options& o, const std::string& rw, uint64_t bs, uint64_t total) {
-  // fio registers one buffer of iodepth x bs, and io_uring takes at most 1 GiB per buffer.
-  const uint64_t depth =
-      std::max<uint64_t>(1, std::min<uint64_t>(o.queue_depth, (1ull << 30) / bs));
-  return RunFio(o.dir + "/bench_ssd_tier.fio", rw, bs, total, depth, /*fixed_buffers=*/true);
+  return RunFio(o.dir + "/bench_ssd_tier.fio", rw, bs, total, FioDepth(o, bs),
+                /*fixed_buffers=*/true, o.fio_huge ? "mmaphuge" : "");
 }
+
+// A number from /proc (nr_hugepages) or the value of `key` in /proc/meminfo; -1 when unreadable.
+int64_t ReadProcNumber(const char* path, const char* key = nullptr) {
+  std::ifstream f(path);
+  std::string line;
+  while (std::getline(f, line)) {
+    if (key == nullptr) return std::stoll(line);
+    if (line.rfind(key, 0) == 0) return std::stoll(line.substr(std::strlen(key)));
+  }
+  return -1;
+}
+
+// nr_hugepages as it was before the bench raised it (-1: untouched), for the exit paths: a
+// signal handler may only write it back with write(2).
+volatile sig_atomic_t saved_nr_hugepages = -1;
+
+bool WriteNrHugePages(int64_t n) {
+  char text[32];
+  const int len = std::snprintf(text, sizeof(text), "%lld\n", static_cast<long long>(n));
+  const int fd = ::open(kNrHugePages, O_WRONLY);
+  if (fd < 0) return false;
+  const bool ok = ::write(fd, text, static_cast<size_t>(len)) == len;
+  ::close(fd);
+  return ok;
+}
+
+void RestoreOnSignal(int sig) {
+  if (saved_nr_hugepages >= 0) WriteNrHugePages(saved_nr_hugepages);
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+// Huge pages in the kernel's pool for fio, given back (nr_hugepages restored) when destroyed.
+class HugePageReservation {
+ public:
+  // At least `pages` free 2 MiB pages, raising nr_hugepages if needed; false with *why (what
+  // failed and how to set it up by hand) when the pool cannot be made large enough.
+  bool Reserve(uint64_t pages, std::string* why) {
+    const int64_t nr = ReadProcNumber(kNrHugePages);
+    const int64_t free = ReadProcNumber("/proc/meminfo", "HugePages_Free:");
+    const auto want = static_cast<int64_t>(pages);
+    const std::string how = absl::StrFormat(
+        "to give fio huge pages, reserve them before the run, as root: echo %d > %s (and "
+        "echo %d > %s after it); the bench does this itself when run as root",
+        std::max<int64_t>(nr, 0) + want, kNrHugePages, std::max<int64_t>(nr, 0), kNrHugePages);
+    if (nr < 0 || free < 0) {
+      *why = absl::StrCat("cannot read ", kNrHugePages, " or /proc/meminfo; ", how);
+      return false;
+    }
+    if (free >= want) return true;
+    saved_nr_hugepages = static_cast<sig_atomic_t>(nr);
+    ::signal(SIGINT, RestoreOnSignal);
+    ::signal(SIGTERM, RestoreOnSignal);
+    if (!WriteNrHugePages(nr + want - free)) {
+      const int err = errno;
+      saved_nr_hugepages = -1;  // unchanged: nothing to restore
+      Restore();
+      *why = absl::StrCat("cannot write ", kNrHugePages, " (", std::strerror(err), "); ", how);
+      return false;
+    }
+    const int64_t now_free = ReadProcNumber("/proc/meminfo", "HugePages_Free:");
+    if (now_free < want) {
+      Restore();
+      *why = absl::StrFormat(
+          "the kernel found only %d of the %d free 2 MiB pages fio needs (memory too "
+          "fragmented); %s, or right after boot",
+          now_free, want, how);
+      return false;
+    }
+    return true;
+  }
+  ~HugePageReservation() { Restore(); }
+
+ private:
+  void Restore() {
+    if (saved_nr_hugepages >= 0 && !WriteNrHugePages(saved_nr_hugepages)) {
+      std::fprintf(stderr, "bench_ssd_tier: could not restore %s to %d: %s\n", kNrHugePages,
+                   static_cast<int>(saved_nr_hugepages), std::strerror(errno));
+    }
+    saved_nr_hugepages = -1;
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+  }
+};
 
 struct Row {
   std::string op, size_name;
@@ -93,11 +212,18 @@ int Main(int argc, char** argv) {
       o.io_block = std::stoull(value());
     } else if (a == "--rounds") {
       o.rounds = std::stoi(value());
+    } else if (a == "--fio-mem") {
+      const std::string mem = value();
+      if (mem != "huge" && mem != "malloc") {
+        std::fprintf(stderr, "bench_ssd_tier: --fio-mem is huge or malloc, not '%s'\n",
+                     mem.c_str());
+        return 2;
+      }
+      o.fio_huge = mem == "huge";
     } else {
-      std::fprintf(
-          stderr,
-          "usage: bench_ssd_tier [--dir DIR] [--mib N] [--rounds R] [--io-block B] [--small] "
-          "[--no-fio] [--json]\n");
+      std::fprintf(stderr,
+                   "usage: bench_ssd_tier [--dir DIR] [--mib N] [--rounds R] [--io-block B] "
+                   "[--fio-mem huge|malloc] [--small] [--no-fio] [--json]\n");
       return 2;
     }
   }
@@ -113,6 +239,18 @@ int Main(int argc, char** argv) {
   const uint64_t max_extent = std::max_element(sizes.begin(), sizes.end(), [](auto& a, auto& b) {
                                 return a.bytes < b.bytes;
                               })->bytes;
+  HugePageReservation huge_pages;
+  if (o.fio && o.fio_huge) {
+    uint64_t pages = 0;
+    for (const Size& s : sizes) pages = std::max(pages, FioHugePages(o, s.bytes));
+    std::string why;
+    if (!huge_pages.Reserve(pages, &why)) {
+      std::fprintf(stderr, "bench_ssd_tier: fio runs with malloc buffers, not huge pages: %s\n",
+                   why.c_str());
+      o.fio_huge = false;
+    }
+  }
+  const char* fio_mem = o.fio_huge ? "huge" : "malloc";
   if (o.io_block == 0) o.io_block = max_extent;
   storage::UringOptions uo;
   uo.queue_depth = o.queue_depth;
@@ -160,9 +298,12 @@ int Main(int argc, char** argv) {
   if (!o.json) {
     std::printf(
         "bench_ssd_tier: %s; folder %s; %d MiB per measurement, %d rounds; queue depth %d, "
-        "requests of up to %d bytes\n",
+        "requests of up to %d bytes; fio buffers: %s\n",
         HostDescription().c_str(), o.dir.c_str(), static_cast<int>(o.mib), o.rounds,
-        static_cast<int>(o.queue_depth), static_cast<int>(o.io_block));
+        static_cast<int>(o.queue_depth), static_cast<int>(o.io_block),
+        !o.fio       ? "none (--no-fio)"
+        : o.fio_huge ? "2 MiB huge pages (--iomem=mmaphuge)"
+                     : "malloc (4 KiB pages)");
   }
   for (int round = 0; round < o.rounds; ++round) {
     for (size_t si = 0; si < sizes.size(); ++si) {
@@ -211,8 +352,8 @@ int Main(int argc, char** argv) {
   std::filesystem::remove_all(dir);
 
   if (!o.json) {
-    std::printf("%-6s %-17s %12s %10s %10s %9s\n", "op", "extent", "block_bytes", "strata GB/s",
-                "fio GB/s", "of fio");
+    std::printf("%-6s %-17s %12s %11s %10s %7s %7s\n", "op", "extent", "block_bytes", "strata GB/s",
+                "fio GB/s", "fio mem", "of fio");
   }
   bool below = false;
   for (const Row& r : rows) {
@@ -227,14 +368,16 @@ int Main(int argc, char** argv) {
           .Field("gbps", g)
           .Field("fio_gbps", f)
           .Field("fraction_of_fio", frac)
+          .Field("fio_mem", std::string(o.fio ? fio_mem : "none"))
           .Field("mib", o.mib)
           .Field("rounds", o.rounds)
           .Field("queue_depth", static_cast<int64_t>(o.queue_depth))
           .EndObject();
       std::printf("%s\n", j.str().c_str());
     } else {
-      std::printf("%-6s %-17s %12llu %10.3f %10.3f %8.0f%%\n", r.op.c_str(), r.size_name.c_str(),
-                  static_cast<unsigned long long>(r.block_bytes), g, f, 100 * frac);
+      std::printf("%-6s %-17s %12llu %11.3f %10.3f %7s %6.0f%%\n", r.op.c_str(),
+                  r.size_name.c_str(), static_cast<unsigned long long>(r.block_bytes), g, f,
+                  o.fio ? fio_mem : "none", 100 * frac);
     }
   }
   if (!o.json) {

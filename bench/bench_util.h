@@ -162,13 +162,14 @@ inline bool FioAvailable(const char* bench, const char* without) {
 }
 
 // One fio job on `file` (io_uring, O_DIRECT): GB/s (1e9 bytes per second) of `rw` ("read" or
-// "write"), or NaN with fio's output on stderr.
+// "write"), or NaN with fio's output on stderr. `iomem` is fio's --iomem (where its buffers come
+// from: "mmaphuge" for huge pages); empty leaves fio's default, malloc.
 inline double RunFio(const std::string& file, const std::string& rw, uint64_t bs, uint64_t total,
-                     uint64_t depth, bool fixed_buffers) {
-  const std::string cmd =
-      absl::StrCat("fio --name=bench --filename=", file, " --size=", total, " --bs=", bs,
-                   " --rw=", rw, " --ioengine=io_uring --direct=1 --iodepth=", depth,
-                   fixed_buffers ? " --fixedbufs" : "", " --output-format=json 2>&1");
+                     uint64_t depth, bool fixed_buffers, const std::string& iomem = "") {
+  const std::string cmd = absl::StrCat(
+      "fio --name=bench --filename=", file, " --size=", total, " --bs=", bs, " --rw=", rw,
+      " --ioengine=io_uring --direct=1 --iodepth=", depth, fixed_buffers ? " --fixedbufs" : "",
+      iomem.empty() ? "" : " --iomem=", iomem, " --output-format=json 2>&1");
   int status = 0;
   const std::string out = Capture(cmd, &status);
   // bw_bytes of the job's "read" or "write" section

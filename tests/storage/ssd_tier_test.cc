@@ -41,6 +41,36 @@ TEST(Crc32cTest, KnownVectors) {
     EXPECT_EQ(Crc32c(Crc32c(s.data(), cut), s.data() + cut, s.size() - cut),
               Crc32c(s.data(), s.size()));
   }
+  EXPECT_EQ(Crc32cPortable(0, "123456789", 9), 0xE3069283u);
+}
+
+// The hardware path (three interleaved streams joined by shift tables) against the byte-at-a-time
+// table: random lengths, start alignments and incoming CRCs, every length at the edges of the
+// 3 x 8 KiB and 3 x 256 byte blocks, and a whole expert-sized extent.
+TEST(Crc32cTest, FastPathMatchesTheTableOnRandomLengthsAndAlignments) {
+  if (!Crc32cIsHardwareAccelerated()) {
+    GTEST_SKIP() << "no SSE4.2: Crc32c is the table path itself";
+  }
+  const size_t extent = 33574912;  // an expert of 1024 x 4096, rounded up to 4 KiB
+  std::mt19937_64 gen(42);
+  std::vector<uint8_t> buf(extent + 64);
+  for (auto& b : buf) b = static_cast<uint8_t>(gen());
+  std::vector<size_t> lengths;
+  for (size_t edge : {size_t{3 * 256}, size_t{3 * 8192}, size_t{2 * 3 * 8192} + 3 * 256}) {
+    for (size_t d = 0; d <= 17; ++d) {
+      lengths.push_back(edge + d);
+      lengths.push_back(edge - d);
+    }
+  }
+  for (int i = 0; i < 400; ++i) lengths.push_back(gen() % (5 * 3 * 8192));
+  for (int i = 0; i < 8; ++i) lengths.push_back(gen() % (2 << 20));
+  for (size_t n : lengths) {
+    const size_t offset = gen() % 64;
+    const auto crc = static_cast<uint32_t>(gen());
+    ASSERT_EQ(Crc32c(crc, buf.data() + offset, n), Crc32cPortable(crc, buf.data() + offset, n))
+        << "length " << n << " at offset " << offset << " after CRC " << crc;
+  }
+  EXPECT_EQ(Crc32c(buf.data() + 8, extent), Crc32cPortable(0, buf.data() + 8, extent));
 }
 
 TEST(ExtentAllocatorTest, FirstFitCoalescingGrowthAndCapacity) {
