@@ -20,8 +20,25 @@
 //
 // The training data is synthetic text (throughput does not depend on it). The SSD tier lives
 // under $TMPDIR (or /tmp).
+//
+// --config PATH measures any config TIERED only: a model whose expert state does not fit in RAM
+// (examples/larger_than_ram) has no in-memory twin to compare with. Per batch (the config's
+// global_batch unless --batches says), fresh processes train it as configured (checkpoints off,
+// train.steps = warm-up + timed steps), and it prints tokens/s, the SSD bytes read and written per
+// step, io_s at fio's bandwidth on the SSD tier's folder measured in the same run, the step time
+// over that I/O bound (over_io_bound; compute is not known without the twin, so the bound is io_s
+// alone; goal <= 1.2), the stall fraction, the share of experts a step routed to (what LAZY
+// updates step), and the training process's peak RSS (VmHWM) against this machine's MemTotal.
+// The SSD tier goes to a folder of its own under storage.ssd_dir (else $TMPDIR), removed after
+// every run; the disk check of `strata train` runs first. The data is the config's when its file
+// exists, else synthetic text. With --small the config keeps its structure (layers, experts,
+// top_k, batch, update rule) at d_model 64, d_expert 128 and seq_len <= 32, with budgets of
+// 12 device and 48 host expert slots (a smoke run for CI machines):
+//   build/bin/bench_out_of_core --config examples/larger_than_ram/config.textproto
+//                               [--steps N] [--warmup N] [--rounds R] [--small] [--json]
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -37,6 +54,7 @@
 #include "bench/bench_util.h"
 #include "core/common/json.h"
 #include "proto/config_io.h"
+#include "proto/memory_estimate.h"
 #include "train/trainer.h"
 
 namespace strata::bench {
@@ -51,6 +69,8 @@ struct Options {
   bool fio = true;
   bool json = false;
   std::string dir;
+  std::string config;  // --config: TIERED only, of this config
+  bool batches_given = false;
 };
 
 // Words of English-like text, so the byte-level model sees realistic token statistics.
@@ -67,6 +87,40 @@ void WriteSyntheticText(const std::string& path, size_t bytes) {
     text += gen() % 9 == 0 ? ".\n" : " ";
   }
   std::ofstream(path) << text;
+}
+
+// The --config job at a small scale: its structure at d_model 64, d_expert 128, seq_len <= 32,
+// with 12 device slots beside its dense state and 48 host slots.
+void ScaleDown(config::JobConfig& cfg) {
+  config::ModelConfig* m = cfg.mutable_model();
+  m->set_seq_len(std::min(m->seq_len(), 32));
+  m->set_d_model(64);
+  if (64 % m->n_heads() != 0) m->set_n_heads(4);
+  m->set_d_ff(std::min(m->d_ff(), 256));
+  m->mutable_moe()->set_d_expert(128);
+  cfg.mutable_storage()->clear_ssd_file_bytes();
+  const uint64_t slot = config::EstimateDisk(cfg).expert_tensor_bytes;
+  cfg.mutable_storage()->set_device_budget_bytes(config::EstimateMemory(cfg).dense_state_bytes +
+                                                 12 * slot);
+  cfg.mutable_storage()->set_host_budget_bytes(48 * slot);
+}
+
+// The job of --config as it is measured: no checkpoints, the SSD tier in `ssd_dir`, the data
+// `data`.
+config::JobConfig ConfigOf(const Options& o, const std::string& data, const std::string& ssd_dir,
+                           int batch) {
+  auto loaded = config::LoadJobConfig(o.config);
+  CHECK(loaded.ok()) << loaded.status();
+  config::JobConfig cfg = *loaded;
+  cfg.clear_checkpoint();
+  cfg.mutable_data()->set_path(data);
+  cfg.mutable_train()->set_steps(o.warmup + o.steps);
+  cfg.mutable_train()->set_global_batch(batch);
+  cfg.mutable_train()->set_eval_every(0);
+  cfg.mutable_storage()->set_mode(config::StorageConfig::TIERED);
+  cfg.mutable_storage()->set_ssd_dir(ssd_dir);
+  if (o.small) ScaleDown(cfg);
+  return cfg;
 }
 
 config::JobConfig Config(const Options& o, const std::string& data, int batch, bool tiered) {
@@ -98,18 +152,20 @@ config::JobConfig Config(const Options& o, const std::string& data, int batch, b
 struct RunFigures {
   double step_s = 0, stall_s = 0, read_bytes = 0, write_bytes = 0;
   int64_t tokens = 0;
+  double routed = 0;    // share of the experts a step routed a token to (median)
+  double peak_rss = 0;  // bytes, the training process's VmHWM
   std::string error;
 };
 
-// Trains in a child process; medians over the timed steps.
-RunFigures Train(const Options& o, const std::string& data, int batch, bool tiered) {
+// Trains `cfg` in a child process; medians over the timed steps.
+RunFigures TrainConfig(const Options& o, const config::JobConfig& cfg) {
   const std::string out = InChildProcess([&]() -> std::string {
     train::TrainOptions to;
-    to.config = Config(o, data, batch, tiered);
+    to.config = cfg;
     to.progress = false;
     auto t = train::Trainer::Create(to);
     if (!t.ok()) return absl::StrCat("error ", t.status().message());
-    std::vector<double> step, stall, rd, wr;
+    std::vector<double> step, stall, rd, wr, routed;
     int64_t tokens = 0;
     for (int i = 0; i < o.warmup + o.steps; ++i) {
       auto r = (*t)->Step();
@@ -120,9 +176,16 @@ RunFigures Train(const Options& o, const std::string& data, int batch, bool tier
       rd.push_back(static_cast<double>(r->store.ssd.bytes_out));
       wr.push_back(static_cast<double>(r->store.ssd.bytes_in));
       tokens = r->tokens;
+      int64_t experts = 0, used = 0;
+      for (const model::MoeStats& m : r->moe) {
+        experts += static_cast<int64_t>(m.load.size());
+        used += std::count_if(m.load.begin(), m.load.end(), [](int64_t n) { return n > 0; });
+      }
+      routed.push_back(experts > 0 ? static_cast<double>(used) / experts : std::nan(""));
     }
-    return absl::StrFormat("%.9g %.9g %.9g %.9g %d", MedianOf(step), MedianOf(stall), MedianOf(rd),
-                           MedianOf(wr), tokens);
+    return absl::StrFormat("%.9g %.9g %.9g %.9g %d %.9g %.9g", MedianOf(step), MedianOf(stall),
+                           MedianOf(rd), MedianOf(wr), tokens, MedianOf(routed),
+                           PeakRssMb() * (1 << 20));
   });
   RunFigures f;
   if (out.rfind("error ", 0) == 0 || out.empty()) {
@@ -130,7 +193,7 @@ RunFigures Train(const Options& o, const std::string& data, int batch, bool tier
     return f;
   }
   std::vector<std::string> parts = absl::StrSplit(out, ' ');
-  if (parts.size() != 5) {
+  if (parts.size() != 7) {
     f.error = "unexpected output: " + out;
     return f;
   }
@@ -139,7 +202,13 @@ RunFigures Train(const Options& o, const std::string& data, int batch, bool tier
   f.read_bytes = std::stod(parts[2]);
   f.write_bytes = std::stod(parts[3]);
   f.tokens = std::stoll(parts[4]);
+  f.routed = std::stod(parts[5]);
+  f.peak_rss = std::stod(parts[6]);
   return f;
+}
+
+RunFigures Train(const Options& o, const std::string& data, int batch, bool tiered) {
+  return TrainConfig(o, Config(o, data, batch, tiered));
 }
 
 // fio at 1 MiB, queue depth 32, O_DIRECT, io_uring, in `dir`: GB/s.
@@ -152,6 +221,131 @@ struct Row {
   int64_t tokens = 0;
   std::vector<double> mem_step, tier_step, stall, rd, wr;
 };
+
+// MemTotal of /proc/meminfo, in bytes (0 when it cannot be read).
+double MemTotalBytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("MemTotal:", 0) == 0) return std::stod(line.substr(9)) * 1024;
+  }
+  return 0;
+}
+
+// --config: TIERED only.
+int RunConfig(Options o) {
+  auto loaded = config::LoadJobConfig(o.config);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "bench_out_of_core: %s\n", std::string(loaded.status().message()).c_str());
+    return 1;
+  }
+  if (!o.batches_given) o.batches = {loaded->train().global_batch()};
+  // The SSD tier and fio in a folder of the bench's own where the config puts its tier.
+  const std::string parent =
+      loaded->storage().ssd_dir().empty() ? o.dir : loaded->storage().ssd_dir();
+  const std::string dir = parent + "/bench_out_of_core." + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  std::string data = loaded->data().path();
+  const bool own_data = !std::filesystem::exists(data);
+  if (own_data) {
+    data = dir + "/text.txt";
+    WriteSyntheticText(data, 4 << 20);
+  }
+  const std::string ssd = dir + "/ssd";
+  const config::JobConfig first = ConfigOf(o, data, ssd, o.batches[0]);
+  const config::DiskEstimate disk = config::EstimateDisk(first);
+  const double mem_total = MemTotalBytes();
+  const uint64_t state = config::EstimateMemory(first).expert_state_bytes;
+  if (!o.json) {
+    std::printf(
+        "bench_out_of_core --config %s%s: %s; TIERED only; expert state %s (%.2fx MemTotal %s), "
+        "SSD tier %s, host budget %s, device budget %s; SSD tier and fio in %s (%s free); data "
+        "%s; %d warm-up + %d timed steps, %d rounds\n",
+        o.config.c_str(), o.small ? " --small" : "", HostDescription().c_str(),
+        config::FormatBytes(state).c_str(), state / mem_total,
+        config::FormatBytes(static_cast<uint64_t>(mem_total)).c_str(),
+        config::FormatBytes(disk.ssd_bytes).c_str(),
+        config::FormatBytes(first.storage().host_budget_bytes()).c_str(),
+        config::FormatBytes(first.storage().device_budget_bytes()).c_str(), dir.c_str(),
+        config::FormatBytes(config::AvailableDiskBytes(dir)).c_str(),
+        own_data ? "synthetic" : data.c_str(), o.warmup, o.steps, o.rounds);
+  }
+  std::vector<Row> rows(o.batches.size());
+  std::vector<double> fio_read, fio_write, routed(o.batches.size()), rss(o.batches.size());
+  for (int round = 0; round < o.rounds; ++round) {
+    if (o.fio) {
+      fio_write.push_back(Fio(dir, "write"));
+      fio_read.push_back(Fio(dir, "read"));
+      std::filesystem::remove(dir + "/bench_out_of_core.fio");
+    }
+    for (size_t b = 0; b < o.batches.size(); ++b) {
+      Row& r = rows[b];
+      r.batch = o.batches[b];
+      const RunFigures f = TrainConfig(o, ConfigOf(o, data, ssd, r.batch));
+      std::filesystem::remove_all(ssd);
+      if (!f.error.empty()) {
+        std::fprintf(stderr, "bench_out_of_core: %s batch %d: %s\n", o.config.c_str(), r.batch,
+                     f.error.c_str());
+        std::filesystem::remove_all(dir);
+        return 1;
+      }
+      r.tokens = f.tokens;
+      r.tier_step.push_back(f.step_s);
+      r.stall.push_back(f.stall_s);
+      r.rd.push_back(f.read_bytes);
+      r.wr.push_back(f.write_bytes);
+      routed[b] = f.routed;
+      rss[b] = std::max(rss[b], f.peak_rss);
+    }
+  }
+  std::filesystem::remove_all(dir);
+
+  const double fr = MedianOf(fio_read), fw = MedianOf(fio_write);
+  if (!o.json) {
+    if (o.fio) std::printf("fio on this folder: read %.3f GB/s, write %.3f GB/s\n", fr, fw);
+    std::printf("%6s %10s %9s %9s %8s %15s %7s %7s %14s %7s\n", "batch", "tok/s", "step_s", "io_s",
+                "over_io", "SSD rd/wr MB", "stall", "routed", "peak RSS", "target");
+  }
+  for (size_t b = 0; b < rows.size(); ++b) {
+    const Row& r = rows[b];
+    const double tier = MedianOf(r.tier_step), rd = MedianOf(r.rd), wr = MedianOf(r.wr);
+    const double io = o.fio ? rd / (fr * 1e9) + wr / (fw * 1e9) : std::nan("");
+    const double over = tier / io, stall = MedianOf(r.stall) / tier;
+    const bool met = std::isfinite(over) && over <= 1.2 && rss[b] < mem_total;
+    if (o.json) {
+      JsonWriter j;
+      j.BeginObject()
+          .Field("config", o.config)
+          .Field("small", o.small)
+          .Field("batch", r.batch)
+          .Field("tokens_per_step", r.tokens)
+          .Field("tokens_per_s", r.tokens / tier)
+          .Field("step_s", tier)
+          .Field("io_s", io)
+          .Field("over_io_bound", over)
+          .Field("stall_fraction", stall)
+          .Field("routed_expert_fraction", routed[b])
+          .Field("ssd_read_bytes_per_step", rd)
+          .Field("ssd_write_bytes_per_step", wr)
+          .Field("fio_read_gbps", fr)
+          .Field("fio_write_gbps", fw)
+          .Field("expert_state_bytes", static_cast<int64_t>(state))
+          .Field("ssd_tier_bytes", static_cast<int64_t>(disk.ssd_bytes))
+          .Field("peak_rss_bytes", static_cast<int64_t>(rss[b]))
+          .Field("mem_total_bytes", static_cast<int64_t>(mem_total))
+          .Field("peak_rss_of_ram", rss[b] / mem_total)
+          .Field("rounds", o.rounds)
+          .EndObject();
+      std::printf("%s\n", j.str().c_str());
+    } else {
+      std::printf(
+          "%6d %10.1f %9.3f %9.3f %8.2f %7.0f/%-7.0f %6.0f%% %6.0f%% %5.2f GiB %3.0f%% %7s\n",
+          r.batch, r.tokens / tier, tier, io, over, rd / 1e6, wr / 1e6, 100 * stall,
+          100 * routed[b], rss[b] / (1 << 30), 100 * rss[b] / mem_total, met ? "met" : "missed");
+    }
+  }
+  return 0;
+}
 
 int Main(int argc, char** argv) {
   Options o;
@@ -170,7 +364,10 @@ int Main(int argc, char** argv) {
       o.rounds = 1;
     } else if (a == "--no-fio") {
       o.fio = false;
+    } else if (a == "--config") {
+      o.config = value();
     } else if (a == "--batches") {
+      o.batches_given = true;
       o.batches.clear();
       for (absl::string_view b : absl::StrSplit(value(), ',')) {
         if (!absl::SimpleAtoi(b, &n) || n < 1) {
@@ -184,12 +381,13 @@ int Main(int argc, char** argv) {
       (a == "--steps" ? o.steps : a == "--warmup" ? o.warmup : o.rounds) = n;
     } else {
       std::fprintf(stderr,
-                   "usage: bench_out_of_core [--batches 16,64] [--steps N] [--warmup N] "
-                   "[--rounds R] [--small] [--no-fio] [--json]\n");
+                   "usage: bench_out_of_core [--config PATH] [--batches 16,64] [--steps N] "
+                   "[--warmup N] [--rounds R] [--small] [--no-fio] [--json]\n");
       return 2;
     }
   }
   if (o.fio && !FioAvailable("bench_out_of_core", "to skip the I/O lower bound")) return 1;
+  if (!o.config.empty()) return RunConfig(o);
   const std::string dir = o.dir + "/bench_out_of_core." + std::to_string(getpid());
   std::filesystem::create_directories(dir);
   const std::string data = dir + "/text.txt";
