@@ -216,6 +216,13 @@ double Fio(const std::string& dir, const std::string& rw) {
   return RunFio(dir + "/bench_out_of_core.fio", rw, 1 << 20, 256 << 20, 32, false);
 }
 
+// One round of fio (write, then read) in `dir`, appended to the figures of the rounds before.
+void FioRound(const std::string& dir, std::vector<double>* read, std::vector<double>* write) {
+  write->push_back(Fio(dir, "write"));
+  read->push_back(Fio(dir, "read"));
+  std::filesystem::remove(dir + "/bench_out_of_core.fio");
+}
+
 struct Row {
   int batch = 0;
   int64_t tokens = 0;
@@ -273,11 +280,7 @@ int RunConfig(Options o) {
   std::vector<Row> rows(o.batches.size());
   std::vector<double> fio_read, fio_write, routed(o.batches.size()), rss(o.batches.size());
   for (int round = 0; round < o.rounds; ++round) {
-    if (o.fio) {
-      fio_write.push_back(Fio(dir, "write"));
-      fio_read.push_back(Fio(dir, "read"));
-      std::filesystem::remove(dir + "/bench_out_of_core.fio");
-    }
+    if (o.fio) FioRound(dir, &fio_read, &fio_write);
     for (size_t b = 0; b < o.batches.size(); ++b) {
       Row& r = rows[b];
       r.batch = o.batches[b];
@@ -402,11 +405,7 @@ int Main(int argc, char** argv) {
   std::vector<Row> rows(o.batches.size());
   std::vector<double> fio_read, fio_write;
   for (int round = 0; round < o.rounds; ++round) {
-    if (o.fio) {
-      fio_write.push_back(Fio(dir, "write"));
-      fio_read.push_back(Fio(dir, "read"));
-      std::filesystem::remove(dir + "/bench_out_of_core.fio");
-    }
+    if (o.fio) FioRound(dir, &fio_read, &fio_write);
     for (size_t b = 0; b < o.batches.size(); ++b) {
       Row& r = rows[b];
       r.batch = o.batches[b];
