@@ -313,7 +313,8 @@ int RunConfig(Options o) {
     const Row& r = rows[b];
     const double tier = MedianOf(r.tier_step), rd = MedianOf(r.rd), wr = MedianOf(r.wr);
     const double io = o.fio ? rd / (fr * 1e9) + wr / (fw * 1e9) : std::nan("");
-    const double over = tier / io, stall = MedianOf(r.stall) / tier;
+    // A step that moved nothing (its state fit in the host cache) has no I/O bound.
+    const double over = io > 0 ? tier / io : std::nan(""), stall = MedianOf(r.stall) / tier;
     const bool met = std::isfinite(over) && over <= 1.2 && rss[b] < mem_total;
     if (o.json) {
       JsonWriter j;
