@@ -122,14 +122,20 @@ std::filesystem::path Existing(const std::string& path) {
   return p;
 }
 
-// Bytes allocated to the files under `path` (0 when it does not exist).
-uint64_t BytesUnder(const std::string& path) {
+// Bytes allocated to the SSD tier's data files (data-*.bin) in `path` and up to two folders below
+// it (a checkpoint folder's shards/<name>/, a worker's rank-<r>/); 0 when there are none. Other
+// files are not looked at, so a tier folder inside a large tree costs no long walk.
+uint64_t DataFileBytesUnder(const std::string& path) {
   std::error_code ec;
   uint64_t total = 0;
   for (auto it = std::filesystem::recursive_directory_iterator(path, ec);
        !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    if (it.depth() >= 2) it.disable_recursion_pending();
+    const std::string name = it->path().filename().string();
     struct stat st;
-    if (it->is_regular_file(ec) && ::stat(it->path().c_str(), &st) == 0) {
+    if (name.rfind("data-", 0) == 0 && name.size() > 4 &&
+        name.compare(name.size() - 4, 4, ".bin") == 0 && it->is_regular_file(ec) &&
+        ::stat(it->path().c_str(), &st) == 0) {
       total = Add(total, Mul(U(st.st_blocks), 512));
     }
   }
@@ -413,7 +419,7 @@ Status CheckDiskHere(const JobConfig& config, const DiskEstimate& d, const std::
   if (d.ssd_bytes == 0 && d.copy_bytes == 0) return absl::OkStatus();
   uint64_t available = AvailableDiskBytes(d.ssd_dir);
   // Files already in the tier's folder (a resumed job's) are reused, not added to.
-  if (!d.temporary && available > 0) available = Add(available, BytesUnder(d.ssd_dir));
+  if (!d.temporary && available > 0) available = Add(available, DataFileBytesUnder(d.ssd_dir));
   std::optional<uint64_t> copies;
   if (d.copy_bytes > 0) {
     struct stat a, b;

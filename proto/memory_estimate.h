@@ -170,8 +170,8 @@ uint64_t AvailableDiskBytes(const std::string& path);
                                std::optional<uint64_t> copies_available_bytes = std::nullopt);
 
 // CheckDisk against this machine: AvailableDiskBytes of both folders (one figure when they are on
-// one file system), plus the bytes of the files already under the SSD tier's folder unless it is a
-// temporary one's parent.
+// one file system), plus what the SSD tier's data files (data-*.bin) already in its folder or two
+// levels below take, which the tier reuses (not for the parent of a temporary folder).
 [[nodiscard]] Status CheckDiskHere(const JobConfig& config, const DiskEstimate& estimate,
                                    const std::string& source);
 
