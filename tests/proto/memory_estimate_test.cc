@@ -2,8 +2,12 @@
 // byte figures against hand-computed ones, and the refusals of what cannot fit.
 #include "proto/memory_estimate.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "core/common/thread_pool.h"
@@ -372,6 +376,30 @@ TEST(DiskEstimateTest, ARealFolderOnASmallFileSystemIsRefused) {
                             EstimateDisk(Parse(absl::StrCat(kWide, "storage { mode: TIERED }"))),
                             "small.textproto")
                   .ok());
+}
+
+// A resumed job's data files are room its tier reuses: with them counted the job fits, and the
+// same bytes in a file that is no data file do not count. On /dev/shm, where nothing else writes,
+// so the free space holds still between the reads.
+TEST(DiskEstimateTest, DataFilesAlreadyInTheFolderCountAsRoom) {
+  struct statvfs vfs;
+  if (statvfs("/dev/shm", &vfs) != 0) GTEST_SKIP() << "no /dev/shm here";
+  const std::string dir = absl::StrCat("/dev/shm/strata-disk-test-", getpid());
+  std::filesystem::create_directories(dir + "/shards/p0");
+  const std::string data = dir + "/shards/p0/data-00000.bin", other = dir + "/shards/p0/x.bin";
+  const int fd = open(data.c_str(), O_CREAT | O_WRONLY, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(posix_fallocate(fd, 0, 64 * kMiB), 0);
+  close(fd);
+  // A need bounded (by ssd_capacity_bytes) at 32 MiB over what is free.
+  JobConfig cfg = Parse(absl::StrCat(kWide, "storage { mode: TIERED ssd_dir: \"", dir, "\" }"));
+  cfg.mutable_model()->mutable_moe()->set_num_experts(1024);
+  cfg.mutable_storage()->set_ssd_capacity_bytes(AvailableDiskBytes(dir) + 32 * kMiB);
+  EXPECT_TRUE(CheckDiskHere(cfg, EstimateDisk(cfg), "job.textproto").ok());
+  std::filesystem::rename(data, other);
+  const Status s = CheckDiskHere(cfg, EstimateDisk(cfg), "job.textproto");
+  std::filesystem::remove_all(dir);
+  EXPECT_TRUE(absl::IsResourceExhausted(s)) << s;
 }
 
 }  // namespace
