@@ -95,10 +95,11 @@ uint64_t FioHugePages(const Options& o, uint64_t bs) {
   return ((FioDepth(o, bs) + 1) * bs + 4095 + kHugePage - 1) / kHugePage + 1 + 2;
 }
 
-// One fio job in the benchmark's folder, at bs = the extent size.
-double Fio(const Options& o, const std::string& rw, uint64_t bs, uint64_t total) {
-  return RunFio(o.dir + "/bench_ssd_tier.fio", rw, bs, total, FioDepth(o, bs),
-                /*fixed_buffers=*/true, o.fio_huge ? "mmaphuge" : "");
+// One fio job on `file`, at bs = the extent size.
+double Fio(const Options& o, const std::string& file, const std::string& rw, uint64_t bs,
+           uint64_t total) {
+  return RunFio(file, rw, bs, total, FioDepth(o, bs), /*fixed_buffers=*/true,
+                o.fio_huge ? "mmaphuge" : "");
 }
 
 // A number from /proc (nr_hugepages) or the value of `key` in /proc/meminfo; -1 when unreadable.
@@ -230,6 +231,14 @@ int Main(int argc, char** argv) {
   if (o.fio && !FioAvailable("bench_ssd_tier", "to measure the tier alone")) return 1;
   const std::string dir = o.dir + "/bench_ssd_tier." + std::to_string(getpid());
   std::filesystem::create_directories(dir);
+  // The folder goes on every way out (declared before the tier, so it outlives its files).
+  struct RemoveOnExit {
+    std::string dir;
+    ~RemoveOnExit() {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  } remove_dir{dir};
   const uint64_t total = o.mib << 20;
 
   std::vector<Size> sizes = {{"1 MiB block", 1 << 20},
@@ -313,15 +322,19 @@ int Main(int argc, char** argv) {
       std::vector<storage::StoredExtent> stored(n);
       std::vector<storage::SsdTier::WriteItem> writes;
       for (uint64_t i = 0; i < n; ++i) writes.push_back({arena + i * s.bytes, s.bytes, &stored[i]});
+      // fio's file for this size stays from round to round, as the tier's data file does: after
+      // the first round both overwrite blocks they wrote before (on the reference VM fio writes a
+      // fresh file at about half the rate at which it overwrites one).
+      const std::string fio_file = absl::StrCat(dir, "/fio-", si, ".dat");
       Row& w = rows[2 * si];
       Row& rd = rows[2 * si + 1];
       // write: fio and the tier, in alternating order from round to round
       const bool fio_first = round % 2 == 0;
-      if (o.fio && fio_first) w.fio.push_back(Fio(o, "write", s.bytes, bytes));
+      if (o.fio && fio_first) w.fio.push_back(Fio(o, fio_file, "write", s.bytes, bytes));
       Stopwatch sw;
       Status st = (*tier)->WriteMany(writes);
       const double ws = sw.Seconds();
-      if (o.fio && !fio_first) w.fio.push_back(Fio(o, "write", s.bytes, bytes));
+      if (o.fio && !fio_first) w.fio.push_back(Fio(o, fio_file, "write", s.bytes, bytes));
       if (!st.ok()) {
         std::fprintf(stderr, "bench_ssd_tier: write failed: %s\n",
                      std::string(st.message()).c_str());
@@ -329,7 +342,7 @@ int Main(int argc, char** argv) {
       }
       w.strata.push_back(static_cast<double>(bytes) / ws / 1e9);
       // read: fio (its file was just written) and the tier
-      if (o.fio && fio_first) rd.fio.push_back(Fio(o, "read", s.bytes, bytes));
+      if (o.fio && fio_first) rd.fio.push_back(Fio(o, fio_file, "read", s.bytes, bytes));
       std::vector<std::string> names(1, "bench extent");
       std::vector<storage::SsdTier::ReadItem> reads;
       for (uint64_t i = 0; i < n; ++i)
@@ -343,13 +356,11 @@ int Main(int argc, char** argv) {
         return 1;
       }
       rd.strata.push_back(static_cast<double>(bytes) / rs / 1e9);
-      if (o.fio && !fio_first) rd.fio.push_back(Fio(o, "read", s.bytes, bytes));
+      if (o.fio && !fio_first) rd.fio.push_back(Fio(o, fio_file, "read", s.bytes, bytes));
       for (const auto& e : stored) (*tier)->Free(e.extent);
-      std::filesystem::remove(o.dir + "/bench_ssd_tier.fio");
     }
   }
   tier->reset();
-  std::filesystem::remove_all(dir);
 
   if (!o.json) {
     std::printf("%-6s %-17s %12s %11s %10s %7s %7s\n", "op", "extent", "block_bytes", "strata GB/s",

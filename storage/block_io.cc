@@ -95,6 +95,11 @@ class UringIo : public BlockIo {
 
   using BlockIo::Run;
   Status Run(std::span<const IoRequest> requests, const RequestDone& done) override {
+    return Run(requests, done, nullptr);
+  }
+
+  Status Run(std::span<const IoRequest> requests, const RequestDone& done,
+             const RequestDone& sent) override {
     Ring* ring = nullptr;
     std::vector<iovec> regions;
     {
@@ -115,6 +120,7 @@ class UringIo : public BlockIo {
       uint64_t offset;
       char* buf;
       uint64_t length;
+      bool last = false;  // the request's last piece, first time out (not a re-queued rest)
     };
     std::deque<Piece> pending;
     // Bytes of each request still to move; a failed request's count is set to UINT64_MAX.
@@ -123,7 +129,8 @@ class UringIo : public BlockIo {
     for (const IoRequest& r : requests) {
       for (uint64_t done = 0; done < r.length; done += options_.block_bytes) {
         const uint64_t n = std::min<uint64_t>(options_.block_bytes, r.length - done);
-        pending.push_back(Piece{&r, r.offset + done, static_cast<char*>(r.buf) + done, n});
+        pending.push_back(
+            Piece{&r, r.offset + done, static_cast<char*>(r.buf) + done, n, done + n == r.length});
       }
     }
     std::vector<Piece> slots(options_.queue_depth);
@@ -135,12 +142,15 @@ class UringIo : public BlockIo {
     // Requests whose last byte arrived, for `done`: handled after the queue was refilled, so the
     // device stays busy meanwhile.
     std::vector<size_t> finished;
-    auto run_done = [&]() -> Status {
+    // Requests whose last piece went to the kernel in this round, for `sent`: handled after the
+    // submit, while they are in flight.
+    std::vector<size_t> submitted;
+    auto run_callbacks = [](std::vector<size_t>& indices, const RequestDone& fn) -> Status {
       Status status;
-      for (size_t i : finished) {
-        if (Status s = done(i); !s.ok() && status.ok()) status = s;
+      for (size_t i : indices) {
+        if (Status s = fn(i); !s.ok() && status.ok()) status = s;
       }
-      finished.clear();
+      indices.clear();
       return status;
     };
     while (!pending.empty() || in_flight > 0) {
@@ -170,6 +180,7 @@ class UringIo : public BlockIo {
           }
         }
         io_uring_sqe_set_data64(sqe, static_cast<uint64_t>(s));
+        if (p.last && sent) submitted.push_back(static_cast<size_t>(p.req - requests.data()));
         ++queued;
       }
       if (queued > 0) {
@@ -177,8 +188,11 @@ class UringIo : public BlockIo {
         if (r < 0) return IoErrnoStatus(-r, "io_uring submit", "(ring)", 0);
         in_flight += queued;
       }
+      if (!submitted.empty()) {
+        if (Status s = run_callbacks(submitted, sent); first_error.ok()) first_error = s;
+      }
       if (!finished.empty()) {
-        if (Status s = run_done(); first_error.ok()) first_error = s;
+        if (Status s = run_callbacks(finished, done); first_error.ok()) first_error = s;
       }
       if (in_flight == 0) continue;
       io_uring_cqe* cqe = nullptr;
@@ -198,6 +212,7 @@ class UringIo : public BlockIo {
         const std::string& path = p.req->path ? *p.req->path : kUnknownPath;
         const size_t index = static_cast<size_t>(p.req - requests.data());
         if (res == -EAGAIN || res == -EINTR) {
+          p.last = false;         // `sent` already ran for it
           pending.push_front(p);  // try the same piece again
         } else if (res < 0) {
           remaining[index] = UINT64_MAX;
@@ -215,7 +230,7 @@ class UringIo : public BlockIo {
           if (static_cast<uint64_t>(res) < p.length) {
             // Short transfer: queue the rest from where it stopped.
             pending.push_front(Piece{p.req, p.offset + static_cast<uint64_t>(res), p.buf + res,
-                                     p.length - static_cast<uint64_t>(res)});
+                                     p.length - static_cast<uint64_t>(res), false});
           }
           if (remaining[index] != UINT64_MAX) {
             remaining[index] -= static_cast<uint64_t>(res);
@@ -225,7 +240,7 @@ class UringIo : public BlockIo {
       }
       io_uring_cq_advance(ring_ptr, seen);
     }
-    if (Status s = run_done(); first_error.ok()) first_error = s;
+    if (Status s = run_callbacks(finished, done); first_error.ok()) first_error = s;
     return first_error;
   }
 
@@ -298,7 +313,20 @@ bool TakeFromBudget(std::atomic<int64_t>& used, int64_t budget, int64_t n) {
 
 }  // namespace
 
+Status BlockIo::Run(std::span<const IoRequest> requests, const RequestDone& done,
+                    const RequestDone& sent) {
+  if (sent) {
+    for (size_t i = 0; i < requests.size(); ++i) RETURN_IF_ERROR(sent(i));
+  }
+  return Run(requests, done);
+}
+
 Status FaultInjectingIo::Run(std::span<const IoRequest> requests, const RequestDone& done) {
+  return Run(requests, done, nullptr);
+}
+
+Status FaultInjectingIo::Run(std::span<const IoRequest> requests, const RequestDone& done,
+                             const RequestDone& sent) {
   int64_t bytes = 0;
   const IoRequest* first_write = nullptr;
   for (const IoRequest& r : requests) {
@@ -311,7 +339,7 @@ Status FaultInjectingIo::Run(std::span<const IoRequest> requests, const RequestD
     return IoErrnoStatus(ENOSPC, "write", first_write->path ? *first_write->path : "(file)",
                          first_write->offset);
   }
-  return base_->Run(requests, done);
+  return base_->Run(requests, done, sent);
 }
 
 Status FaultInjectingIo::Allocate(int fd, uint64_t offset, uint64_t length,

@@ -3,7 +3,10 @@
 // UringIo is the real one: io_uring, one ring per calling thread (so stage threads never contend
 // for a ring), requests split into `block_bytes` pieces with up to `queue_depth` in flight, and
 // buffers inside registered regions submitted as READ_FIXED / WRITE_FIXED so the kernel does not
-// map them per request.
+// map them per request. Run tells its caller when a request has gone to the kernel (`sent`) and
+// when its last byte has arrived (`done`), so that checksums overlap the transfers: the SSD tier
+// computes a write's CRC while it is in flight and checks a read's as soon as it lands. On a
+// 2-core VM, CRCs computed before a batch of writes cost a fifth of its time.
 //
 // What can go wrong, and what is done about it:
 //   - a short read or write (res < requested, e.g. at a page-cache boundary or under memory
@@ -67,6 +70,13 @@ class BlockIo {
   [[nodiscard]] virtual Status Run(std::span<const IoRequest> requests,
                                    const RequestDone& done) = 0;
   [[nodiscard]] Status Run(std::span<const IoRequest> requests) { return Run(requests, nullptr); }
+  // As Run(requests, done), and `sent` is called on the same thread once every piece of
+  // requests[index] has been handed to the kernel, while it is in flight, so that work which only
+  // reads a write's buffer (its checksum) overlaps the transfer instead of preceding it. The
+  // buffer must not be written until Run returns. An error `sent` returns becomes Run's result.
+  // This default, for a BlockIo that cannot overlap, calls `sent` for every request first.
+  [[nodiscard]] virtual Status Run(std::span<const IoRequest> requests, const RequestDone& done,
+                                   const RequestDone& sent);
   // Reserves [offset, offset + length) of a file on disk (posix_fallocate).
   [[nodiscard]] virtual Status Allocate(int fd, uint64_t offset, uint64_t length,
                                         const std::string& path) = 0;
@@ -101,6 +111,8 @@ class FaultInjectingIo : public BlockIo {
   }
   using BlockIo::Run;
   Status Run(std::span<const IoRequest> requests, const RequestDone& done) override;
+  Status Run(std::span<const IoRequest> requests, const RequestDone& done,
+             const RequestDone& sent) override;
   Status Allocate(int fd, uint64_t offset, uint64_t length, const std::string& path) override;
   Status Sync(int fd, const std::string& path) override { return base_->Sync(fd, path); }
   bool registered() const override { return base_->registered(); }

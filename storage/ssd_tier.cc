@@ -112,10 +112,16 @@ Status SsdTier::WriteMany(std::span<const WriteItem> items) {
     // Zero the padding so the bytes on disk are deterministic.
     char* base = static_cast<char*>(const_cast<void*>(items[i].buf));
     std::memset(base + items[i].bytes, 0, allocated[i].length - items[i].bytes);
-    *items[i].out = StoredExtent{allocated[i], items[i].bytes, Crc32c(base, items[i].bytes)};
   }
+  // Each extent's CRC is computed once its last piece is on its way to the disk, while it and
+  // the others are in flight (both only read the buffer), not before the first byte moves.
+  auto checksum = [&](size_t i) -> Status {
+    *items[i].out =
+        StoredExtent{allocated[i], items[i].bytes, Crc32c(items[i].buf, items[i].bytes)};
+    return absl::OkStatus();
+  };
   Stopwatch w;
-  Status s = io_->Run(reqs);
+  Status s = io_->Run(reqs, nullptr, checksum);
   std::lock_guard<std::mutex> lock(mu_);
   if (!s.ok()) {
     for (const Extent& a : allocated) alloc_.Release(a);

@@ -72,7 +72,8 @@ class SsdTier {
   // rounded-up length is zeroed in place, so that the bytes on disk are deterministic.
   [[nodiscard]] StatusOr<StoredExtent> Write(const void* buf, uint64_t bytes);
   // Several writes with their transfers in flight together (checkpoints); padding zeroed as in
-  // Write. On error, every extent allocated by this call is released.
+  // Write, CRCs computed while the transfers run. On error, every extent allocated by this call is
+  // released and the `out`s are unspecified.
   struct WriteItem {
     const void* buf;
     uint64_t bytes;

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "storage/crc32c.h"
 #include "storage/extent_allocator.h"
@@ -216,47 +217,79 @@ TEST(SsdTierTest, ReadManyMatchesWhatWasWrittenAndNamesACorruptOne) {
   EXPECT_NE(s.message().find("tensor 5 is corrupt"), std::string::npos) << s;
 }
 
+// Eight requests of 1 to 10 pages, back to back in a real O_DIRECT file, written from `src` and
+// read into `dst`, for a UringIo with a queue of 3 and 8 KiB pieces: requests of up to 5 pieces,
+// more pieces than the queue holds.
+struct PieceRequests {
+  static constexpr uint64_t kLengths[] = {4096, 40960, 8192, 12288, 36864, 4096, 20480, 8192};
+  static constexpr uint64_t kTotal = [] {
+    uint64_t total = 0;
+    for (uint64_t n : kLengths) total += n;
+    return total;
+  }();
+
+  explicit PieceRequests(const std::string& dir)
+      : path(dir + "/blocks.bin"),
+        fd(::open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0644)),
+        src(kTotal),
+        dst(kTotal) {
+    UringOptions uo;
+    uo.queue_depth = 3;
+    uo.block_bytes = 8192;
+    io = MakeUringIo(uo);
+    uint64_t off = 0;
+    for (uint64_t n : kLengths) {
+      writes.push_back(IoRequest{fd, off, src.p + off, n, true, &path});
+      reads.push_back(IoRequest{fd, off, dst.p + off, n, false, &path});
+      off += n;
+    }
+  }
+  ~PieceRequests() {
+    if (fd >= 0) ::close(fd);
+  }
+  void Fill(uint32_t seed) {
+    std::mt19937 gen(seed);
+    for (uint64_t i = 0; i < kTotal; ++i) src.p[i] = static_cast<char>(gen());
+  }
+
+  std::string path;
+  int fd;
+  Aligned src, dst;
+  std::vector<IoRequest> writes, reads;
+  StatusOr<std::unique_ptr<BlockIo>> io;
+};
+
 // The completion callback of BlockIo::Run, on a real file through io_uring: it fires exactly once
 // per request, only when all of that request's bytes are in its buffer (checked against what was
 // written, inside the callback), never for a request that failed, and its error becomes Run's.
 TEST(BlockIoTest, DoneFiresOncePerRequestWithItsBytesInPlace) {
   TempDir dir;
-  UringOptions uo;
-  uo.queue_depth = 3;
-  uo.block_bytes = 8192;  // requests of up to 5 pieces, more requests than the queue depth
-  auto io = MakeUringIo(uo);
-  ASSERT_TRUE(io.ok()) << io.status();
-  const std::string path = dir.path() + "/blocks.bin";
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_DIRECT | O_CLOEXEC, 0644);
-  ASSERT_GE(fd, 0);
-  const std::vector<uint64_t> lengths = {4096, 40960, 8192, 12288, 36864, 4096, 20480, 8192};
-  uint64_t total = 0;
-  for (uint64_t n : lengths) total += n;
-  Aligned src(total), dst(total);
-  std::mt19937 gen(3);
-  for (uint64_t i = 0; i < total; ++i) src.p[i] = static_cast<char>(gen());
-  std::vector<IoRequest> writes, reads;
-  uint64_t off = 0;
-  for (uint64_t n : lengths) {
-    writes.push_back(IoRequest{fd, off, src.p + off, n, true, &path});
-    reads.push_back(IoRequest{fd, off, dst.p + off, n, false, &path});
-    off += n;
-  }
-  ASSERT_TRUE((*io)->Run(writes).ok());
-  std::vector<int> calls(lengths.size(), 0);
-  std::memset(dst.p, 0, total);
+  PieceRequests f(dir.path());
+  ASSERT_GE(f.fd, 0);
+  ASSERT_TRUE(f.io.ok()) << f.io.status();
+  const uint64_t total = PieceRequests::kTotal;
+  auto& io = f.io;
+  auto& reads = f.reads;
+  const std::string& path = f.path;
+  const int fd = f.fd;
+  char* dst = f.dst.p;
+  const char* src = f.src.p;
+  f.Fill(3);
+  ASSERT_TRUE((*io)->Run(f.writes).ok());
+  std::vector<int> calls(reads.size(), 0);
+  std::memset(dst, 0, total);
   Status s = (*io)->Run(reads, [&](size_t i) -> Status {
     ++calls[i];
     const IoRequest& r = reads[i];
-    EXPECT_EQ(0, std::memcmp(dst.p + r.offset, src.p + r.offset, r.length)) << "request " << i;
+    EXPECT_EQ(0, std::memcmp(dst + r.offset, src + r.offset, r.length)) << "request " << i;
     return absl::OkStatus();
   });
   ASSERT_TRUE(s.ok()) << s;
   for (size_t i = 0; i < calls.size(); ++i) EXPECT_EQ(calls[i], 1) << "request " << i;
-  EXPECT_EQ(0, std::memcmp(dst.p, src.p, total));
+  EXPECT_EQ(0, std::memcmp(dst, src, total));
 
   // The callback's error is Run's; the other requests still complete.
-  std::memset(dst.p, 0, total);
+  std::memset(dst, 0, total);
   std::fill(calls.begin(), calls.end(), 0);
   s = (*io)->Run(reads, [&](size_t i) -> Status {
     ++calls[i];
@@ -265,10 +298,10 @@ TEST(BlockIoTest, DoneFiresOncePerRequestWithItsBytesInPlace) {
   EXPECT_TRUE(absl::IsDataLoss(s)) << s;
   EXPECT_NE(s.message().find("request 4 rejected"), std::string::npos) << s;
   for (size_t i = 0; i < calls.size(); ++i) EXPECT_EQ(calls[i], 1) << "request " << i;
-  EXPECT_EQ(0, std::memcmp(dst.p, src.p, total));
+  EXPECT_EQ(0, std::memcmp(dst, src, total));
 
   // A request past the end of the file fails and gets no callback; the one before it does.
-  std::vector<IoRequest> past = {reads[0], IoRequest{fd, total + 65536, dst.p, 4096, false, &path}};
+  std::vector<IoRequest> past = {reads[0], IoRequest{fd, total + 65536, dst, 4096, false, &path}};
   std::fill(calls.begin(), calls.end(), 0);
   s = (*io)->Run(past, [&](size_t i) -> Status {
     ++calls[i];
@@ -277,7 +310,52 @@ TEST(BlockIoTest, DoneFiresOncePerRequestWithItsBytesInPlace) {
   EXPECT_TRUE(absl::IsDataLoss(s)) << s;
   EXPECT_EQ(calls[0], 1);
   EXPECT_EQ(calls[1], 0);
-  ::close(fd);
+}
+
+// The `sent` callback of BlockIo::Run (a write's checksum overlaps its transfer): once per
+// request, after all of its pieces went to the kernel and before its transfer is reported done,
+// so the first request's comes before any completion; its error is Run's, and the writes still
+// land (read back with pread). The same through a FaultInjectingIo in front.
+TEST(BlockIoTest, SentFiresOncePerRequestBeforeItCompletes) {
+  TempDir dir;
+  PieceRequests f(dir.path());
+  ASSERT_GE(f.fd, 0);
+  ASSERT_TRUE(f.io.ok()) << f.io.status();
+  const size_t n = f.writes.size();
+  FaultInjectingIo faulty(std::move(*f.io));
+  for (int round = 0; round < 2; ++round) {
+    f.Fill(5 + round);
+    std::vector<std::string> events;
+    std::vector<int> sent(n, 0), done(n, 0);
+    Status s = faulty.Run(
+        f.writes,
+        [&](size_t i) -> Status {
+          ++done[i];
+          EXPECT_EQ(sent[i], 1) << "request " << i << " completed before it was sent";
+          events.push_back(absl::StrCat("done ", i));
+          return absl::OkStatus();
+        },
+        [&](size_t i) -> Status {
+          ++sent[i];
+          EXPECT_EQ(done[i], 0) << "request " << i;
+          events.push_back(absl::StrCat("sent ", i));
+          return round == 1 && i == 3 ? absl::InternalError("checksum 3 failed") : absl::OkStatus();
+        });
+    if (round == 0) {
+      ASSERT_TRUE(s.ok()) << s;
+    } else {
+      EXPECT_EQ(s.message(), "checksum 3 failed") << s;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_EQ(sent[i], 1) << "request " << i;
+      EXPECT_EQ(done[i], 1) << "request " << i;
+    }
+    ASSERT_FALSE(events.empty());
+    EXPECT_EQ(events.front(), "sent 0");  // while it is in flight, not after the batch
+    ASSERT_EQ(::pread(f.fd, f.dst.p, PieceRequests::kTotal, 0),
+              static_cast<ssize_t>(PieceRequests::kTotal));
+    EXPECT_EQ(0, std::memcmp(f.dst.p, f.src.p, PieceRequests::kTotal)) << "round " << round;
+  }
 }
 
 // The VmFlags line of the mapping that holds `p` in /proc/self/smaps.
