@@ -9,11 +9,12 @@
 // A cloud disk is noisy, so the two alternate within each of --rounds rounds and the medians are
 // compared.
 //
-//   build/bin/bench_ssd_tier [--dir DIR] [--mib N] [--rounds R] [--io-block B]
+//   build/bin/bench_ssd_tier [--dir DIR] [--mib N] [--rounds R] [--io-block B] [--queue-depth Q]
 //                            [--fio-mem huge|malloc] [--small] [--no-fio] [--json]
 //
 // The tier sends each extent as one request (storage.io_block_bytes = the largest extent, as fio
 // sends one request of bs bytes); --io-block 1048576 measures the default 1 MiB requests.
+// --queue-depth sets the tier's and fio's queue depth alike.
 //
 // The folder defaults to $TMPDIR (or /tmp), where the SSD tier lives unless storage.ssd_dir says
 // otherwise; it must support O_DIRECT (not tmpfs).
@@ -211,6 +212,8 @@ int Main(int argc, char** argv) {
       o.mib = std::stoull(value());
     } else if (a == "--io-block") {
       o.io_block = std::stoull(value());
+    } else if (a == "--queue-depth") {
+      o.queue_depth = static_cast<uint32_t>(std::stoul(value()));
     } else if (a == "--rounds") {
       o.rounds = std::stoi(value());
     } else if (a == "--fio-mem") {
@@ -224,7 +227,7 @@ int Main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: bench_ssd_tier [--dir DIR] [--mib N] [--rounds R] [--io-block B] "
-                   "[--fio-mem huge|malloc] [--small] [--no-fio] [--json]\n");
+                   "[--queue-depth Q] [--fio-mem huge|malloc] [--small] [--no-fio] [--json]\n");
       return 2;
     }
   }
