@@ -1,58 +1,15 @@
 #include "storage/copy_shelf.h"
 
-#include <fcntl.h>
-#include <signal.h>
-#include <sys/file.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstdio>
 #include <cstring>
-#include <filesystem>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/common/logging.h"
 
 namespace strata::storage {
+
 namespace {
-
 constexpr char kFolderPrefix[] = "strata-copies-";
-
-constexpr char kLockFile[] = "/lock";
-
-// Removes the folders of shelves whose process is gone (killed before its destructor ran). A live
-// shelf holds an exclusive flock on its folder's lock file, which any process on the machine sees
-// (also from another PID namespace sharing the folder); a folder is named for the sweep only once
-// it is locked (Create). One without a lock file (made before shelves took locks) is judged by
-// the process id its name carries.
-void RemoveAbandoned(const std::string& parent) {
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(parent, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind(kFolderPrefix, 0) != 0) continue;
-    const std::string rest = name.substr(sizeof(kFolderPrefix) - 1);
-    int pid = 0;
-    if (!absl::SimpleAtoi(rest.substr(0, rest.find('-')), &pid) || pid <= 0) continue;
-    const std::string lock = entry.path().string() + kLockFile;
-    const int fd = ::open(lock.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) {
-      const bool held = flock(fd, LOCK_EX | LOCK_NB) != 0;
-      ::close(fd);  // a lock taken here goes with it
-      if (held) continue;
-    } else if (kill(pid, 0) == 0 || errno != ESRCH) {
-      continue;  // alive (or not ours to judge)
-    }
-    std::error_code removed;
-    std::filesystem::remove_all(entry.path(), removed);
-    if (!removed) {
-      STRATA_LOG(INFO) << "removed the buddy copies of process " << pid << " (gone) in "
-                       << entry.path().string();
-    }
-  }
-}
-
 }  // namespace
 
 StatusOr<std::unique_ptr<CopyShelf>> CopyShelf::Create(const Options& options) {
@@ -64,58 +21,24 @@ StatusOr<std::unique_ptr<CopyShelf>> CopyShelf::Create(const Options& options) {
   if (options.parent_dir.empty()) {
     return absl::InvalidArgumentError("a copy shelf needs a parent folder");
   }
-  RemoveAbandoned(options.parent_dir);
   std::unique_ptr<CopyShelf> s(new CopyShelf(options));
-  // Made under a name the sweep skips (no process id after the prefix), locked, and only then
-  // given its name: a sweep elsewhere never sees it unlocked.
-  std::string tmpl =
-      absl::StrFormat("%s/%snew-%d-XXXXXX", options.parent_dir, kFolderPrefix, getpid());
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  if (mkdtemp(buf.data()) == nullptr) {
-    return absl::PermissionDeniedError(
-        absl::StrFormat("cannot create a folder for the buddy copies from '%s': %s; point "
-                        "storage.ssd_dir (or TMPDIR) at a writable folder",
-                        tmpl, std::strerror(errno)));
-  }
-  s->dir_ = buf.data();
-  // Held for the shelf's life: RemoveAbandoned elsewhere leaves the folder alone.
-  s->lock_fd_ = ::open((s->dir_ + kLockFile).c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (s->lock_fd_ < 0 || flock(s->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-    return absl::PermissionDeniedError(absl::StrFormat(
-        "cannot lock '%s%s' for the buddy copies: %s; point storage.ssd_dir (or TMPDIR) at a "
-        "local, writable folder",
-        s->dir_, kLockFile, std::strerror(errno)));
-  }
-  const std::string named = absl::StrFormat("%s/%s%d-%s", options.parent_dir, kFolderPrefix,
-                                            getpid(), s->dir_.substr(s->dir_.size() - 6));
-  if (std::rename(s->dir_.c_str(), named.c_str()) != 0) {
-    return absl::PermissionDeniedError(absl::StrFormat(
-        "cannot rename '%s' to '%s' for the buddy copies: %s; point storage.ssd_dir (or TMPDIR) "
-        "at a local, writable folder",
-        s->dir_, named, std::strerror(errno)));
-  }
-  s->dir_ = named;
+  ASSIGN_OR_RETURN(s->folder_,
+                   PrivateFolder::Create(options.parent_dir, kFolderPrefix, "the buddy copies"));
   ASSIGN_OR_RETURN(std::unique_ptr<BlockIo> io, MakeUringIo(options.io));
   if (options.wrap_io) io = options.wrap_io(std::move(io));
   SsdOptions so;
-  so.dir = s->dir_;
+  so.dir = s->folder_->path();
   ASSIGN_OR_RETURN(s->tier_, SsdTier::Open(so, std::move(io)));
   RETURN_IF_ERROR(s->Reserve(options.piece_bytes));
   return s;
 }
 
 CopyShelf::~CopyShelf() {
-  tier_.reset();
-  if (!dir_.empty()) {
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
-  }
-  if (lock_fd_ >= 0) ::close(lock_fd_);
+  tier_.reset();  // closes its files before the folder goes
 }
 
 std::string CopyShelf::What(int64_t version, int64_t item, int piece) const {
-  return absl::StrFormat("copy of item %d piece %d v%d in %s", item, piece, version, dir_);
+  return absl::StrFormat("copy of item %d piece %d v%d in %s", item, piece, version, dir());
 }
 
 Status CopyShelf::Reserve(uint64_t bytes) {

@@ -5,12 +5,12 @@
 // job's state together without the workers that left. A blob is `pieces` pieces of `piece_bytes`
 // each (an expert's blob: its weights and Adam moments, one tensor per MoE layer and kind); a
 // version of an item (the step its state is the result of) is held once every piece of it is
-// written. The pieces are checksummed extents of an SsdTier of the shelf's own, in a private
-// folder made under the parent given to Create (strata-copies-<pid>-XXXXXX) and removed with the
-// shelf; nothing of it needs to survive the process (a worker that dies loses its copies, which
-// is what the other workers' copies are for). The folder of a process killed before it could
-// remove it is removed by the next shelf made under the same parent on that machine (a live
-// shelf holds a flock on its folder's lock file, which tells the two apart). The shelf
+// written. The pieces are checksummed extents of an SsdTier of the shelf's own, in a
+// PrivateFolder made under the parent given to Create (strata-copies-<pid>-XXXXXX) and removed
+// with the shelf; nothing of it needs to survive the process (a worker that dies loses its
+// copies, which is what the other workers' copies are for). The folder of a process killed before
+// it could remove it is removed by the next shelf made under the same parent on that machine (a
+// live shelf holds a flock on its folder's lock file, which tells the two apart). The shelf
 // charges no memory budget: pieces pass through a bounce buffer as large as the most pieces one
 // call moved.
 //
@@ -29,6 +29,7 @@
 #include "core/common/status.h"
 #include "storage/block_io.h"
 #include "storage/io_memory.h"
+#include "storage/private_folder.h"
 #include "storage/ssd_tier.h"
 
 namespace strata::storage {
@@ -75,7 +76,7 @@ class CopyShelf {
 
   uint64_t piece_bytes() const { return options_.piece_bytes; }
   int pieces() const { return options_.pieces; }
-  const std::string& dir() const { return dir_; }
+  const std::string& dir() const { return folder_->path(); }
   uint64_t used_bytes() const { return tier_->used_bytes(); }
   SsdStats stats() const { return tier_->stats(); }
 
@@ -91,8 +92,7 @@ class CopyShelf {
   std::string What(int64_t version, int64_t item, int piece) const;
 
   Options options_;
-  std::string dir_;
-  int lock_fd_ = -1;  // an exclusive flock on dir_/lock, for the shelf's life
+  std::unique_ptr<PrivateFolder> folder_;  // goes after the tier that has files open in it
   std::unique_ptr<SsdTier> tier_;
   [[nodiscard]] Status Reserve(uint64_t bytes);  // the bounce buffer holds at least `bytes`
   IoBuffer bounce_;

@@ -36,10 +36,7 @@ Trainer::~Trainer() {
   experts_.reset();
   scheduler_.reset();  // closes the SSD tier's files before its temporary folder goes
   checkpoints_.reset();
-  if (!temp_ssd_dir_.empty()) {
-    std::error_code ec;
-    std::filesystem::remove_all(temp_ssd_dir_, ec);
-  }
+  temp_ssd_dir_.reset();
 }
 
 Status Trainer::EnsureBudgets(const model::MoeTransformer& model) {
@@ -81,21 +78,28 @@ StatusOr<scheduler::TieredOptions> Trainer::TieredOptionsOf() {
     to.ssd_dir =
         distributed() ? absl::StrCat(st.ssd_dir(), "/rank-", options_.worker.rank) : st.ssd_dir();
   } else {
-    if (temp_ssd_dir_.empty()) {
-      const char* base = std::getenv("TMPDIR");
-      std::string tmpl = std::string(base && *base ? base : "/tmp") + "/strata-ssd-XXXXXX";
-      std::vector<char> buf(tmpl.begin(), tmpl.end());
-      buf.push_back('\0');
-      if (mkdtemp(buf.data()) == nullptr) {
-        return absl::PermissionDeniedError(absl::StrFormat(
-            "cannot create a temporary SSD-tier folder from '%s': %s; set storage.ssd_dir", tmpl,
-            std::strerror(errno)));
-      }
-      temp_ssd_dir_ = buf.data();
-    }
-    to.ssd_dir = temp_ssd_dir_;
+    RETURN_IF_ERROR(EnsureTempSsdFolder());
+    to.ssd_dir = temp_ssd_dir_->path();
   }
   return to;
+}
+
+bool Trainer::NeedsTempSsdFolder() const {
+  const config::JobConfig& cfg = options_.config;
+  return cfg.storage().mode() == config::StorageConfig::TIERED && cfg.checkpoint().dir().empty() &&
+         cfg.storage().ssd_dir().empty();
+}
+
+Status Trainer::EnsureTempSsdFolder() {
+  if (temp_ssd_dir_) return absl::OkStatus();
+  // Made with its sweep of the folders of killed runs (storage/private_folder.h). Folders named
+  // strata-ssd-XXXXXX by releases before these took a process id and a lock stay: whether a
+  // process still has files open in one cannot be known cheaply (remove them by hand when no
+  // strata runs).
+  const char* base = std::getenv("TMPDIR");
+  ASSIGN_OR_RETURN(temp_ssd_dir_, storage::PrivateFolder::Create(base && *base ? base : "/tmp",
+                                                                 "strata-ssd-", "the SSD tier"));
+  return absl::OkStatus();
 }
 
 Status Trainer::SetUpTiered(std::unique_ptr<storage::TieredExpertStore> store) {
@@ -546,6 +550,9 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
                           config::EstimateWorkerMemory(cfg, std::max(1, options.worker.world_size),
                                                        options.worker.elastic),
                           config::AvailableHostMemory(), "job config"));
+  // The SSD tier's temporary folder, if it needs one, is made first: its sweep frees the room
+  // that the folders of killed runs take, which the disk check would count against this job.
+  if (tr->NeedsTempSsdFolder()) RETURN_IF_ERROR(tr->EnsureTempSsdFolder());
   RETURN_IF_ERROR(config::CheckDiskHere(
       cfg,
       config::EstimateDisk(cfg, std::max(1, options.worker.world_size), options.worker.elastic),

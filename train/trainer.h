@@ -45,6 +45,7 @@
 #include "scheduler/expert_parallel.h"
 #include "scheduler/tiered_scheduler.h"
 #include "storage/copy_shelf.h"
+#include "storage/private_folder.h"
 #include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/state_sync.h"
@@ -204,6 +205,10 @@ class Trainer {
   // (one a re-form handed on, see TieredExpertScheduler::ReleaseStore).
   [[nodiscard]] Status EnsureBudgets(const model::MoeTransformer& model);
   [[nodiscard]] StatusOr<scheduler::TieredOptions> TieredOptionsOf();
+  // A TIERED job without checkpoint.dir and storage.ssd_dir keeps its SSD tier in temp_ssd_dir_,
+  // a PrivateFolder under $TMPDIR (else /tmp), made on first need.
+  bool NeedsTempSsdFolder() const;
+  [[nodiscard]] Status EnsureTempSsdFolder();
   [[nodiscard]] Status SetUpTiered(std::unique_ptr<storage::TieredExpertStore> store = nullptr);
   [[nodiscard]] Status SetUpWorkers();
   // Runs `connect` (a Connect*Gloo call) so that WorkerOptions::superseded can abandon it.
@@ -329,7 +334,7 @@ class Trainer {
   std::unique_ptr<model::AdamW> optimizer_;
   // TIERED (declared in destruction order: the scheduler and its store go first, then the budgets
   // they charge, then the temporary SSD folder).
-  std::string temp_ssd_dir_;
+  std::unique_ptr<storage::PrivateFolder> temp_ssd_dir_;
   std::unique_ptr<MemoryBudget> device_budget_, host_budget_;
   uint64_t dense_state_bytes_ = 0;                  // charged to device_budget_ for good
   std::unique_ptr<CheckpointManager> checkpoints_;  // uses the budgets' SSD tier; goes last
