@@ -52,6 +52,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
+#include "core/common/heap.h"
 #include "core/common/json.h"
 #include "proto/config_io.h"
 #include "proto/memory_estimate.h"
@@ -481,4 +482,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace strata::bench
 
-int main(int argc, char** argv) { return strata::bench::Main(argc, argv); }
+int main(int argc, char** argv) {
+  strata::KeepLargeBlocksOffTheHeap();  // as the strata binary does: peak RSS is reported
+  return strata::bench::Main(argc, argv);
+}

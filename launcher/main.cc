@@ -3,12 +3,15 @@
 #include <string>
 
 #include "core/common/fault_point.h"
+#include "core/common/heap.h"
 #include "launcher/commands.h"
 
 int main(int argc, char** argv) {
   // A peer that dies closes its sockets; writing to one must come back as an error that names the
   // peer (see runtime/comm), not kill this process with SIGPIPE.
   std::signal(SIGPIPE, SIG_IGN);
+  // Multi-MiB activations must not pile up in the heap over a long run (core/common/heap.h).
+  strata::KeepLargeBlocksOffTheHeap();
   // Tests and drills arm fault points through STRATA_FAULTS (core/common/fault_point.h); a bad
   // value stops here, before anything starts, rather than leaving a drill without its fault.
   if (strata::Status s = strata::FaultPoints::Instance().EnvironmentStatus(); !s.ok()) {
