@@ -92,7 +92,7 @@ TieredExpertStore::~TieredExpertStore() {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
-  work_cv_.notify_all();
+  for (auto& cv : work_cv_) cv.notify_all();
   cv_.notify_all();
   for (auto& t : stages_) {
     if (t.joinable()) t.join();
@@ -130,7 +130,7 @@ void TieredExpertStore::EnqueueLocked(int stage, Job job, bool demand) {
     job.demand = false;
     q.push_back(job);
   }
-  work_cv_.notify_all();
+  work_cv_[stage].notify_all();
 }
 
 void TieredExpertStore::Span(const char* name, int thread, double start, const TensorKey& key) {
@@ -146,6 +146,7 @@ StatusOr<float*> TieredExpertStore::AcquireDevice(const TensorKey& key, bool zer
   std::unique_lock<std::mutex> lock(mu_);
   Entry& e = EntryLocked(key);
   e.hits += 1;
+  e.next_use = 0;
   e.dev_pins++;
   e.dev_last_use = ++clock_;
   if (zero) {
@@ -228,6 +229,7 @@ StatusOr<float*> TieredExpertStore::AcquireHost(const TensorKey& key, bool backg
   e.hits += 1;
   e.host_last_use = ++clock_;
   e.host_unused = false;
+  e.next_use = 0;
   e.host_pins++;
   double& waited = background ? stats_.background_wait_seconds : stats_.stall_seconds;
   bool counted = false;
@@ -277,6 +279,7 @@ void TieredExpertStore::ReleaseHost(const TensorKey& key, bool modified) {
     e.ssd_current = false;
     e.materialized = true;
     e.generation++;
+    WantCleanLocked();
     if (e.dev != DevState::kAbsent) {
       CHECK_EQ(e.dev_pins, 0) << key.ToString() << " changed on the host while pinned on device";
       if (e.dev == DevState::kReady) DropDeviceLocked(e);
@@ -311,7 +314,8 @@ Status TieredExpertStore::DrainWriteBacks() {
 void TieredExpertStore::WaitIdle() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] {
-    return stop_ || (queue_[0].empty() && queue_[1].empty() && busy_[0] == 0 && busy_[1] == 0);
+    return stop_ || (queue_[0].empty() && queue_[1].empty() && busy_[0] == 0 && busy_[1] == 0 &&
+                     !clean_wanted_);
   });
 }
 
@@ -383,14 +387,34 @@ void TieredExpertStore::PrefetchDevice(std::span<const TensorKey> keys) {
   }
 }
 
-void TieredExpertStore::PrefetchHost(std::span<const TensorKey> keys) {
+int TieredExpertStore::PrefetchHost(std::span<const TensorKey> keys, uint64_t needed_at) {
   std::lock_guard<std::mutex> lock(mu_);
+  int queued = 0;
   for (const TensorKey& k : keys) {
     Entry& e = EntryLocked(k);
     if (e.host != HostState::kAbsent || e.dev_dirty) continue;
     e.host = HostState::kLoading;
+    e.hint_needed_at = needed_at;
     e.error = absl::OkStatus();
     EnqueueLocked(kSsdStage, Job{k, Job::kLoadHost}, false);
+    ++queued;
+  }
+  return queued;
+}
+
+void TieredExpertStore::WantCleanLocked() {
+  if (clean_wanted_ || !options_.clean_ahead || !host_->limited()) return;
+  // Only when the next evictions are near: fewer free slots than the entries it keeps clean.
+  if (host_->capacity() - host_->in_use() > options_.ssd_threads) return;
+  clean_wanted_ = true;
+  work_cv_[kSsdStage].notify_one();
+}
+
+void TieredExpertStore::SetNextUse(std::span<const TensorKey> keys, uint64_t when) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const TensorKey& k : keys) {
+    auto it = entries_.find(k);
+    if (it != entries_.end()) it->second.next_use = when;
   }
 }
 
@@ -400,8 +424,26 @@ void TieredExpertStore::StageLoop(int stage, int track) {
   t_track = track;
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    work_cv_.wait(lock, [&] { return stop_ || !queue_[stage].empty(); });
+    work_cv_[stage].wait(lock, [&] {
+      return stop_ || !queue_[stage].empty() || (stage == kSsdStage && clean_wanted_);
+    });
     if (stop_) return;
+    if (queue_[stage].empty()) {
+      // Nothing asked for: write back the dirty entries the next evictions will take, so that
+      // they (and the copy stage's gradient write-backs, which need a host slot) find clean
+      // victims and do not wait for an SSD write.
+      TensorKey key;
+      if (!PickCleanLocked(&key)) {
+        clean_wanted_ = false;
+        cv_.notify_all();  // WaitIdle
+        continue;
+      }
+      busy_[stage]++;
+      Clean(lock, key);
+      busy_[stage]--;
+      cv_.notify_all();
+      continue;
+    }
     Job job = queue_[stage].front();
     queue_[stage].pop_front();
     busy_[stage]++;
@@ -429,23 +471,101 @@ void TieredExpertStore::StageLoop(int stage, int track) {
   }
 }
 
-StatusOr<int> TieredExpertStore::HostSlotLocked(std::unique_lock<std::mutex>& lock) {
+bool TieredExpertStore::EvictsBefore(const Entry& a, const Entry& b) {
+  // An entry whose next use the plan puts latest (SetNextUse), else LFU: the one with the fewest
+  // hits (ties: the least recently used); a prefetched entry not used yet goes last.
+  auto order = [](const Entry& e) {
+    return std::make_tuple(e.host_unused, e.next_use == 0,
+                           std::numeric_limits<uint64_t>::max() - e.next_use, e.hits,
+                           e.host_last_use);
+  };
+  return order(a) < order(b);
+}
+
+bool TieredExpertStore::PickCleanLocked(TensorKey* key) {
+  if (!options_.clean_ahead || !host_->limited() || clean_failed_) return false;
+  // The slots the next evictions will take: free ones first, then the first victims in order.
+  const int want = options_.ssd_threads + 1 - (host_->capacity() - host_->in_use());
+  if (want <= 0) return false;
+  std::vector<Entry*> next;
+  for (auto& [k, e] : entries_) {
+    if (e.host == HostState::kReady && (e.host_pins == 0 || e.cleaning)) next.push_back(&e);
+  }
+  const size_t n = std::min(next.size(), static_cast<size_t>(want));
+  std::partial_sort(next.begin(), next.begin() + static_cast<std::ptrdiff_t>(n), next.end(),
+                    [](const Entry* a, const Entry* b) {
+                      // An entry being cleaned is as good as clean: it comes first.
+                      if (a->cleaning != b->cleaning) return a->cleaning;
+                      return EvictsBefore(*a, *b);
+                    });
+  for (size_t i = 0; i < n; ++i) {
+    if (next[i]->host_dirty && !next[i]->cleaning && !next[i]->dev_dirty) {
+      *key = next[i]->key;
+      return true;
+    }
+  }
+  return false;
+}
+
+void TieredExpertStore::Clean(std::unique_lock<std::mutex>& lock, const TensorKey& key) {
+  Entry& e = EntryLocked(key);
+  e.cleaning = true;
+  e.host_pins++;
+  e.host_readers++;
+  const uint64_t generation = e.generation;
+  const uint64_t version = NextVersionLocked(key);
+  const float* data = host_->data(e.host_slot);
+  lock.unlock();
+  const double t0 = NowSeconds();
+  auto stored = ssd_->Write(data, options_.tensor_bytes);
+  Span("ssd_write", kSsdStage, t0, key);
+  lock.lock();
+  e.cleaning = false;
+  e.host_pins--;
+  e.host_readers--;
+  cv_.notify_all();
+  if (!stored.ok()) {
+    // The value is still on the host, and an eviction writes it (and reports a failure) later.
+    STRATA_LOG(WARNING) << "tiered store: writing back " << key.ToString()
+                        << " ahead of its eviction failed (" << stored.status()
+                        << "); evictions write their victims themselves from now on";
+    clean_failed_ = true;
+    return;
+  }
+  stats_.ssd.bytes_in += stored->extent.length;
+  if (e.generation != generation || !e.host_dirty || e.host != HostState::kReady) {
+    ssd_->Free(stored->extent);  // changed meanwhile: this copy is stale
+    return;
+  }
+  RefLocked(key, version, *stored);
+  if (e.has_ssd) UnrefLocked(key, e.ssd_version);
+  e.has_ssd = true;
+  e.ssd_version = version;
+  e.ssd = *stored;
+  e.ssd_current = true;
+  e.host_dirty = false;
+}
+
+StatusOr<int> TieredExpertStore::HostSlotLocked(std::unique_lock<std::mutex>& lock,
+                                                uint64_t needed_at) {
   while (true) {
     if (stop_) return absl::CancelledError("the store is shutting down");
     const int free_slot = host_->Allocate();
+    WantCleanLocked();
     if (free_slot >= 0) return free_slot;
-    // LFU: the unpinned resident entry with the fewest hits (ties: the least recently used).
     Entry* victim = nullptr;
     for (auto& [k, e] : entries_) {
-      if (e.host != HostState::kReady || e.host_pins > 0) continue;
-      if (victim == nullptr ||
-          std::make_tuple(e.host_unused, e.hits, e.host_last_use) <
-              std::make_tuple(victim->host_unused, victim->hits, victim->host_last_use)) {
-        victim = &e;
-      }
+      // An entry being cleaned ahead is still a candidate (its only pin is the cleaner's).
+      if (e.host != HostState::kReady || e.host_pins > (e.cleaning ? 1 : 0)) continue;
+      if (victim == nullptr || EvictsBefore(e, *victim)) victim = &e;
     }
-    if (victim == nullptr) {
-      cv_.wait(lock);  // everything is pinned or in flight: wait for a release
+    if (needed_at > 0 &&
+        (victim == nullptr || victim->host_unused || victim->next_use <= needed_at)) {
+      return -1;  // nothing needed later than the caller's tensor
+    }
+    if (victim == nullptr || victim->cleaning) {
+      // Everything is pinned or in flight, or the victim is being written already: wait.
+      cv_.wait(lock);
       continue;
     }
     Entry& v = *victim;
@@ -532,11 +652,15 @@ Status TieredExpertStore::LoadHost(const TensorKey& key, bool hint) {
     return absl::OkStatus();
   }
   e.host_claimed = true;
-  auto slot = HostSlotLocked(lock);
-  if (!slot.ok()) {
+  const uint64_t needed_at = hint ? e.hint_needed_at : 0;
+  e.hint_needed_at = 0;
+  auto slot = HostSlotLocked(lock, needed_at);
+  if (!slot.ok() || *slot < 0) {
     e.host_claimed = false;
     e.host = HostState::kAbsent;
-    return slot.status();
+    cv_.notify_all();
+    return slot.ok() ? absl::OkStatus()
+                     : slot.status();  // a conditional hint with no room: dropped
   }
   e.host_slot = *slot;
   float* dst = host_->data(e.host_slot);
@@ -694,6 +818,7 @@ Status TieredExpertStore::DoWriteBack(const TensorKey& key) {
   DropDeviceLocked(e);
   e.host = HostState::kReady;
   e.host_dirty = true;
+  WantCleanLocked();
   e.host_last_use = ++clock_;
   e.write_back_queued = false;
   stats_.device.bytes_out += options_.tensor_bytes;

@@ -15,7 +15,9 @@
 //                 coldest unpinned host entry by LFU-with-decay, writing it back first if dirty.
 //                 StoreOptions::ssd_threads (1-64, default 4) serve it, so one's read or write is
 //                 on the device while another takes the lock, picks a victim and checks a CRC:
-//                 the SSD never waits for the CPU between requests;
+//                 the SSD never waits for the CPU between requests. With nothing queued, they
+//                 write back the next victims ahead of their eviction (StoreOptions::clean_ahead),
+//                 so the SSD also works while nobody waits for it;
 //   copy stage  — one thread, host -> device: copies resident host tensors into device slots
 //                 (evicting the least recently used unpinned clean device copy), and device ->
 //                 host write-backs of dirty device tensors (gradients).
@@ -30,8 +32,10 @@
 // all hits are multiplied by `lfu_decay`; eviction takes the entry with the fewest hits, and of
 // entries with as few, the least recently used (so of a step's gradients, which all have one hit,
 // the first ones backward wrote go first and the last ones — which the optimizer takes first —
-// stay). A tensor a hint brought in and nobody has used yet goes only when nothing else can:
-// evicting it would waste the read and repeat it.
+// stay). Where the caller knows when an entry is next used (SetNextUse: the optimizer's Adam
+// moments, used once a step), that plan comes first: such entries go before the others, the one
+// needed latest first. A tensor a hint brought in and nobody has used yet goes only when nothing
+// else can: evicting it would waste the read and repeat it.
 //
 // Thread-safe: every method may be called from any thread (compute threads, the optimizer, the
 // checkpoint writer) except where it says otherwise. One mutex guards the entry table; transfers
@@ -119,6 +123,11 @@ struct StoreOptions {
   // Threads of the ssd stage. Each has one tensor transfer in flight (plus, before it, the
   // write-back of the entry it evicts), so this is how many requests the store keeps at the SSD.
   int ssd_threads = 4;
+  // An ssd stage thread with nothing queued writes back the dirty entries the next evictions
+  // will take (the next ssd_threads + 1 victims), keeping them resident and now clean, so that
+  // loads and the copy stage's gradient write-backs find a clean slot instead of waiting for an
+  // SSD write. Off: every eviction writes its dirty victim itself (tests of exact I/O counts).
+  bool clean_ahead = true;
 
   // Device slots compute can need at once: weights + gradient per thread, plus one to load into.
   int MinDeviceSlots() const { return 2 * compute_threads + 1; }
@@ -205,10 +214,20 @@ class TieredExpertStore {
 
   // --- Hints ---------------------------------------------------------------------------------
   void PrefetchDevice(std::span<const TensorKey> keys);
-  void PrefetchHost(std::span<const TensorKey> keys);
+  // Queues SSD -> host loads of the keys not resident, loading or on the device; returns how many.
+  // With `needed_at` (> 0, in SetNextUse's order) a load takes only a free slot or that of an
+  // entry planned for later than `needed_at`, and is dropped when there is none: it never
+  // displaces what is needed sooner, nor anything without a plan.
+  int PrefetchHost(std::span<const TensorKey> keys, uint64_t needed_at = 0);
+  // The caller's plan: these entries are next used at `when` (> 0, a point of the caller's own
+  // order, later = larger). Until an Acquire uses them again, they are evicted from the host
+  // tier before any entry without a plan, the latest `when` first (Belady: keep what is needed
+  // soonest); entries without one keep LFU order. Keys not in the store are ignored.
+  void SetNextUse(std::span<const TensorKey> keys, uint64_t when);
   // Waits until the queued write-backs are done (before the optimizer reads gradients).
   [[nodiscard]] Status DrainWriteBacks();
-  // Waits until both stages have nothing queued or in progress (prefetches included).
+  // Waits until both stages have nothing queued or in progress (prefetches and writes ahead of
+  // eviction included).
   void WaitIdle();
 
   // --- Steps and statistics ------------------------------------------------------------------
@@ -271,9 +290,12 @@ class TieredExpertStore {
     int host_writers = 0;  // AcquireHost holders (they may write)
     int host_readers = 0;  // stage copies / snapshots reading the host copy
     double hits = 0;
-    uint64_t host_last_use = 0;  // host LRU clock, to break ties between equally cold entries
-    bool host_unused = false;    // loaded by a hint and not used yet: evicted last
-    bool host_claimed = false;   // an ssd stage thread is loading it
+    uint64_t host_last_use = 0;   // host LRU clock, to break ties between equally cold entries
+    bool host_unused = false;     // loaded by a hint and not used yet: evicted last
+    uint64_t next_use = 0;        // SetNextUse's plan (0: none); cleared by an Acquire
+    uint64_t hint_needed_at = 0;  // a queued conditional PrefetchHost's `needed_at`
+    bool host_claimed = false;    // an ssd stage thread is loading it
+    bool cleaning = false;        // an ssd stage thread is writing it back ahead of eviction
     // device
     int dev_slot = -1;
     DevState dev = DevState::kAbsent;
@@ -305,7 +327,19 @@ class TieredExpertStore {
   // A free host slot, evicting the coldest unpinned entry if needed (may write it to SSD, which
   // releases and re-takes the lock); waits while everything is pinned. Fails when the write-back
   // of a dirty victim fails.
-  StatusOr<int> HostSlotLocked(std::unique_lock<std::mutex>& lock);
+  // With `needed_at` > 0 (a conditional hint) it returns -1 instead of evicting an entry that is
+  // not planned for later than that (see PrefetchHost), and does not wait for one.
+  StatusOr<int> HostSlotLocked(std::unique_lock<std::mutex>& lock, uint64_t needed_at = 0);
+  // Whether eviction takes `a` before `b` (see the class comment).
+  static bool EvictsBefore(const Entry& a, const Entry& b);
+  // Cleaning ahead (ssd stage threads, when they have nothing queued): the first dirty entry
+  // among the next ssd_threads + 1 slots evictions will take; false when they are all free or
+  // clean. Clean writes it to the SSD tier and keeps it resident, now clean (unless it changed
+  // meanwhile); releases and re-takes the lock.
+  bool PickCleanLocked(TensorKey* key);
+  void Clean(std::unique_lock<std::mutex>& lock, const TensorKey& key);
+  // Something may have become a dirty victim: wake an ssd stage thread to look.
+  void WantCleanLocked();
   uint64_t NextVersionLocked(const TensorKey& key);
   int DeviceSlotLocked();
   // Queues the write-back of the least recently used unpinned dirty device tensor (a finished
@@ -324,8 +358,8 @@ class TieredExpertStore {
   std::unique_ptr<CopyStream> copy_;
 
   mutable std::mutex mu_;
-  std::condition_variable cv_;       // entries changed state
-  std::condition_variable work_cv_;  // a stage has work
+  std::condition_variable cv_;          // entries changed state
+  std::condition_variable work_cv_[2];  // per stage: it has work
   std::unordered_map<TensorKey, Entry, TensorKeyHash> entries_;
   std::map<std::pair<TensorKey, uint64_t>, VersionRef> versions_;
   std::unordered_map<TensorKey, uint64_t, TensorKeyHash> next_version_;
@@ -337,6 +371,8 @@ class TieredExpertStore {
   StoreStats stats_;
   SsdStats last_ssd_;
   bool record_spans_ = false;
+  bool clean_wanted_ = false;  // an ssd stage thread should look for entries to clean
+  bool clean_failed_ = false;  // a write ahead of eviction failed: no more of them
   std::vector<StageSpan> spans_;
   // Stage threads: options_.ssd_threads on the ssd stage, then the copy stage.
   std::vector<std::thread> stages_;

@@ -27,8 +27,11 @@ float InitValue(const TensorKey& k, uint64_t i) {
 
 class TieredStoreTest : public ::testing::Test {
  protected:
-  std::unique_ptr<TieredExpertStore> Make(int device_slots, int host_slots, int threads = 1) {
+  // Writing back ahead of eviction is off unless asked for: most tests count exact writes.
+  std::unique_ptr<TieredExpertStore> Make(int device_slots, int host_slots, int threads = 1,
+                                          bool clean_ahead = false) {
     StoreOptions o;
+    o.clean_ahead = clean_ahead;
     o.tensor_bytes = kBytes;
     o.device_budget_bytes = device_slots * kBytes;
     o.host_budget_bytes = host_slots * kBytes;
@@ -53,7 +56,7 @@ class TieredStoreTest : public ::testing::Test {
 };
 
 TEST_F(TieredStoreTest, GeneratedValuesUpdatesAndEvictionsRoundTrip) {
-  auto store = Make(/*device=*/3, /*host=*/7);
+  auto store = Make(/*device=*/3, /*host=*/7, /*threads=*/1, /*clean_ahead=*/true);
   ASSERT_TRUE(store);
   // 12 experts' weights: far more than either tier holds. First read: generated values.
   for (int e = 0; e < 12; ++e) {
@@ -229,9 +232,85 @@ TEST_F(TieredStoreTest, EquallyColdEntriesLeaveLeastRecentlyUsedFirst) {
   EXPECT_GT(s.ssd.bytes_out, 0u) << "it came back from the SSD tier";
 }
 
+// Is `key` resident on the host? Acquires it and reads the hit/miss counter (then it is used).
+bool Resident(TieredExpertStore& store, const TensorKey& key) {
+  store.TakeStats();
+  EXPECT_TRUE(store.AcquireHost(key).ok());
+  store.ReleaseHost(key, false);
+  return store.TakeStats().host.hits == 1;
+}
+
+TEST_F(TieredStoreTest, PlannedEntriesLeaveFirstLatestNextUseFirst) {
+  auto store = Make(3, 7);
+  // Seven moments with hits 2..8 (hotter than any fresh tensor), expert 1 the coldest.
+  for (int e = 1; e <= 7; ++e) {
+    TensorKey k{1, e, TensorKind::kAdamM};
+    for (int h = 0; h <= e; ++h) {
+      ASSERT_TRUE(store->AcquireHost(k).ok());
+      store->ReleaseHost(k, true);
+    }
+  }
+  // The plan: experts 5, 6, 7 are next used at 3, 1, 2; the others have no plan.
+  const TensorKey m5{1, 5, TensorKind::kAdamM}, m6{1, 6, TensorKind::kAdamM},
+      m7{1, 7, TensorKind::kAdamM};
+  store->SetNextUse(std::span<const TensorKey>(&m5, 1), 3);
+  store->SetNextUse(std::span<const TensorKey>(&m6, 1), 1);
+  store->SetNextUse(std::span<const TensorKey>(&m7, 1), 2);
+  // Two fresh tensors need slots: LFU alone would evict experts 1 and 2; the plan evicts 5
+  // (needed latest) and then 7, although they are the hottest, and writes them back.
+  for (int e = 8; e <= 9; ++e) {
+    TensorKey k{1, e, TensorKind::kGrad};
+    ASSERT_TRUE(store->AcquireHost(k).ok());
+    store->ReleaseHost(k, true);
+  }
+  EXPECT_EQ(store->TakeStats().ssd.bytes_in, 2 * kBytes) << "two dirty victims written back";
+  EXPECT_TRUE(Resident(*store, TensorKey{1, 1, TensorKind::kAdamM}));
+  EXPECT_TRUE(Resident(*store, TensorKey{1, 2, TensorKind::kAdamM}));
+  EXPECT_TRUE(Resident(*store, m6)) << "needed soonest of the planned: kept";
+  EXPECT_FALSE(Resident(*store, m5)) << "needed latest: evicted first";
+  EXPECT_FALSE(Resident(*store, m7)) << "needed second latest: evicted second";
+}
+
+TEST_F(TieredStoreTest, IdleSsdThreadsWriteTheNextVictimsBackAhead) {
+  auto store = Make(3, 7, 1, /*clean_ahead=*/true);
+  // Seven dirty tensors fill the host tier, expert 1 the least recently used.
+  auto value = [](int e, uint64_t i) { return static_cast<float>(e * 100 + i % 17); };
+  for (int e = 1; e <= 7; ++e) {
+    TensorKey k{1, e, TensorKind::kGrad};
+    auto p = store->AcquireHost(k);
+    ASSERT_TRUE(p.ok()) << p.status();
+    for (uint64_t i = 0; i < kFloats; ++i) (*p)[i] = value(e, i);
+    store->ReleaseHost(k, true);
+  }
+  store->WaitIdle();
+  // The next ssd_threads + 1 = 5 victims, experts 1-5, were written back; 6 and 7 were not, and
+  // nothing was evicted: all seven are still resident.
+  StoreStats s = store->TakeStats();
+  EXPECT_EQ(s.ssd.bytes_in, 5 * kBytes);
+  EXPECT_EQ(s.host.evictions, 0u);
+  // Seven fresh tensors take their slots (as cold, and more recent); every value comes back from
+  // the SSD tier bit for bit, and no tensor was written twice (an eviction of a cleaned entry
+  // writes nothing).
+  for (int e = 8; e <= 14; ++e) {
+    ASSERT_TRUE(store->AcquireHost(TensorKey{1, e, TensorKind::kGrad}).ok());
+    store->ReleaseHost(TensorKey{1, e, TensorKind::kGrad}, false);
+  }
+  for (int e = 1; e <= 7; ++e) {
+    TensorKey k{1, e, TensorKind::kGrad};
+    auto p = store->AcquireHost(k);
+    ASSERT_TRUE(p.ok()) << p.status();
+    for (uint64_t i = 0; i < kFloats; ++i) ASSERT_EQ((*p)[i], value(e, i)) << e << " " << i;
+    store->ReleaseHost(k, false);
+  }
+  store->WaitIdle();
+  s = store->TakeStats();
+  EXPECT_EQ(s.ssd.bytes_in, 2 * kBytes) << "experts 6 and 7, once each";
+  EXPECT_EQ(s.ssd.bytes_out, 7 * kBytes);
+}
+
 TEST_F(TieredStoreTest, ConcurrentUseMatchesAShadowCopy) {
   constexpr int kThreads = 3;
-  auto store = Make(2 * kThreads + 1, 4 * kThreads + 3, kThreads);
+  auto store = Make(2 * kThreads + 1, 4 * kThreads + 3, kThreads, /*clean_ahead=*/true);
   ASSERT_TRUE(store);
   constexpr int kExperts = 24;
   // Each thread owns experts e % kThreads == t and keeps a shadow of their weights' first value.
