@@ -323,6 +323,10 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
             "io_queue_depth must be in [1, 4096]");
   v.Require(s.ssd_threads() >= 1 && s.ssd_threads() <= 64, {"storage", "ssd_threads"},
             "ssd_threads must be in [1, 64]");
+  v.Require(s.backward_prefetch() >= -1, {"storage", "backward_prefetch"},
+            absl::StrCat("backward_prefetch = ", s.backward_prefetch(),
+                         " must be -1 (as many experts as the host budget leaves room for), 0 "
+                         "(off) or a number of experts"));
   v.Require(s.io_block_bytes() >= 4096 && s.io_block_bytes() <= kMaxIoBlockBytes &&
                 s.io_block_bytes() % 4096 == 0,
             {"storage", "io_block_bytes"},

@@ -275,6 +275,10 @@ void TieredExpertScheduler::BeginPass(int layer, Pass pass, std::span<const int>
   if (pass == Pass::kForward && next_updated && spare > 0) {
     PrefetchWeights(li + 1, ByHistory(li + 1, spare));
   }
+  if (pass == Pass::kBackward && li == 0 && !hinted_update_) {
+    hinted_update_ = true;
+    HintUpdateReads();
+  }
   if (pass == Pass::kBackward && li > 0 && spare > 0) {
     // Exact: the previous layer's routing is known from its forward.
     const auto& prev = layers_[li - 1].routed;
@@ -511,6 +515,51 @@ Status TieredExpertScheduler::WriteExpertRange(int moe_layer, int expert, Tensor
   return absl::OkStatus();
 }
 
+std::vector<TieredExpertScheduler::Item> TieredExpertScheduler::UpdateItems(bool planned) const {
+  const bool lazy = options_.storage.expert_update() == config::StorageConfig::LAZY;
+  std::vector<Item> items;
+  for (int li = 0; li < moe_layers(); ++li) {
+    if (planned && lazy) {
+      // Backward computes a gradient for exactly the experts the forward routed rows to.
+      std::vector<int> routed = layers_[li].routed;
+      std::sort(routed.begin(), routed.end());
+      for (int e : routed) items.push_back(Item{li, e, true});
+      continue;
+    }
+    for (int e = 0; e < num_experts(li); ++e) {
+      const bool grad = !planned && store_->Materialized(Key(li, e, TensorKind::kGrad));
+      if (grad || !lazy) items.push_back(Item{li, e, grad});
+    }
+  }
+  return items;
+}
+
+int TieredExpertScheduler::BackwardPrefetchItems() const {
+  const int slots = store_->host_slots();
+  if (slots < 0) return 0;  // unlimited: the update's state is resident already
+  // Half the host slots at most, less what compute and the ssd stage need at any time: the rest
+  // holds the weights backward brings up and the gradients it leaves.
+  const int room =
+      (slots / 2 - 4 * options_.threads - 3 - static_cast<int>(options_.storage.ssd_threads())) / 3;
+  const int asked = static_cast<int>(options_.storage.backward_prefetch());
+  return std::max(0, asked < 0 ? room : std::min(asked, room));
+}
+
+void TieredExpertScheduler::HintUpdateReads() {
+  const int n = BackwardPrefetchItems();
+  if (n == 0) return;
+  const std::vector<Item> items = UpdateItems(/*planned=*/true);
+  // Item i's state is next used at point next_use_base_ + i of the store's plan (where the last
+  // update put the moments it stepped): each load may only displace state needed after it.
+  for (size_t i = 0; i < std::min(items.size(), static_cast<size_t>(n)); ++i) {
+    std::vector<TensorKey> keys;
+    for (TensorKind k : {TensorKind::kWeights, TensorKind::kAdamM, TensorKind::kAdamV}) {
+      keys.push_back(Key(items[i].li, items[i].e, k));
+    }
+    backward_hinted_ += static_cast<uint64_t>(store_->PrefetchHost(keys, next_use_base_ + i + 1));
+  }
+}
+
 Status TieredExpertScheduler::StepExperts(const model::AdamWOptions& o, double lr,
                                           double grad_scale, int64_t step) {
   RETURN_IF_ERROR(FinishExpertStep());  // the forward has waited for it already
@@ -521,13 +570,7 @@ Status TieredExpertScheduler::StepExperts(const model::AdamWOptions& o, double l
   u.lr = lr;
   u.grad_scale = grad_scale;
   u.step = step;
-  const bool lazy = options_.storage.expert_update() == config::StorageConfig::LAZY;
-  for (int li = 0; li < moe_layers(); ++li) {
-    for (int e = 0; e < num_experts(li); ++e) {
-      const bool grad = store_->Materialized(Key(li, e, TensorKind::kGrad));
-      if (grad || !lazy) u.items.push_back(Item{li, e, grad});
-    }
-  }
+  u.items = UpdateItems(/*planned=*/false);
   // The next step starts with the first MoE layer: its usual experts are fetched to the device
   // as soon as their update is done.
   u.first_layer_prefetch = ByHistory(0, Window());
@@ -576,9 +619,12 @@ Status TieredExpertScheduler::RunUpdate(const Update& u) {
   };
   const size_t ahead = options_.storage.optimizer_prefetch();
   const std::vector<Item>& items = u.items;
+  next_use_base_ += items.size() + 1;
   if (items.empty() || items.front().li > 0) PrefetchWeights(0, u.first_layer_prefetch);
   for (size_t i = 0; i < items.size(); ++i) {
     for (size_t j = i + 1; j < std::min(items.size(), i + 1 + ahead); ++j) {
+      // A gradient still on the device comes down now, not when the update reaches it.
+      if (items[j].grad) store_->WriteBack(Key(items[j].li, items[j].e, TensorKind::kGrad));
       store_->PrefetchHost(keys_of(items[j]));
     }
     const Item& it = items[i];
@@ -624,6 +670,9 @@ Status TieredExpertScheduler::RunUpdate(const Update& u) {
       store_->ReleaseHost(keys[k], /*modified=*/s.ok() && k < 3);
     }
     if (!s.ok()) return s;
+    // The moments are next used at the same point of the next update: after everything this
+    // update has still to read, and the later in that order the later they are needed.
+    store_->SetNextUse(std::span<const TensorKey>(keys).subspan(1, 2), next_use_base_ + i);
     if (it.grad) store_->Discard(keys[3]);
     const bool layer_done = i + 1 == items.size() || items[i + 1].li != it.li;
     if (layer_done) {
@@ -639,6 +688,7 @@ Status TieredExpertScheduler::RunUpdate(const Update& u) {
 }
 
 void TieredExpertScheduler::EndStep() {
+  hinted_update_ = false;
   for (Layer& L : layers_) {
     for (double& h : L.history) h *= kHistoryDecay;
     std::fill(L.grad_sq.begin(), L.grad_sq.end(), 0.0);

@@ -9,11 +9,21 @@
 //     the previous layer's routed experts are prefetched behind them, gradients go to zeroed
 //     device buffers and stay there until their slot is needed (then they move to the host
 //     tier, oldest first) or the optimizer takes them;
+//   end of backward — the update that follows is known before backward ends (its experts are the
+//     forward's routed ones, or all of them), but it cannot start: clipping needs the global
+//     gradient norm. So when backward reaches the first MoE layer (the last it computes, when the
+//     other layers' gradients have their slots), the state the update reads first (weights and
+//     Adam moments of its first storage.backward_prefetch experts, layer 0 first) is fetched to
+//     the host tier while backward computes, each tensor only into the slot of state the plan
+//     needs later (below), so the SSD works through backward too;
 //   optimizer — every expert (DENSE) or every expert with a gradient (LAZY) takes its AdamW step
 //     on the host tier (ZeRO-Offload style), on the scheduler's optimizer thread, fetching the
-//     next experts' state from SSD while it updates the current one. The step runs layer by layer
-//     behind the next step's forward (storage.overlap_optimizer): the forward of MoE layer l
-//     waits only until layer l's experts are updated, so the SSD reads and writes of the Adam
+//     next experts' state from SSD (and their gradients from the device) while it updates the
+//     current one. The moments it has stepped are next needed at the same point of the next
+//     update: it tells the store (SetNextUse), which evicts them before anything else, the one
+//     needed latest first, rather than the gradients and weights needed sooner. The step runs layer
+//     by layer behind the next step's forward (storage.overlap_optimizer): the forward of MoE layer
+//     l waits only until layer l's experts are updated, so the SSD reads and writes of the Adam
 //     moments of later layers overlap with forward compute. The values are exactly those of the
 //     update done in place: nothing reads an expert before its update is complete.
 // The SSD->host and host->device stages run beside all of this (vertical prefetch), so both
@@ -195,6 +205,9 @@ class TieredExpertScheduler : public model::ExpertResidency {
   // With expert parallelism the store holds this worker's experts only: local index e is global
   // expert first_expert() + e. The residency interface speaks global ids.
   int64_t first_expert() const { return first_expert_; }
+  // Tensors fetched to the host tier during backward ahead of the update, since Create
+  // (storage.backward_prefetch). Trainer thread.
+  uint64_t backward_hinted() const { return backward_hinted_; }
 
  private:
   int64_t first_expert_ = 0;
@@ -211,6 +224,18 @@ class TieredExpertScheduler : public model::ExpertResidency {
     int li, e;
     bool grad;  // it has a gradient (else: zero, DENSE)
   };
+  // The experts the next update steps, in its order: layer by layer, first layer first; every
+  // expert (DENSE) or those with a gradient (LAZY). `grad` comes from the store when `planned`
+  // is false; when true (a hint during backward, before gradients exist) the list is the forward's
+  // routed experts for LAZY and `grad` is not filled in.
+  std::vector<Item> UpdateItems(bool planned) const;
+  // Once per step, at the start of backward: prefetches to the host tier the weights and Adam
+  // moments of the first experts the update will step (see the class comment).
+  void HintUpdateReads();
+  // How many experts HintUpdateReads fetches ahead (storage.backward_prefetch, bounded by the
+  // host slots; 0 with an unlimited host tier, where nothing is evicted).
+  int BackwardPrefetchItems() const;
+
   struct Update {
     model::AdamWOptions options;
     double lr = 0, grad_scale = 1;
@@ -260,6 +285,8 @@ class TieredExpertScheduler : public model::ExpertResidency {
   Pass pass_ = Pass::kForward;
   std::vector<int> pending_;      // not handed out yet
   std::vector<int> to_prefetch_;  // routed experts not yet prefetched
+  bool hinted_update_ = false;    // HintUpdateReads ran this step
+  uint64_t backward_hinted_ = 0;
   std::unordered_map<float*, std::shared_ptr<Buffer>> blobs_;
 
   // The expert update (optimizer thread). updated_layers_: the leading MoE layers the update in
@@ -272,6 +299,10 @@ class TieredExpertScheduler : public model::ExpertResidency {
   int updated_layers_ = 0;
   Status update_error_;
   std::unique_ptr<ThreadPool> update_pool_;  // one thread: the update is elementwise
+  // The store's next-use order of the moments an update steps (SetNextUse): written by the
+  // optimizer thread at the start of an update, read by HintUpdateReads in the next backward,
+  // which the forward's waits for that update (through umu_) order after it.
+  uint64_t next_use_base_ = 0;
   std::thread updater_;
 };
 

@@ -53,6 +53,7 @@ struct RunResult {
   storage::StoreStats totals;
   uint64_t expert_state_bytes = 0, slot_bytes = 0, dense_bytes = 0;
   int device_slots = 0, host_slots = 0;
+  uint64_t backward_hinted = 0;  // tensors the scheduler asked for during backward
 };
 
 RunResult Train(const config::JobConfig& cfg) {
@@ -89,6 +90,7 @@ RunResult Train(const config::JobConfig& cfg) {
   run.dense_bytes = model::CountScalars(tr.model().DenseParameters()) * 4 * 4;
   run.device_slots = sch->store().device_slots();
   run.host_slots = sch->store().host_slots();
+  run.backward_hinted = sch->backward_hinted();
   return run;
 }
 
@@ -146,6 +148,47 @@ TEST_F(TieredTrainingTest, TinyBudgetsGiveBitwiseIdenticalLosses) {
         << "step " << i + 1 << ": " << in_order.losses[i] << " vs " << tiny.losses[i];
   }
   EXPECT_EQ(in_order.evals, tiny.evals);
+}
+
+TEST_F(TieredTrainingTest, PrefetchDuringBackwardKeepsTheBits) {
+  // With 2 compute and 2 ssd threads, a host tier of 40 slots leaves room for
+  // (40 / 2 - 4 x 2 - 3 - 2) / 3 = 2 experts ahead (storage.backward_prefetch's rule): ask for 2,
+  // against 0 (off). The 64 expert tensors do not fit in those 40 slots.
+  const std::string data = dir_.File("text.txt");
+  const RunResult unlimited = Train(TieredJob(data, 0, 0));
+  ASSERT_EQ(unlimited.losses.size(), 12u);
+  const uint64_t slot = unlimited.slot_bytes;
+  auto job = [&](int backward_prefetch, config::StorageConfig::ExpertUpdate update) {
+    config::JobConfig c = TieredJob(data, unlimited.dense_bytes + 8 * slot, 40 * slot);
+    c.mutable_storage()->set_ssd_threads(2);
+    c.mutable_storage()->set_backward_prefetch(backward_prefetch);
+    c.mutable_storage()->set_expert_update(update);
+    return c;
+  };
+  for (auto update : {config::StorageConfig::DENSE, config::StorageConfig::LAZY}) {
+    SCOPED_TRACE(update == config::StorageConfig::DENSE ? "DENSE" : "LAZY");
+    const RunResult off = Train(job(0, update));
+    const RunResult on = Train(job(2, update));
+    ASSERT_EQ(off.losses.size(), 12u);
+    ASSERT_EQ(on.losses.size(), 12u);
+    EXPECT_EQ(on.host_slots, 40);
+    // The state (64 tensors) is larger than the host tier (40): it went through the SSD tier.
+    EXPECT_GT(on.totals.host.evictions, 0u);
+    EXPECT_GT(on.totals.ssd.bytes_out, 0u);
+    for (size_t i = 0; i < 12; ++i) {
+      EXPECT_EQ(0, std::memcmp(&on.losses[i], &off.losses[i], sizeof(double)))
+          << "step " << i + 1 << ": " << on.losses[i] << " vs " << off.losses[i];
+      if (update == config::StorageConfig::DENSE) {
+        EXPECT_EQ(0, std::memcmp(&on.losses[i], &unlimited.losses[i], sizeof(double)))
+            << "step " << i + 1;
+      }
+    }
+    EXPECT_EQ(on.evals, off.evals);
+    // The hint fetched state during backward (what it saves in time is bench_out_of_core's to
+    // show; here it must change nothing but timing).
+    EXPECT_GT(on.backward_hinted, 0u);
+    EXPECT_EQ(off.backward_hinted, 0u);
+  }
 }
 
 TEST_F(TieredTrainingTest, MatchesInMemoryTrainingClosely) {
