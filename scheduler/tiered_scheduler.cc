@@ -108,6 +108,7 @@ Status TieredExpertScheduler::SetUpStore(std::unique_ptr<storage::TieredExpertSt
       return layer && k.expert >= first_expert_ && k.expert < last && k.kind != TensorKind::kGrad;
     });
     store->set_initializer(std::move(initializer));
+    store->ForgetNextUses();  // the plans of the scheduler that made it are not this one's
     store_ = std::move(store);
     return absl::OkStatus();
   }
@@ -571,6 +572,10 @@ Status TieredExpertScheduler::StepExperts(const model::AdamWOptions& o, double l
   u.grad_scale = grad_scale;
   u.step = step;
   u.items = UpdateItems(/*planned=*/false);
+  // Every update's plan lies after all earlier ones (a stride of every expert, whatever the
+  // update steps), so the moments an update leaves go before those an earlier one left.
+  next_use_base_ += static_cast<uint64_t>(moe_layers()) * num_experts(0) + 1;
+  u.next_use_base = next_use_base_;
   // The next step starts with the first MoE layer: its usual experts are fetched to the device
   // as soon as their update is done.
   u.first_layer_prefetch = ByHistory(0, Window());
@@ -619,7 +624,6 @@ Status TieredExpertScheduler::RunUpdate(const Update& u) {
   };
   const size_t ahead = options_.storage.optimizer_prefetch();
   const std::vector<Item>& items = u.items;
-  next_use_base_ += items.size() + 1;
   if (items.empty() || items.front().li > 0) PrefetchWeights(0, u.first_layer_prefetch);
   for (size_t i = 0; i < items.size(); ++i) {
     for (size_t j = i + 1; j < std::min(items.size(), i + 1 + ahead); ++j) {
@@ -672,7 +676,7 @@ Status TieredExpertScheduler::RunUpdate(const Update& u) {
     if (!s.ok()) return s;
     // The moments are next used at the same point of the next update: after everything this
     // update has still to read, and the later in that order the later they are needed.
-    store_->SetNextUse(std::span<const TensorKey>(keys).subspan(1, 2), next_use_base_ + i);
+    store_->SetNextUse(std::span<const TensorKey>(keys).subspan(1, 2), u.next_use_base + i);
     if (it.grad) store_->Discard(keys[3]);
     const bool layer_done = i + 1 == items.size() || items[i + 1].li != it.li;
     if (layer_done) {

@@ -240,6 +240,7 @@ class TieredExpertScheduler : public model::ExpertResidency {
     model::AdamWOptions options;
     double lr = 0, grad_scale = 1;
     int64_t step = 0;
+    uint64_t next_use_base = 0;             // item i's moments are next used at this + i
     std::vector<Item> items;                // layer by layer, first layer first
     std::vector<int> first_layer_prefetch;  // fetched to the device once layer 0 is updated
   };
@@ -299,9 +300,8 @@ class TieredExpertScheduler : public model::ExpertResidency {
   int updated_layers_ = 0;
   Status update_error_;
   std::unique_ptr<ThreadPool> update_pool_;  // one thread: the update is elementwise
-  // The store's next-use order of the moments an update steps (SetNextUse): written by the
-  // optimizer thread at the start of an update, read by HintUpdateReads in the next backward,
-  // which the forward's waits for that update (through umu_) order after it.
+  // The store's next-use order of the moments an update steps (SetNextUse): the last queued
+  // update's base (item i of it is planned at base + i). Trainer thread (StepExperts, BeginPass).
   uint64_t next_use_base_ = 0;
   std::thread updater_;
 };

@@ -379,6 +379,7 @@ void TieredExpertStore::PrefetchDevice(std::span<const TensorKey> keys) {
     e.dev = DevState::kLoading;
     e.error = absl::OkStatus();
     EnqueueLocked(kCopyStage, Job{k, Job::kLoadDevice}, false);
+    e.hint_needed_at = 0;  // the device copy needs the host copy, whatever an earlier hint said
     // Start the SSD read now, so both links work at once.
     if (e.host == HostState::kAbsent) {
       e.host = HostState::kLoading;
@@ -392,6 +393,7 @@ int TieredExpertStore::PrefetchHost(std::span<const TensorKey> keys, uint64_t ne
   int queued = 0;
   for (const TensorKey& k : keys) {
     Entry& e = EntryLocked(k);
+    if (e.host == HostState::kLoading && needed_at == 0) e.hint_needed_at = 0;  // now wanted
     if (e.host != HostState::kAbsent || e.dev_dirty) continue;
     e.host = HostState::kLoading;
     e.hint_needed_at = needed_at;
@@ -408,6 +410,11 @@ void TieredExpertStore::WantCleanLocked() {
   if (host_->capacity() - host_->in_use() > options_.ssd_threads) return;
   clean_wanted_ = true;
   work_cv_[kSsdStage].notify_one();
+}
+
+void TieredExpertStore::ForgetNextUses() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [k, e] : entries_) e.next_use = 0;
 }
 
 void TieredExpertStore::SetNextUse(std::span<const TensorKey> keys, uint64_t when) {
@@ -528,11 +535,12 @@ void TieredExpertStore::Clean(std::unique_lock<std::mutex>& lock, const TensorKe
     // The value is still on the host, and an eviction writes it (and reports a failure) later.
     STRATA_LOG(WARNING) << "tiered store: writing back " << key.ToString()
                         << " ahead of its eviction failed (" << stored.status()
-                        << "); evictions write their victims themselves from now on";
+                        << "); evictions write their victims themselves until the next step";
     clean_failed_ = true;
     return;
   }
   stats_.ssd.bytes_in += stored->extent.length;
+  stats_.host.bytes_out += options_.tensor_bytes;
   if (e.generation != generation || !e.host_dirty || e.host != HostState::kReady) {
     ssd_->Free(stored->extent);  // changed meanwhile: this copy is stale
     return;
@@ -553,18 +561,22 @@ StatusOr<int> TieredExpertStore::HostSlotLocked(std::unique_lock<std::mutex>& lo
     const int free_slot = host_->Allocate();
     WantCleanLocked();
     if (free_slot >= 0) return free_slot;
+    // The first unpinned resident entry in eviction order; entries being written back ahead are
+    // not candidates, but one dirty victim is not worth writing here while such a write, which
+    // leaves a clean victim, is in flight.
     Entry* victim = nullptr;
+    bool cleaning = false;
     for (auto& [k, e] : entries_) {
-      // An entry being cleaned ahead is still a candidate (its only pin is the cleaner's).
-      if (e.host != HostState::kReady || e.host_pins > (e.cleaning ? 1 : 0)) continue;
+      cleaning = cleaning || e.cleaning;
+      if (e.host != HostState::kReady || e.host_pins > 0) continue;
       if (victim == nullptr || EvictsBefore(e, *victim)) victim = &e;
     }
     if (needed_at > 0 &&
         (victim == nullptr || victim->host_unused || victim->next_use <= needed_at)) {
       return -1;  // nothing needed later than the caller's tensor
     }
-    if (victim == nullptr || victim->cleaning) {
-      // Everything is pinned or in flight, or the victim is being written already: wait.
+    if (victim == nullptr || (victim->host_dirty && cleaning)) {
+      // Everything is pinned or in flight, or a clean victim is about to appear: wait.
       cv_.wait(lock);
       continue;
     }
@@ -783,7 +795,8 @@ Status TieredExpertStore::DoWriteBack(const TensorKey& key) {
     cv_.notify_all();
     return absl::OkStatus();
   }
-  cv_.wait(lock, [&] { return e.dev_pins == 0 || stop_; });
+  // Also until no stage or snapshot reads a stale host copy it is about to replace.
+  cv_.wait(lock, [&] { return (e.dev_pins == 0 && e.host_readers == 0) || stop_; });
   if (stop_) return absl::CancelledError("shutting down");
   auto slot = HostSlotLocked(lock);
   if (!slot.ok()) {
@@ -945,6 +958,7 @@ void TieredExpertStore::SetStored(const TensorKey& key, uint64_t version,
 void TieredExpertStore::EndStep() {
   std::lock_guard<std::mutex> lock(mu_);
   ++steps_;
+  clean_failed_ = false;  // a full disk may have room again
   if (options_.lfu_decay_interval > 0 && steps_ % options_.lfu_decay_interval == 0) {
     for (auto& [k, e] : entries_) e.hits *= options_.lfu_decay;
   }

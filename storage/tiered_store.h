@@ -217,13 +217,17 @@ class TieredExpertStore {
   // Queues SSD -> host loads of the keys not resident, loading or on the device; returns how many.
   // With `needed_at` (> 0, in SetNextUse's order) a load takes only a free slot or that of an
   // entry planned for later than `needed_at`, and is dropped when there is none: it never
-  // displaces what is needed sooner, nor anything without a plan.
+  // displaces what is needed sooner, nor anything without a plan. An unconditional prefetch (or
+  // PrefetchDevice, or an Acquire) of a tensor whose conditional load is queued makes it
+  // unconditional.
   int PrefetchHost(std::span<const TensorKey> keys, uint64_t needed_at = 0);
   // The caller's plan: these entries are next used at `when` (> 0, a point of the caller's own
   // order, later = larger). Until an Acquire uses them again, they are evicted from the host
   // tier before any entry without a plan, the latest `when` first (Belady: keep what is needed
   // soonest); entries without one keep LFU order. Keys not in the store are ignored.
   void SetNextUse(std::span<const TensorKey> keys, uint64_t when);
+  // Drops every plan (a new owner of the store plans from scratch).
+  void ForgetNextUses();
   // Waits until the queued write-backs are done (before the optimizer reads gradients).
   [[nodiscard]] Status DrainWriteBacks();
   // Waits until both stages have nothing queued or in progress (prefetches and writes ahead of
@@ -328,7 +332,8 @@ class TieredExpertStore {
   // releases and re-takes the lock); waits while everything is pinned. Fails when the write-back
   // of a dirty victim fails.
   // With `needed_at` > 0 (a conditional hint) it returns -1 instead of evicting an entry that is
-  // not planned for later than that (see PrefetchHost), and does not wait for one.
+  // not planned for later than that (see PrefetchHost). An entry being written back ahead is not
+  // a candidate; while one is, a dirty victim waits for it rather than being written here.
   StatusOr<int> HostSlotLocked(std::unique_lock<std::mutex>& lock, uint64_t needed_at = 0);
   // Whether eviction takes `a` before `b` (see the class comment).
   static bool EvictsBefore(const Entry& a, const Entry& b);

@@ -271,6 +271,43 @@ TEST_F(TieredStoreTest, PlannedEntriesLeaveFirstLatestNextUseFirst) {
   EXPECT_FALSE(Resident(*store, m7)) << "needed second latest: evicted second";
 }
 
+TEST_F(TieredStoreTest, AConditionalPrefetchTakesOnlyTheSlotOfStateNeededLater) {
+  auto store = Make(3, 7);
+  auto moment = [](int e) { return TensorKey{1, e, TensorKind::kAdamM}; };
+  for (int e = 1; e <= 7; ++e) {  // seven dirty moments fill the host tier, none planned
+    ASSERT_TRUE(store->AcquireHost(moment(e)).ok());
+    store->ReleaseHost(moment(e), true);
+  }
+  const TensorKey w{1, 20, TensorKind::kWeights};
+  store->TakeStats();
+  // Needed at 5, with nothing planned: dropped, nothing evicted.
+  EXPECT_EQ(store->PrefetchHost(std::span<const TensorKey>(&w, 1), 5), 1);
+  store->WaitIdle();
+  EXPECT_EQ(store->TakeStats().host.evictions, 0u);
+  // Expert 3 is planned for 10, expert 4 for 4: only 3 is needed after 5, and goes (written back,
+  // being dirty); the weights come in, and 4 stays.
+  const TensorKey m3 = moment(3), m4 = moment(4);
+  store->SetNextUse(std::span<const TensorKey>(&m3, 1), 10);
+  store->SetNextUse(std::span<const TensorKey>(&m4, 1), 4);
+  EXPECT_EQ(store->PrefetchHost(std::span<const TensorKey>(&w, 1), 5), 1);
+  store->WaitIdle();
+  StoreStats s = store->TakeStats();
+  EXPECT_EQ(s.host.evictions, 1u);
+  EXPECT_EQ(s.ssd.bytes_in, kBytes);
+  EXPECT_TRUE(Resident(*store, w));
+  EXPECT_TRUE(Resident(*store, m4));
+  // A hint dropped for want of room leaves nobody waiting: the tensor loads when acquired.
+  const TensorKey w2{1, 21, TensorKind::kWeights};
+  EXPECT_EQ(store->PrefetchHost(std::span<const TensorKey>(&w2, 1), 100), 1);
+  store->WaitIdle();
+  EXPECT_EQ(store->TakeStats().host.evictions, 0u) << "nothing is planned after 100";
+  auto p = store->AcquireHost(w2);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ((*p)[5], InitValue(w2, 5));
+  store->ReleaseHost(w2, false);
+  EXPECT_FALSE(Resident(*store, m3)) << "the planned moment made room for the hint";
+}
+
 TEST_F(TieredStoreTest, IdleSsdThreadsWriteTheNextVictimsBackAhead) {
   auto store = Make(3, 7, 1, /*clean_ahead=*/true);
   // Seven dirty tensors fill the host tier, expert 1 the least recently used.
