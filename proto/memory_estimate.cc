@@ -123,7 +123,7 @@ std::filesystem::path Existing(const std::string& path) {
 }
 
 // Bytes allocated to the SSD tier's data files (data-*.bin) in `path` and up to two folders below
-// it (a checkpoint folder's shards/<name>/, a worker's rank-<r>/); 0 when there are none. Other
+// it (a checkpoint folder's shards/<name>/); 0 when there are none. Other
 // files are not looked at, so a tier folder inside a large tree costs no long walk.
 uint64_t DataFileBytesUnder(const std::string& path) {
   std::error_code ec;
@@ -132,6 +132,13 @@ uint64_t DataFileBytesUnder(const std::string& path) {
        !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
     if (it.depth() >= 2) it.disable_recursion_pending();
     const std::string name = it->path().filename().string();
+    // Not this job's to reuse: other workers' tiers (rank-<r>/, which a worker on this machine
+    // does not know apart from its own here, so none counts) and private folders of other
+    // processes (strata-ssd-*, strata-copies-*: live, or swept rather than reused).
+    if ((name.rfind("rank-", 0) == 0 || name.rfind("strata-", 0) == 0) && it->is_directory(ec)) {
+      it.disable_recursion_pending();
+      continue;
+    }
     struct stat st;
     if (name.rfind("data-", 0) == 0 && name.size() > 4 &&
         name.compare(name.size() - 4, 4, ".bin") == 0 && it->is_regular_file(ec) &&
@@ -344,6 +351,7 @@ DiskEstimate EstimateDisk(const JobConfig& config, int workers, bool elastic) {
     d.checkpoint_bytes = Sub(ssd, d.expert_bytes);
   }
   d.ssd_bytes = ssd;
+  d.in_flight_bytes = RoundUp(Mul(U(st.ssd_threads()) + 2, d.expert_tensor_bytes), kDiskGrowBytes);
   if (st.ssd_capacity_bytes() > 0 && ssd > st.ssd_capacity_bytes()) {
     d.ssd_bytes = st.ssd_capacity_bytes();
     d.capped = true;
@@ -376,6 +384,10 @@ std::string FormatDiskEstimate(const DiskEstimate& d) {
   if (d.copy_bytes > 0) {
     absl::StrAppend(&out, " + elastic copies ", FormatBytes(d.copy_bytes), " in ", d.copies_dir);
   }
+  if (d.in_flight_bytes > 0 && !d.capped) {
+    absl::StrAppend(&out, "; and ", FormatBytes(d.in_flight_bytes),
+                    " more while writes are in flight (storage.ssd_threads + 2 expert tensors)");
+  }
   return out + "\n";
 }
 
@@ -388,7 +400,9 @@ uint64_t AvailableDiskBytes(const std::string& path) {
 Status CheckDisk(const JobConfig& config, const DiskEstimate& d, uint64_t available_bytes,
                  const std::string& source, std::optional<uint64_t> copies_available_bytes) {
   const bool shared = !copies_available_bytes.has_value();
-  const uint64_t need = shared ? Add(d.ssd_bytes, d.copy_bytes) : d.ssd_bytes;
+  // A tier capped by storage.ssd_capacity_bytes never takes more than the cap.
+  const uint64_t files = d.capped ? d.ssd_bytes : Add(d.ssd_bytes, d.in_flight_bytes);
+  const uint64_t need = shared ? Add(files, d.copy_bytes) : files;
   const bool ssd_short = available_bytes > 0 && need > available_bytes;
   const bool copies_short =
       !shared && *copies_available_bytes > 0 && d.copy_bytes > *copies_available_bytes;

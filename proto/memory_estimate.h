@@ -136,6 +136,10 @@ struct DiskEstimate {
   uint64_t checkpoint_bytes = 0;     // what the checkpoints add to them
   uint64_t ssd_bytes = 0;            // the SSD tier's files: both, bounded by ssd_capacity_bytes
   bool capped = false;               // ssd_bytes is storage.ssd_capacity_bytes
+  // What writes in flight add for a moment: each writes a new version before the old one's
+  // extent is freed, storage.ssd_threads + 2 at once (the ssd stage, the copy stage and a
+  // checkpoint), which may grow a data file. CheckDisk asks for it on top of ssd_bytes.
+  uint64_t in_flight_bytes = 0;
   // The copy shelf's folder (the parent of its private folder) and its files.
   std::string copies_dir;
   uint64_t copy_bytes = 0;

@@ -74,8 +74,10 @@ std::vector<PrivateFolder::Swept> PrivateFolder::RemoveAbandoned(const std::stri
         ::close(fd);
         continue;  // its process is alive, in whatever PID namespace
       }
-    } else if (kill(pid, 0) == 0 || errno != ESRCH) {
-      continue;  // no lock file: alive by its process id (or not ours to judge)
+    } else if (errno != ENOENT || kill(pid, 0) == 0 || errno != ESRCH) {
+      // No lock file: alive by its process id (or not ours to judge). A lock file that cannot
+      // be opened (no descriptors, no permission) says nothing: keep the folder.
+      continue;
     }
     Swept s{pid, entry.path().string(), AllocatedBytes(entry.path())};
     std::error_code removed;

@@ -66,6 +66,8 @@ TEST(ExamplesTest, LargerThanRamNeedsMoreThanRamAndStrataCheckReportsTheDisk) {
   const config::DiskEstimate need = config::EstimateDisk(cfg);
   EXPECT_EQ(need.expert_bytes, state) << "32 tensors fill a data file exactly";
   EXPECT_EQ(need.ssd_bytes, state);
+  // Six writes of 32 MiB in flight at once, 256 MiB in 64 MiB growth steps, on top.
+  EXPECT_EQ(need.in_flight_bytes, uint64_t{256} << 20);
   WriteFile(dir.File("job.textproto"), config::ToText(cfg));
 
   auto check = [&](const std::string& tmp) {
@@ -93,15 +95,20 @@ TEST(ExamplesTest, LargerThanRamNeedsMoreThanRamAndStrataCheckReportsTheDisk) {
                                                config::AvailableHostMemory(), "job.textproto")
                                .ok();
   for (const std::string& tmp : {std::string("/dev/shm"), dir.path()}) {
-    if (config::AvailableDiskBytes(tmp) == 0 || config::AvailableDiskBytes(tmp) >= state) continue;
+    if (config::AvailableDiskBytes(tmp) == 0 ||
+        config::AvailableDiskBytes(tmp) >= state + need.in_flight_bytes) {
+      continue;
+    }
     const auto c = tmp == dir.path() ? here : check(tmp);
     const auto t = RunCommand("TMPDIR=" + tmp + " " + std::string(STRATA_BIN_DIR) +
                               "/strata train --quiet --config " + dir.File("no-data.textproto"));
     for (const auto* r : {&c, &t}) {
       if (r == &t && !memory_fits) continue;
       EXPECT_EQ(r->exit_code, 1) << r->output;
-      EXPECT_NE(r->output.find("the job needs 40.0 GiB of disk in " + tmp + " but only"),
-                std::string::npos)
+      EXPECT_NE(
+          r->output.find("the job needs " + config::FormatBytes(state + need.in_flight_bytes) +
+                         " of disk in " + tmp + " but only"),
+          std::string::npos)
           << r->output;
       EXPECT_NE(r->output.find("point storage.ssd_dir at a folder on a larger disk"),
                 std::string::npos)

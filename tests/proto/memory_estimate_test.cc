@@ -312,15 +312,19 @@ TEST(DiskEstimateTest, RefusesWhatDoesNotFitNamingTheFolderAndTheFix) {
   const JobConfig cfg =
       Parse(absl::StrCat(kWide, "storage { mode: TIERED ssd_dir: \"/big/ssd\" }"));
   const DiskEstimate d = EstimateDisk(cfg);
-  const uint64_t need = kGiB + 64 * kMiB;
+  // The state's files and, on top, 6 tensors of 32 MiB in flight (a 64 MiB growth step: 256 MiB).
+  EXPECT_EQ(d.in_flight_bytes, 256 * kMiB);
+  const uint64_t need = kGiB + 64 * kMiB + 256 * kMiB;
   EXPECT_TRUE(CheckDisk(cfg, d, need, "job.textproto").ok());
+  EXPECT_FALSE(CheckDisk(cfg, d, need - 1, "job.textproto").ok());
   EXPECT_TRUE(CheckDisk(cfg, d, 0, "job.textproto").ok()) << "0: not known, not checked";
   const Status s = CheckDisk(cfg, d, 512 * kMiB, "job.textproto");
   ASSERT_TRUE(absl::IsResourceExhausted(s)) << s;
   const std::string msg(s.message());
   for (const char* part :
-       {"job.textproto: the job needs 1.1 GiB of disk in /big/ssd but only 512.0 MiB is free "
-        "there (576.0 MiB short)",
+       {"job.textproto: the job needs 1.3 GiB of disk in /big/ssd but only 512.0 MiB is free "
+        "there (832.0 MiB short)",
+        "and 256.0 MiB more while writes are in flight",
         "expert state 1.1 GiB (8 experts x 4 tensors", "model.moe.num_experts",
         "point storage.ssd_dir at a folder on a larger disk"}) {
     EXPECT_NE(msg.find(part), std::string::npos) << part << "\n" << msg;
@@ -336,10 +340,15 @@ TEST(DiskEstimateTest, RefusesWhatDoesNotFitNamingTheFolderAndTheFix) {
   // An elastic worker's copies on the tier's file system count against the same free space; on
   // another, against that one's.
   const DiskEstimate w = EstimateDisk(cfg, 2);
-  EXPECT_TRUE(CheckDisk(cfg, w, w.ssd_bytes + w.copy_bytes, "job.textproto").ok());
-  EXPECT_FALSE(CheckDisk(cfg, w, w.ssd_bytes + w.copy_bytes - 1, "job.textproto").ok());
-  EXPECT_TRUE(CheckDisk(cfg, w, w.ssd_bytes, "job.textproto", w.copy_bytes).ok());
-  const Status o = CheckDisk(cfg, w, w.ssd_bytes, "job.textproto", w.copy_bytes - 1);
+  // Writes in flight: 4 ssd threads + 2 tensors, in 64 MiB steps of file growth.
+  EXPECT_EQ(w.in_flight_bytes,
+            (6 * w.expert_tensor_bytes + 64 * kMiB - 1) / (64 * kMiB) * 64 * kMiB);
+  const uint64_t files = w.ssd_bytes + w.in_flight_bytes;
+  EXPECT_TRUE(CheckDisk(cfg, w, files + w.copy_bytes, "job.textproto").ok());
+  EXPECT_FALSE(CheckDisk(cfg, w, files + w.copy_bytes - 1, "job.textproto").ok());
+  EXPECT_TRUE(CheckDisk(cfg, w, files, "job.textproto", w.copy_bytes).ok());
+  EXPECT_FALSE(CheckDisk(cfg, w, files - 1, "job.textproto", w.copy_bytes).ok());
+  const Status o = CheckDisk(cfg, w, files, "job.textproto", w.copy_bytes - 1);
   ASSERT_TRUE(absl::IsResourceExhausted(o)) << o;
   EXPECT_NE(o.message().find("elastic.replicas"), std::string::npos) << o;
 }

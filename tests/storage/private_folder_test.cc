@@ -132,7 +132,8 @@ TEST(PrivateFolderTest, TheFolderOfAKilledProcessGoesWithTheNextCreate) {
   EXPECT_EQ(h.path,
             parent.File(absl::StrCat(kPrefix, h.pid, "-", h.path.substr(h.path.size() - 6))));
   const uint64_t bytes = HolderBytes(h.path);
-  ASSERT_EQ(bytes, kDataBytes) << "this file system allocates other than 1 MiB for 1 MiB written";
+  // What the file system allocated for 1 MiB written (more on some, with preallocation).
+  ASSERT_GE(bytes, kDataBytes);
   ASSERT_EQ(::kill(h.pid, SIGKILL), 0);
   int wstatus = 0;
   ASSERT_EQ(::waitpid(h.pid, &wstatus, 0), h.pid);
