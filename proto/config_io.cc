@@ -222,8 +222,8 @@ void ValidateModel(const JobConfig& c, Validator& v) {
     const GateConfig& g = e.gate();
     v.Require(e.num_experts() >= 1 && e.num_experts() <= 4096, {"model", "moe", "num_experts"},
               absl::StrCat("num_experts = ", e.num_experts(), " must be in [1, 4096]"));
-    v.Require(e.top_k() >= 1 && e.top_k() <= 8, {"model", "moe", "top_k"},
-              absl::StrCat("top_k = ", e.top_k(), " must be in [1, 8]"));
+    v.Require(e.top_k() >= 1 && e.top_k() <= 4, {"model", "moe", "top_k"},
+              absl::StrCat("top_k = ", e.top_k(), " must be in [1, 4]"));
     v.Require(e.top_k() <= e.num_experts(), {"model", "moe", "top_k"},
               absl::StrCat("top_k = ", e.top_k(), " is larger than num_experts = ", e.num_experts(),
                            "; set top_k to at most ", e.num_experts()));

@@ -13,7 +13,7 @@ namespace strata::cpu {
 template <typename T>
 void moe_router_forward(ThreadPool& pool, T* probs, T* lse, int32_t* topk_expert, T* topk_weight,
                         const T* logits, int64_t Tn, int64_t E, int k, bool renormalize) {
-  CHECK(k >= 1 && k <= kMaxTopK && k <= E) << "k=" << k << " E=" << E;
+  CHECK(k >= 1 && k <= 4 && k <= E) << "k=" << k << " E=" << E;
   pool.ParallelFor(Tn, 64, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const T* x = logits + t * E;
@@ -25,9 +25,9 @@ void moe_router_forward(ThreadPool& pool, T* probs, T* lse, int32_t* topk_expert
       T l = mx + std::log(s);
       lse[t] = l;
       for (int64_t e = 0; e < E; ++e) p[e] = std::exp(x[e] - l);
-      // Top-k by insertion into a small sorted list (k <= 8); strict '>' keeps lower ids first.
-      int32_t idx[kMaxTopK];
-      T val[kMaxTopK];
+      // Top-k by insertion into a small sorted list (k <= 4); strict '>' keeps lower ids first.
+      int32_t idx[4];
+      T val[4];
       int n = 0;
       for (int64_t e = 0; e < E; ++e) {
         T v = p[e];

@@ -27,9 +27,6 @@
 
 namespace strata::cpu {
 
-// The most experts a token is routed to (the CUDA kernels keep the same bound).
-inline constexpr int kMaxTopK = 8;
-
 // probs [T, E] = softmax(logits); lse [T] = logsumexp(logits) (for the z-loss);
 // topk_expert [T, k]: the k most probable experts in descending order (ties: lower id first);
 // topk_weight [T, k]: their probabilities, divided by the sum of the k when `renormalize`.

@@ -26,7 +26,7 @@ constexpr int kBlock = 256;
 constexpr int kWarpSize = 32;
 constexpr int kWarpsPerBlock = kBlock / kWarpSize;
 constexpr unsigned kFullMask = 0xffffffffu;
-// Top-k is kept in per-thread arrays of up to 8, as on the CPU (kernels/cpu/moe.h kMaxTopK).
+// Top-k is kept in per-thread arrays; the CPU reference allows k <= 4, the GPU up to 8.
 constexpr int kMaxK = 8;
 // Grid-stride loops cover any size; this only bounds the grid.
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
