@@ -94,7 +94,8 @@ uint64_t PackedBytes(uint64_t n, uint64_t tensor, uint64_t file) {
 // Bytes of the dense state's tensors in one checkpoint: values and both Adam moments, each tensor
 // counted with a whole granule of padding (an upper bound; the model's dense tensors, as
 // runtime/model builds them: wte, wpe, the final norm, the output head, every block's norms,
-// attention weights and biases, every MoE block's router and every dense block's FFN).
+// attention weights and biases, every MoE block's router and shared experts (one FFN) and every
+// dense block's FFN).
 uint64_t DenseCheckpointBytes(const ModelConfig& m, uint64_t dense_parameters) {
   const bool ln = m.norm() == ModelConfig::LAYER_NORM;
   const uint64_t L = U(m.n_layers());
@@ -102,6 +103,9 @@ uint64_t DenseCheckpointBytes(const ModelConfig& m, uint64_t dense_parameters) {
   uint64_t tensors = 3 + (ln ? 1 : 0) + (m.tie_embeddings() ? 0 : 1);
   tensors = Add(tensors, Mul(L, ln ? 8 : 6));
   tensors = Add(tensors, Mul(moe_layers, m.moe().gate().type() == GateConfig::NOISY_TOP_K ? 2 : 1));
+  if (m.moe().num_shared_experts() > 0) {
+    tensors = Add(tensors, Mul(moe_layers, m.moe().expert_bias() ? 4 : 2));
+  }
   tensors = Add(tensors, Mul(Sub(L, moe_layers), 4));
   return Mul(3, Add(Mul(4, dense_parameters), Mul(tensors, kDiskGranuleBytes)));
 }
@@ -182,11 +186,17 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
   const bool noisy = moe.gate().type() == GateConfig::NOISY_TOP_K;
   const bool switch_gate = moe.gate().type() == GateConfig::SWITCH;
   const uint64_t dff = U(m.d_ff()), dexp = U(moe.d_expert());
+  // The shared experts of an MoE block run as one FFN of their total width (0: none).
+  const uint64_t dshared =
+      Mul(U(moe.num_shared_experts()), moe.shared_d_expert() > 0 ? U(moe.shared_d_expert()) : dexp);
   // Block l has an MoE FFN when (l + 1) % moe_every == 0 (IsMoeLayer).
   const uint64_t moe_layers = m.moe_every() > 0 ? L / U(m.moe_every()) : 0;
   const uint64_t dense_layers = Sub(L, moe_layers);
   dense = Add(dense, Mul(L, block));
   dense = Add(dense, Mul(moe_layers, Mul(noisy ? 2 : 1, E, C)));  // router (and noise router)
+  if (dshared > 0) {  // shared experts: dense, on every worker, never in the tiered store
+    dense = Add(dense, Mul(moe_layers, FfnParameters(m, dshared, moe.expert_bias())));
+  }
   dense = Add(dense, Mul(dense_layers, FfnParameters(m, dff, true)));
   const uint64_t experts = Mul(moe_layers, Mul(E, FfnParameters(m, dexp, moe.expert_bias())));
 
@@ -213,7 +223,9 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
   uint64_t dispatch = Add(Mul(2, R), Mul(3, R, C));
   dispatch = Add(dispatch, std::max<uint64_t>(1, Mul(R, Add(InWidth(m, dexp), dexp))));
   dispatch = Add(dispatch, Mul(N, k));
-  act = Add(act, Mul(moe_layers, Add(gate, dispatch)));
+  // Shared experts: their output and saved pre-activation and activation of every row.
+  const uint64_t shared = dshared > 0 ? Mul(N, Add(C, Add(InWidth(m, dshared), dshared))) : 0;
+  act = Add(act, Mul(moe_layers, Add(Add(gate, dispatch), shared)));
   // The trainer's input and target ids of a batch.
   act = Add(act, Mul(2, N));
 

@@ -8,12 +8,13 @@ namespace strata::model {
 
 MoeLayer::MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> gate,
                    std::vector<std::unique_ptr<Expert>> experts, int64_t first_expert,
-                   Device device)
+                   Device device, std::unique_ptr<FfnExpert> shared)
     : C_(d_model),
       device_(device),
       gate_(std::move(gate)),
       experts_(std::move(experts)),
-      first_local_(first_expert) {
+      first_local_(first_expert),
+      shared_(std::move(shared)) {
   CHECK(first_local_ >= 0 && first_local_ + num_local_experts() <= gate_->num_experts())
       << "experts [" << first_local_ << ", " << first_local_ + num_local_experts() << ") of "
       << gate_->num_experts();
@@ -27,6 +28,11 @@ MoeLayer::MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> ga
   dxp_ = Tensor::Empty({rows, C_}, DType::kF32, device);
   saved_ = Tensor::Empty({std::max<int64_t>(1, rows * saved_stride_)}, DType::kF32, device);
   dweight_ = Tensor::Empty({max_tokens, gate_->k()}, DType::kF32, device);
+  if (shared_) {
+    CHECK_EQ(shared_->options().d_model, C_) << "shared experts of another width than the layer's";
+    shared_y_ = Tensor::Empty({max_tokens, C_}, DType::kF32, device);
+    shared_saved_ = Tensor::Empty({max_tokens, shared_->SavedPerRow()}, DType::kF32, device);
+  }
   for (auto& e : experts_) {
     auto* ffn = dynamic_cast<FfnExpert*>(e.get());
     if (ffn == nullptr) {
@@ -58,8 +64,16 @@ void MoeLayer::set_grouped_gemm(bool on) {
   grouped_gemm_ = on;
 }
 
-std::vector<Parameter*> MoeLayer::Parameters() {  // gate, then the local experts
+std::vector<Parameter*> MoeLayer::DenseParameters() {
   std::vector<Parameter*> ps = gate_->Parameters();
+  if (shared_) {
+    for (Parameter* p : shared_->Parameters()) ps.push_back(p);
+  }
+  return ps;
+}
+
+std::vector<Parameter*> MoeLayer::Parameters() {
+  std::vector<Parameter*> ps = DenseParameters();
   for (auto& e : experts_) {
     for (Parameter* p : e->Parameters()) ps.push_back(p);
   }
@@ -202,6 +216,11 @@ void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, cons
     RunLocalForward(ctx, plan_.offsets, xp, yp, saved_);
   }
   ops::MoeCombineForward(ctx, y, yp, routing_.weight, slot);
+  if (shared_) {  // every token, with weight 1, whatever capacity dropped
+    Tensor shared_y = shared_y_.Rows(0, T);
+    shared_->Forward(ctx, x, shared_y, shared_saved_.Rows(0, T));
+    ops::Accumulate(ctx, y, shared_y);
+  }
 
   stats_.tokens = T;
   stats_.load = plan_.counts;
@@ -209,6 +228,8 @@ void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, cons
   stats_.capacity = capacity;
   stats_.aux_loss = routing_.aux_loss;
   stats_.z_loss = routing_.z_loss;
+  stats_.routed = gate_->BatchLoad();
+  stats_.has_bias = gate_->BiasRange(&stats_.bias_min, &stats_.bias_max);
   const Tensor host_slot = slot.To(Device::Cpu());
   const int32_t* s = host_slot.i32();
   int64_t lost = 0;
@@ -228,6 +249,8 @@ void MoeLayer::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, co
   Tensor slot = slot_.Rows(0, T * k).Reshape({T, k});
   Tensor xp = xp_.Rows(0, R), yp = yp_.Rows(0, R), dxp = dxp_.Rows(0, R);
   Tensor dweight = dweight_.Rows(0, T);
+  // The shared experts write dx; the routed rows' gradients and the gate's add onto it.
+  if (shared_) shared_->Backward(ctx, x, dy, dx, shared_saved_.Rows(0, T));
   // dyp overwrites yp in place (each row is read, then written, by one thread).
   ops::MoeCombineBackward(ctx, yp, dweight, dy, yp, routing_.weight, slot);
   if (exchange_ != nullptr) {
@@ -235,7 +258,7 @@ void MoeLayer::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, co
   } else {
     RunLocalBackward(ctx, plan_.offsets, xp, yp, dxp, saved_);
   }
-  ops::MoePermuteBackward(ctx, dx, dxp, slot, /*accumulate=*/false);
+  ops::MoePermuteBackward(ctx, dx, dxp, slot, /*accumulate=*/shared_ != nullptr);
   gate_->Backward(ctx, x, dweight, dx);
 }
 

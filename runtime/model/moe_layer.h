@@ -6,8 +6,17 @@
 //      contiguous block of rows;
 //   3. rows are permuted into those blocks (xp), each expert runs once on its block (the grouped
 //      computation), and yp holds their outputs;
-//   4. y[t] = sum of the token's weighted expert outputs (un-permute).
+//   4. y[t] = sum of the token's weighted expert outputs (un-permute);
+//   5. with shared experts, y[t] += shared(x[t]) for every token.
 // Backward runs the same steps in reverse; the gate gets the gradient of its combine weights.
+//
+// Shared experts (DeepSeek-MoE, Qwen-MoE): an always-on FFN path beside the routed experts, with
+// weight 1, that capacity never drops. N shared experts of width d run as ONE FfnExpert of width
+// N * d: concatenating the N first matrices' rows (SwiGLU: gate rows, then up rows) and the N
+// second matrices' columns gives exactly the sum of the N FFNs (their N output biases add up to
+// one), as DeepSeek implements it, with one pair of GEMMs instead of N. Its parameters are dense
+// parameters of the layer (DenseParameters()), the same on every worker: never routed, exchanged or
+// put in a residency.
 //
 // All buffers are sized for max_tokens at construction and reused: nothing is allocated per step
 // or per token.
@@ -29,10 +38,11 @@
 // (and nothing else of itself) for each pass, to run this worker's experts on the rows they
 // received. Experts keep their global ids.
 //
-// Ownership and threads: the layer owns its gate and experts (an expert's parameters may be bound
-// to a residency's blobs during a call, see expert_residency.h); it does not own the residency or
-// the exchange attached to it. Forward, Backward and the Attach/set calls are made from one thread
-// at a time (the one running the model); the layer fans its experts out over ctx.pool itself.
+// Ownership and threads: the layer owns its gate, experts and shared experts (an expert's
+// parameters may be bound to a residency's blobs during a call, see expert_residency.h); it does
+// not own the residency or the exchange attached to it. Forward, Backward and the Attach/set calls
+// are made from one thread at a time (the one running the model); the layer fans its experts out
+// over ctx.pool itself.
 #pragma once
 
 #include <memory>
@@ -51,10 +61,16 @@ struct MoeStats {
   int64_t tokens = 0;
   std::vector<int64_t> load;   // rows dispatched to each expert
   int64_t dropped = 0;         // (token, choice) pairs dropped for capacity
-  int64_t dropped_tokens = 0;  // tokens with no expert at all (output is only the residual)
+  int64_t dropped_tokens = 0;  // tokens with no routed expert (only the shared ones, if any)
   int64_t capacity = 0;        // per expert; 0 = dropless
   double aux_loss = 0;
   double z_loss = 0;
+  // Over the whole batch (every worker's tokens): tokens the gate routed to each expert, all k
+  // choices, before capacity.
+  std::vector<int64_t> routed;
+  // Loss-free balancing's selection bias, when it is on.
+  bool has_bias = false;
+  double bias_min = 0, bias_max = 0;
 };
 
 class MoeLayer {
@@ -63,10 +79,11 @@ class MoeLayer {
   // num_experts(); all of them unless an ExpertExchange is attached before Forward. The layer's
   // buffers live on `device` (the gate's and experts' parameters must live there too). On a GPU
   // the experts run on the GPU's stream as grouped GEMMs (see set_grouped_gemm) or one after
-  // another.
+  // another. `shared`, when not null, is the layer's shared experts as one FFN (see the file
+  // comment); it lives on `device` too.
   MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> gate,
            std::vector<std::unique_ptr<Expert>> experts, int64_t first_expert = 0,
-           Device device = Device::Cpu());
+           Device device = Device::Cpu(), std::unique_ptr<FfnExpert> shared = nullptr);
   // Not copyable or movable: the LocalExperts it lends refer to it.
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;
@@ -79,8 +96,12 @@ class MoeLayer {
   const MoeStats& stats() const { return stats_; }
   // The routing of the last Forward (valid until the next one).
   const Routing& routing() const { return routing_; }
+  // The gate's, the shared experts', then the local experts'.
   std::vector<Parameter*> Parameters();
-  // The gate's parameters only (the dense part of the layer).
+  // The dense part of the layer: the gate's parameters, then the shared experts'. Every worker
+  // holds them all; their gradients are summed over workers with the model's other dense ones.
+  std::vector<Parameter*> DenseParameters();
+  // The gate's parameters only.
   std::vector<Parameter*> GateParameters() { return gate_->Parameters(); }
   // Expert parameters become resident through `residency` (the tiered store) for block `layer`;
   // see expert_residency.h: the layer binds the blobs it is handed to its experts' parameters for
@@ -107,6 +128,8 @@ class MoeLayer {
   void set_grouped_gemm(bool on);
   bool grouped_gemm() const { return grouped_gemm_; }
   Gate& gate() { return *gate_; }
+  // The shared experts as one FFN; null without them.
+  FfnExpert* shared() { return shared_.get(); }
   // Expert `e` by its global id, which must be local.
   Expert& expert(int64_t e) {
     CHECK(e >= first_local_ && e < first_local_ + num_local_experts())
@@ -127,6 +150,8 @@ class MoeLayer {
   std::vector<FfnExpert*> ffn_experts_;  // the local experts when all are FfnExperts of one shape
   bool grouped_gemm_ = false;
   std::vector<int64_t> group_offsets_;  // offsets relative to the first row, for the grouped path
+  std::unique_ptr<FfnExpert> shared_;   // null without shared experts
+  Tensor shared_y_, shared_saved_;      // [T, C] its output; [T, SavedPerRow()] for Backward
 
   Routing routing_;
   ops::DispatchPlan plan_;

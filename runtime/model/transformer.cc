@@ -84,8 +84,16 @@ class Block {
           for (Parameter* p : experts.back()->Parameters()) Unbind(*p);
         }
       }
+      // The shared experts, as one FFN of their total width (moe_layer.h), on every worker.
+      std::unique_ptr<FfnExpert> shared;
+      if (m.num_shared_experts() > 0) {
+        const int64_t width = int64_t{m.num_shared_experts()} * m.shared_d_expert();
+        FfnOptions f{C_, width, act, m.expert_bias(), std, out_std};
+        f.device = device;
+        shared = std::make_unique<FfnExpert>(p + ".moe.shared", f);
+      }
       moe_ = std::make_unique<MoeLayer>(C_, N, MakeGate(p + ".moe.gate", g), std::move(experts),
-                                        first_expert, device);
+                                        first_expert, device, std::move(shared));
     } else {
       FfnOptions f{C_, cfg.d_ff(), act, true, std, out_std};
       f.device = device;
@@ -124,7 +132,7 @@ class Block {
       ps.push_back(p);
     }
     if (ln2_b_) ps.push_back(ln2_b_.get());
-    for (Parameter* p : moe_ ? moe_->GateParameters() : ffn_->Parameters()) ps.push_back(p);
+    for (Parameter* p : moe_ ? moe_->DenseParameters() : ffn_->Parameters()) ps.push_back(p);
     return ps;
   }
 

@@ -2,8 +2,9 @@
 // Mixture-of-Experts layers.
 //
 // Pre-norm blocks (GPT-2 layout): x = x + proj(attn(norm1(x))); x = x + ffn(norm2(x)), with ffn
-// a dense FFN or an MoeLayer. Learned position embeddings, a final norm, and an output projection
-// tied to the token embedding by default.
+// a dense FFN or an MoeLayer (with model.moe's shared experts, if any, as blocks.<l>.moe.shared).
+// Learned position embeddings, a final norm, and an output projection tied to the token embedding
+// by default.
 //
 // Like llm.c, the forward and backward passes are written out layer by layer over explicit
 // activation buffers sized for max_batch sequences at construction; the whole step allocates
@@ -69,8 +70,8 @@ class MoeTransformer {
 
   void ZeroGrad();
   const std::vector<Parameter*>& Parameters() const { return params_; }
-  // Every parameter that is not part of an expert (embeddings, attention, norms, gates, dense
-  // FFNs).
+  // Every parameter that is not part of a routed expert (embeddings, attention, norms, gates,
+  // shared experts, dense FFNs).
   const std::vector<Parameter*>& DenseParameters() const { return dense_params_; }
   // Lets every MoE layer's experts become resident through `residency` (see MoeLayer).
   void AttachResidency(ExpertResidency* residency);
@@ -91,7 +92,8 @@ class MoeTransformer {
   };
   const std::vector<MoeLayerRef>& moe_layers() const { return moe_layers_; }
   const config::ModelConfig& config() const { return cfg_; }
-  // Parameters a token touches in one forward pass (dense + k experts per MoE layer).
+  // Parameters a token touches in one forward pass (dense, shared experts included, + k routed
+  // experts per MoE layer).
   int64_t ActiveParametersPerToken() const;
 
  private:

@@ -44,6 +44,11 @@ TEST(MemoryEstimateTest, ParameterCountsEqualTheModelBuiltFromTheConfig) {
       "model { seq_len: 8 d_model: 16 n_layers: 2 n_heads: 1 activation: RELU\n"
       "        moe { num_experts: 5 gate { type: SWITCH } } }",
       "model { seq_len: 8 d_model: 16 n_layers: 2 n_heads: 4 moe_every: 0 }",  // dense
+      // Shared experts: one FFN of their total width per MoE block, dense parameters.
+      "model { seq_len: 8 d_model: 16 n_layers: 2 n_heads: 2 activation: SWIGLU\n"
+      "        moe { num_experts: 4 d_expert: 12 num_shared_experts: 2 expert_bias: false } }",
+      "model { seq_len: 8 d_model: 16 n_layers: 3 n_heads: 2 moe_every: 3\n"
+      "        moe { num_experts: 3 num_shared_experts: 1 shared_d_expert: 20 } }",
   };
   for (const std::string& text : models) {
     const JobConfig cfg = Parse(text);
@@ -98,6 +103,35 @@ TEST(MemoryEstimateTest, FiguresOfASmallConfigMatchAHandCount) {
   EXPECT_NE(text.find("parameters 2.5 k (1.4 k dense, 1.1 k in experts)"), std::string::npos)
       << text;
   EXPECT_NE(text.find("tiered store 17.2 KiB"), std::string::npos) << text;
+}
+
+TEST(MemoryEstimateTest, SharedExpertsCountAsDenseStateAndActivations) {
+  // kSmall with 2 shared experts of width 8: one FFN of width 16 in block 1,
+  // 16*8 + 16 + 8*16 + 8 = 280 dense parameters; the routed experts are unchanged.
+  const std::string shared =
+      "model { vocab_size: 16 seq_len: 4 d_model: 8 n_layers: 2 n_heads: 2 moe_every: 2\n"
+      "        moe { num_experts: 4 top_k: 2 d_expert: 16 num_shared_experts: 2\n"
+      "              shared_d_expert: 8 } }\n"
+      "train { global_batch: 3 }\n";
+  const MemoryEstimate e = EstimateMemory(Parse(shared));
+  EXPECT_EQ(e.dense_parameters, 1400 + 280);
+  EXPECT_EQ(e.expert_parameters, 1120);
+  EXPECT_EQ(e.optimizer_bytes, 2800u * 8);
+  // Activations: kSmall's 5436 floats and, for the 12 tokens, the shared output (8) and the
+  // saved pre-activation and activation (16 + 16).
+  EXPECT_EQ(e.activation_bytes, (5436u + 12 * (8 + 16 + 16)) * 4);
+  // TIERED: the shared experts stay in the model's dense state, with their Adam moments; the
+  // store holds only the routed experts.
+  const MemoryEstimate t = EstimateMemory(Parse(absl::StrCat(shared, "storage { mode: TIERED }")));
+  EXPECT_EQ(t.dense_state_bytes, 1680u * 16);
+  EXPECT_EQ(t.expert_state_bytes, 1120u * 16);
+  // A checkpoint's dense state: values and both moments of the 1680 parameters, a granule for
+  // each of 29 tensors (kSmall's 25: wte, wpe, final norm's 2, 8 per block, block 1's router,
+  // block 0's FFN 4; and the shared FFN's 4), 3 versions (keep 2). Tiny expert tensors: the
+  // expert files take 64 MiB with or without the checkpoints' versions.
+  const DiskEstimate d = EstimateDisk(Parse(absl::StrCat(
+      shared, "storage { mode: TIERED }\ncheckpoint { dir: \"/ck\" every: 10 keep: 2 }")));
+  EXPECT_EQ(d.checkpoint_bytes, 3u * 3 * (4 * 1680 + 29 * 4096));
 }
 
 TEST(MemoryEstimateTest, RefusesWhatDoesNotFitWithTheFigures) {

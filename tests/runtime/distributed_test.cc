@@ -14,12 +14,15 @@
 // with an uneven share of the batch (8 sequences over 3 workers: 2, 3, 3) fails that layout.
 // With storage.mode TIERED every worker keeps its own experts in its own tiers (a temporary SSD
 // folder each, small budgets so experts do go to the SSD) and is compared with a tiered single
-// process; with expert replicas in TIERED, with one process training in memory.
+// process; with expert replicas in TIERED, with one process training in memory. With shared
+// experts (dense parameters on every worker), in memory and TIERED (where the store holds only
+// the routed experts and the device budget the shared experts' state besides the other dense).
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -48,8 +51,9 @@ struct Layout {
   int workers;
   int expert_parallel;  // 0: all workers
   int chunks;
-  const char* extra;    // more ParallelConfig / gate text
-  bool tiered = false;  // experts in each worker's own tiered store, against a tiered single run
+  const char* extra;     // more ParallelConfig / gate text
+  bool tiered = false;   // experts in each worker's own tiered store, against a tiered single run
+  const char* moe = "";  // more MoeConfig text
 };
 
 void PrintTo(const Layout& l, std::ostream* os) { *os << l.name; }
@@ -155,8 +159,8 @@ class DistributedTest : public ::testing::TestWithParam<Layout> {
 
 TEST_P(DistributedTest, MatchesTheSingleProcessOnTheSameGlobalBatch) {
   const Layout& l = GetParam();
-  const std::string gate =
-      l.workers == 4 && l.expert_parallel == 2 ? "gate { type: NOISY_TOP_K }" : "";
+  const std::string gate = absl::StrCat(
+      l.workers == 4 && l.expert_parallel == 2 ? "gate { type: NOISY_TOP_K } " : "", l.moe);
   WriteFile(dir_.File("job.textproto"), Config(l, 10, gate));
   auto single = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
                                         " train --config job.textproto --quiet --metrics-out "
@@ -197,6 +201,11 @@ TEST_P(DistributedTest, MatchesTheSingleProcessOnTheSameGlobalBatch) {
   // workers: 2 blocks x (8 experts x 4 + 9 dense) + 4, and a noisy gate's.
   const std::vector<std::string> names = ExpectExportsMatch(dir_);
   EXPECT_GE(names.size(), 86u);
+  // Shared experts, where the layout has them: 4 tensors a block, exported once.
+  const auto shared = std::count_if(names.begin(), names.end(), [](const std::string& n) {
+    return n.find(".moe.shared.") != std::string::npos;
+  });
+  EXPECT_EQ(shared, std::string(l.moe).find("num_shared_experts") != std::string::npos ? 8 : 0);
   // Where experts have copies (one per expert-parallel group), every copy is the leader's.
   const int groups = l.expert_parallel == 0 ? 1 : l.workers / l.expert_parallel;
   EXPECT_EQ(ExpectCopiesEqual(dir_, names, groups), (groups - 1) * 64);
@@ -209,7 +218,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"ep3_uneven_batch", 3, 0, 2, ""}, Layout{"ep4", 4, 0, 2, ""},
                       Layout{"dp4", 4, 1, 1, ""}, Layout{"ep2xdp2_noisy", 4, 2, 2, ""},
                       Layout{"ep4_two_level_2x2", 4, 0, 2, "local_size: 2"},
-                      Layout{"ep2_tiered", 2, 0, 2, "", true}),
+                      Layout{"ep2_tiered", 2, 0, 2, "", true},
+                      // Shared experts: dense, on every worker, summed with the dense gradients;
+                      // never in the tiered store.
+                      Layout{"ep2_shared", 2, 0, 2, "", false, "num_shared_experts: 2"},
+                      Layout{"ep2_tiered_shared", 2, 0, 2, "", true,
+                             "num_shared_experts: 2 shared_d_expert: 8"}),
     [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
 
 // Expert replicas in TIERED: 4 workers in 2 expert-parallel groups of 2, so that each of the 16

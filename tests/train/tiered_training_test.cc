@@ -1,5 +1,6 @@
 // Training with experts in the tiered store: budgets far below the experts' state give losses
-// bitwise identical to unlimited budgets; the budgets hold; LAZY updates fewer experts.
+// bitwise identical to unlimited budgets; the budgets hold; LAZY updates fewer experts; shared
+// experts stay dense state, out of the store.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -206,6 +207,45 @@ TEST_F(TieredTrainingTest, MatchesInMemoryTrainingClosely) {
   const RunResult tiered = Train(TieredJob(data, 0, 0));
   for (size_t i = 0; i < 12; ++i) {
     EXPECT_NEAR(tiered.losses[i], (*t)->history()[i].loss, 2e-4 * tiered.losses[i]) << i;
+  }
+}
+
+TEST_F(TieredTrainingTest, SharedExpertsStayDenseAndTrainAsInMemory) {
+  // Shared experts are dense parameters: the model keeps them and its AdamW updates them; the
+  // store holds only the routed experts. 2 shared experts of width 32 make one FFN of width 64
+  // per MoE block: 64*32 + 64 + 32*64 + 32 = 4192 parameters, twice.
+  const std::string data = dir_.File("text.txt");
+  auto with_shared = [](config::JobConfig c) {
+    c.mutable_model()->mutable_moe()->set_num_shared_experts(2);
+    c.mutable_model()->mutable_moe()->set_shared_d_expert(32);
+    return c;
+  };
+  const RunResult plain = Train(TieredJob(data, 0, 0));
+  const RunResult unlimited = Train(with_shared(TieredJob(data, 0, 0)));
+  ASSERT_EQ(unlimited.losses.size(), 12u);
+  EXPECT_EQ(unlimited.dense_bytes, plain.dense_bytes + 2 * 4192 * 16);
+  EXPECT_EQ(unlimited.expert_state_bytes, plain.expert_state_bytes);
+  // The smallest budgets, as above: bitwise the same training through the SSD tier.
+  const uint64_t slot = unlimited.slot_bytes;
+  const RunResult tiny =
+      Train(with_shared(TieredJob(data, unlimited.dense_bytes + 5 * slot, 11 * slot)));
+  ASSERT_EQ(tiny.losses.size(), 12u);
+  EXPECT_GT(tiny.totals.ssd.bytes_out, 0u);
+  for (size_t i = 0; i < 12; ++i) {
+    EXPECT_EQ(0, std::memcmp(&tiny.losses[i], &unlimited.losses[i], sizeof(double)))
+        << "step " << i + 1 << ": " << tiny.losses[i] << " vs " << unlimited.losses[i];
+  }
+  // In memory, where one AdamW updates every parameter: only rounding differs (see above).
+  config::JobConfig mem = with_shared(TieredJob(data, 0, 0));
+  mem.mutable_storage()->set_mode(config::StorageConfig::IN_MEMORY);
+  TrainOptions o;
+  o.config = mem;
+  o.progress = false;
+  auto t = Trainer::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_TRUE((*t)->Run().ok());
+  for (size_t i = 0; i < 12; ++i) {
+    EXPECT_NEAR(tiny.losses[i], (*t)->history()[i].loss, 2e-4 * tiny.losses[i]) << i;
   }
 }
 
