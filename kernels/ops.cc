@@ -372,29 +372,61 @@ double SumSquares(Context& ctx, const Tensor& x) {
   return cpu::sum_squares<float>(Pool(ctx), x.f32(), x.numel());
 }
 
+void MoeRouterForward(Context& ctx, const Tensor& scores, const Tensor& lse,
+                      const Tensor& topk_expert, const Tensor& topk_weight, const Tensor& logits,
+                      const Tensor& bias, const MoeRouterSpec& spec) {
+  // DeviceOf skips undefined tensors (no bias).
+  const int dev =
+      DeviceOf({&scores, &lse, &topk_expert, &topk_weight, &logits, &bias}, "MoeRouterForward");
+  const int64_t E = logits.dim(-1), T = logits.numel() / E;
+  CHECK(scores.numel() == T * E && lse.numel() == T && topk_expert.numel() == T * spec.k &&
+        topk_weight.numel() == T * spec.k && (!bias.defined() || bias.numel() == E));
+  const float* b = bias.defined() ? bias.f32() : nullptr;
+  ON_GPU(return cuda::MoeRouterForward(gpu, scores.f32(), lse.f32(), topk_expert.i32(),
+                                       topk_weight.f32(), logits.f32(), b, T, E, spec));
+  cpu::moe_router_forward<float>(Pool(ctx), scores.f32(), lse.f32(), topk_expert.i32(),
+                                 topk_weight.f32(), logits.f32(), b, T, E, spec);
+}
+
 void MoeRouterForward(Context& ctx, const Tensor& probs, const Tensor& lse,
                       const Tensor& topk_expert, const Tensor& topk_weight, const Tensor& logits,
                       bool renormalize) {
-  const int dev = DeviceOf({&probs, &lse, &topk_expert, &topk_weight, &logits}, "MoeRouterForward");
   const int64_t E = logits.dim(-1), T = logits.numel() / E;
-  const int k = static_cast<int>(topk_expert.numel() / std::max<int64_t>(T, 1));
-  CHECK(probs.numel() == T * E && lse.numel() == T && topk_weight.numel() == T * k);
-  ON_GPU(return cuda::MoeRouterForward(gpu, probs.f32(), lse.f32(), topk_expert.i32(),
-                                       topk_weight.f32(), logits.f32(), T, E, k, renormalize));
-  cpu::moe_router_forward<float>(Pool(ctx), probs.f32(), lse.f32(), topk_expert.i32(),
-                                 topk_weight.f32(), logits.f32(), T, E, k, renormalize);
+  MoeRouterSpec spec;
+  spec.k = static_cast<int>(topk_expert.numel() / std::max<int64_t>(T, 1));
+  spec.renormalize = renormalize;
+  MoeRouterForward(ctx, probs, lse, topk_expert, topk_weight, logits, Tensor(), spec);
 }
 
-double MoeAuxLoss(Context& ctx, const Tensor& probs, const Tensor& topk_expert,
-                  std::vector<int64_t>* top1_counts) {
-  const int dev = DeviceOf({&probs, &topk_expert}, "MoeAuxLoss");
+double MoeAuxLoss(Context& ctx, const Tensor& scores, const Tensor& topk_expert,
+                  std::vector<int64_t>* top1_counts, bool normalize) {
+  const int dev = DeviceOf({&scores, &topk_expert}, "MoeAuxLoss");
   (void)ctx;
-  const int64_t E = probs.dim(-1), T = probs.numel() / E;
+  const int64_t E = scores.dim(-1), T = scores.numel() / E;
   const int k = static_cast<int>(topk_expert.numel() / std::max<int64_t>(T, 1));
   top1_counts->assign(E, 0);
+  // Normalised (sigmoid) scores take the host path on a GPU.
+  if (dev >= 0 && normalize) {
+    const Tensor s = scores.To(Device::Cpu()), x = topk_expert.To(Device::Cpu());
+    return cpu::moe_aux_loss<float>(s.f32(), x.i32(), top1_counts->data(), T, E, k, true);
+  }
   ON_GPU(
-      return cuda::MoeAuxLoss(gpu, probs.f32(), topk_expert.i32(), top1_counts->data(), T, E, k));
-  return cpu::moe_aux_loss<float>(probs.f32(), topk_expert.i32(), top1_counts->data(), T, E, k);
+      return cuda::MoeAuxLoss(gpu, scores.f32(), topk_expert.i32(), top1_counts->data(), T, E, k));
+  return cpu::moe_aux_loss<float>(scores.f32(), topk_expert.i32(), top1_counts->data(), T, E, k,
+                                  normalize);
+}
+
+double MoeSequenceAuxLoss(Context& ctx, const Tensor& scores, const Tensor& topk_expert,
+                          int64_t seq_len, bool normalize, std::vector<double>* dq) {
+  (void)DeviceOf({&scores, &topk_expert}, "MoeSequenceAuxLoss");
+  (void)ctx;
+  const int64_t E = scores.dim(-1), T = scores.numel() / E;
+  const int k = static_cast<int>(topk_expert.numel() / std::max<int64_t>(T, 1));
+  CHECK_GT(seq_len, 0);
+  dq->assign(static_cast<size_t>((T + seq_len - 1) / seq_len * E), 0.0);
+  const Tensor s = scores.To(Device::Cpu()), x = topk_expert.To(Device::Cpu());
+  return cpu::moe_sequence_aux_loss<float>(s.f32(), x.i32(), T, E, k, seq_len, normalize,
+                                           dq->data());
 }
 
 double MoeZLoss(Context& ctx, const Tensor& lse) {
@@ -405,20 +437,43 @@ double MoeZLoss(Context& ctx, const Tensor& lse) {
 }
 
 void MoeRouterBackward(Context& ctx, const Tensor& dlogits, const Tensor& dweight,
+                       const Tensor& scores, const Tensor& logits, const Tensor& lse,
+                       const Tensor& topk_expert, const Tensor& score_grad, int64_t grad_rows,
+                       const MoeRouterSpec& spec, float z_coef) {
+  const int dev = DeviceOf({&dlogits, &dweight, &scores, &lse, &topk_expert, &logits, &score_grad},
+                           "MoeRouterBackward");
+  const int64_t E = scores.dim(-1), T = scores.numel() / E;
+  CHECK(dlogits.numel() == T * E && dweight.numel() == T * spec.k &&
+        topk_expert.numel() == T * spec.k && (!spec.sigmoid || logits.numel() == T * E));
+  CHECK(!score_grad.defined() ||
+        (grad_rows > 0 && score_grad.numel() >= (T + grad_rows - 1) / grad_rows * E));
+  const float* lg = spec.sigmoid ? logits.f32() : nullptr;
+  const float* g = score_grad.defined() ? score_grad.f32() : nullptr;
+  ON_GPU(return cuda::MoeRouterBackward(gpu, dlogits.f32(), dweight.f32(), scores.f32(), lg,
+                                        lse.f32(), topk_expert.i32(), g, grad_rows, T, E, spec,
+                                        z_coef));
+  cpu::moe_router_backward<float>(Pool(ctx), dlogits.f32(), dweight.f32(), scores.f32(), lg,
+                                  lse.f32(), topk_expert.i32(), g, grad_rows, T, E, spec, z_coef);
+}
+
+void MoeRouterBackward(Context& ctx, const Tensor& dlogits, const Tensor& dweight,
                        const Tensor& probs, const Tensor& lse, const Tensor& topk_expert,
                        const std::vector<int64_t>& top1_counts, bool renormalize, float aux_coef,
                        float z_coef) {
-  const int dev = DeviceOf({&dlogits, &dweight, &probs, &lse, &topk_expert}, "MoeRouterBackward");
   const int64_t E = probs.dim(-1), T = probs.numel() / E;
-  const int k = static_cast<int>(topk_expert.numel() / std::max<int64_t>(T, 1));
-  CHECK(dlogits.numel() == T * E && dweight.numel() == T * k &&
-        static_cast<int64_t>(top1_counts.size()) == E);
-  ON_GPU(return cuda::MoeRouterBackward(gpu, dlogits.f32(), dweight.f32(), probs.f32(), lse.f32(),
-                                        topk_expert.i32(), top1_counts.data(), T, E, k, renormalize,
-                                        aux_coef, z_coef));
-  cpu::moe_router_backward<float>(Pool(ctx), dlogits.f32(), dweight.f32(), probs.f32(), lse.f32(),
-                                  topk_expert.i32(), top1_counts.data(), T, E, k, renormalize,
-                                  aux_coef, z_coef);
+  CHECK_EQ(static_cast<int64_t>(top1_counts.size()), E);
+  // d(aux)/d(probs[t, e]) = aux_coef * E * count_e / T^2, the same for every token.
+  Tensor g = Tensor::Empty({1, E}, DType::kF32, Device::Cpu());
+  float* gp = g.f32();
+  for (int64_t e = 0; e < E; ++e) {
+    gp[e] = aux_coef * static_cast<float>(E) * static_cast<float>(top1_counts[e]) /
+            (static_cast<float>(T) * static_cast<float>(T));
+  }
+  MoeRouterSpec spec;
+  spec.k = static_cast<int>(topk_expert.numel() / std::max<int64_t>(T, 1));
+  spec.renormalize = renormalize;
+  MoeRouterBackward(ctx, dlogits, dweight, probs, Tensor(), lse, topk_expert, g.To(probs.device()),
+                    std::max<int64_t>(T, 1), spec, z_coef);
 }
 
 void MoePlanDispatch(Context& ctx, const Tensor& topk_expert, const uint8_t* eligible,

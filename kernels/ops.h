@@ -132,14 +132,32 @@ void AdamWHost(ThreadPool& pool, float* param, const float* grad, float* m, floa
                const AdamWHyper& hyper);
 
 // ---- Mixture of Experts (see kernels/cpu/moe.h for the data flow) -------------------------------
-// probs, logits [T, E]; lse [T]; topk_expert (i32), topk_weight [T, k].
+// scores, logits [T, E]; lse [T]; topk_expert (i32), topk_weight [T, k]; bias [E] or undefined.
+// The router MoeRouterSpec describes (kernels/vocabulary.h).
+void MoeRouterForward(Context& ctx, const Tensor& scores, const Tensor& lse,
+                      const Tensor& topk_expert, const Tensor& topk_weight, const Tensor& logits,
+                      const Tensor& bias, const MoeRouterSpec& spec);
+// The softmax router with no bias: the k most probable experts.
 void MoeRouterForward(Context& ctx, const Tensor& probs, const Tensor& lse,
                       const Tensor& topk_expert, const Tensor& topk_weight, const Tensor& logits,
                       bool renormalize);
-// Fills top1_counts [E] and returns the load-balancing loss E * sum_e f_e P_e.
-double MoeAuxLoss(Context& ctx, const Tensor& probs, const Tensor& topk_expert,
-                  std::vector<int64_t>* top1_counts);
+// Fills top1_counts [E] and returns the load-balancing loss E * sum_e f_e P_e; P from each
+// token's scores divided by their sum when `normalize` (sigmoid scores).
+double MoeAuxLoss(Context& ctx, const Tensor& scores, const Tensor& topk_expert,
+                  std::vector<int64_t>* top1_counts, bool normalize = false);
+// The sequence-wise balancing loss over sequences of seq_len tokens; fills dq [sequences * E],
+// its gradient w.r.t. the (normalised) scores of each sequence's tokens (kernels/cpu/moe.h). On a
+// GPU the scores come to the host for it.
+double MoeSequenceAuxLoss(Context& ctx, const Tensor& scores, const Tensor& topk_expert,
+                          int64_t seq_len, bool normalize, std::vector<double>* dq);
 double MoeZLoss(Context& ctx, const Tensor& lse);
+// The router's backward (kernels/cpu/moe.h moe_router_backward): score_grad [R, E] f32, row
+// t / grad_rows for token t, or undefined; logits are read for sigmoid scores only.
+void MoeRouterBackward(Context& ctx, const Tensor& dlogits, const Tensor& dweight,
+                       const Tensor& scores, const Tensor& logits, const Tensor& lse,
+                       const Tensor& topk_expert, const Tensor& score_grad, int64_t grad_rows,
+                       const MoeRouterSpec& spec, float z_coef);
+// The softmax router's backward with the Switch/GShard loss of top1_counts.
 void MoeRouterBackward(Context& ctx, const Tensor& dlogits, const Tensor& dweight,
                        const Tensor& probs, const Tensor& lse, const Tensor& topk_expert,
                        const std::vector<int64_t>& top1_counts, bool renormalize, float aux_coef,

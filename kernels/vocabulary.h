@@ -49,4 +49,26 @@ inline int64_t MoeCapacity(double capacity_factor, int64_t Tn, int k, int64_t E)
   return std::max<int64_t>(1, static_cast<int64_t>(c));
 }
 
+// How a router turns logits into its choices and combine weights (model.moe.gate):
+//   scores     softmax over the experts, or sigmoid of each logit on its own;
+//   selection  scores plus an optional per-expert bias (loss-free balancing), for the choice only;
+//   groups     with num_groups > 1, the experts form num_groups groups of consecutive ids; a token
+//              keeps the topk_groups groups whose top max(1, k / topk_groups) selection values
+//              sum highest (ties: lower group first) and chooses only among their experts;
+//   choice     the k highest selection values in descending order (ties: lower id first);
+//   weights    the unbiased scores of the k, divided by their sum when `renormalize` and k > 1,
+//              times `scaling`.
+struct MoeRouterSpec {
+  int k = 2;
+  bool sigmoid = false;
+  bool renormalize = false;
+  float scaling = 1.0f;
+  int num_groups = 0;  // 0 or 1: no groups; at most kMaxRouterGroups
+  int topk_groups = 1;
+};
+// Group-limited routing keeps each token's allowed groups in a 64-bit mask.
+inline constexpr int kMaxRouterGroups = 64;
+// The top-k lists of the router kernels hold up to 8 entries.
+inline constexpr int kMaxRouterTopK = 8;
+
 }  // namespace strata::ops

@@ -222,8 +222,8 @@ void ValidateModel(const JobConfig& c, Validator& v) {
     const GateConfig& g = e.gate();
     v.Require(e.num_experts() >= 1 && e.num_experts() <= 4096, {"model", "moe", "num_experts"},
               absl::StrCat("num_experts = ", e.num_experts(), " must be in [1, 4096]"));
-    v.Require(e.top_k() >= 1 && e.top_k() <= 4, {"model", "moe", "top_k"},
-              absl::StrCat("top_k = ", e.top_k(), " must be in [1, 4]"));
+    v.Require(e.top_k() >= 1 && e.top_k() <= 8, {"model", "moe", "top_k"},
+              absl::StrCat("top_k = ", e.top_k(), " must be in [1, 8]"));
     v.Require(e.top_k() <= e.num_experts(), {"model", "moe", "top_k"},
               absl::StrCat("top_k = ", e.top_k(), " is larger than num_experts = ", e.num_experts(),
                            "; set top_k to at most ", e.num_experts()));
@@ -253,6 +253,52 @@ void ValidateModel(const JobConfig& c, Validator& v) {
               {"model", "moe", "gate", "z_loss_coef"}, "z_loss_coef must be >= 0");
     v.Require(Finite(g.jitter_eps()) && g.jitter_eps() >= 0 && g.jitter_eps() < 1,
               {"model", "moe", "gate", "jitter_eps"}, "jitter_eps must be in [0, 1)");
+    if (g.score_function() == GateConfig::SIGMOID) {
+      v.Require(g.type() == GateConfig::TOP_K, {"model", "moe", "gate", "score_function"},
+                "score_function SIGMOID goes with gate type TOP_K (SWITCH, GSHARD and "
+                "NOISY_TOP_K are softmax gates); set type: TOP_K or remove score_function");
+    }
+    v.Require(Finite(g.routed_scaling()) && g.routed_scaling() > 0 && g.routed_scaling() <= 100,
+              {"model", "moe", "gate", "routed_scaling"}, "routed_scaling must be in (0, 100]");
+    v.Require(
+        Finite(g.bias_update_rate()) && g.bias_update_rate() >= 0 && g.bias_update_rate() <= 1,
+        {"model", "moe", "gate", "bias_update_rate"},
+        "bias_update_rate must be in [0, 1] (0 turns loss-free balancing off; 0.001 is "
+        "DeepSeek-V3's)");
+    v.Require(Finite(g.sequence_aux_loss_coef()) && g.sequence_aux_loss_coef() >= 0,
+              {"model", "moe", "gate", "sequence_aux_loss_coef"},
+              "sequence_aux_loss_coef must be >= 0");
+    if (g.num_groups() > 1) {
+      v.Require(g.type() == GateConfig::TOP_K, {"model", "moe", "gate", "num_groups"},
+                "group-limited routing (num_groups > 1) goes with gate type TOP_K");
+      v.Require(g.num_groups() <= 64, {"model", "moe", "gate", "num_groups"},
+                absl::StrCat("num_groups = ", g.num_groups(), " must be at most 64"));
+      v.Require(g.num_groups() <= e.num_experts() && e.num_experts() % g.num_groups() == 0,
+                {"model", "moe", "gate", "num_groups"},
+                absl::StrCat("num_groups = ", g.num_groups(),
+                             " must divide num_experts = ", e.num_experts(), " into equal groups"));
+      v.Require(g.topk_groups() >= 1 && g.topk_groups() <= g.num_groups(),
+                {"model", "moe", "gate", "topk_groups"},
+                absl::StrCat("topk_groups = ", g.topk_groups(),
+                             " must be in [1, num_groups = ", g.num_groups(), "]"));
+      if (g.num_groups() <= e.num_experts() && e.num_experts() % g.num_groups() == 0) {
+        const int64_t per_group = e.num_experts() / g.num_groups();
+        v.Require(
+            e.top_k() <= g.topk_groups() * per_group, {"model", "moe", "gate", "topk_groups"},
+            absl::StrCat("top_k = ", e.top_k(), " experts cannot be chosen from ", g.topk_groups(),
+                         " group(s) of ", per_group, " experts; raise topk_groups"));
+      }
+    } else {
+      v.Require(g.num_groups() >= 0, {"model", "moe", "gate", "num_groups"},
+                "num_groups must be >= 0 (0 or 1: no group-limited routing)");
+    }
+    v.Require(e.num_shared_experts() >= 0 && e.num_shared_experts() <= 64,
+              {"model", "moe", "num_shared_experts"},
+              absl::StrCat("num_shared_experts = ", e.num_shared_experts(), " must be in [0, 64]"));
+    v.Require(InRange(e.shared_d_expert(), 1, kMaxHidden) || e.num_shared_experts() == 0,
+              {"model", "moe", "shared_d_expert"},
+              absl::StrCat("shared_d_expert = ", e.shared_d_expert(), " must be in [1, ",
+                           kMaxHidden, "] (0 means d_expert)"));
   }
 }
 
@@ -468,6 +514,7 @@ void Normalize(JobConfig* c) {
   }
   MoeConfig* e = m->mutable_moe();
   if (e->d_expert() == 0) e->set_d_expert(m->d_ff());
+  if (e->shared_d_expert() == 0) e->set_shared_d_expert(e->d_expert());
   if (!e->has_top_k()) {
     switch (e->gate().type()) {
       case GateConfig::SWITCH:

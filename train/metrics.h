@@ -9,9 +9,22 @@
 #include <string>
 
 #include "core/common/status.h"
+#include "runtime/model/moe_layer.h"
 #include "storage/env.h"
 
 namespace strata::train {
+
+// How evenly one MoE layer's step spread its tokens over the experts (MoeStats::routed, the whole
+// batch): the busiest expert's load over the mean load (1 = perfectly even), the coefficient of
+// variation (standard deviation over mean, population form), and the selection bias's range when
+// loss-free balancing is on. All 0 when the layer routed nothing.
+struct BalanceSummary {
+  double max_over_mean = 0;
+  double cv = 0;
+  bool has_bias = false;
+  double bias_min = 0, bias_max = 0;
+};
+BalanceSummary SummarizeBalance(const model::MoeStats& stats);
 
 class MetricsWriter {
  public:

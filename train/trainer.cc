@@ -664,6 +664,7 @@ StatusOr<StepResult> Trainer::Step() {
   // 2. Forward with the loss.
   model::GateCall call{true, static_cast<uint64_t>(step_), first_sequence_ * cfg.model().seq_len()};
   call.loss_scale = gradients_->loss_scale();
+  call.sequence_length = cfg.model().seq_len();
   {
     TraceScope span(ctx_.tracer, "forward", "compute");
     r.loss = model_->Forward(ctx_, inputs_.data(), targets_.data(), local_batch_, call);
@@ -696,6 +697,8 @@ StatusOr<StepResult> Trainer::Step() {
   {
     TraceScope span(ctx_.tracer, "dense optimizer", "optimizer");
     optimizer_->Step(ctx_, r.lr, scale);
+    // Loss-free balancing: each selection bias moves by the step's batch-wide loads.
+    for (const auto& ref : model_->moe_layers()) ref.layer->gate().UpdateBias(ctx_);
   }
   live_version_ = step_ + 1;
   if (Status u = experts_->Update(r.lr, scale, optimizer_->steps()); !u.ok()) {
@@ -817,8 +820,12 @@ Status Trainer::RunLoop() {
             .Field("dropped_tokens", s.dropped_tokens)
             .Field("capacity", s.capacity)
             .Field("aux_loss", s.aux_loss)
-            .Field("z_loss", s.z_loss)
-            .EndObject();
+            .Field("z_loss", s.z_loss);
+        // Balance over the whole batch: the busiest expert against the mean, the spread.
+        const BalanceSummary b = SummarizeBalance(s);
+        j.Field("max_over_mean", b.max_over_mean).Field("cv", b.cv);
+        if (b.has_bias) j.Field("bias_min", b.bias_min).Field("bias_max", b.bias_max);
+        j.EndObject();
       }
       j.EndArray();
       if (r.tiered) WriteStepMetrics(j, r);

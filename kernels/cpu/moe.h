@@ -27,26 +27,58 @@
 
 namespace strata::cpu {
 
-// probs [T, E] = softmax(logits); lse [T] = logsumexp(logits) (for the z-loss);
-// topk_expert [T, k]: the k most probable experts in descending order (ties: lower id first);
-// topk_weight [T, k]: their probabilities, divided by the sum of the k when `renormalize`.
+// The most experts a token is routed to (the CUDA kernels keep the same bound).
+inline constexpr int kMaxTopK = ops::kMaxRouterTopK;
+using ops::MoeRouterSpec;
+
+// The router (kernels/vocabulary.h MoeRouterSpec says what each option does):
+// scores [T, E] = softmax(logits) or sigmoid(logits); lse [T] = logsumexp(logits) (the z-loss's,
+// for either score function); topk_expert [T, k]: the chosen experts in descending order of
+// selection value (scores plus `bias` [E], which may be null); topk_weight [T, k]: their combine
+// weights. When every score is NaN the ids are the lowest unused ones, so they stay valid.
+template <typename T>
+void moe_router_forward(ThreadPool& pool, T* scores, T* lse, int32_t* topk_expert, T* topk_weight,
+                        const T* logits, const T* bias, int64_t Tn, int64_t E,
+                        const MoeRouterSpec& spec);
+
+// The softmax router without a bias: probs = softmax(logits), the k most probable experts and
+// their probabilities, divided by the sum of the k when `renormalize`.
 template <typename T>
 void moe_router_forward(ThreadPool& pool, T* probs, T* lse, int32_t* topk_expert, T* topk_weight,
                         const T* logits, int64_t Tn, int64_t E, int k, bool renormalize);
 
 // Writes top1_counts[e] = number of tokens whose first choice is e, and returns the Switch/GShard
-// load-balancing loss E * sum_e (top1_counts[e] / T) * mean_t probs[t, e].
+// load-balancing loss E * sum_e (top1_counts[e] / T) * mean_t q[t, e], where q = scores, or, when
+// `normalize` (sigmoid scores), each token's scores divided by their sum.
 template <typename T>
-double moe_aux_loss(const T* probs, const int32_t* topk_expert, int64_t* top1_counts, int64_t Tn,
-                    int64_t E, int k);
+double moe_aux_loss(const T* scores, const int32_t* topk_expert, int64_t* top1_counts, int64_t Tn,
+                    int64_t E, int k, bool normalize = false);
+
+// The sequence-wise load-balancing loss (DeepSeek-V3) over consecutive sequences of seq_len
+// tokens (the last may be shorter): mean over sequences s of sum_e f_se * P_se, with f_se =
+// E / (k * S_s) * (choices of the sequence's tokens that went to e) and P_se = mean over the
+// sequence of q[t, e] (q as in moe_aux_loss). Writes dq [ceil(T / seq_len), E] = d(loss)/d q[t,
+// e] for the tokens of each sequence (f constant).
+template <typename T>
+double moe_sequence_aux_loss(const T* scores, const int32_t* topk_expert, int64_t Tn, int64_t E,
+                             int k, int64_t seq_len, bool normalize, double* dq);
 
 // Router z-loss mean_t lse_t^2.
 template <typename T>
 double moe_z_loss(const T* lse, int64_t Tn);
 
-// dlogits [T, E] (=): the gradient through moe_router_forward of a loss whose gradient w.r.t.
-// topk_weight is dweight [T, k], plus aux_coef * d(aux loss)/d(logits) (the top-1 fractions are
-// constants) and z_coef * d(z-loss)/d(logits).
+// dlogits [T, E] (=): the gradient through moe_router_forward (same spec, the scores it wrote) of
+// a loss whose gradient w.r.t. topk_weight is dweight [T, k], plus score_grad, the gradient of
+// the balancing losses w.r.t. q (moe_aux_loss): row t / grad_rows of score_grad [., E] for token
+// t (null: none), plus z_coef * d(z-loss)/d(logits). The bias and the group choice are constants.
+template <typename T>
+void moe_router_backward(ThreadPool& pool, T* dlogits, const T* dweight, const T* scores,
+                         const T* logits, const T* lse, const int32_t* topk_expert,
+                         const T* score_grad, int64_t grad_rows, int64_t Tn, int64_t E,
+                         const MoeRouterSpec& spec, T z_coef);
+
+// The softmax router's backward with the Switch/GShard loss: score_grad = aux_coef * E *
+// top1_counts[e] / T^2 for every token.
 template <typename T>
 void moe_router_backward(ThreadPool& pool, T* dlogits, const T* dweight, const T* probs,
                          const T* lse, const int32_t* topk_expert, const int64_t* top1_counts,

@@ -101,18 +101,21 @@ void AdamW(Backend& b, float* param, const float* grad, float* m, float* v, int6
 double SumSquares(Backend& b, const float* x, int64_t n);
 
 // ---- Mixture of Experts (see kernels/cpu/moe.h) ------------------------------------------------
-// The fused gate: softmax, logsumexp and top-k in one pass over each token's logits.
-void MoeRouterForward(Backend& b, float* probs, float* lse, int32_t* topk_expert,
-                      float* topk_weight, const float* logits, int64_t T, int64_t E, int k,
-                      bool renormalize);
+// The fused router: scores (softmax or sigmoid), logsumexp, the group choice and top-k in one
+// pass over each token's logits (ops::MoeRouterSpec); bias [E] or null.
+void MoeRouterForward(Backend& b, float* scores, float* lse, int32_t* topk_expert,
+                      float* topk_weight, const float* logits, const float* bias, int64_t T,
+                      int64_t E, const ops::MoeRouterSpec& spec);
 // Fills top1_counts [E] (host) and returns the load-balancing loss.
 double MoeAuxLoss(Backend& b, const float* probs, const int32_t* topk_expert, int64_t* top1_counts,
                   int64_t T, int64_t E, int k);
 double MoeZLoss(Backend& b, const float* lse, int64_t T);
-// top1_counts is a host array [E].
-void MoeRouterBackward(Backend& b, float* dlogits, const float* dweight, const float* probs,
-                       const float* lse, const int32_t* topk_expert, const int64_t* top1_counts,
-                       int64_t T, int64_t E, int k, bool renormalize, float aux_coef, float z_coef);
+// score_grad [., E] (device; row t / grad_rows for token t) or null; logits are read for sigmoid
+// scores only.
+void MoeRouterBackward(Backend& b, float* dlogits, const float* dweight, const float* scores,
+                       const float* logits, const float* lse, const int32_t* topk_expert,
+                       const float* score_grad, int64_t grad_rows, int64_t T, int64_t E,
+                       const ops::MoeRouterSpec& spec, float z_coef);
 // The dispatch plan on the device, in the CPU's priority order (all first choices before any
 // second choice, then by token), deterministic. eligible is a HOST array [T, k] or null. Writes
 // slot [T, k] and row_token [R] on the device, counts [E] and offsets [E + 1] on the host, returns

@@ -26,8 +26,8 @@ constexpr int kBlock = 256;
 constexpr int kWarpSize = 32;
 constexpr int kWarpsPerBlock = kBlock / kWarpSize;
 constexpr unsigned kFullMask = 0xffffffffu;
-// Top-k is kept in per-thread arrays; the CPU reference allows k <= 4, the GPU up to 8.
-constexpr int kMaxK = 8;
+// Top-k is kept in per-thread arrays of up to 8, as on the CPU (kernels/vocabulary.h).
+constexpr int kMaxK = ops::kMaxRouterTopK;
 // Grid-stride loops cover any size; this only bounds the grid.
 constexpr int64_t kMaxBlocks = int64_t{1} << 20;
 
@@ -68,15 +68,43 @@ class ScratchLayout {
 
 // ---- Router ------------------------------------------------------------------------------------
 
-// One warp per token. Lane l owns experts l, l + 32, ...; it writes probs for those and reads back
-// only those, so no synchronisation is needed between the softmax and the top-k.
-__global__ void RouterForwardKernel(float* probs, float* lse, int32_t* topk_expert,
-                                    float* topk_weight, const float* logits, int64_t T, int64_t E,
-                                    int k, bool renormalize) {
+// Round j of a warp top-k: the best candidate strictly after (last_v, last_e) in the order
+// (value descending, id ascending) among the ids this lane offers, reduced over the warp. Returns
+// the id, or -1 when no lane has one (only when every value is NaN).
+__device__ inline int32_t WarpNextBest(float v, int32_t id, bool offer, int j, float last_v,
+                                       int32_t last_e, int32_t* best_e, float* best_v) {
+  const bool after_last = j == 0 || v < last_v || (v == last_v && id > last_e);
+  // Ascending ids with strict '>' keep the lowest id among equals within a lane.
+  if (offer && after_last && (*best_e < 0 || v > *best_v)) {
+    *best_e = id;
+    *best_v = v;
+  }
+  return *best_e;
+}
+
+__device__ inline void WarpReduceBest(int32_t* best_e, float* best_v) {
+  for (int off = kWarpSize / 2; off > 0; off >>= 1) {
+    const float ov = __shfl_xor_sync(kFullMask, *best_v, off);
+    const int32_t oe = __shfl_xor_sync(kFullMask, *best_e, off);
+    if (oe >= 0 && (*best_e < 0 || ov > *best_v || (ov == *best_v && oe < *best_e))) {
+      *best_e = oe;
+      *best_v = ov;
+    }
+  }
+}
+
+// One warp per token. Lane l owns experts l, l + 32, ...; it writes their scores, then the warp
+// syncs so that lane 0 (the weights) and the group sums may read any of them.
+__global__ void RouterForwardKernel(float* scores, float* lse, int32_t* topk_expert,
+                                    float* topk_weight, const float* logits, const float* bias,
+                                    int64_t T, int64_t E, ops::MoeRouterSpec spec) {
   const int lane = threadIdx.x % kWarpSize;
+  const int k = spec.k;
+  const int G = spec.num_groups > 1 ? spec.num_groups : 1;
+  const int64_t per = E / G;
   for (int64_t t = GlobalWarp(); t < T; t += GridWarps()) {
     const float* x = logits + t * E;
-    float* p = probs + t * E;
+    float* p = scores + t * E;
     float mx = -INFINITY;
     for (int64_t e = lane; e < E; e += kWarpSize) mx = fmaxf(mx, x[e]);
     mx = WarpMax(mx);
@@ -84,65 +112,101 @@ __global__ void RouterForwardKernel(float* probs, float* lse, int32_t* topk_expe
     for (int64_t e = lane; e < E; e += kWarpSize) s += expf(x[e] - mx);
     s = WarpSum(s);
     const float l = mx + logf(s);
-    for (int64_t e = lane; e < E; e += kWarpSize) p[e] = expf(x[e] - l);
+    for (int64_t e = lane; e < E; e += kWarpSize) {
+      p[e] = spec.sigmoid ? 1.f / (1.f + expf(-x[e])) : expf(x[e] - l);
+    }
+    __syncwarp();
+    auto sel = [&](int64_t e) { return bias != nullptr ? p[e] + bias[e] : p[e]; };
 
-    // Top-k as k rounds of a warp argmax in the order (probability descending, id ascending) —
-    // the CPU's order, whose insertion with strict '>' keeps lower ids first. Round j takes the
-    // best expert that comes strictly after round j - 1's pick in that total order, so no pick
-    // repeats and no membership list is needed.
+    // Groups: lane g sums the top m selection values of group g (g = lane, lane + 32), inserted
+    // in the CPU's order so the sums match; then topk_groups rounds of a warp argmax.
+    uint64_t allowed = ~0ull;
+    if (G > 1) {
+      const int m = min(max(1, k / spec.topk_groups), static_cast<int>(per));
+      float gscore[2] = {0.f, 0.f};
+      for (int i = 0; i < 2; ++i) {
+        const int g = lane + kWarpSize * i;
+        if (g >= G) continue;
+        float val[kMaxK];
+        int n = 0;
+        for (int64_t e = g * per; e < (g + 1) * per; ++e) {
+          const float v = sel(e);
+          if (n == m && !(v > val[m - 1])) continue;
+          int pos = n < m ? n++ : m - 1;
+          while (pos > 0 && v > val[pos - 1]) {
+            val[pos] = val[pos - 1];
+            --pos;
+          }
+          val[pos] = v;
+        }
+        for (int j = 0; j < n; ++j) gscore[i] += val[j];
+      }
+      allowed = 0;
+      int32_t last_g = -1;
+      float last_v = 0.f;
+      for (int j = 0; j < spec.topk_groups; ++j) {
+        int32_t best_g = -1;
+        float best_v = 0.f;
+        for (int i = 0; i < 2; ++i) {
+          const int g = lane + kWarpSize * i;
+          WarpNextBest(gscore[i], g, g < G, j, last_v, last_g, &best_g, &best_v);
+        }
+        WarpReduceBest(&best_g, &best_v);
+        if (best_g < 0) {  // NaN group scores: the lowest unused group
+          for (int32_t c = 0; best_g < 0; ++c) {
+            if (!((allowed >> c) & 1)) best_g = c;
+          }
+          best_v = NAN;
+        }
+        allowed |= 1ull << best_g;
+        last_g = best_g;
+        last_v = best_v;
+      }
+    }
+
+    // Top-k as k rounds of a warp argmax in the order (selection value descending, id
+    // ascending) over the allowed experts — the CPU's order, whose insertion with strict '>'
+    // keeps lower ids first.
     int32_t idx[kMaxK];
-    float val[kMaxK];
     int32_t last_e = -1;
     float last_v = 0.f;
     for (int j = 0; j < k; ++j) {
       int32_t best_e = -1;
       float best_v = 0.f;
       for (int64_t e = lane; e < E; e += kWarpSize) {
-        const float v = p[e];
-        const bool after_last = j == 0 || v < last_v || (v == last_v && e > last_e);
-        // Ascending e with strict '>' keeps the lowest id among equals within a lane.
-        if (after_last && (best_e < 0 || v > best_v)) {
-          best_e = static_cast<int32_t>(e);
-          best_v = v;
-        }
+        WarpNextBest(sel(e), static_cast<int32_t>(e), (allowed >> (e / per)) & 1, j, last_v, last_e,
+                     &best_e, &best_v);
       }
-      for (int off = kWarpSize / 2; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(kFullMask, best_v, off);
-        const int32_t oe = __shfl_xor_sync(kFullMask, best_e, off);
-        if (oe >= 0 && (best_e < 0 || ov > best_v || (ov == best_v && oe < best_e))) {
-          best_e = oe;
-          best_v = ov;
-        }
-      }
+      WarpReduceBest(&best_e, &best_v);
       if (best_e < 0) {
-        // Only when the probabilities are NaN (a NaN or infinite logit makes every one NaN):
-        // keep the ids valid and distinct, the lowest unused one, as the CPU's fill does. (Lanes
-        // may then disagree; lane 0's picks are the ones written.)
+        // Only when the scores are NaN (a NaN or infinite logit): keep the ids valid and
+        // distinct, the lowest unused allowed one, as the CPU's fill does. (Lanes may then
+        // disagree; lane 0's picks are the ones written.)
         for (int32_t c = 0; best_e < 0; ++c) {
-          bool used = false;
+          bool used = !((allowed >> (c / per)) & 1);
           for (int i = 0; i < j; ++i) used = used || idx[i] == c;
           if (!used) best_e = c;
         }
         best_v = NAN;
       }
       idx[j] = best_e;
-      val[j] = best_v;
       last_e = best_e;
       last_v = best_v;
     }
     if (lane == 0) {
       lse[t] = l;
-      float norm = 1.f;
-      if (renormalize && k > 1) {
+      float norm = spec.scaling;
+      if (spec.renormalize && k > 1) {
         float sum = 0.f;
-        for (int j = 0; j < k; ++j) sum += val[j];
-        norm = 1.f / sum;
+        for (int j = 0; j < k; ++j) sum += p[idx[j]];
+        norm = spec.scaling / sum;
       }
       for (int j = 0; j < k; ++j) {
         topk_expert[t * k + j] = idx[j];
-        topk_weight[t * k + j] = val[j] * norm;
+        topk_weight[t * k + j] = p[idx[j]] * norm;
       }
     }
+    __syncwarp();
   }
 }
 
@@ -209,43 +273,65 @@ __global__ void SumSquaresPartialKernel(double* partial, const float* x, int64_t
 }
 
 // One warp per token; see moe_router_backward in kernels/cpu/moe.cc for the derivation.
-__global__ void RouterBackwardKernel(float* dlogits, const float* dweight, const float* probs,
-                                     const float* lse, const int32_t* topk_expert,
-                                     const float* aux_grad, int64_t T, int64_t E, int k,
-                                     bool renormalize, float z_scale) {
+__global__ void RouterBackwardKernel(float* dlogits, const float* dweight, const float* scores,
+                                     const float* logits, const float* lse,
+                                     const int32_t* topk_expert, const float* score_grad,
+                                     int64_t grad_rows, int64_t T, int64_t E,
+                                     ops::MoeRouterSpec spec, float z_scale) {
   const int lane = threadIdx.x % kWarpSize;
+  const int k = spec.k;
   for (int64_t t = GlobalWarp(); t < T; t += GridWarps()) {
-    const float* p = probs + t * E;
+    const float* p = scores + t * E;
     const float* dw = dweight + t * k;
     float* dl = dlogits + t * E;
     int32_t idx[kMaxK];
     float term[kMaxK];  // what the CPU adds to dl[idx[j]]
     for (int j = 0; j < k; ++j) idx[j] = topk_expert[t * k + j];
-    if (renormalize && k > 1) {
-      // w_j = p_j / S, S = sum_i p_i  =>  dp_i = (dw_i - sum_j dw_j w_j) / S; every lane
-      // computes the same k-term sums in the CPU's order.
+    if (spec.renormalize && k > 1) {
+      // w_j = c p_j / S, S = sum_i p_i  =>  dp_i = c (dw_i - sum_j dw_j p_j / S) / S; every
+      // lane computes the same k-term sums in the CPU's order.
       float sum = 0.f;
       for (int j = 0; j < k; ++j) sum += p[idx[j]];
       float dot = 0.f;
       for (int j = 0; j < k; ++j) dot += dw[j] * (p[idx[j]] / sum);
-      for (int j = 0; j < k; ++j) term[j] = (dw[j] - dot) / sum;
+      for (int j = 0; j < k; ++j) term[j] = spec.scaling * (dw[j] - dot) / sum;
     } else {
-      for (int j = 0; j < k; ++j) term[j] = dw[j];
+      for (int j = 0; j < k; ++j) term[j] = spec.scaling * dw[j];
     }
-    // dprobs = aux term + the scatter, added in j order like the CPU; then softmax backward.
+    // The balancing losses' gradient w.r.t. q (through q = p / sum p for sigmoid scores).
+    const float* g = score_grad != nullptr ? score_grad + (t / grad_rows) * E : nullptr;
+    float S = 1.f, qdot = 0.f;
+    if (g != nullptr && spec.sigmoid) {
+      float s = 0.f;
+      for (int64_t e = lane; e < E; e += kWarpSize) s += p[e];
+      S = WarpSum(s);
+      float d = 0.f;
+      for (int64_t e = lane; e < E; e += kWarpSize) d += g[e] * (p[e] / S);
+      qdot = WarpSum(d);
+    }
+    // dscores = balancing term + the scatter, added in j order like the CPU; then through the
+    // score function.
     float dot = 0.f;
     for (int64_t e = lane; e < E; e += kWarpSize) {
-      float g = aux_grad[e];
+      float v = 0.f;
+      if (g != nullptr) v = spec.sigmoid ? (g[e] - qdot) / S : g[e];
       for (int j = 0; j < k; ++j) {
-        if (idx[j] == e) g += term[j];
+        if (idx[j] == e) v += term[j];
       }
-      dl[e] = g;
-      dot += g * p[e];
+      dl[e] = v;
+      dot += v * p[e];
     }
-    dot = WarpSum(dot);
     const float zt = z_scale * lse[t];
-    // Each lane reads back only the dl entries it wrote.
-    for (int64_t e = lane; e < E; e += kWarpSize) dl[e] = p[e] * (dl[e] - dot) + zt * p[e];
+    if (spec.sigmoid) {
+      const float* x = logits + t * E;
+      for (int64_t e = lane; e < E; e += kWarpSize) {
+        dl[e] = dl[e] * p[e] * (1.f - p[e]) + zt * expf(x[e] - lse[t]);
+      }
+    } else {
+      dot = WarpSum(dot);
+      // Each lane reads back only the dl entries it wrote.
+      for (int64_t e = lane; e < E; e += kWarpSize) dl[e] = p[e] * (dl[e] - dot) + zt * p[e];
+    }
   }
 }
 
@@ -450,13 +536,17 @@ __global__ void NoisyLogitsBackwardKernel(float* draw_noise, const float* dh,
 
 // ---- Router ------------------------------------------------------------------------------------
 
-void MoeRouterForward(Backend& b, float* probs, float* lse, int32_t* topk_expert,
-                      float* topk_weight, const float* logits, int64_t T, int64_t E, int k,
-                      bool renormalize) {
-  CHECK(k >= 1 && k <= kMaxK && k <= E) << "k=" << k << " E=" << E;
+void MoeRouterForward(Backend& b, float* scores, float* lse, int32_t* topk_expert,
+                      float* topk_weight, const float* logits, const float* bias, int64_t T,
+                      int64_t E, const ops::MoeRouterSpec& spec) {
+  CHECK(spec.k >= 1 && spec.k <= kMaxK && spec.k <= E) << "k=" << spec.k << " E=" << E;
+  CHECK(spec.num_groups <= 1 ||
+        (spec.num_groups <= ops::kMaxRouterGroups && E % spec.num_groups == 0 &&
+         spec.topk_groups >= 1 && spec.topk_groups <= spec.num_groups))
+      << "groups " << spec.num_groups << " top " << spec.topk_groups << " E=" << E;
   if (T == 0) return;
-  RouterForwardKernel<<<WarpBlocks(T), kBlock, 0, b.stream>>>(probs, lse, topk_expert, topk_weight,
-                                                              logits, T, E, k, renormalize);
+  RouterForwardKernel<<<WarpBlocks(T), kBlock, 0, b.stream>>>(scores, lse, topk_expert, topk_weight,
+                                                              logits, bias, T, E, spec);
   STRATA_CUDA_LAUNCH_CHECK();
 }
 
@@ -525,24 +615,18 @@ double MoeZLoss(Backend& b, const float* lse, int64_t T) {
   return s / static_cast<double>(T);
 }
 
-void MoeRouterBackward(Backend& b, float* dlogits, const float* dweight, const float* probs,
-                       const float* lse, const int32_t* topk_expert, const int64_t* top1_counts,
-                       int64_t T, int64_t E, int k, bool renormalize, float aux_coef,
-                       float z_coef) {
-  CHECK(k >= 1 && k <= kMaxK && k <= E) << "k=" << k << " E=" << E;
+void MoeRouterBackward(Backend& b, float* dlogits, const float* dweight, const float* scores,
+                       const float* logits, const float* lse, const int32_t* topk_expert,
+                       const float* score_grad, int64_t grad_rows, int64_t T, int64_t E,
+                       const ops::MoeRouterSpec& spec, float z_coef) {
+  CHECK(spec.k >= 1 && spec.k <= kMaxK && spec.k <= E) << "k=" << spec.k << " E=" << E;
+  CHECK(score_grad == nullptr || grad_rows > 0) << "grad_rows=" << grad_rows;
+  CHECK(!spec.sigmoid || logits != nullptr) << "sigmoid scores need the logits";
   if (T == 0) return;
-  // d(aux)/d(probs[t, e]) = E * f_e / T, the same for every token: computed here in float exactly
-  // as the CPU does, then shipped to the device.
-  std::vector<float> aux_grad(E);
-  for (int64_t e = 0; e < E; ++e) {
-    aux_grad[e] = aux_coef * static_cast<float>(E) * static_cast<float>(top1_counts[e]) /
-                  (static_cast<float>(T) * static_cast<float>(T));
-  }
   const float z_scale = z_coef * 2.f / static_cast<float>(T);
-  float* d_aux_grad = static_cast<float*>(b.DeviceScratch(E * sizeof(float)));
-  b.UploadSmall(d_aux_grad, aux_grad.data(), E * sizeof(float));
-  RouterBackwardKernel<<<WarpBlocks(T), kBlock, 0, b.stream>>>(
-      dlogits, dweight, probs, lse, topk_expert, d_aux_grad, T, E, k, renormalize, z_scale);
+  RouterBackwardKernel<<<WarpBlocks(T), kBlock, 0, b.stream>>>(dlogits, dweight, scores, logits,
+                                                               lse, topk_expert, score_grad,
+                                                               grad_rows, T, E, spec, z_scale);
   STRATA_CUDA_LAUNCH_CHECK();
 }
 

@@ -34,6 +34,14 @@ SoftmaxGate::SoftmaxGate(const std::string& prefix, const SoftmaxGateOptions& o)
     xj_ = Tensor::Empty({T, C_}, DType::kF32, o.device);
     dxj_ = Tensor::Empty({T, C_}, DType::kF32, o.device);
   }
+  if (cfg_.bias_update_rate() > 0) {
+    bias_ = MakeParameter(prefix + ".router_bias", {E_}, Init::kZeros, 0.0f, false, o.device);
+    step_load_.assign(E_, 0.0);
+  }
+  // One row of balancing-loss gradient per sequence (at most one per token), or one for all.
+  const int64_t grad_rows = cfg_.sequence_aux_loss_coef() > 0 ? std::max<int64_t>(T, 1) : 1;
+  host_grad_.assign(grad_rows * E_, 0.0f);
+  score_grad_ = Tensor::Empty({grad_rows, E_}, DType::kF32, o.device);
   logits_ = Tensor::Empty({T, E_}, DType::kF32, o.device);
   probs_ = Tensor::Empty({T, E_}, DType::kF32, o.device);
   lse_ = Tensor::Empty({T}, DType::kF32, o.device);
@@ -46,6 +54,17 @@ bool SoftmaxGate::renormalize() const {
   return cfg_.type() == config::GateConfig::GSHARD || (cfg_.renormalize() && k_ > 1);
 }
 
+ops::MoeRouterSpec SoftmaxGate::Spec() const {
+  ops::MoeRouterSpec spec;
+  spec.k = k_;
+  spec.sigmoid = cfg_.score_function() == config::GateConfig::SIGMOID;
+  spec.renormalize = renormalize();
+  spec.scaling = cfg_.routed_scaling();
+  spec.num_groups = cfg_.num_groups();
+  spec.topk_groups = cfg_.topk_groups();
+  return spec;
+}
+
 double SoftmaxGate::CapacityFactor(bool training) const {
   return training ? cfg_.capacity_factor_train() : cfg_.capacity_factor_eval();
 }
@@ -53,6 +72,7 @@ double SoftmaxGate::CapacityFactor(bool training) const {
 std::vector<Parameter*> SoftmaxGate::Parameters() {
   std::vector<Parameter*> ps = {w_gate_.get()};
   if (w_noise_) ps.push_back(w_noise_.get());
+  if (bias_) ps.push_back(bias_.get());
   return ps;
 }
 
@@ -84,7 +104,9 @@ void SoftmaxGate::Forward(ops::Context& ctx, const Tensor& x, const GateCall& ca
   }
   Tensor probs = probs_.Rows(0, T), lse = lse_.Rows(0, T);
   Tensor expert = expert_.Rows(0, T), weight = weight_.Rows(0, T);
-  ops::MoeRouterForward(ctx, probs, lse, expert, weight, logits, renormalize());
+  const ops::MoeRouterSpec spec = Spec();
+  ops::MoeRouterForward(ctx, probs, lse, expert, weight, logits, bias_ ? bias_->value : Tensor(),
+                        spec);
 
   out->tokens = T;
   out->k = k_;
@@ -96,28 +118,65 @@ void SoftmaxGate::Forward(ops::Context& ctx, const Tensor& x, const GateCall& ca
                           call.first_token);
     out->eligible = eligible_.data();
   }
-  out->aux_loss = ops::MoeAuxLoss(ctx, probs, expert, &top1_counts_);
+  out->aux_loss = ops::MoeAuxLoss(ctx, probs, expert, &top1_counts_, spec.sigmoid);
   out->z_loss = ops::MoeZLoss(ctx, lse);
+  out->sequence_aux_loss = 0;
+  last_sequence_length_ = 0;
+  if (cfg_.sequence_aux_loss_coef() > 0) {
+    const int64_t S = call.sequence_length > 0 ? call.sequence_length : std::max<int64_t>(T, 1);
+    out->sequence_aux_loss = ops::MoeSequenceAuxLoss(ctx, probs, expert, S, spec.sigmoid, &seq_dq_);
+    last_sequence_length_ = static_cast<double>(S);
+  }
+  last_sequence_aux_loss_ = out->sequence_aux_loss;
   last_batch_tokens_ = static_cast<double>(T);
+  // Tokens routed to each expert, any choice (the load loss-free balancing and the metrics see).
+  batch_load_.assign(E_, 0);
+  {
+    const Tensor host_expert = expert.To(Device::Cpu());
+    const int32_t* ids = host_expert.i32();
+    for (int64_t i = 0; i < T * k_; ++i) ++batch_load_[ids[i]];
+  }
   if (reducer_ != nullptr && reducer_->parts() > 1) {
     // aux = E * sum_e (count_e / T) * (sum_t p_te / T) over the whole batch.
-    batch_stats_.assign(2 * E_ + 1, 0.0);
+    batch_stats_.assign(3 * E_ + 1, 0.0);
     const Tensor host_probs = probs.To(Device::Cpu());
     const float* p = host_probs.f32();
     for (int64_t e = 0; e < E_; ++e) batch_stats_[e] = static_cast<double>(top1_counts_[e]);
     for (int64_t t = 0; t < T; ++t) {
-      for (int64_t e = 0; e < E_; ++e) batch_stats_[E_ + e] += static_cast<double>(p[t * E_ + e]);
+      // q: the scores, divided by their sum for sigmoid scores (as MoeAuxLoss does).
+      double inv = 1.0;
+      if (spec.sigmoid) {
+        double sum = 0;
+        for (int64_t e = 0; e < E_; ++e) sum += static_cast<double>(p[t * E_ + e]);
+        inv = 1.0 / sum;
+      }
+      for (int64_t e = 0; e < E_; ++e) {
+        batch_stats_[E_ + e] += static_cast<double>(p[t * E_ + e]) * inv;
+      }
     }
     batch_stats_[2 * E_] = static_cast<double>(T);
+    for (int64_t e = 0; e < E_; ++e) {
+      batch_stats_[2 * E_ + 1 + e] = static_cast<double>(batch_load_[e]);
+    }
     reducer_->Sum(batch_stats_.data(), batch_stats_.size());
     const double tokens = std::max(1.0, batch_stats_[2 * E_]);
     double aux = 0;
     for (int64_t e = 0; e < E_; ++e) {
       top1_counts_[e] = std::llround(batch_stats_[e]);
+      batch_load_[e] = std::llround(batch_stats_[2 * E_ + 1 + e]);
       aux += batch_stats_[e] / tokens * (batch_stats_[E_ + e] / tokens);
     }
     out->aux_loss = static_cast<double>(E_) * aux;
     last_batch_tokens_ = tokens;
+  }
+  // Loss-free balancing counts the step's training loads (a second Forward of the same step adds
+  // the same loads again, which leaves every sign of mean - load as it was).
+  if (bias_ && call.training) {
+    if (call.step != load_step_) {
+      std::fill(step_load_.begin(), step_load_.end(), 0.0);
+      load_step_ = call.step;
+    }
+    for (int64_t e = 0; e < E_; ++e) step_load_[e] += static_cast<double>(batch_load_[e]);
   }
 }
 
@@ -127,14 +186,27 @@ void SoftmaxGate::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dwe
   CHECK_EQ(x.dim(0), T);
   Tensor none;
   Tensor dlogits = dlogits_.Rows(0, T);
-  // The kernel's aux gradient is coef * E * count_e / T^2 for local T. With batch-wide counts,
-  // scaling coef by T / T_batch makes it coef * E * count_e / (T * T_batch): the batch
-  // gradient times the number of workers, which the gradient average divides back out.
-  const double aux_coef = last_loss_scale_ * cfg_.aux_loss_coef() * static_cast<double>(T) /
-                          std::max(1.0, last_batch_tokens_);
-  ops::MoeRouterBackward(ctx, dlogits, dweight, probs_.Rows(0, T), lse_.Rows(0, T),
-                         expert_.Rows(0, T), top1_counts_, renormalize(),
-                         static_cast<float>(aux_coef),
+  // The balancing losses' gradient w.r.t. the (normalised) scores q, one row per sequence (or
+  // one for the call). The aux loss's is coef * E * count_e / (T * T_batch) for every token,
+  // with batch-wide counts: the batch gradient times the number of workers, which the gradient
+  // average divides back out. The sequence loss's is its coefficient times dq of the sequence.
+  const double seq_coef = last_loss_scale_ * cfg_.sequence_aux_loss_coef();
+  const int64_t S = last_sequence_length_ > 0 ? static_cast<int64_t>(last_sequence_length_)
+                                              : std::max<int64_t>(T, 1);
+  const int64_t rows = last_sequence_length_ > 0 ? (T + S - 1) / S : 1;
+  const double aux_scale = last_loss_scale_ * cfg_.aux_loss_coef() * static_cast<double>(E_) /
+                           (static_cast<double>(T) * std::max(1.0, last_batch_tokens_));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t e = 0; e < E_; ++e) {
+      double g = aux_scale * static_cast<double>(top1_counts_[e]);
+      if (last_sequence_length_ > 0) g += seq_coef * seq_dq_[r * E_ + e];
+      host_grad_[r * E_ + e] = static_cast<float>(g);
+    }
+  }
+  Tensor score_grad = score_grad_.Rows(0, rows);
+  score_grad.CopyFromHost(host_grad_.data());
+  ops::MoeRouterBackward(ctx, dlogits, dweight, probs_.Rows(0, T), logits_.Rows(0, T),
+                         lse_.Rows(0, T), expert_.Rows(0, T), score_grad, S, Spec(),
                          static_cast<float>(last_loss_scale_ * cfg_.z_loss_coef()));
   // With jitter the router saw xj, and its input gradient is scaled back onto x.
   Tensor router_in = last_jitter_ ? xj_.Rows(0, T) : x;
@@ -156,6 +228,36 @@ void SoftmaxGate::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dwe
     ops::MoeJitterBackward(ctx, dx, drouter_in, JitterKey(seed_, last_step_, layer_),
                            cfg_.jitter_eps(), last_first_token_);
   }
+}
+
+void SoftmaxGate::UpdateBias(ops::Context& ctx) {
+  (void)ctx;
+  if (!bias_) return;
+  // bias_e += rate * sign(mean load - load_e): underloaded experts become likelier choices.
+  double mean = 0;
+  for (double l : step_load_) mean += l;
+  mean /= static_cast<double>(E_);
+  Tensor host = bias_->value.To(Device::Cpu());
+  float* b = host.f32();
+  const float rate = cfg_.bias_update_rate();
+  for (int64_t e = 0; e < E_; ++e) {
+    const double d = mean - step_load_[e];
+    b[e] += d > 0 ? rate : d < 0 ? -rate : 0.0f;
+  }
+  if (!bias_->value.device().is_cpu()) bias_->value.CopyFrom(host);
+  std::fill(step_load_.begin(), step_load_.end(), 0.0);
+}
+
+bool SoftmaxGate::BiasRange(double* lo, double* hi) const {
+  if (!bias_) return false;
+  const Tensor host = bias_->value.To(Device::Cpu());
+  const float* b = host.f32();
+  *lo = *hi = E_ > 0 ? b[0] : 0.0;
+  for (int64_t e = 1; e < E_; ++e) {
+    *lo = std::min<double>(*lo, b[e]);
+    *hi = std::max<double>(*hi, b[e]);
+  }
+  return true;
 }
 
 std::unique_ptr<Gate> MakeGate(const std::string& name_prefix, const SoftmaxGateOptions& options) {

@@ -6,12 +6,21 @@
 // (capacity, dispatch, experts, combine), so a new gate implements only this interface.
 //
 // SoftmaxGate implements the four gates of GateConfig.type; all of them are a linear router
-// followed by a softmax and top-k, and differ in three places:
+// followed by scores and top-k (kernels/vocabulary.h MoeRouterSpec: softmax or sigmoid scores,
+// a selection bias, group-limited choice, normalised and scaled weights), and differ in three
+// places:
 //   SWITCH      k = 1; the router input is multiplied by U(1-eps, 1+eps) while training.
 //   GSHARD      k = 2, weights renormalised; the second expert is kept while training with
 //               probability min(1, 2 * w2) (random routing).
 //   NOISY_TOP_K the logits get N(0,1) * softplus(x W_noise) while training (Shazeer et al.).
 // Random draws are keyed by (seed, step, layer), so they do not depend on threads or workers.
+//
+// Loss-free balancing (GateConfig.bias_update_rate > 0) keeps its per-expert selection bias as a
+// Parameter ("<prefix>.router_bias") whose gradient stays zero: AdamW leaves it as it is (zero
+// moments give a zero update, and it is not decayed), while it is saved, restored, broadcast and
+// rolled back with the dense state like any other parameter. UpdateBias moves it once a step
+// from the loads of the step's training Forwards, summed over the batch's workers, so every
+// worker computes the same bias.
 //
 // Ownership and threads: a gate is owned by its MoE layer and owns its parameters (Parameters()
 // pointers live as long as the gate) and its buffers. A Routing it fills points into those
@@ -44,6 +53,9 @@ struct GateCall {
   // whose share of the batch is not 1 / workers weighs its tokens by workers * share, so that
   // the average over workers is the whole batch's gradient.
   double loss_scale = 1.0;
+  // Tokens per sequence (the call's tokens are whole sequences, one after another), for the
+  // sequence-wise balancing loss; 0: the call is one sequence.
+  int64_t sequence_length = 0;
 };
 
 struct Routing {
@@ -54,6 +66,7 @@ struct Routing {
   const uint8_t* eligible = nullptr;  // [T, k] or null: 0 = the gate does not dispatch it
   double aux_loss = 0;                // unweighted load-balancing loss
   double z_loss = 0;                  // unweighted router z-loss
+  double sequence_aux_loss = 0;       // unweighted sequence-wise balancing loss (0 when off)
 };
 
 class Gate {
@@ -75,6 +88,15 @@ class Gate {
   // means) is computed from statistics summed over all of them, so it — and its gradient — equal
   // a single process's on the whole batch. Null: this worker holds the whole batch.
   virtual void AttachReducer(BatchReducer* reducer) = 0;
+  // Tokens the last Forward routed to each expert (all k choices, before capacity), summed over
+  // the batch's workers when a reducer is attached. [E]
+  virtual const std::vector<int64_t>& BatchLoad() const = 0;
+  // Loss-free balancing: moves the selection bias by the loads of the step's training Forwards
+  // and starts the next step's count; nothing when it is off. Called once per step, after the
+  // optimizer, by the thread running the step.
+  virtual void UpdateBias(ops::Context& ctx) = 0;
+  // The selection bias's smallest and largest entries; false when loss-free balancing is off.
+  virtual bool BiasRange(double* lo, double* hi) const = 0;
 };
 
 struct SoftmaxGateOptions {
@@ -101,9 +123,16 @@ class SoftmaxGate : public Gate {
                 const Tensor& dx) override;
   std::vector<Parameter*> Parameters() override;
   void AttachReducer(BatchReducer* reducer) override { reducer_ = reducer; }
+  const std::vector<int64_t>& BatchLoad() const override { return batch_load_; }
+  void UpdateBias(ops::Context& ctx) override;
+  bool BiasRange(double* lo, double* hi) const override;
 
   Parameter& router() { return *w_gate_; }
   Parameter* noise_router() { return w_noise_.get(); }
+  Parameter* selection_bias() { return bias_.get(); }
+  // The last Forward's chosen experts [T, k] and sequence-wise balancing loss (for tests).
+  Tensor last_experts() const { return expert_.Rows(0, last_tokens_); }
+  double last_sequence_aux_loss() const { return last_sequence_aux_loss_; }
   // Keys of the random draws of a call, for references that reproduce them.
   static uint64_t JitterKey(uint64_t seed, uint64_t step, int layer);
   static uint64_t NoiseKey(uint64_t seed, uint64_t step, int layer);
@@ -111,6 +140,7 @@ class SoftmaxGate : public Gate {
 
  private:
   bool renormalize() const;
+  ops::MoeRouterSpec Spec() const;
 
   config::GateConfig cfg_;
   int64_t C_, E_;
@@ -119,6 +149,7 @@ class SoftmaxGate : public Gate {
   int layer_;
   std::unique_ptr<Parameter> w_gate_;   // [E, C]
   std::unique_ptr<Parameter> w_noise_;  // [E, C], NOISY_TOP_K only
+  std::unique_ptr<Parameter> bias_;     // [E], loss-free balancing only
 
   // Buffers for up to max_tokens rows, reused every call.
   Tensor xj_, dxj_;  // jittered router input and its gradient (SWITCH)
@@ -126,13 +157,22 @@ class SoftmaxGate : public Gate {
   Tensor expert_, weight_;
   std::vector<uint8_t> eligible_;
   std::vector<int64_t> top1_counts_;  // over the whole batch (all workers)
-  std::vector<double> batch_stats_;   // [2E + 1]: top-1 counts, probability sums, tokens
+  std::vector<double> batch_stats_;   // [3E + 1]: top-1 counts, probability sums, tokens, loads
+  std::vector<int64_t> batch_load_;   // [E] the last Forward's, over the whole batch
+  std::vector<double> step_load_;     // [E] the loads of step load_step_'s training Forwards
+  uint64_t load_step_ = 0;
+  std::vector<double> seq_dq_;    // d(sequence aux)/dq per sequence, [sequences, E]
+  std::vector<float> host_grad_;  // the balancing losses' dq rows, before upload
+  Tensor score_grad_;             // [max sequences, E] the same on the gate's device
+  int64_t grad_rows_ = 1;         // tokens per row of score_grad_ in the last Forward
   BatchReducer* reducer_ = nullptr;
   // State of the last Forward, for Backward.
   int64_t last_tokens_ = 0;
   int64_t last_first_token_ = 0;
   double last_batch_tokens_ = 0;  // tokens of the whole batch the aux loss averaged over
   double last_loss_scale_ = 1.0;
+  double last_sequence_length_ = 0;
+  double last_sequence_aux_loss_ = 0;
   bool last_jitter_ = false, last_noise_ = false;
   uint64_t last_step_ = 0;
 };

@@ -137,6 +137,44 @@ TEST(ConfigTest, GateSpecificRulesAndMissingPath) {
             std::string::npos);
 }
 
+TEST(ConfigTest, RouterOptionsAreCheckedWithTheFieldAndTheFix) {
+  auto error = [](const std::string& moe) {
+    return Error("data { path: \"d\" } model { moe { " + moe + " } }");
+  };
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"top_k: 1 gate { type: SWITCH score_function: SIGMOID }",
+       "score_function SIGMOID goes with gate type TOP_K"},
+      {"gate { routed_scaling: 0 }", "routed_scaling must be in (0, 100]"},
+      {"gate { bias_update_rate: -0.5 }", "bias_update_rate must be in [0, 1]"},
+      {"gate { sequence_aux_loss_coef: -1 }", "sequence_aux_loss_coef must be >= 0"},
+      {"num_experts: 8 gate { num_groups: 3 }", "num_groups = 3 must divide num_experts = 8"},
+      {"num_experts: 128 gate { num_groups: 128 }", "num_groups = 128 must be at most 64"},
+      {"num_experts: 8 gate { num_groups: 4 topk_groups: 5 }",
+       "topk_groups = 5 must be in [1, num_groups = 4]"},
+      {"num_experts: 16 top_k: 8 gate { num_groups: 8 topk_groups: 2 }",
+       "top_k = 8 experts cannot be chosen from 2 group(s) of 2 experts; raise topk_groups"},
+      {"top_k: 2 gate { type: NOISY_TOP_K num_groups: 2 }",
+       "group-limited routing (num_groups > 1) goes with gate type TOP_K"},
+      {"num_experts: 16 top_k: 9", "top_k = 9 must be in [1, 8]"},
+      {"num_shared_experts: 65", "num_shared_experts = 65 must be in [0, 64]"},
+      {"num_shared_experts: 1 shared_d_expert: -4", "shared_d_expert = -4 must be in [1, "},
+  };
+  for (const auto& [moe, want] : cases) {
+    const std::string msg = error(moe);
+    EXPECT_NE(msg.find(want), std::string::npos) << moe << "\n" << msg;
+    EXPECT_NE(msg.find("field model.moe."), std::string::npos) << moe << "\n" << msg;
+  }
+  // DeepSeek-V3's router on 64 fine-grained experts with a shared one is valid, and the shared
+  // width defaults to d_expert.
+  auto ok = ParseJobConfig(
+      "data { path: \"d\" } model { moe { num_experts: 64 top_k: 8 d_expert: 32 "
+      "num_shared_experts: 1 gate { score_function: SIGMOID bias_update_rate: 0.001 "
+      "num_groups: 8 topk_groups: 4 routed_scaling: 2.5 sequence_aux_loss_coef: 0.0001 } } }",
+      "j", "");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->model().moe().shared_d_expert(), 32);
+}
+
 TEST(ConfigTest, DenseModelIgnoresMoeSection) {
   auto c = ParseJobConfig(
       "data { path: \"d\" } model { moe_every: 0 moe { top_k: 3 num_experts: 2 } }", "j", "");

@@ -1,11 +1,13 @@
 // The MoE layer against a direct per-token reference loop, for every gate, with and without
-// capacity drops, k = 1, 2, 4.
+// capacity drops, k = 1, 2, 4, 8; and the router options of today's MoE models: sigmoid scores,
+// a selection bias (loss-free balancing), routed scaling, group-limited choice and the
+// sequence-wise balancing loss.
 //
 // The reference (double precision) routes, drops and combines one token at a time, straight from
 // the definitions in proto/config.proto, reproducing the gate's random draws from their keys. The
 // layer's output, routing, drops and auxiliary losses must match it, and the layer's analytic
 // gradients (input, router, noise router, every expert parameter) must match central finite
-// differences of the reference loss  L = <R, y> + aux_coef * aux + z_coef * z.
+// differences of the reference loss  L = <R, y> + aux_coef * aux + z_coef * z + seq_coef * seq.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +17,7 @@
 #include <new>
 #include <numeric>
 #include <random>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "core/common/rng.h"
@@ -46,18 +49,32 @@ struct Case {
   double capacity_factor;  // training
   bool training = true;
   bool renormalize = true;
+  int experts = 5;  // per layer (top_k up to 8 needs more)
+  bool sigmoid = false;
+  double scaling = 1.0;
+  bool bias = false;  // loss-free balancing's selection bias (given random values)
+  int groups = 0, topk_groups = 1;
+  double seq_coef = 0;  // sequence-wise balancing loss, over sequences of kSeqLen tokens
 };
+
+// A case with today's router options on top of TOP_K with k of `experts`.
+Case Modern(std::string name, int k, int experts, double capacity_factor) {
+  Case c{std::move(name), GateConfig::TOP_K, k, capacity_factor};
+  c.experts = experts;
+  return c;
+}
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
-constexpr int kTokens = 16, kC = 6, kE = 5, kH = 4, kLayer = 3;
+constexpr int kTokens = 16, kC = 6, kH = 4, kLayer = 3, kSeqLen = 5;
 constexpr uint64_t kSeed = 77, kStep = 12;
 constexpr double kAuxCoef = 0.05, kZCoef = 0.02;
 
 // All of the layer's parameters as doubles, in a fixed order, so finite differences can walk them.
 struct Params {
   std::vector<double> router, noise;                // [E, C]
+  std::vector<double> bias;                         // [E] selection bias (a constant)
   std::vector<std::vector<double>> w1, b1, w2, b2;  // per expert
 };
 
@@ -65,7 +82,8 @@ struct RefResult {
   std::vector<double> y;
   std::vector<int64_t> load;
   int64_t dropped = 0, dropped_tokens = 0;
-  double aux = 0, z = 0;
+  double aux = 0, z = 0, seq = 0;
+  std::vector<int64_t> routed;  // all k choices, before capacity
 };
 
 double Gelu(double v) {
@@ -73,7 +91,7 @@ double Gelu(double v) {
 }
 
 RefResult Reference(const Case& c, const std::vector<double>& x, const Params& p) {
-  const int T = kTokens, C = kC, E = kE, k = c.k;
+  const int T = kTokens, C = kC, E = c.experts, k = c.k;
   const bool jitter = c.training && c.type == GateConfig::SWITCH;
   const bool noise = c.training && c.type == GateConfig::NOISY_TOP_K;
   const bool random_routing = c.training && c.type == GateConfig::GSHARD;
@@ -108,16 +126,40 @@ RefResult Reference(const Case& c, const std::vector<double>& x, const Params& p
     double z = 0;
     for (double l : logit) z += std::exp(l);
     lse[t] = std::log(z);
-    for (int e = 0; e < E; ++e) probs[t * E + e] = std::exp(logit[e]) / z;
-    std::vector<int> order(E);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int a, int b) { return probs[t * E + a] > probs[t * E + b]; });
+    for (int e = 0; e < E; ++e) {
+      probs[t * E + e] = c.sigmoid ? 1 / (1 + std::exp(-logit[e])) : std::exp(logit[e]) / z;
+    }
+    // Selection values: the scores plus the bias; with groups, only the best groups' experts.
+    std::vector<double> sel(E);
+    for (int e = 0; e < E; ++e) sel[e] = probs[t * E + e] + (c.bias ? p.bias[e] : 0.0);
+    std::vector<bool> allowed(E, true);
+    if (c.groups > 1) {
+      const int per = E / c.groups, m = std::max(1, k / c.topk_groups);
+      std::vector<double> gscore(c.groups, 0.0);
+      for (int g = 0; g < c.groups; ++g) {
+        std::vector<double> v(sel.begin() + g * per, sel.begin() + (g + 1) * per);
+        std::sort(v.begin(), v.end(), std::greater<double>());
+        for (int j = 0; j < std::min(m, per); ++j) gscore[g] += v[j];
+      }
+      std::vector<int> gorder(c.groups);
+      std::iota(gorder.begin(), gorder.end(), 0);
+      std::stable_sort(gorder.begin(), gorder.end(),
+                       [&](int a, int b) { return gscore[a] > gscore[b]; });
+      for (int e = 0; e < E; ++e) {
+        allowed[e] = std::find(gorder.begin(), gorder.begin() + c.topk_groups, e / per) !=
+                     gorder.begin() + c.topk_groups;
+      }
+    }
+    std::vector<int> order;
+    for (int e = 0; e < E; ++e) {
+      if (allowed[e]) order.push_back(e);
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return sel[a] > sel[b]; });
     double sum = 0;
     for (int j = 0; j < k; ++j) sum += probs[t * E + order[j]];
     for (int j = 0; j < k; ++j) {
       choice[t].push_back(order[j]);
-      weight[t].push_back(probs[t * E + order[j]] / (renorm ? sum : 1.0));
+      weight[t].push_back(c.scaling * probs[t * E + order[j]] / (renorm ? sum : 1.0));
       bool keep = true;
       if (random_routing && j == 1) {
         keep = 2 * weight[t][1] > rng::Uniform(SoftmaxGate::RoutingKey(kSeed, kStep, kLayer), t);
@@ -164,13 +206,38 @@ RefResult Reference(const Case& c, const std::vector<double>& x, const Params& p
     }
     r.dropped_tokens += !any;
   }
+  // The balancing losses see q: the scores, or for sigmoid scores each token's divided by their
+  // sum.
+  std::vector<double> q(probs);
+  if (c.sigmoid) {
+    for (int t = 0; t < T; ++t) {
+      double s = 0;
+      for (int e = 0; e < E; ++e) s += probs[t * E + e];
+      for (int e = 0; e < E; ++e) q[t * E + e] = probs[t * E + e] / s;
+    }
+  }
   std::vector<double> f(E, 0.0), P(E, 0.0);
+  r.routed.assign(E, 0);
   for (int t = 0; t < T; ++t) {
     f[choice[t][0]] += 1.0 / T;
-    for (int e = 0; e < E; ++e) P[e] += probs[t * E + e] / T;
+    for (int j = 0; j < k; ++j) ++r.routed[choice[t][j]];
+    for (int e = 0; e < E; ++e) P[e] += q[t * E + e] / T;
     r.z += lse[t] * lse[t] / T;
   }
   for (int e = 0; e < E; ++e) r.aux += E * f[e] * P[e];
+  // Sequence-wise: mean over sequences of sum_e (E / (k S) * choices to e) * mean q_e.
+  const int nseq = (T + kSeqLen - 1) / kSeqLen;
+  for (int sq = 0; sq < nseq; ++sq) {
+    const int t0 = sq * kSeqLen, t1 = std::min(T, t0 + kSeqLen), S = t1 - t0;
+    for (int e = 0; e < E; ++e) {
+      double n = 0, qe = 0;
+      for (int t = t0; t < t1; ++t) {
+        for (int j = 0; j < k; ++j) n += choice[t][j] == e;
+        qe += q[t * E + e];
+      }
+      r.seq += (static_cast<double>(E) / (k * S) * n) * (qe / S) / nseq;
+    }
+  }
   return r;
 }
 
@@ -180,7 +247,7 @@ class MoeLayerTest : public ::testing::TestWithParam<Case> {
     const Case& c = GetParam();
     SoftmaxGateOptions g;
     g.d_model = kC;
-    g.num_experts = kE;
+    g.num_experts = c.experts;
     g.k = c.k;
     g.max_tokens = kTokens;
     g.config.set_type(c.type);
@@ -190,11 +257,17 @@ class MoeLayerTest : public ::testing::TestWithParam<Case> {
     g.config.set_z_loss_coef(kZCoef);
     g.config.set_jitter_eps(0.1);
     g.config.set_renormalize(c.renormalize);
+    if (c.sigmoid) g.config.set_score_function(GateConfig::SIGMOID);
+    g.config.set_routed_scaling(static_cast<float>(c.scaling));
+    if (c.bias) g.config.set_bias_update_rate(0.001f);
+    g.config.set_num_groups(c.groups);
+    g.config.set_topk_groups(c.topk_groups);
+    g.config.set_sequence_aux_loss_coef(static_cast<float>(c.seq_coef));
     g.seed = kSeed;
     g.layer = kLayer;
     g.init_std = 0.8f;  // a peaked router, so routing is far from ties
     std::vector<std::unique_ptr<Expert>> experts;
-    for (int e = 0; e < kE; ++e) {
+    for (int e = 0; e < c.experts; ++e) {
       FfnOptions f{kC, kH, ops::Activation::kGelu, true, 0.5f, 0.5f};
       experts.push_back(std::make_unique<FfnExpert>(absl::StrCat("experts.", e), f));
     }
@@ -222,7 +295,8 @@ class MoeLayerTest : public ::testing::TestWithParam<Case> {
     auto& gate = static_cast<SoftmaxGate&>(layer_->gate());
     p.router = vec(gate.router().value);
     if (gate.noise_router()) p.noise = vec(gate.noise_router()->value);
-    for (int e = 0; e < kE; ++e) {
+    if (gate.selection_bias()) p.bias = vec(gate.selection_bias()->value);
+    for (int e = 0; e < GetParam().experts; ++e) {
       auto& f = static_cast<FfnExpert&>(layer_->expert(e));
       p.w1.push_back(vec(f.w1().value));
       p.b1.push_back(vec(f.b1()->value));
@@ -236,7 +310,13 @@ class MoeLayerTest : public ::testing::TestWithParam<Case> {
     RefResult r = Reference(GetParam(), x, p);
     double l = 0;
     for (int i = 0; i < kTokens * kC; ++i) l += r.y[i] * r_.f32()[i];
-    return l + kAuxCoef * r.aux + kZCoef * r.z;
+    return l + kAuxCoef * r.aux + kZCoef * r.z + GetParam().seq_coef * r.seq;
+  }
+
+  static GateCall Call(bool training, uint64_t step) {
+    GateCall call{training, step};
+    call.sequence_length = kSeqLen;
+    return call;
   }
 
   ThreadPool pool_{2};
@@ -248,12 +328,25 @@ class MoeLayerTest : public ::testing::TestWithParam<Case> {
 TEST_P(MoeLayerTest, ForwardMatchesPerTokenReference) {
   const Case& c = GetParam();
   Tensor y = Tensor::Empty({kTokens, kC});
-  layer_->Forward(ctx_, x_, y, GateCall{c.training, kStep});
+  layer_->Forward(ctx_, x_, y, Call(c.training, kStep));
   std::vector<double> x(x_.f32(), x_.f32() + x_.numel());
   RefResult ref = Reference(c, x, Snapshot());
   for (int i = 0; i < kTokens * kC; ++i) EXPECT_NEAR(y.f32()[i], ref.y[i], 2e-5) << i;
   const MoeStats& s = layer_->stats();
   EXPECT_EQ(s.load, ref.load);
+  EXPECT_EQ(s.routed, ref.routed);
+  if (c.seq_coef > 0) {
+    EXPECT_NEAR(static_cast<SoftmaxGate&>(layer_->gate()).last_sequence_aux_loss(), ref.seq, 1e-5);
+  }
+  if (c.groups > 1) {  // every token's experts lie in at most topk_groups groups
+    const Tensor& ids = static_cast<SoftmaxGate&>(layer_->gate()).last_experts();
+    const int per = c.experts / c.groups;
+    for (int t = 0; t < kTokens; ++t) {
+      std::set<int> groups;
+      for (int j = 0; j < c.k; ++j) groups.insert(ids.i32()[t * c.k + j] / per);
+      EXPECT_LE(static_cast<int>(groups.size()), c.topk_groups) << "token " << t;
+    }
+  }
   EXPECT_EQ(s.dropped, ref.dropped);
   EXPECT_EQ(s.dropped_tokens, ref.dropped_tokens);
   EXPECT_NEAR(s.aux_loss, ref.aux, 1e-5);
@@ -267,7 +360,7 @@ TEST_P(MoeLayerTest, GradientsMatchFiniteDifferencesOfReference) {
   const Case& c = GetParam();
   Tensor y = Tensor::Empty({kTokens, kC}), dx = Tensor::Empty({kTokens, kC});
   for (Parameter* p : layer_->Parameters()) p->grad.SetZero();
-  layer_->Forward(ctx_, x_, y, GateCall{c.training, kStep});
+  layer_->Forward(ctx_, x_, y, Call(c.training, kStep));
   layer_->Backward(ctx_, x_, r_, dx);
 
   std::vector<double> x(x_.f32(), x_.f32() + x_.numel());
@@ -294,7 +387,10 @@ TEST_P(MoeLayerTest, GradientsMatchFiniteDifferencesOfReference) {
   auto& gate = static_cast<SoftmaxGate&>(layer_->gate());
   check("router", p.router, gate.router().grad.f32());
   if (gate.noise_router()) check("noise_router", p.noise, gate.noise_router()->grad.f32());
-  for (int e = 0; e < kE; ++e) {
+  if (gate.selection_bias()) {  // not trained: its gradient stays zero
+    for (int64_t e = 0; e < c.experts; ++e) EXPECT_EQ(gate.selection_bias()->grad.f32()[e], 0.0f);
+  }
+  for (int e = 0; e < c.experts; ++e) {
     auto& f = static_cast<FfnExpert&>(layer_->expert(e));
     check("w1", p.w1[e], f.w1().grad.f32());
     check("b1", p.b1[e], f.b1()->grad.f32());
@@ -309,7 +405,7 @@ TEST_P(MoeLayerTest, SteadyStateAllocatesNothing) {
   Tensor y = Tensor::Empty({kTokens, kC}), dx = Tensor::Empty({kTokens, kC});
   auto steps = [&] {
     for (uint64_t step = 0; step < 3; ++step) {
-      layer_->Forward(ctx_, x_, y, GateCall{c.training, kStep + step});
+      layer_->Forward(ctx_, x_, y, Call(c.training, kStep + step));
       layer_->Backward(ctx_, x_, r_, dx);
     }
   };
@@ -359,6 +455,69 @@ TEST(ModelAllocationTest, TrainingStepAllocatesNothing) {
   const int64_t before = g_allocations.load();
   steps();
   EXPECT_EQ(g_allocations.load() - before, 0);
+}
+
+// Loss-free balancing against a hand-computed example: 4 experts, top-1, a router that sends a
+// one-hot token e to expert e. Step 0 routes 5, 1, 2 and 0 tokens (mean 2), so the update moves
+// the biases by rate * sign(2 - load) = [-r, +r, 0, +r]; a second Forward of the same step and an
+// evaluation Forward change nothing. The bias then decides a tie (the unbiased score still
+// weighs the output), and step 1 (every token to expert 0) adds [-r, +r, +r, +r].
+TEST(LossFreeBalancingTest, BiasMovesByRateTimesTheSignOfMeanMinusLoad) {
+  constexpr int64_t E = 4, C = 4;
+  constexpr float kRate = 0.25f;
+  SoftmaxGateOptions o;
+  o.d_model = C;
+  o.num_experts = E;
+  o.k = 1;
+  o.max_tokens = 8;
+  o.config.set_bias_update_rate(kRate);
+  SoftmaxGate gate("gate", o);
+  ASSERT_NE(gate.selection_bias(), nullptr);
+  gate.selection_bias()->value.SetZero();
+  Tensor& w = gate.router().value;
+  w.SetZero();
+  for (int64_t e = 0; e < E; ++e) w.f32()[e * C + e] = 10.0f;
+  ThreadPool pool(2);
+  ops::Context ctx{&pool};
+  auto tokens = [&](const std::vector<std::vector<float>>& rows) {
+    Tensor x = Tensor::Empty({static_cast<int64_t>(rows.size()), C});
+    for (size_t t = 0; t < rows.size(); ++t) {
+      for (int64_t c = 0; c < C; ++c) x.f32()[t * C + c] = rows[t][c];
+    }
+    return x;
+  };
+  const std::vector<float> to0 = {1, 0, 0, 0}, to1 = {0, 1, 0, 0}, to2 = {0, 0, 1, 0};
+  Tensor step0 = tokens({to0, to0, to1, to0, to2, to0, to2, to0});
+  Routing r;
+  gate.Forward(ctx, step0, GateCall{true, 0}, &r);
+  EXPECT_EQ(gate.BatchLoad(), (std::vector<int64_t>{5, 1, 2, 0}));
+  gate.Forward(ctx, step0, GateCall{true, 0}, &r);   // the same step again (recomputation)
+  gate.Forward(ctx, step0, GateCall{false, 0}, &r);  // evaluation: not counted
+  gate.UpdateBias(ctx);
+  const float* b = gate.selection_bias()->value.f32();
+  EXPECT_EQ(std::vector<float>(b, b + E), (std::vector<float>{-kRate, kRate, 0.0f, kRate}));
+  double lo = 0, hi = 0;
+  ASSERT_TRUE(gate.BiasRange(&lo, &hi));
+  EXPECT_EQ(lo, -kRate);
+  EXPECT_EQ(hi, kRate);
+
+  // A token tied between experts 0 and 1 goes to 1 now (bias +r against -r), weighted by its
+  // unbiased probability e^10 / (2 e^10 + 2).
+  Tensor tie = tokens({{1, 1, 0, 0}});
+  gate.Forward(ctx, tie, GateCall{false, 1}, &r);
+  EXPECT_EQ(r.expert.i32()[0], 1);
+  EXPECT_NEAR(r.weight.f32()[0], std::exp(10.0) / (2 * std::exp(10.0) + 2), 1e-6);
+
+  gate.Forward(ctx, tokens({to0, to0, to0, to0}), GateCall{true, 1}, &r);
+  gate.UpdateBias(ctx);
+  EXPECT_EQ(std::vector<float>(b, b + E),
+            (std::vector<float>{-2 * kRate, 2 * kRate, kRate, 2 * kRate}));
+  // The bias is not trained: Backward leaves its gradient at zero.
+  Tensor dweight = Tensor::Empty({4, 1}), dx = Tensor::Empty({4, C});
+  for (int i = 0; i < 4; ++i) dweight.f32()[i] = 1.0f;
+  gate.selection_bias()->grad.SetZero();
+  gate.Backward(ctx, tokens({to0, to0, to0, to0}), dweight, dx);
+  for (int64_t e = 0; e < E; ++e) EXPECT_EQ(gate.selection_bias()->grad.f32()[e], 0.0f);
 }
 
 // Experts run either in per-thread groups or one after another with split GEMMs (MoeLayer picks by
@@ -485,24 +644,70 @@ TEST(MoeLayerPathsTest, GroupedGemmExpertsMatchOneGemmPerExpert) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Gates, MoeLayerTest,
-    ::testing::Values(Case{"TopK1_Dropless", GateConfig::TOP_K, 1, 0.0},
-                      Case{"TopK1_Capacity", GateConfig::TOP_K, 1, 0.5},
-                      Case{"TopK2_Dropless", GateConfig::TOP_K, 2, 0.0},
-                      Case{"TopK2_Capacity", GateConfig::TOP_K, 2, 0.5},
-                      Case{"TopK2_NoRenormalize", GateConfig::TOP_K, 2, 0.0, true, false},
-                      Case{"TopK4_Dropless", GateConfig::TOP_K, 4, 0.0},
-                      Case{"TopK4_Capacity", GateConfig::TOP_K, 4, 0.6},
-                      Case{"Switch_Dropless", GateConfig::SWITCH, 1, 0.0},
-                      Case{"Switch_Capacity", GateConfig::SWITCH, 1, 0.5},
-                      Case{"GShard_Dropless", GateConfig::GSHARD, 2, 0.0},
-                      Case{"GShard_Capacity", GateConfig::GSHARD, 2, 0.5},
-                      Case{"Noisy2_Dropless", GateConfig::NOISY_TOP_K, 2, 0.0},
-                      Case{"Noisy2_Capacity", GateConfig::NOISY_TOP_K, 2, 0.5},
-                      Case{"Noisy2_Eval", GateConfig::NOISY_TOP_K, 2, 0.5, false},
-                      Case{"GShard_Eval", GateConfig::GSHARD, 2, 0.5, false}),
-    CaseName);
+INSTANTIATE_TEST_SUITE_P(Gates, MoeLayerTest,
+                         ::testing::Values(
+                             Case{"TopK1_Dropless", GateConfig::TOP_K, 1, 0.0},
+                             Case{"TopK1_Capacity", GateConfig::TOP_K, 1, 0.5},
+                             Case{"TopK2_Dropless", GateConfig::TOP_K, 2, 0.0},
+                             Case{"TopK2_Capacity", GateConfig::TOP_K, 2, 0.5},
+                             Case{"TopK2_NoRenormalize", GateConfig::TOP_K, 2, 0.0, true, false},
+                             Case{"TopK4_Dropless", GateConfig::TOP_K, 4, 0.0},
+                             Case{"TopK4_Capacity", GateConfig::TOP_K, 4, 0.6},
+                             Case{"TopK8_Dropless", GateConfig::TOP_K, 8, 0.0, true, true, 12},
+                             Case{"TopK8_Capacity", GateConfig::TOP_K, 8, 0.6, true, true, 12},
+                             [] {
+                               Case c = Modern("Sigmoid2_Dropless", 2, 6, 0.0);
+                               c.sigmoid = true;
+                               return c;
+                             }(),
+                             [] {
+                               Case c = Modern("Sigmoid1_Scaled", 1, 6, 0.0);
+                               c.sigmoid = true;
+                               c.scaling = 2.5;
+                               return c;
+                             }(),
+                             [] {
+                               Case c = Modern("Sigmoid8_NoRenormalize_Scaled", 8, 12, 0.0);
+                               c.sigmoid = true;
+                               c.renormalize = false;
+                               c.scaling = 1.7;
+                               return c;
+                             }(),
+                             [] {
+                               Case c = Modern("Softmax2_Bias_Capacity", 2, 6, 0.6);
+                               c.bias = true;
+                               return c;
+                             }(),
+                             [] {  // DeepSeek-V3's router: sigmoid, bias, groups, scaling, seq loss
+                               Case c = Modern("Sigmoid8_Bias_Groups_SeqAux", 8, 16, 0.0);
+                               c.sigmoid = true;
+                               c.bias = true;
+                               c.groups = 4;
+                               c.topk_groups = 2;
+                               c.scaling = 2.5;
+                               c.seq_coef = 0.3;
+                               return c;
+                             }(),
+                             [] {
+                               Case c = Modern("Softmax4_Groups_Capacity", 4, 12, 0.7);
+                               c.groups = 6;
+                               c.topk_groups = 3;
+                               return c;
+                             }(),
+                             [] {
+                               Case c = Modern("Softmax2_SeqAux", 2, 6, 0.0);
+                               c.seq_coef = 0.5;
+                               return c;
+                             }(),
+                             Case{"Switch_Dropless", GateConfig::SWITCH, 1, 0.0},
+                             Case{"Switch_Capacity", GateConfig::SWITCH, 1, 0.5},
+                             Case{"GShard_Dropless", GateConfig::GSHARD, 2, 0.0},
+                             Case{"GShard_Capacity", GateConfig::GSHARD, 2, 0.5},
+                             Case{"Noisy2_Dropless", GateConfig::NOISY_TOP_K, 2, 0.0},
+                             Case{"Noisy2_Capacity", GateConfig::NOISY_TOP_K, 2, 0.5},
+                             Case{"Noisy2_Eval", GateConfig::NOISY_TOP_K, 2, 0.5, false},
+                             Case{"GShard_Eval", GateConfig::GSHARD, 2, 0.5, false}),
+                         CaseName);
 
 }  // namespace
 }  // namespace strata::model
