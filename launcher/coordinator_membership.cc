@@ -17,6 +17,12 @@ StatusOr<coordinator::Generation> CoordinatorMembership::ReportStep(const std::s
   return client_->ReportStep(id, generation, step, loss, tokens_per_s);
 }
 
+StatusOr<coordinator::Generation> CoordinatorMembership::ReportStepWithBalance(
+    const std::string& id, int64_t generation, int64_t step, double loss, double tokens_per_s,
+    const std::vector<coordinator::MoeLayerBalance>& moe_balance) {
+  return client_->ReportStep(id, generation, step, loss, tokens_per_s, moe_balance);
+}
+
 StatusOr<coordinator::Generation> CoordinatorMembership::ReportStart(
     const std::string& id, int64_t generation, int64_t step,
     const std::vector<int64_t>& experts_per_worker) {

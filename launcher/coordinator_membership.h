@@ -28,6 +28,9 @@ class CoordinatorMembership : public train::Membership {
   StatusOr<coordinator::Generation> ReportStep(const std::string& id, int64_t generation,
                                                int64_t step, double loss,
                                                double tokens_per_s) override;
+  StatusOr<coordinator::Generation> ReportStepWithBalance(
+      const std::string& id, int64_t generation, int64_t step, double loss, double tokens_per_s,
+      const std::vector<coordinator::MoeLayerBalance>& moe_balance) override;
   StatusOr<coordinator::Generation> ReportStart(
       const std::string& id, int64_t generation, int64_t step,
       const std::vector<int64_t>& experts_per_worker) override;

@@ -77,7 +77,8 @@ class CoordinatorServer::Service final : public coordinator::Coordinator::Servic
                   TokenOf(ctx), req->id(), req->generation(), req->step(),
                   {req->experts_per_worker().begin(), req->experts_per_worker().end()}, Now::now())
             : state_->ReportStep(TokenOf(ctx), req->id(), req->generation(), req->step(),
-                                 Now::now(), req->loss(), req->tokens_per_s());
+                                 Now::now(), req->loss(), req->tokens_per_s(),
+                                 {req->moe_balance().begin(), req->moe_balance().end()});
     if (!r.ok()) return ToGrpc(r.status());
     *resp = *r;
     return grpc::Status::OK;
@@ -325,15 +326,16 @@ StatusOr<coordinator::Generation> CoordinatorClient::Heartbeat(const std::string
   return resp;
 }
 
-StatusOr<coordinator::Generation> CoordinatorClient::ReportStep(const std::string& id,
-                                                                int64_t generation, int64_t step,
-                                                                double loss, double tokens_per_s) {
+StatusOr<coordinator::Generation> CoordinatorClient::ReportStep(
+    const std::string& id, int64_t generation, int64_t step, double loss, double tokens_per_s,
+    const std::vector<coordinator::MoeLayerBalance>& moe_balance) {
   coordinator::StepReport req;
   req.set_id(id);
   req.set_generation(generation);
   req.set_step(step);
   req.set_loss(loss);
   if (tokens_per_s > 0) req.set_tokens_per_s(tokens_per_s);
+  for (const auto& b : moe_balance) *req.add_moe_balance() = b;
   return Report(req);
 }
 

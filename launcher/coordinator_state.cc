@@ -5,6 +5,7 @@
 #include <rocksdb/write_batch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <utility>
@@ -57,6 +58,57 @@ const CatalogCheckpoint* FindInCatalog(const coordinator::CoordinatorRecord& rec
     if (e.step() == step) return &e;
   }
   return nullptr;
+}
+
+// A step report's MoE balance is what a worker's trainer computed, and a worker of another build
+// (or with corrupt statistics) may send anything: it is checked before it reaches the record,
+// whose figures `strata status` prints.
+Status CheckMoeBalance(const std::vector<coordinator::MoeLayerBalance>& balance,
+                       const std::string& id, int64_t step) {
+  const auto refuse = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "worker '%s' reported step %d with %s; the step is not counted (the worker's step "
+        "statistics are corrupt, or its strata build does not match the coordinator's)",
+        id, step, what));
+  };
+  if (balance.size() > static_cast<size_t>(kMaxMoeBalanceLayers)) {
+    return refuse(
+        absl::StrFormat("StepReport.moe_balance of %d MoE layers, more than the %d a "
+                        "report may hold",
+                        balance.size(), kMaxMoeBalanceLayers));
+  }
+  for (size_t i = 0; i < balance.size(); ++i) {
+    const coordinator::MoeLayerBalance& b = balance[i];
+    const auto field = [&](const char* name) {
+      return absl::StrFormat("StepReport.moe_balance[%d].%s", i, name);
+    };
+    if (b.block() < 0) {
+      return refuse(absl::StrFormat("%s = %d, a negative block index", field("block"), b.block()));
+    }
+    for (const auto& [name, value] :
+         {std::pair{"max_over_mean", b.max_over_mean()}, std::pair{"cv", b.cv()}}) {
+      if (!std::isfinite(value) || value < 0) {
+        return refuse(
+            absl::StrFormat("%s = %g (it must be finite and not negative)", field(name), value));
+      }
+    }
+    if (b.has_bias_min() != b.has_bias_max()) {
+      return refuse(absl::StrFormat("%s without %s (a bias range needs both)",
+                                    field(b.has_bias_min() ? "bias_min" : "bias_max"),
+                                    b.has_bias_min() ? "bias_max" : "bias_min"));
+    }
+    for (const auto& [name, value] :
+         {std::pair{"bias_min", b.bias_min()}, std::pair{"bias_max", b.bias_max()}}) {
+      if (!std::isfinite(value)) {
+        return refuse(absl::StrFormat("%s = %g (it must be finite)", field(name), value));
+      }
+    }
+    if (b.bias_min() > b.bias_max()) {
+      return refuse(absl::StrFormat("%s = %g above %s = %g", field("bias_min"), b.bias_min(),
+                                    field("bias_max"), b.bias_max()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 int CompleteCheckpoints(const coordinator::CoordinatorRecord& record) {
@@ -563,14 +615,21 @@ Status CoordinatorState::CheckReportLocked(const std::string& id, int64_t genera
   return absl::OkStatus();
 }
 
-StatusOr<coordinator::Generation> CoordinatorState::ReportStep(const std::string& token,
-                                                               const std::string& id,
-                                                               int64_t generation, int64_t step,
-                                                               Time now, double loss,
-                                                               double tokens_per_s) {
+StatusOr<coordinator::Generation> CoordinatorState::ReportStep(
+    const std::string& token, const std::string& id, int64_t generation, int64_t step, Time now,
+    double loss, double tokens_per_s,
+    const std::vector<coordinator::MoeLayerBalance>& moe_balance) {
   RETURN_IF_ERROR(CheckToken(token));
+  RETURN_IF_ERROR(CheckMoeBalance(moe_balance, id, step));
   std::lock_guard<std::mutex> lock(mu_);
   RETURN_IF_ERROR(CheckReportLocked(id, generation, step, "reported step"));
+  if (!moe_balance.empty() &&
+      (record_.generation().workers_size() == 0 || record_.generation().workers(0).id() != id)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "worker '%s' reported step %d with StepReport.moe_balance, but it is not rank 0 of "
+        "generation %d (rank 0 alone reports the load balance); the step is not counted",
+        id, step, generation));
+  }
   auto it = reported_.find(id);
   if (it->second == kUnknownStep && step >= record_.step()) {
     it->second = step - 1;  // the first report to a restarted coordinator
@@ -587,6 +646,11 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStep(const std::string
   }
   it->second = step;
   SeenLocked(id, now);
+  if (!moe_balance.empty()) {
+    record_.clear_moe_balance();
+    for (const auto& b : moe_balance) *record_.add_moe_balance() = b;
+    record_.set_moe_balance_step(step);
+  }
   int64_t boundary = step;
   for (const auto& [w, s] : reported_) boundary = std::min(boundary, s);
   if (boundary > record_.step()) {
@@ -866,6 +930,15 @@ StatusOr<int64_t> CoordinatorState::Add(const std::string& token, const std::str
 coordinator::CoordinatorRecord CoordinatorState::Snapshot() const {
   std::lock_guard<std::mutex> lock(mu_);
   return record_;
+}
+
+std::string MoeBalanceLine(const coordinator::MoeLayerBalance& layer) {
+  std::string line = absl::StrFormat("moe layer %d: max/mean load %.2f, cv %.2f", layer.block(),
+                                     layer.max_over_mean(), layer.cv());
+  if (layer.has_bias_min() && layer.has_bias_max()) {
+    absl::StrAppendFormat(&line, ", bias [%.3g, %.3g]", layer.bias_min(), layer.bias_max());
+  }
+  return line;
 }
 
 namespace {

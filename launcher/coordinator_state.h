@@ -110,12 +110,15 @@ class CoordinatorState {
                                                             const std::string& id, Time now);
   // Worker `id` of generation `generation` finished `step` (each member reports every step in
   // order). Returns the current generation — a new one when this completed a step boundary with
-  // joins pending.
-  [[nodiscard]] StatusOr<coordinator::Generation> ReportStep(const std::string& token,
-                                                             const std::string& id,
-                                                             int64_t generation, int64_t step,
-                                                             Time now, double loss = 0,
-                                                             double tokens_per_s = 0);
+  // joins pending. Rank 0 also gives each MoE layer's load balance in the step, which becomes
+  // the record's moe_balance (for Status); a balance that is not rank 0's, has more than
+  // kMaxMoeBalanceLayers layers, or holds a figure that is not finite, a negative max_over_mean
+  // or cv, or a bias range half given or inverted is refused (INVALID_ARGUMENT naming the field),
+  // and the step is not counted.
+  [[nodiscard]] StatusOr<coordinator::Generation> ReportStep(
+      const std::string& token, const std::string& id, int64_t generation, int64_t step, Time now,
+      double loss = 0, double tokens_per_s = 0,
+      const std::vector<coordinator::MoeLayerBalance>& moe_balance = {});
   // Worker `id` begins generation `generation` at `step`, the state it re-formed on: the
   // generation's first step. It must lie within one step of the last boundary (a failure can cut
   // the step after it short on some workers only), or up to config::CopiesLagSteps before it (a
@@ -232,6 +235,13 @@ inline constexpr int kCatalogCheckpoints = 16;
 std::vector<coordinator::CatalogCheckpoint> ReconcileCatalog(
     const std::vector<coordinator::CatalogCheckpoint>& catalog,
     const std::vector<storage::CheckpointSet>& sets, int64_t generation);
+
+// The most MoE layers a step report's balance may hold.
+inline constexpr int kMaxMoeBalanceLayers = 4096;
+
+// One MoE layer's load balance as `strata status` shows it:
+// "moe layer 3: max/mean load 1.42, cv 0.31, bias [-0.012, 0.009]" (the bias only when given).
+std::string MoeBalanceLine(const coordinator::MoeLayerBalance& layer);
 
 // The rendezvous Store of workers in the coordinator's process (tests; the gRPC store calls the
 // same methods remotely). The store keeps `state`, which must outlive it; any thread may use it.

@@ -42,6 +42,13 @@ int StatusCommand(const std::vector<std::string>& args) {
   }
   if (r->finished()) std::printf("the job finished\n");
   if (r->tokens_per_s() > 0) std::printf("throughput %.0f tokens/s\n", r->tokens_per_s());
+  if (r->moe_balance_size() > 0) {
+    std::printf("load balance at step %lld (rank 0's report):\n",
+                static_cast<long long>(r->moe_balance_step()));
+  }
+  for (const auto& layer : r->moe_balance()) {
+    std::printf("  %s\n", MoeBalanceLine(layer).c_str());
+  }
   if (r->experts_per_worker_size() > 0) {
     std::printf("experts per rank: %s\n", absl::StrJoin(r->experts_per_worker(), " ").c_str());
   }

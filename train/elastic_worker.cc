@@ -25,6 +25,25 @@ ElasticWorkerEnd Failed(Status status) {
 
 }  // namespace
 
+std::vector<coordinator::MoeLayerBalance> MoeBalanceOf(
+    const StepResult& r, const std::vector<model::MoeTransformer::MoeLayerRef>& layers) {
+  std::vector<coordinator::MoeLayerBalance> out;
+  out.reserve(r.moe.size());
+  for (size_t i = 0; i < r.moe.size(); ++i) {
+    const BalanceSummary s = SummarizeBalance(r.moe[i]);
+    coordinator::MoeLayerBalance& b = out.emplace_back();
+    // r.moe follows moe_layers(); a layer it does not name is shown by its position.
+    b.set_block(i < layers.size() ? layers[i].block : static_cast<int>(i));
+    b.set_max_over_mean(s.max_over_mean);
+    b.set_cv(s.cv);
+    if (s.has_bias) {
+      b.set_bias_min(s.bias_min);
+      b.set_bias_max(s.bias_max);
+    }
+  }
+  return out;
+}
+
 Status RunElasticWorker(Membership& membership, ElasticWorkerOptions opts) {
   const std::string address = membership.address();
   const coordinator::WorkerInfo& info = opts.info;
@@ -172,13 +191,19 @@ Status RunElasticWorker(Membership& membership, ElasticWorkerOptions opts) {
 
   std::unique_ptr<Trainer> trainer;
   int64_t generation = 0;
+  int last_rank = -1;  // this worker's rank in `generation`
   options->on_step = [&](const StepResult& r) -> Status {
+    // Rank 0 alone tells the coordinator how evenly each MoE layer routed (the whole batch: every
+    // rank computed the same figures).
+    const std::vector<coordinator::MoeLayerBalance> balance =
+        last_rank == 0 ? MoeBalanceOf(r, trainer->model().moe_layers())
+                       : std::vector<coordinator::MoeLayerBalance>{};
     auto now = RetryWhileUnreachable(
         "step report", address, patience,
         [&] {
-          return membership.ReportStep(
+          return membership.ReportStepWithBalance(
               id, generation, r.step, r.loss,
-              r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0);
+              r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0, balance);
         },
         &unreachable_ms);
     if (!now.ok() && now.status().code() != absl::StatusCode::kFailedPrecondition)
@@ -188,7 +213,6 @@ Status RunElasticWorker(Membership& membership, ElasticWorkerOptions opts) {
     }
     return absl::OkStatus();
   };
-  int last_rank = -1;
   // Rank 0 keeps the coordinator's checkpoint catalog: a generation may go back to one of them.
   options->on_checkpoint = [&](int64_t step, bool committed) {
     // Retried while the coordinator is away: a commit missing from its catalog would keep a later

@@ -56,6 +56,15 @@ class Membership {
                                                                      int64_t generation,
                                                                      int64_t step, double loss,
                                                                      double tokens_per_s) = 0;
+  // ReportStep with rank 0's load balance of each MoE layer in the step (in the same report; the
+  // loop calls this one, with an empty `moe_balance` from the other ranks). The default drops the
+  // balance: a Membership that shows none need not implement it.
+  [[nodiscard]] virtual StatusOr<coordinator::Generation> ReportStepWithBalance(
+      const std::string& id, int64_t generation, int64_t step, double loss, double tokens_per_s,
+      const std::vector<coordinator::MoeLayerBalance>& moe_balance) {
+    (void)moe_balance;
+    return ReportStep(id, generation, step, loss, tokens_per_s);
+  }
   // Worker `id` begins `generation` at `step`; rank 0 names the experts each rank holds.
   [[nodiscard]] virtual StatusOr<coordinator::Generation> ReportStart(
       const std::string& id, int64_t generation, int64_t step,
@@ -102,6 +111,13 @@ struct ElasticWorkerOptions {
   // coordinator (while it is still listed): the caller reports the end to the user. May be null.
   std::function<void(const ElasticWorkerEnd&)> on_end;
 };
+
+// Each MoE layer's load balance in step result `r` (train::SummarizeBalance of r.moe, in the
+// model's order), as rank 0 reports it: `layers` are the model's MoE layers
+// (MoeTransformer::moe_layers()), which name the block each sits in. The bias range only for a
+// layer with loss-free balancing.
+std::vector<coordinator::MoeLayerBalance> MoeBalanceOf(
+    const StepResult& r, const std::vector<model::MoeTransformer::MoeLayerRef>& layers);
 
 // Runs one worker of `membership`'s job until the job reaches its last step, the job finishes
 // without it, or it fails; returns ElasticWorkerEnd::status. Blocks; the caller's thread trains.

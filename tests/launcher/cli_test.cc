@@ -1,6 +1,15 @@
 // The real `strata` binary: usage errors, config errors with file/line/field, and a short run.
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "tests/test_util.h"
 
@@ -85,6 +94,100 @@ TEST_F(CliTest, TrainsWritesMetricsAndReportsHeldOutLoss) {
   EXPECT_EQ(c.exit_code, 0) << c.output;
   EXPECT_NE(c.output.find("valid"), std::string::npos) << c.output;
   EXPECT_NE(c.output.find("d_expert: 16"), std::string::npos) << c.output;
+}
+
+// A one-worker elastic job under `strata coordinator`: once it finished, `strata status` shows
+// each MoE layer's load balance at the last step, with the figures the worker's metrics line of
+// that step gives — recomputed here from its expert loads (one worker, dropless: the loads are
+// the routed counts) and, where the line carries them, its own balance fields.
+TEST_F(CliTest, StatusShowsTheMoeLoadBalanceOfTheLastStep) {
+  constexpr int kSteps = 3;
+  WriteFile(dir_.File("moe.textproto"),
+            "model { seq_len: 16 d_model: 16 n_layers: 2 n_heads: 2\n"
+            "        moe { num_experts: 4 top_k: 1 d_expert: 16\n"
+            "              gate { bias_update_rate: 0.01 } } }\n"
+            "data { path: \"text.txt\" }\n"
+            "train { steps: 3 global_batch: 4 eval_every: 0 threads: 1 }\n");
+  const std::string env = "cd " + dir_.path() + " && STRATA_JOB_TOKEN=secret exec " + kStrata;
+  const std::string clog = dir_.File("coordinator.log");
+  const pid_t coordinator = fork();
+  if (coordinator == 0) {
+    const std::string cmd = env +
+                            " coordinator --dir record --config moe.textproto --workers 1 "
+                            "--listen 127.0.0.1:0 --keep-serving > " +
+                            clog + " 2>&1";
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  std::string address;
+  for (int i = 0; i < 600 && address.empty(); ++i) {
+    const std::string log = ReadFile(clog);
+    const size_t at = log.find("listening on ");
+    if (at != std::string::npos) address = log.substr(at + 13, log.find(' ', at + 13) - at - 13);
+    if (address.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (address.empty()) kill(coordinator, SIGKILL);
+  ASSERT_FALSE(address.empty()) << ReadFile(clog);
+  auto worker = RunCommand(env + " worker --coordinator " + address +
+                           " --config moe.textproto --id w0 --quiet --metrics-out m.jsonl");
+  auto status = RunCommand(env + " status " + address);
+  kill(coordinator, SIGTERM);
+  strata::testing::WaitExit(coordinator);
+  ASSERT_EQ(worker.exit_code, 0) << worker.output;
+  ASSERT_EQ(status.exit_code, 0) << status.output;
+  EXPECT_NE(status.output.find(absl::StrCat("load balance at step ", kSteps)), std::string::npos)
+      << status.output;
+
+  std::vector<std::string> lines =
+      absl::StrSplit(ReadFile(dir_.File("m.jsonl")), '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), static_cast<size_t>(kSteps));
+  const std::string& last = lines.back();
+  ASSERT_EQ(strata::testing::IntField(last, "step"), kSteps);
+  // Each entry of the line's "moe" array: {"layer":B,"load":[...],...}.
+  int layers = 0;
+  for (size_t at = last.find("{\"layer\":"); at != std::string::npos;
+       at = last.find("{\"layer\":", at + 1), ++layers) {
+    const std::string entry = last.substr(at, last.find('}', at) - at);
+    const int64_t block = strata::testing::IntField(entry, "layer");
+    const size_t open = entry.find("\"load\":[") + 8;
+    std::vector<double> load;
+    for (absl::string_view n :
+         absl::StrSplit(entry.substr(open, entry.find(']', open) - open), ',', absl::SkipEmpty())) {
+      load.push_back(std::stod(std::string(n)));
+    }
+    ASSERT_EQ(load.size(), 4u) << entry;
+    double sum = 0, peak = 0, squares = 0;
+    for (double l : load) sum += l, peak = std::max(peak, l);
+    const double mean = sum / 4;
+    for (double l : load) squares += (l - mean) * (l - mean);
+    const double max_over_mean = peak / mean, cv = std::sqrt(squares / 4) / mean;
+    // The status line of this block: "  moe layer B: max/mean load X, cv Y, bias [L, H]".
+    const std::string head = absl::StrCat("  moe layer ", block, ": max/mean load ");
+    const size_t line_at = status.output.find(head);
+    ASSERT_NE(line_at, std::string::npos) << status.output;
+    const size_t line_end = status.output.find('\n', line_at);
+    const std::string shown =
+        status.output.substr(line_at + head.size(), line_end - line_at - head.size());
+    double shown_mom = 0, shown_cv = 0, shown_lo = 0, shown_hi = 0;
+    const int got = std::sscanf(shown.c_str(), "%lf, cv %lf, bias [%lf, %lf]", &shown_mom,
+                                &shown_cv, &shown_lo, &shown_hi);
+    ASSERT_GE(got, 2) << shown;
+    EXPECT_NEAR(shown_mom, max_over_mean, 0.0051) << shown;
+    EXPECT_NEAR(shown_cv, cv, 0.0051) << shown;
+    // The metrics line's own balance fields, where it has them.
+    if (entry.find("\"max_over_mean\":") != std::string::npos) {
+      EXPECT_NEAR(shown_mom, strata::testing::DoubleField(entry, "max_over_mean"), 0.0051);
+      EXPECT_NEAR(shown_cv, strata::testing::DoubleField(entry, "cv"), 0.0051);
+    }
+    if (entry.find("\"bias_min\":") != std::string::npos) {
+      ASSERT_EQ(got, 4) << "the metrics line has a bias range, the status line none: " << shown;
+      const double lo = strata::testing::DoubleField(entry, "bias_min");
+      const double hi = strata::testing::DoubleField(entry, "bias_max");
+      EXPECT_NEAR(shown_lo, lo, 0.0051 * std::max(1e-3, std::abs(lo))) << shown;
+      EXPECT_NEAR(shown_hi, hi, 0.0051 * std::max(1e-3, std::abs(hi))) << shown;
+    }
+  }
+  EXPECT_EQ(layers, 2) << last;
 }
 
 TEST_F(CliTest, AGpuDeviceThatIsNotThereIsAClearErrorBeforeTraining) {

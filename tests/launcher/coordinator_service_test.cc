@@ -10,11 +10,13 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <regex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "launcher/coordinator_membership.h"
 #include "launcher/job_config.h"
 #include "proto/config_io.h"
 #include "runtime/comm/communicator.h"
@@ -134,6 +136,47 @@ TEST_F(CoordinatorServiceTest, WorkersJoinReportAndSeeTheirGenerationOverGrpc) {
   auto again = b->Join(Worker("b"));
   EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
   EXPECT_NE(again.status().message().find("'b' has already joined"), std::string::npos);
+}
+
+// Rank 0's load balance goes through the worker's Membership over gRPC into the status; a
+// malformed one (a NaN figure, more layers than a report may hold) comes back refused with the
+// field named, and the coordinator goes on serving.
+TEST_F(CoordinatorServiceTest, AMoeBalanceReachesTheStatusAndAMalformedOneIsRefused) {
+  std::unique_ptr<CoordinatorClient> a, b;
+  ASSERT_NO_FATAL_FAILURE(JoinAndAttachTwo(&a, &b));
+  CoordinatorMembership rank0(a.get(), server_->address());
+  coordinator::MoeLayerBalance layer;
+  layer.set_block(3);
+  layer.set_max_over_mean(1.42);
+  layer.set_cv(0.31);
+  layer.set_bias_min(-0.012);
+  layer.set_bias_max(0.009);
+  coordinator::MoeLayerBalance nan_cv = layer;
+  nan_cv.set_cv(std::nan(""));
+  auto bad = rank0.ReportStepWithBalance("a", 1, 1, 2.0, 0, {layer, nan_cv});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_NE(bad.status().message().find(
+                "worker 'a' reported step 1 with StepReport.moe_balance[1].cv = nan (it must be "
+                "finite and not negative); the step is not counted"),
+            std::string::npos)
+      << bad.status();
+  auto many = rank0.ReportStepWithBalance("a", 1, 1, 2.0, 0,
+                                          std::vector<coordinator::MoeLayerBalance>(5000, layer));
+  EXPECT_EQ(many.status().code(), absl::StatusCode::kInvalidArgument) << many.status();
+  EXPECT_NE(many.status().message().find("StepReport.moe_balance of 5000 MoE layers, more than "
+                                         "the 4096 a report may hold"),
+            std::string::npos)
+      << many.status();
+  // Still serving; the refused reports counted nothing, so step 1 is next for "a".
+  ASSERT_TRUE(rank0.ReportStepWithBalance("a", 1, 1, 2.0, 0, {layer}).ok());
+  ASSERT_TRUE(b->ReportStep("b", 1, 1).ok());
+  auto st = b->GetStatus();
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->step(), 1);
+  EXPECT_EQ(st->moe_balance_step(), 1);
+  ASSERT_EQ(st->moe_balance_size(), 1);
+  EXPECT_EQ(MoeBalanceLine(st->moe_balance(0)),
+            "moe layer 3: max/mean load 1.42, cv 0.31, bias [-0.012, 0.009]");
 }
 
 // A coordinator that stops (SIGTERM, a rolled pod) cuts its workers' Attach streams: that is not

@@ -9,8 +9,10 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <thread>
 #include <tuple>
 
@@ -19,6 +21,7 @@
 #include "tests/launcher/catalog_test_util.h"
 #include "tests/test_util.h"
 #include "train/checkpoint_set.h"
+#include "train/elastic_worker.h"
 
 namespace strata::launcher {
 namespace {
@@ -114,6 +117,115 @@ TEST_F(CoordinatorStateTest, RefusedRequestsSayWhyAndChangeNothing) {
   EXPECT_EQ(c->Snapshot().SerializeAsString(), before);
   // The step order check did not count the refused report: step 1 is still next for "a".
   EXPECT_TRUE(c->ReportStep(kToken, "a", 1, 1, t0_).ok());
+}
+
+// Rank 0's step report carries each MoE layer's load balance, computed by the worker's own
+// function (train::MoeBalanceOf over train::SummarizeBalance) from routed counts whose figures are
+// worked out by hand; the record keeps the latest, a reopened coordinator still has it, and the
+// status line shows the hand-computed figures.
+TEST_F(CoordinatorStateTest, RankZerosMoeBalanceIsKeptAndShownWithItsFigures) {
+  auto c = Open(/*initial=*/2, /*min=*/1);
+  for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  train::StepResult r;
+  r.step = 1;
+  // Block 1: routed {6, 2, 2, 2}: mean 3, max/mean 2, variance (9 + 1 + 1 + 1) / 4 = 3, so
+  // cv = sqrt(3) / 3 = 0.577. Block 3: routed {5, 1, 3, 3}: mean 3, max/mean 5/3 = 1.667,
+  // variance (4 + 4 + 0 + 0) / 4 = 2, cv = sqrt(2) / 3 = 0.471; loss-free bias in [-0.012, 0.009].
+  r.moe.resize(2);
+  r.moe[0].routed = {6, 2, 2, 2};
+  r.moe[1].routed = {5, 1, 3, 3};
+  r.moe[1].has_bias = true;
+  r.moe[1].bias_min = -0.012;
+  r.moe[1].bias_max = 0.009;
+  const std::vector<coordinator::MoeLayerBalance> balance =
+      train::MoeBalanceOf(r, {{1, nullptr}, {3, nullptr}});
+  ASSERT_EQ(balance.size(), 2u);
+  EXPECT_EQ(balance[0].block(), 1);
+  EXPECT_NEAR(balance[0].max_over_mean(), 2.0, 1e-12);
+  EXPECT_NEAR(balance[0].cv(), std::sqrt(3.0) / 3, 1e-12);
+  EXPECT_FALSE(balance[0].has_bias_min() || balance[0].has_bias_max());
+  EXPECT_NEAR(balance[1].max_over_mean(), 5.0 / 3, 1e-12);
+  EXPECT_NEAR(balance[1].cv(), std::sqrt(2.0) / 3, 1e-12);
+
+  // Only rank 0 ("a") reports a balance; "b"'s is refused and its step is not counted.
+  auto not_rank0 = c->ReportStep(kToken, "b", 1, 1, t0_, 2.5, 0, balance);
+  EXPECT_EQ(not_rank0.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(not_rank0.status().message().find("it is not rank 0 of generation 1"),
+            std::string::npos)
+      << not_rank0.status();
+  EXPECT_EQ(c->Snapshot().moe_balance_size(), 0);
+  ASSERT_TRUE(c->ReportStep(kToken, "a", 1, 1, t0_, 2.5, 0, balance).ok());
+  ASSERT_TRUE(c->ReportStep(kToken, "b", 1, 1, t0_, 2.5).ok());
+  auto expect_shown = [](const coordinator::CoordinatorRecord& record) {
+    EXPECT_EQ(record.moe_balance_step(), 1);
+    ASSERT_EQ(record.moe_balance_size(), 2);
+    EXPECT_EQ(MoeBalanceLine(record.moe_balance(0)), "moe layer 1: max/mean load 2.00, cv 0.58");
+    EXPECT_EQ(MoeBalanceLine(record.moe_balance(1)),
+              "moe layer 3: max/mean load 1.67, cv 0.47, bias [-0.012, 0.009]");
+  };
+  expect_shown(c->Snapshot());
+  // A step report without one (rank 0's of a model without MoE layers) keeps the last balance.
+  ASSERT_TRUE(c->ReportStep(kToken, "a", 1, 2, t0_).ok());
+  ASSERT_TRUE(c->ReportStep(kToken, "b", 1, 2, t0_).ok());
+  expect_shown(c->Snapshot());
+  c.reset();
+  expect_shown(Open(/*initial=*/2, /*min=*/1)->Snapshot());
+}
+
+// A worker may send anything: each bad figure is refused, naming the field, and changes nothing.
+TEST_F(CoordinatorStateTest, AMalformedMoeBalanceIsRefusedNamingTheField) {
+  auto c = Open(/*initial=*/1, /*min=*/1);
+  ASSERT_TRUE(c->Join(kToken, Worker("a"), t0_).ok());
+  const std::string before = c->Snapshot().SerializeAsString();
+  coordinator::MoeLayerBalance good;
+  good.set_block(0);
+  good.set_max_over_mean(1.5);
+  good.set_cv(0.25);
+  auto refused = [&](const std::vector<coordinator::MoeLayerBalance>& balance) {
+    auto r = c->ReportStep(kToken, "a", 1, 1, t0_, 1.0, 0, balance);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    return std::string(r.status().message());
+  };
+  auto with = [&](auto change) {
+    coordinator::MoeLayerBalance b = good;
+    change(b);
+    return std::vector<coordinator::MoeLayerBalance>{good, b};
+  };
+  EXPECT_NE(refused(with([](auto& b) {
+              b.set_cv(std::nan(""));
+            })).find("StepReport.moe_balance[1].cv = nan (it must be finite and not negative)"),
+            std::string::npos);
+  EXPECT_NE(refused(with([](auto& b) {
+              b.set_max_over_mean(-1);
+            })).find("StepReport.moe_balance[1].max_over_mean = -1"),
+            std::string::npos);
+  EXPECT_NE(
+      refused(with([](auto& b) { b.set_block(-2); })).find("StepReport.moe_balance[1].block = -2"),
+      std::string::npos);
+  EXPECT_NE(refused(with([](auto& b) {
+              b.set_bias_min(0.1);
+            })).find("StepReport.moe_balance[1].bias_min without bias_max"),
+            std::string::npos);
+  EXPECT_NE(refused(with([](auto& b) {
+              b.set_bias_min(0.1);
+              b.set_bias_max(-0.1);
+            })).find("bias_min = 0.1 above StepReport.moe_balance[1].bias_max = -0.1"),
+            std::string::npos);
+  EXPECT_NE(refused(with([](auto& b) {
+              b.set_bias_min(-std::numeric_limits<double>::infinity());
+              b.set_bias_max(0);
+            })).find("StepReport.moe_balance[1].bias_min = -inf (it must be finite)"),
+            std::string::npos);
+  EXPECT_NE(
+      refused(std::vector<coordinator::MoeLayerBalance>(kMaxMoeBalanceLayers + 1, good))
+          .find("StepReport.moe_balance of 4097 MoE layers, more than the 4096 a report may hold"),
+      std::string::npos);
+  EXPECT_EQ(c->Snapshot().SerializeAsString(), before);
+  // Nothing was counted: step 1 is still next, and a report of exactly the limit is taken.
+  EXPECT_TRUE(c->ReportStep(kToken, "a", 1, 1, t0_, 1.0, 0,
+                            std::vector<coordinator::MoeLayerBalance>(kMaxMoeBalanceLayers, good))
+                  .ok());
+  EXPECT_EQ(c->Snapshot().moe_balance_size(), kMaxMoeBalanceLayers);
 }
 
 TEST_F(CoordinatorStateTest, AJoinIsAdmittedAtTheNextStepBoundaryAfterTheMembers) {
