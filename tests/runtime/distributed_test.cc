@@ -58,6 +58,12 @@ struct Layout {
 
 void PrintTo(const Layout& l, std::ostream* os) { *os << l.name; }
 
+// Sigmoid scores, a loss-free balancing bias, 4 groups of 2 experts (top 2 groups), top-2 with
+// routed scaling and the sequence-wise loss.
+constexpr const char* kModernRouter =
+    "gate { score_function: SIGMOID bias_update_rate: 0.01 num_groups: 4 topk_groups: 2 "
+    "routed_scaling: 2 sequence_aux_loss_coef: 0.01 }";
+
 std::string Config(const Layout& l, int steps = 10, const std::string& gate = "") {
   return absl::StrCat(
       "seed: 5\n"
@@ -159,8 +165,10 @@ class DistributedTest : public ::testing::TestWithParam<Layout> {
 
 TEST_P(DistributedTest, MatchesTheSingleProcessOnTheSameGlobalBatch) {
   const Layout& l = GetParam();
-  const std::string gate = absl::StrCat(
-      l.workers == 4 && l.expert_parallel == 2 ? "gate { type: NOISY_TOP_K } " : "", l.moe);
+  const std::string gate = absl::StrCat(l.workers == 4 && l.expert_parallel == 2 && l.moe[0] == '\0'
+                                            ? "gate { type: NOISY_TOP_K } "
+                                            : "",
+                                        l.moe);
   WriteFile(dir_.File("job.textproto"), Config(l, 10, gate));
   auto single = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
                                         " train --config job.textproto --quiet --metrics-out "
@@ -206,6 +214,19 @@ TEST_P(DistributedTest, MatchesTheSingleProcessOnTheSameGlobalBatch) {
     return n.find(".moe.shared.") != std::string::npos;
   });
   EXPECT_EQ(shared, std::string(l.moe).find("num_shared_experts") != std::string::npos ? 8 : 0);
+  // Loss-free balancing: each layer's bias is exported, matched above, and it moved.
+  if (std::string(l.moe).find("bias_update_rate") != std::string::npos) {
+    int biases = 0;
+    for (const std::string& name : names) {
+      if (name.find("router_bias") == std::string::npos) continue;
+      ++biases;
+      const auto b = ReadFloats(dir_.File("single/" + name));
+      EXPECT_GT(*std::max_element(b.begin(), b.end()) - *std::min_element(b.begin(), b.end()),
+                0.015f)
+          << name;
+    }
+    EXPECT_EQ(biases, 2);
+  }
   // Where experts have copies (one per expert-parallel group), every copy is the leader's.
   const int groups = l.expert_parallel == 0 ? 1 : l.workers / l.expert_parallel;
   EXPECT_EQ(ExpectCopiesEqual(dir_, names, groups), (groups - 1) * 64);
@@ -223,7 +244,13 @@ INSTANTIATE_TEST_SUITE_P(
                       // never in the tiered store.
                       Layout{"ep2_shared", 2, 0, 2, "", false, "num_shared_experts: 2"},
                       Layout{"ep2_tiered_shared", 2, 0, 2, "", true,
-                             "num_shared_experts: 2 shared_d_expert: 8"}),
+                             "num_shared_experts: 2 shared_d_expert: 8"},
+                      // DeepSeek-V3's router: every worker must hold the same loss-free bias (the
+                      // loads are summed over the batch's workers), and the sequence loss weighs
+                      // an uneven share of the batch like the cross-entropy.
+                      Layout{"ep3_uneven_batch_router", 3, 0, 2, "", false, kModernRouter},
+                      Layout{"ep2xdp2_router", 4, 2, 2, "", false, kModernRouter},
+                      Layout{"ep2_tiered_router", 2, 0, 2, "", true, kModernRouter}),
     [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
 
 // Expert replicas in TIERED: 4 workers in 2 expert-parallel groups of 2, so that each of the 16
