@@ -226,9 +226,13 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Open(
     const Time grace = now + options.restart_grace - options.heartbeat_timeout;
     for (const auto& w : c->record_.generation().workers()) {
       c->last_seen_[w.id()] = grace;
+      c->in_grace_.insert(w.id());
       c->reported_[w.id()] = kUnknownStep;
     }
-    for (const auto& w : c->record_.pending()) c->last_seen_[w.id()] = grace;
+    for (const auto& w : c->record_.pending()) {
+      c->last_seen_[w.id()] = grace;
+      c->in_grace_.insert(w.id());
+    }
   } else if (s.IsNotFound()) {
     c->record_.set_job_config(job_config);
     c->record_.mutable_generation()->set_number(0);
@@ -455,22 +459,37 @@ Status CoordinatorState::PersistLocked() {
 }
 
 void CoordinatorState::SeenLocked(const std::string& id, Time now) {
-  // A time read before the last credited stall ended (the call waited for mu_ through it, or made
-  // the write that stalled) is moved on by it, as the credit moved every heartbeat: the
-  // coordinator's stall is not held against a worker by a report that waited for it.
-  if (now < stall_ended_) now += last_stall_;
-  last_seen_[id] = now;
+  // A time read before a credited stall ended (the call waited for mu_ through it, or made the
+  // write that stalled) is moved on by the part of that stall after it, as the credit moved every
+  // heartbeat: the coordinator's stall is not held against a worker by a report that waited for
+  // it, however many writes it waited behind. A member's time never goes back (a call that read
+  // the clock early must not undo a later heartbeat or a credit), except that the first word from
+  // a member after a restart replaces its grace: from then on the usual timeout applies.
+  Time seen = now;
+  for (const Stall& stall : stalls_) {
+    if (stall.ended > now) seen += std::min(stall.length, stall.ended - now);
+  }
+  auto [it, inserted] = last_seen_.try_emplace(id, seen);
+  if (inserted || in_grace_.erase(id) > 0) {
+    it->second = seen;
+  } else {
+    it->second = std::max(it->second, seen);
+  }
 }
 
 void CoordinatorState::CreditStallLocked(std::chrono::steady_clock::duration stalled,
                                          const char* what) {
   // Heartbeats wait for mu_ while the coordinator is stalled: the time is the coordinator's, not
   // a sign that the workers are gone (a disk busy with other writers has held a synced write up
-  // for seconds). Short stalls are below what a heartbeat timeout notices.
-  if (stalled < options_.heartbeat_timeout / 4) return;
+  // for seconds). Every write is credited, so that a run of short ones cannot add up to a
+  // failure either; only the long ones are worth a line in the log.
+  const Time ended = std::chrono::steady_clock::now();
   for (auto& [id, seen] : last_seen_) seen += stalled;
-  stall_ended_ = std::chrono::steady_clock::now();
-  last_stall_ = stalled;
+  stalls_.push_back({ended, stalled});
+  while (stalls_.size() > 1 && stalls_.front().ended < ended - 4 * options_.heartbeat_timeout) {
+    stalls_.pop_front();
+  }
+  if (stalled < options_.heartbeat_timeout / 4) return;
   STRATA_LOG(WARNING) << absl::StrFormat(
       "the coordinator stood still for %d ms (%s); the workers' heartbeats are not held against "
       "them for that time",
@@ -796,6 +815,7 @@ Status CoordinatorState::RecordCheckpointReport(const std::string& id, int64_t g
 
 Status CoordinatorState::RemoveLocked(const std::string& id, const char* reason, Time now) {
   last_seen_.erase(id);
+  in_grace_.erase(id);
   if (!IsMemberLocked(id)) {
     coordinator::CoordinatorRecord before = record_;
     auto* p = record_.mutable_pending();
@@ -830,6 +850,7 @@ Status CoordinatorState::StreamBroken(const std::string& id, Time now) {
 void CoordinatorState::Finished(const std::string& id) {
   std::lock_guard<std::mutex> lock(mu_);
   last_seen_.erase(id);
+  in_grace_.erase(id);
   if (!IsMemberLocked(id) || record_.finished()) return;
   record_.set_finished(true);
   Status s = PersistLocked();
@@ -868,7 +889,10 @@ StatusOr<int> CoordinatorState::Tick(Time now) {
     record_ = before;
     return s;
   }
-  for (const std::string& id : late) last_seen_.erase(id);
+  for (const std::string& id : late) {
+    last_seen_.erase(id);
+    in_grace_.erase(id);
+  }
   return static_cast<int>(late.size());
 }
 

@@ -46,11 +46,13 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -211,9 +213,15 @@ class CoordinatorState {
   std::condition_variable kv_cv_;
   coordinator::CoordinatorRecord record_;
   std::map<std::string, Time> last_seen_;  // members and pending workers
-  // The last stall CreditStallLocked credited: when it ended, and how long it was.
-  Time stall_ended_{};
-  std::chrono::steady_clock::duration last_stall_{};
+  std::set<std::string> in_grace_;         // not heard from since a restart (last_seen_: grace)
+  // The recent stalls CreditStallLocked credited (when each ended, how long it was), the oldest
+  // first, kept for a few heartbeat timeouts: a call's time read before one of them ended is moved
+  // on by the part of it the call waited through.
+  struct Stall {
+    Time ended;
+    std::chrono::steady_clock::duration length;
+  };
+  std::deque<Stall> stalls_;
   std::map<std::string, int64_t> reported_;  // member -> last step reported
   std::map<std::string, bool> started_;      // member -> sent its start report
   std::map<std::string, std::string> kv_;

@@ -145,12 +145,26 @@ Status RunElasticWorker(Membership& membership, ElasticWorkerOptions opts) {
   // The newest generation the heartbeats have seen (shared: a connect left behind on its own
   // thread may still ask after this function returns).
   auto latest_generation = std::make_shared<std::atomic<int64_t>>(-1);
+  // The coordinator answered that this worker is no longer part of the job (declared failed): it
+  // must leave at once, not wait on peers that re-formed without it while it holds what they
+  // need (the checkpoint folder's lock, a rendezvous).
+  auto expelled = std::make_shared<std::atomic<bool>>(false);
   std::atomic<bool> done{false};
   std::thread heartbeats([&] {
     bool reachable = true;
     while (!done.load()) {
       auto hb = membership.Heartbeat(id);
-      if (!hb.ok()) {
+      if (!hb.ok() && hb.status().code() == absl::StatusCode::kNotFound) {
+        if (!expelled->exchange(true)) {
+          STRATA_LOG(ERROR) << "worker " << id << ": the coordinator at " << address
+                            << " no longer counts this worker in the job (" << hb.status().message()
+                            << "); it stops";
+          std::lock_guard<std::mutex> lock(mu);
+          if (active != nullptr) {
+            active->AbortCollectives("the coordinator declared this worker failed");
+          }
+        }
+      } else if (!hb.ok()) {
         unreachable_ms = SteadyMs();
         if (reachable) {
           STRATA_LOG(WARNING) << "worker " << id << ": heartbeat to " << address
@@ -246,8 +260,8 @@ Status RunElasticWorker(Membership& membership, ElasticWorkerOptions opts) {
     w.world_size = g->workers_size();
     // A newer generation (another failure while this one connects) ends the rendezvous and the
     // connecting at once.
-    w.superseded = [latest_generation, generation] {
-      return latest_generation->load() > generation;
+    w.superseded = [latest_generation, expelled, generation] {
+      return expelled->load() || latest_generation->load() > generation;
     };
     w.store = comm::MakeCancellableStore(
         comm::MakePrefixStore(membership.store(), comm::GenerationPrefix(generation)), w.superseded,
@@ -316,6 +330,12 @@ Status RunElasticWorker(Membership& membership, ElasticWorkerOptions opts) {
       STRATA_LOG(INFO) << "worker " << id << ": the job finished on its other workers ("
                        << s.message() << ")";
       return finish(Done());
+    }
+    if (expelled->load()) {
+      return finish(Failed(absl::NotFoundError(absl::StrFormat(
+          "the coordinator at %s declared worker '%s' failed, so it left the job (%s); the others "
+          "go on without it, and a worker started again joins with a new id",
+          address, id, s.message()))));
     }
     bool newer = false;
     while (true) {
