@@ -462,17 +462,24 @@ void MoeRouterBackward(Context& ctx, const Tensor& dlogits, const Tensor& dweigh
                        float z_coef) {
   const int64_t E = probs.dim(-1), T = probs.numel() / E;
   CHECK_EQ(static_cast<int64_t>(top1_counts.size()), E);
-  // d(aux)/d(probs[t, e]) = aux_coef * E * count_e / T^2, the same for every token.
-  Tensor g = Tensor::Empty({1, E}, DType::kF32, Device::Cpu());
-  float* gp = g.f32();
+  // d(aux)/d(probs[t, e]) = aux_coef * E * count_e / T^2, the same for every token: one row,
+  // kept per thread and device so that a steady state allocates nothing.
+  thread_local std::vector<float> host;
+  thread_local Tensor row;
+  host.resize(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) {
-    gp[e] = aux_coef * static_cast<float>(E) * static_cast<float>(top1_counts[e]) /
-            (static_cast<float>(T) * static_cast<float>(T));
+    host[e] = aux_coef * static_cast<float>(E) * static_cast<float>(top1_counts[e]) /
+              (static_cast<float>(T) * static_cast<float>(T));
   }
+  if (!row.defined() || row.numel() < E || !(row.device() == probs.device())) {
+    row = Tensor::Empty({E}, DType::kF32, probs.device());
+  }
+  Tensor g = row.Rows(0, E);
+  g.CopyFromHost(host.data());
   MoeRouterSpec spec;
   spec.k = static_cast<int>(topk_expert.numel() / std::max<int64_t>(T, 1));
   spec.renormalize = renormalize;
-  MoeRouterBackward(ctx, dlogits, dweight, probs, Tensor(), lse, topk_expert, g.To(probs.device()),
+  MoeRouterBackward(ctx, dlogits, dweight, probs, Tensor(), lse, topk_expert, g,
                     std::max<int64_t>(T, 1), spec, z_coef);
 }
 

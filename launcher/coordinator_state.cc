@@ -458,7 +458,7 @@ Status CoordinatorState::PersistLocked() {
   return s;
 }
 
-void CoordinatorState::SeenLocked(const std::string& id, Time now) {
+void CoordinatorState::SeenLocked(const std::string& id, Time now, bool from_member) {
   // A time read before a credited stall ended (the call waited for mu_ through it, or made the
   // write that stalled) is moved on by the part of that stall after it, as the credit moved every
   // heartbeat: the coordinator's stall is not held against a worker by a report that waited for
@@ -470,7 +470,7 @@ void CoordinatorState::SeenLocked(const std::string& id, Time now) {
     if (stall.ended > now) seen += std::min(stall.length, stall.ended - now);
   }
   auto [it, inserted] = last_seen_.try_emplace(id, seen);
-  if (inserted || in_grace_.erase(id) > 0) {
+  if (inserted || (from_member && in_grace_.erase(id) > 0)) {
     it->second = seen;
   } else {
     it->second = std::max(it->second, seen);
@@ -481,15 +481,15 @@ void CoordinatorState::CreditStallLocked(std::chrono::steady_clock::duration sta
                                          const char* what) {
   // Heartbeats wait for mu_ while the coordinator is stalled: the time is the coordinator's, not
   // a sign that the workers are gone (a disk busy with other writers has held a synced write up
-  // for seconds). Every write is credited, so that a run of short ones cannot add up to a
-  // failure either; only the long ones are worth a line in the log.
+  // for seconds). Short stalls are below what a heartbeat timeout notices, and crediting them
+  // would let a busy coordinator (a write at every step boundary) put off finding a dead worker.
+  if (stalled < options_.heartbeat_timeout / 4) return;
   const Time ended = std::chrono::steady_clock::now();
   for (auto& [id, seen] : last_seen_) seen += stalled;
   stalls_.push_back({ended, stalled});
   while (stalls_.size() > 1 && stalls_.front().ended < ended - 4 * options_.heartbeat_timeout) {
     stalls_.pop_front();
   }
-  if (stalled < options_.heartbeat_timeout / 4) return;
   STRATA_LOG(WARNING) << absl::StrFormat(
       "the coordinator stood still for %d ms (%s); the workers' heartbeats are not held against "
       "them for that time",
@@ -545,7 +545,8 @@ Status CoordinatorState::NewGenerationLocked(std::vector<coordinator::WorkerInfo
   started_.clear();
   for (const auto& w : record_.generation().workers()) {
     reported_[w.id()] = record_.step();
-    SeenLocked(w.id(), now);
+    // Not a word from the member: one still reconnecting after a restart keeps its grace.
+    SeenLocked(w.id(), now, /*from_member=*/false);
   }
   return absl::OkStatus();
 }
@@ -639,9 +640,10 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStep(
     double loss, double tokens_per_s,
     const std::vector<coordinator::MoeLayerBalance>& moe_balance) {
   RETURN_IF_ERROR(CheckToken(token));
-  RETURN_IF_ERROR(CheckMoeBalance(moe_balance, id, step));
   std::lock_guard<std::mutex> lock(mu_);
+  // A stale generation first: its worker re-forms, whatever else the report holds.
   RETURN_IF_ERROR(CheckReportLocked(id, generation, step, "reported step"));
+  RETURN_IF_ERROR(CheckMoeBalance(moe_balance, id, step));
   if (!moe_balance.empty() &&
       (record_.generation().workers_size() == 0 || record_.generation().workers(0).id() != id)) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -871,6 +873,14 @@ StatusOr<int> CoordinatorState::Tick(Time now) {
     return std::find(late.begin(), late.end(), w.id()) != late.end();
   };
   // All of them at once: one new generation, however many failed together.
+  std::vector<std::string> why;  // said once the new generation is written
+  for (const std::string& id : late) {
+    why.push_back(absl::StrFormat(
+        "worker '%s' declared failed: no heartbeat for %d ms (heartbeat_timeout_ms %d)%s", id,
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - last_seen_.at(id)).count(),
+        std::chrono::duration_cast<std::chrono::milliseconds>(options_.heartbeat_timeout).count(),
+        in_grace_.count(id) > 0 ? ", and it did not come back after the restart" : ""));
+  }
   const coordinator::CoordinatorRecord before = record_;
   auto* p = record_.mutable_pending();
   p->erase(std::remove_if(p->begin(), p->end(), is_late), p->end());
@@ -889,6 +899,7 @@ StatusOr<int> CoordinatorState::Tick(Time now) {
     record_ = before;
     return s;
   }
+  for (const std::string& line : why) STRATA_LOG(WARNING) << line;
   for (const std::string& id : late) {
     last_seen_.erase(id);
     in_grace_.erase(id);

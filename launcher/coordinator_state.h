@@ -191,7 +191,9 @@ class CoordinatorState {
   // that long (a slow synced write under mu_, opening its record): heartbeats waited meanwhile.
   // Stalls under a quarter of the heartbeat timeout are ignored. Locked.
   // Worker `id` was heard from at `now` (never moving its last heartbeat back).
-  void SeenLocked(const std::string& id, Time now);
+  // from_member: a word from the worker itself (it ends a restart's grace), not a generation
+  // that lists it.
+  void SeenLocked(const std::string& id, Time now, bool from_member = true);
   void CreditStallLocked(std::chrono::steady_clock::duration stalled, const char* what);
   bool IsMemberLocked(const std::string& id) const;
   // Records rank 0's checkpoint report in the catalog. REQUIRES: catalog_mu_ held, mu_ not.

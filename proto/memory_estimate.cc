@@ -103,6 +103,7 @@ uint64_t DenseCheckpointBytes(const ModelConfig& m, uint64_t dense_parameters) {
   uint64_t tensors = 3 + (ln ? 1 : 0) + (m.tie_embeddings() ? 0 : 1);
   tensors = Add(tensors, Mul(L, ln ? 8 : 6));
   tensors = Add(tensors, Mul(moe_layers, m.moe().gate().type() == GateConfig::NOISY_TOP_K ? 2 : 1));
+  if (m.moe().gate().bias_update_rate() > 0) tensors = Add(tensors, moe_layers);  // router_bias
   if (m.moe().num_shared_experts() > 0) {
     tensors = Add(tensors, Mul(moe_layers, m.moe().expert_bias() ? 4 : 2));
   }
@@ -194,6 +195,7 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
   const uint64_t dense_layers = Sub(L, moe_layers);
   dense = Add(dense, Mul(L, block));
   dense = Add(dense, Mul(moe_layers, Mul(noisy ? 2 : 1, E, C)));  // router (and noise router)
+  if (moe.gate().bias_update_rate() > 0) dense = Add(dense, Mul(moe_layers, E));  // router_bias
   if (dshared > 0) {  // shared experts: dense, on every worker, never in the tiered store
     dense = Add(dense, Mul(moe_layers, FfnParameters(m, dshared, moe.expert_bias())));
   }
@@ -218,6 +220,8 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
   // the combine weights' gradient).
   uint64_t gate = Add(Mul(3, N, E), Add(N, Mul(2, N, k)));
   if (noisy) gate = Add(gate, Mul(2, N, E));
+  // The sequence-wise loss's gradient rows (one per sequence, at most one per token).
+  if (moe.gate().sequence_aux_loss_coef() > 0) gate = Add(gate, Mul(N, E));
   if (switch_gate) gate = Add(gate, Mul(2, N, C));
   const uint64_t R = Mul(N, k);
   uint64_t dispatch = Add(Mul(2, R), Mul(3, R, C));

@@ -40,6 +40,13 @@ std::vector<coordinator::MoeLayerBalance> MoeBalanceOf(
       b.set_bias_min(s.bias_min);
       b.set_bias_max(s.bias_max);
     }
+    // Figures the coordinator would refuse (a bias gone non-finite) are not worth a step report:
+    // the display goes without them.
+    const bool sane = std::isfinite(s.max_over_mean) && std::isfinite(s.cv) &&
+                      s.max_over_mean >= 0 && s.cv >= 0 &&
+                      (!s.has_bias || (std::isfinite(s.bias_min) && std::isfinite(s.bias_max) &&
+                                       s.bias_min <= s.bias_max));
+    if (!sane) return {};
   }
   return out;
 }

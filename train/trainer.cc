@@ -822,6 +822,9 @@ Status Trainer::RunLoop() {
             .Field("aux_loss", s.aux_loss)
             .Field("z_loss", s.z_loss);
         // Balance over the whole batch: the busiest expert against the mean, the spread.
+        if (cfg.model().moe().gate().sequence_aux_loss_coef() > 0) {
+          j.Field("sequence_aux_loss", s.sequence_aux_loss);
+        }
         const BalanceSummary b = SummarizeBalance(s);
         j.Field("max_over_mean", b.max_over_mean).Field("cv", b.cv);
         if (b.has_bias) j.Field("bias_min", b.bias_min).Field("bias_max", b.bias_max);

@@ -150,6 +150,7 @@ double moe_sequence_aux_loss(const T* scores, const int32_t* topk_expert, int64_
                              int k, int64_t seq_len, bool normalize, double* dq) {
   CHECK_GT(seq_len, 0);
   const int64_t nseq = (Tn + seq_len - 1) / seq_len;
+  if (nseq == 0) return 0.0;  // no tokens: no sequence to balance
   double* f = internal::Scratch<double>(static_cast<size_t>(E), 0);
   double* P = internal::Scratch<double>(static_cast<size_t>(E), 1);
   double loss = 0;

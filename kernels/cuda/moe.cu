@@ -94,7 +94,10 @@ __device__ inline void WarpReduceBest(int32_t* best_e, float* best_v) {
 }
 
 // One warp per token. Lane l owns experts l, l + 32, ...; it writes their scores, then the warp
-// syncs so that lane 0 (the weights) and the group sums may read any of them.
+// syncs so that lane 0 (the weights) and the group sums may read any of them. A row whose scores
+// are all NaN (softmax of a NaN or infinite logit) gets the CPU's ids; a row with only some NaN
+// sigmoid scores may choose otherwise than the CPU (NaN is not ordered) — the loss is NaN then
+// and the step fails its check anyway.
 __global__ void RouterForwardKernel(float* scores, float* lse, int32_t* topk_expert,
                                     float* topk_weight, const float* logits, const float* bias,
                                     int64_t T, int64_t E, ops::MoeRouterSpec spec) {
@@ -542,8 +545,10 @@ void MoeRouterForward(Backend& b, float* scores, float* lse, int32_t* topk_exper
   CHECK(spec.k >= 1 && spec.k <= kMaxK && spec.k <= E) << "k=" << spec.k << " E=" << E;
   CHECK(spec.num_groups <= 1 ||
         (spec.num_groups <= ops::kMaxRouterGroups && E % spec.num_groups == 0 &&
-         spec.topk_groups >= 1 && spec.topk_groups <= spec.num_groups))
-      << "groups " << spec.num_groups << " top " << spec.topk_groups << " E=" << E;
+         spec.topk_groups >= 1 && spec.topk_groups <= spec.num_groups &&
+         spec.k <= spec.topk_groups * (E / spec.num_groups)))
+      << "groups " << spec.num_groups << " top " << spec.topk_groups << " k=" << spec.k
+      << " E=" << E;
   if (T == 0) return;
   RouterForwardKernel<<<WarpBlocks(T), kBlock, 0, b.stream>>>(scores, lse, topk_expert, topk_weight,
                                                               logits, bias, T, E, spec);

@@ -164,7 +164,6 @@ class SoftmaxGate : public Gate {
   std::vector<double> seq_dq_;    // d(sequence aux)/dq per sequence, [sequences, E]
   std::vector<float> host_grad_;  // the balancing losses' dq rows, before upload
   Tensor score_grad_;             // [max sequences, E] the same on the gate's device
-  int64_t grad_rows_ = 1;         // tokens per row of score_grad_ in the last Forward
   BatchReducer* reducer_ = nullptr;
   // State of the last Forward, for Backward.
   int64_t last_tokens_ = 0;

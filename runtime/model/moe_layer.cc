@@ -228,6 +228,7 @@ void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, cons
   stats_.capacity = capacity;
   stats_.aux_loss = routing_.aux_loss;
   stats_.z_loss = routing_.z_loss;
+  stats_.sequence_aux_loss = routing_.sequence_aux_loss;
   stats_.routed = gate_->BatchLoad();
   stats_.has_bias = gate_->BiasRange(&stats_.bias_min, &stats_.bias_max);
   const Tensor host_slot = slot.To(Device::Cpu());

@@ -65,6 +65,7 @@ struct MoeStats {
   int64_t capacity = 0;        // per expert; 0 = dropless
   double aux_loss = 0;
   double z_loss = 0;
+  double sequence_aux_loss = 0;  // unweighted; 0 unless gate.sequence_aux_loss_coef > 0
   // Over the whole batch (every worker's tokens): tokens the gate routed to each expert, all k
   // choices, before capacity.
   std::vector<int64_t> routed;

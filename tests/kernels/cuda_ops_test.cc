@@ -800,6 +800,69 @@ TEST_F(CudaOpsTest, MoeRouterBackward) {
   }
 }
 
+// Today's router options (MoeRouterSpec) against the CPU: sigmoid or softmax scores, a selection
+// bias, groups, k up to 8, normalised and scaled weights; then the backward with a balancing
+// gradient per sequence of 7 tokens (score_grad rows) and the z-loss. Tolerances as above;
+// experts exact (random logits: no ties).
+TEST_F(CudaOpsTest, MoeRouterSpecForwardAndBackward) {
+  const int64_t T = 300;
+  struct SpecCase {
+    int64_t E;
+    ops::MoeRouterSpec spec;
+    bool bias;
+  };
+  std::vector<SpecCase> cases;
+  for (bool sigmoid : {false, true}) {
+    ops::MoeRouterSpec s;
+    s.sigmoid = sigmoid;
+    s.k = 8;
+    s.renormalize = true;
+    s.scaling = 2.5f;
+    cases.push_back({64, s, true});  // no groups
+    s.num_groups = 8;
+    s.topk_groups = 4;
+    cases.push_back({64, s, true});  // DeepSeek-V3's shape of router
+    s.k = 2;
+    s.renormalize = false;
+    s.scaling = 1.0f;
+    s.num_groups = 4;
+    s.topk_groups = 1;
+    cases.push_back({8, s, false});
+  }
+  for (const SpecCase& sc : cases) {
+    const ops::MoeRouterSpec& spec = sc.spec;
+    SCOPED_TRACE("E=" + std::to_string(sc.E) + " k=" + std::to_string(spec.k) +
+                 (spec.sigmoid ? " sigmoid" : " softmax") +
+                 " groups=" + std::to_string(spec.num_groups));
+    const int64_t E = sc.E;
+    const int k = spec.k;
+    Tensor logits = RandomF32({T, E}, 160 + E + k, 2.0);
+    Tensor bias = sc.bias ? RandomF32({E}, 161, 0.1) : Tensor();
+    Router c{Tensor::Empty({T, E}), Tensor::Empty({T}), Tensor::Empty({T, k}, DType::kI32),
+             Tensor::Empty({T, k})};
+    ops::MoeRouterForward(ctx, c.probs, c.lse, c.idx, c.w, logits, bias, spec);
+    Router g{GpuGarbage({T, E}), GpuGarbage({T}), GpuGarbage({T, k}, DType::kI32),
+             GpuGarbage({T, k})};
+    ops::MoeRouterForward(ctx, g.probs, g.lse, g.idx, g.w, Up(logits),
+                          sc.bias ? Up(bias) : Tensor(), spec);
+    ExpectClose(g.probs, c.probs, kReduction, "scores");
+    ExpectClose(g.lse, c.lse, kReduction, "lse");
+    ExpectEqualInts(g.idx, c.idx, "topk_expert");
+    ExpectClose(g.w, c.w, kReduction, "topk_weight");
+
+    const int64_t rows_per = 7, rows = (T + rows_per - 1) / rows_per;
+    Tensor score_grad = RandomF32({rows, E}, 162, 0.05);
+    Tensor dweight = RandomF32({T, k}, 163);
+    Tensor dl_c = Tensor::Empty({T, E});
+    ops::MoeRouterBackward(ctx, dl_c, dweight, c.probs, logits, c.lse, c.idx, score_grad, rows_per,
+                           spec, 0.07f);
+    Tensor dl_g = GpuGarbage({T, E});
+    ops::MoeRouterBackward(ctx, dl_g, Up(dweight), Up(c.probs), Up(logits), Up(c.lse), Up(c.idx),
+                           Up(score_grad), rows_per, spec, 0.07f);
+    ExpectClose(dl_g, dl_c, kReduction, "dlogits");
+  }
+}
+
 // topk_expert [T, k]: distinct experts per token, first choices skewed to expert 0 (60%) so a
 // tight capacity drops many of them and some tokens lose every choice.
 Tensor SkewedExperts(int64_t T, int k, int64_t E, uint64_t seed) {

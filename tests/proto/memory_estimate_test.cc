@@ -49,6 +49,10 @@ TEST(MemoryEstimateTest, ParameterCountsEqualTheModelBuiltFromTheConfig) {
       "        moe { num_experts: 4 d_expert: 12 num_shared_experts: 2 expert_bias: false } }",
       "model { seq_len: 8 d_model: 16 n_layers: 3 n_heads: 2 moe_every: 3\n"
       "        moe { num_experts: 3 num_shared_experts: 1 shared_d_expert: 20 } }",
+      // Loss-free balancing: a router_bias of E per MoE block, a dense parameter.
+      "model { seq_len: 8 d_model: 16 n_layers: 2 n_heads: 2\n"
+      "        moe { num_experts: 6 top_k: 4 gate { score_function: SIGMOID\n"
+      "              bias_update_rate: 0.001 num_groups: 3 topk_groups: 2 } } }",
   };
   for (const std::string& text : models) {
     const JobConfig cfg = Parse(text);
