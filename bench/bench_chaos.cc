@@ -394,6 +394,16 @@ class Trial {
       }
       Fail(absl::StrCat(what, ":", Tail(log, 2)));
     }
+    // The processes still running (a hang says where it waits) and the coordinators (which
+    // generations they formed, whom they declared failed): CI keeps no trial folder.
+    for (const auto& [name, proc] : procs_) {
+      const bool coordinator = name.rfind("coordinator", 0) == 0;
+      if (!proc.running && !coordinator) continue;
+      notes_.push_back(absl::StrFormat(
+          "%s %s; its log ends:%s", name,
+          proc.running ? "was still running" : absl::StrFormat("exited %d", proc.code),
+          Tail(dir_ + "/" + name + ".log", coordinator ? 12 : 6)));
+    }
   }
 
   // Starts (or, once refused, starts again) the replacements, from the job's own line.
@@ -538,14 +548,18 @@ class Trial {
                                          "> coordinator.log 2>&1",
                                          strata_, flags));
     std::string address;
-    // Serving once its first line is out; that line names the loopback address it serves on
-    // ("listening on ..." when new, the same port when restarted).
+    // Serving once its "coordinator listening on ADDRESS (...)" line is out (the same port when
+    // restarted). Log lines may come before it: a restarted coordinator checks its checkpoint
+    // catalog against the folder while it opens.
     auto listening = [&](const std::string& log) {
       const std::string out = ReadFile(dir_ + "/" + log);
-      const size_t eol = out.find('\n');
-      const size_t at = out.find("127.0.0.1:");
-      if (eol == std::string::npos || at == std::string::npos || at > eol) return false;
-      address = out.substr(at, out.find_first_of(" \n", at) - at);
+      static constexpr char kLine[] = "coordinator listening on ";
+      const size_t line = out.find(kLine);
+      if (line == std::string::npos) return false;
+      const size_t at = line + sizeof(kLine) - 1;
+      const size_t end = out.find_first_of(" \n", at);
+      if (end == std::string::npos) return false;  // the line is not complete yet
+      address = out.substr(at, end - at);
       return true;
     };
     if (!WaitFor([&] { return listening("coordinator.log"); }, "the coordinator to listen",

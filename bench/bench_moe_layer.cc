@@ -1,14 +1,17 @@
 // bench_moe_layer: one MoE layer, forward + backward, against its limit and a naive baseline.
 //
-// For each shape (tokens, d_model, d_hidden, experts, k), plain top-k gate, dropless, GELU FFN
-// experts with biases, the same thread count everywhere:
+// For each shape (tokens, d_model, d_hidden, experts, k, shared experts), plain top-k gate,
+// dropless, GELU FFN experts with biases (the shared experts: one FFN of shared * d_hidden on every
+// token), the same thread count everywhere:
 //   strata   MoeLayer::Forward + Backward (gate, permutation, grouped experts, combine, gate grad)
-//   sgemm    only the six expert GEMMs per expert, on exactly the row counts the routing produced
-//            and the layer's own weights, under three thread schedules (OpenBLAS's own threads,
-//            each GEMM split over the pool, experts in per-thread groups); the fastest is the limit
+//   sgemm    only the six expert GEMMs per expert (and the shared FFN's on every token), on exactly
+//            the row counts the routing produced and the layer's own weights, under three thread
+//            schedules (OpenBLAS's own threads, each GEMM split over the pool, experts in
+//            per-thread groups); the fastest is the limit
 //   torch    the naive PyTorch layer (a Python loop over experts, index_select / index_add; see
 //            torch_moe_baseline.py) in Debian's python3-torch
-// GFLOP/s counts the expert GEMMs only: 12 * routed rows * d_model * d_hidden per iteration.
+// GFLOP/s counts the expert GEMMs only: 12 * d_model * (routed rows * d_hidden + tokens * shared
+// * d_hidden) per iteration.
 // Timing on a shared machine: a shape is measured in --rounds rounds, each a fresh strata process
 // (the layer and the sgemm schedules in alternating blocks of individually timed iterations, see
 // RunShape) followed by a PyTorch process; each column is the median over rounds of its medians.
@@ -39,7 +42,7 @@ namespace strata::bench {
 // first + count) of `experts`, every parameter initialised from seed 1 (moe_layer_workers.cc).
 std::unique_ptr<model::MoeLayer> MakeBenchLayer(ops::Context& ctx, int64_t tokens, int64_t d_model,
                                                 int64_t d_hidden, int64_t experts, int k,
-                                                int64_t first, int64_t count);
+                                                int64_t first, int64_t count, int shared = 0);
 // bench_moe_layer --workers N (moe_layer_workers.cc).
 // shape: tokens per worker, d_model, d_hidden, experts, k; all zero for the default.
 int RunWorkersBench(int workers, int chunks, int rounds, int iters, bool json, bool small,
@@ -50,6 +53,7 @@ namespace {
 struct Shape {
   int64_t tokens, d_model, d_hidden, experts;
   int k;
+  int shared = 0;  // shared experts of d_hidden each, as one FFN on every token
 };
 
 struct Options {
@@ -61,8 +65,13 @@ struct Options {
   int warmup = 1;
   bool torch = true;
   std::string python;
-  std::vector<Shape> shapes = {
-      {2048, 512, 1024, 16, 2}, {4096, 1024, 4096, 64, 2}, {4096, 1024, 1024, 8, 1}};
+  // The last two are fine-grained layers of today's models: top-8 of 64 narrow experts with a
+  // shared one (DeepSeek-MoE), and top-8 of 256.
+  std::vector<Shape> shapes = {{2048, 512, 1024, 16, 2},
+                               {4096, 1024, 4096, 64, 2},
+                               {4096, 1024, 1024, 8, 1},
+                               {4096, 1024, 256, 64, 8, 1},
+                               {4096, 1024, 128, 256, 8, 0}};
 };
 
 struct Row {
@@ -106,20 +115,24 @@ class ExpertGemms {
  public:
   ExpertGemms(const Shape& s, model::MoeLayer& layer, const std::vector<int64_t>& rows,
               ThreadPool& pool)
-      : s_(s), layer_(layer), rows_(rows), pool_(pool), first_(s.experts + 1, 0) {
-    for (int64_t e = 0; e < s.experts; ++e) first_[e + 1] = first_[e] + rows[e];
+      : s_(s), layer_(layer), rows_(rows), pool_(pool) {
+    // The shared FFN is one more "expert" of shared * d_hidden on every token.
+    if (s.shared > 0) rows_.push_back(s.tokens);
+    const int64_t n = static_cast<int64_t>(rows_.size());
+    first_.assign(n + 1, 0);
+    for (int64_t e = 0; e < n; ++e) first_[e + 1] = first_[e] + rows_[e];
     const int64_t R = first_.back();
     x_.assign(R * s.d_model, 0.01f);
-    h_.assign(R * s.d_hidden, 0.01f);
+    h_.assign(R * s.d_hidden * std::max(1, s.shared), 0.01f);
     y_.assign(R * s.d_model, 0.f);
     dy_.assign(R * s.d_model, 0.01f);
     dx_.assign(R * s.d_model, 0.f);
     // Contiguous expert groups with about R / threads rows each.
     const int threads = pool.num_threads();
-    cut_.assign(threads + 1, s.experts);
+    cut_.assign(threads + 1, n);
     cut_[0] = 0;
     for (int t = 1, e = 0; t < threads; ++t) {
-      while (e < s.experts && first_[e + 1] * threads <= t * R) ++e;
+      while (e < n && first_[e + 1] * threads <= t * R) ++e;
       cut_[t] = e;
     }
   }
@@ -133,21 +146,25 @@ class ExpertGemms {
       return;
     }
     if (schedule == Schedule::kOpenBlasThreads) cpu::SetBlasThreads(pool_.num_threads());
-    for (int64_t e = 0; e < s_.experts; ++e) RunExpert(e, schedule, false);
+    for (int64_t e = 0; e < static_cast<int64_t>(rows_.size()); ++e) {
+      RunExpert(e, schedule, false);
+    }
     cpu::SetBlasThreads(1);
   }
 
  private:
   void RunExpert(int64_t e, Schedule schedule, bool single_thread) {
-    const int64_t n = rows_[e], C = s_.d_model, H = s_.d_hidden;
+    const bool shared = e == s_.experts;
+    const int64_t n = rows_[e], C = s_.d_model, H = s_.d_hidden * (shared ? s_.shared : 1);
     if (n == 0) return;
-    auto& f = static_cast<model::FfnExpert&>(layer_.expert(static_cast<int>(e)));
+    auto& f = shared ? *layer_.shared()
+                     : static_cast<model::FfnExpert&>(layer_.expert(static_cast<int>(e)));
     const float* w1 = f.w1().value.f32();
     const float* w2 = f.w2().value.f32();
     float* dw1 = f.w1().grad.f32();
     float* dw2 = f.w2().grad.f32();
     float* xe = x_.data() + first_[e] * C;
-    float* he = h_.data() + first_[e] * H;
+    float* he = h_.data() + first_[e] * s_.d_hidden * std::max(1, s_.shared);
     float* ye = y_.data() + first_[e] * C;
     float* dye = dy_.data() + first_[e] * C;
     float* dxe = dx_.data() + first_[e] * C;
@@ -178,6 +195,13 @@ class ExpertGemms {
   std::vector<float> x_, h_, y_, dy_, dx_;
 };
 
+// GFLOP of the expert GEMMs of one forward + backward: routed rows through d_hidden-wide experts
+// and every token through the shared FFN.
+double ExpertGflop(const Shape& s, int64_t routed) {
+  return 12.0 * s.d_model * s.d_hidden *
+         (static_cast<double>(routed) + static_cast<double>(s.tokens) * s.shared) * 1e-9;
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
@@ -188,8 +212,8 @@ Row RunShape(const Shape& s, const Options& o, ThreadPool& pool) {
   row.s = s;
   ops::Context ctx{&pool};
   {
-    auto layer_owner =
-        MakeBenchLayer(ctx, s.tokens, s.d_model, s.d_hidden, s.experts, s.k, 0, s.experts);
+    auto layer_owner = MakeBenchLayer(ctx, s.tokens, s.d_model, s.d_hidden, s.experts, s.k, 0,
+                                      s.experts, s.shared);
     model::MoeLayer& layer = *layer_owner;
     Tensor x = Tensor::Empty({s.tokens, s.d_model}), y = Tensor::Empty({s.tokens, s.d_model});
     Tensor dy = Tensor::Empty({s.tokens, s.d_model}), dx = Tensor::Empty({s.tokens, s.d_model});
@@ -256,12 +280,10 @@ Row RunShape(const Shape& s, const Options& o, ThreadPool& pool) {
       for (double v : logit) z += std::exp(v - mx);
       double wsum = 0;
       for (int j = 0; j < s.k; ++j) wsum += std::exp(logit[r.expert.i32()[t * s.k + j]] - mx) / z;
-      for (int j = 0; j < s.k; ++j) {
-        const int e = r.expert.i32()[t * s.k + j];
-        const double wj = std::exp(logit[e] - mx) / z / (s.k > 1 ? wsum : 1.0);
-        auto& f = static_cast<model::FfnExpert&>(layer.expert(e));
-        std::vector<double> act(s.d_hidden);
-        for (int64_t h = 0; h < s.d_hidden; ++h) {
+      // ref += w * FFN_f(x_t), for an FFN of width H.
+      auto add_ffn = [&](model::FfnExpert& f, int64_t H, double w) {
+        std::vector<double> act(H);
+        for (int64_t h = 0; h < H; ++h) {
           double v = f.b1()->value.f32()[h];
           for (int64_t c = 0; c < s.d_model; ++c) {
             v += double(f.w1().value.f32()[h * s.d_model + c]) * x.f32()[t * s.d_model + c];
@@ -270,12 +292,16 @@ Row RunShape(const Shape& s, const Options& o, ThreadPool& pool) {
         }
         for (int64_t c = 0; c < s.d_model; ++c) {
           double v = f.b2()->value.f32()[c];
-          for (int64_t h = 0; h < s.d_hidden; ++h) {
-            v += double(f.w2().value.f32()[c * s.d_hidden + h]) * act[h];
-          }
-          ref[c] += wj * v;
+          for (int64_t h = 0; h < H; ++h) v += double(f.w2().value.f32()[c * H + h]) * act[h];
+          ref[c] += w * v;
         }
+      };
+      for (int j = 0; j < s.k; ++j) {
+        const int e = r.expert.i32()[t * s.k + j];
+        const double wj = std::exp(logit[e] - mx) / z / (s.k > 1 ? wsum : 1.0);
+        add_ffn(static_cast<model::FfnExpert&>(layer.expert(e)), s.d_hidden, wj);
       }
+      if (s.shared > 0) add_ffn(*layer.shared(), s.shared * s.d_hidden, 1.0);
       double err = 0, norm = 0;
       for (int64_t c = 0; c < s.d_model; ++c) {
         err = std::max(err, std::abs(ref[c] - y.f32()[t * s.d_model + c]));
@@ -287,7 +313,7 @@ Row RunShape(const Shape& s, const Options& o, ThreadPool& pool) {
     for (int64_t n : layer.stats().load) row.routed += n;
     row.grouped = layer.last_run_grouped();
   }
-  row.gflops = 12.0 * row.routed * s.d_model * s.d_hidden / (row.ms * 1e6);
+  row.gflops = ExpertGflop(s, row.routed) / (row.ms * 1e-3);
   return row;
 }
 
@@ -328,12 +354,13 @@ Row MeasureRound(const Shape& s, const Options& o, int threads) {
   row.grouped = JsonNumber(out, "grouped") > 0;
   if (o.torch) {
     int status = 0;
-    const std::string t =
-        Capture(absl::StrFormat("%s %s/bench_moe_torch.py --tokens %d --d_model %d --d_hidden %d "
-                                "--experts %d --k %d --threads %d --iters %d --warmup %d",
-                                o.python, ExecutableDir(), s.tokens, s.d_model, s.d_hidden,
-                                s.experts, s.k, threads, o.iters * o.blocks, std::max(1, o.warmup)),
-                &status);
+    const std::string t = Capture(
+        absl::StrFormat("%s %s/bench_moe_torch.py --tokens %d --d_model %d --d_hidden %d "
+                        "--experts %d --k %d --shared %d --threads %d --iters %d "
+                        "--warmup %d",
+                        o.python, ExecutableDir(), s.tokens, s.d_model, s.d_hidden, s.experts, s.k,
+                        s.shared, threads, o.iters * o.blocks, std::max(1, o.warmup)),
+        &status);
     row.torch_ms = JsonNumber(t, "ms");
     row.torch_peak_mb = JsonNumber(t, "peak_rss_mb");
     if (!std::isfinite(row.torch_ms)) {
@@ -372,7 +399,7 @@ Row MeasureShape(const Shape& s, const Options& o, int threads) {
     row.wrong = std::max(row.wrong, r.wrong);
     if (row.torch_note.empty()) row.torch_note = r.torch_note;
   }
-  row.gflops = 12.0 * row.routed * s.d_model * s.d_hidden / (row.ms * 1e6);
+  row.gflops = ExpertGflop(s, row.routed) / (row.ms * 1e-3);
   return row;
 }
 
@@ -415,11 +442,13 @@ int Main(int argc, char** argv) {
       value(&chunks);
     else if (a == "--shape" && i + 1 < argc) {
       Shape s{};
-      if (std::sscanf(argv[++i], "%ld,%ld,%ld,%ld,%d", &s.tokens, &s.d_model, &s.d_hidden,
-                      &s.experts, &s.k) != 5 ||
-          s.tokens < 1 || s.d_model < 1 || s.d_hidden < 1 || s.experts < 1 || s.k < 1 || s.k > 4 ||
-          s.k > s.experts) {
-        std::fprintf(stderr, "bench_moe_layer: --shape wants TOKENS,D_MODEL,D_HIDDEN,EXPERTS,K\n");
+      const int n = std::sscanf(argv[++i], "%ld,%ld,%ld,%ld,%d,%d", &s.tokens, &s.d_model,
+                                &s.d_hidden, &s.experts, &s.k, &s.shared);
+      if ((n != 5 && n != 6) || s.tokens < 1 || s.d_model < 1 || s.d_hidden < 1 || s.experts < 1 ||
+          s.k < 1 || s.k > 8 || s.k > s.experts || s.shared < 0 || s.shared > 64) {
+        std::fprintf(stderr,
+                     "bench_moe_layer: --shape wants TOKENS,D_MODEL,D_HIDDEN,EXPERTS,K[,SHARED] "
+                     "with 1 <= K <= min(8, EXPERTS) and 0 <= SHARED <= 64\n");
         return 2;
       }
       o.shapes = {s};
@@ -439,6 +468,10 @@ int Main(int argc, char** argv) {
     }
   }
   if (workers > 0) {
+    if (o.shapes.size() == 1 && o.shapes[0].shared > 0) {
+      std::fprintf(stderr, "bench_moe_layer: --workers does not take shared experts\n");
+      return 2;
+    }
     return RunWorkersBench(workers, std::max(1, chunks), std::max(1, o.rounds),
                            std::max(1, o.iters * 3), o.json, small, worker_shape);
   }
@@ -450,9 +483,11 @@ int Main(int argc, char** argv) {
     std::printf("# bench_moe_layer: MoE layer forward+backward, top-k gate, dropless, %d threads\n",
                 o.threads);
     std::printf("# host: %s\n", HostDescription().c_str());
-    std::printf("# GFLOP/s counts expert GEMMs only (12 * routed rows * d_model * d_hidden)\n");
-    std::printf("%6s %7s %8s %7s %2s | %9s %8s | %9s %8s | %9s %8s | %7s %6s\n", "tokens",
-                "d_model", "d_hidden", "experts", "k", "strata_ms", "GFLOP/s", "sgemm_ms",
+    std::printf(
+        "# GFLOP/s counts expert GEMMs only (12 * d_model * d_hidden * (routed rows + tokens * "
+        "shared))\n");
+    std::printf("%6s %7s %8s %7s %2s %6s | %9s %8s | %9s %8s | %9s %8s | %7s %6s\n", "tokens",
+                "d_model", "d_hidden", "experts", "k", "shared", "strata_ms", "GFLOP/s", "sgemm_ms",
                 "x_sgemm", "torch_ms", "speedup", "peak_MB", "#wrong");
   }
   int failures = 0;
@@ -469,6 +504,7 @@ int Main(int argc, char** argv) {
           .Field("d_hidden", s.d_hidden)
           .Field("experts", s.experts)
           .Field("k", s.k)
+          .Field("shared", s.shared)
           .Field("threads", o.threads)
           .Field("ms", r.ms)
           .Field("gflops", r.gflops)
@@ -488,9 +524,10 @@ int Main(int argc, char** argv) {
       std::printf("%s\n", j.str().c_str());
     } else {
       std::printf(
-          "%6lld %7lld %8lld %7lld %2d | %9.1f %8.1f | %9.1f %8.3f | %9.1f %8.2f | %7.0f %6d\n",
+          "%6lld %7lld %8lld %7lld %2d %6d | %9.1f %8.1f | %9.1f %8.3f | %9.1f %8.2f | %7.0f "
+          "%6d\n",
           (long long)s.tokens, (long long)s.d_model, (long long)s.d_hidden, (long long)s.experts,
-          s.k, r.ms, r.gflops, r.sgemm_ms, over, r.torch_ms, speedup, r.peak_mb, r.wrong);
+          s.k, s.shared, r.ms, r.gflops, r.sgemm_ms, over, r.torch_ms, speedup, r.peak_mb, r.wrong);
       std::printf(
           "#   sgemm schedules (ms): openblas_threads %.1f, split_gemms %.1f, expert_groups "
           "%.1f; strata ran %s\n",

@@ -47,7 +47,7 @@ struct WorkerResult {
 
 std::unique_ptr<model::MoeLayer> MakeBenchLayer(ops::Context& ctx, int64_t tokens, int64_t d_model,
                                                 int64_t d_hidden, int64_t experts, int k,
-                                                int64_t first, int64_t count) {
+                                                int64_t first, int64_t count, int shared) {
   model::SoftmaxGateOptions g;
   g.d_model = d_model;
   g.num_experts = experts;
@@ -61,8 +61,15 @@ std::unique_ptr<model::MoeLayer> MakeBenchLayer(ops::Context& ctx, int64_t token
     model::FfnOptions f{d_model, d_hidden, ops::Activation::kGelu, true, 0.02f, 0.02f};
     list.push_back(std::make_unique<model::FfnExpert>(absl::StrCat("e", e), f));
   }
+  std::unique_ptr<model::FfnExpert> shared_ffn;
+  if (shared > 0) {
+    shared_ffn = std::make_unique<model::FfnExpert>(
+        "shared",
+        model::FfnOptions{d_model, shared * d_hidden, ops::Activation::kGelu, true, 0.02f, 0.02f});
+  }
   auto layer = std::make_unique<model::MoeLayer>(d_model, tokens, model::MakeGate("gate", g),
-                                                 std::move(list), first);
+                                                 std::move(list), first, Device::Cpu(),
+                                                 std::move(shared_ffn));
   for (model::Parameter* p : layer->Parameters()) model::Initialize(ctx, *p, 1);
   return layer;
 }
@@ -71,7 +78,7 @@ namespace {
 
 std::unique_ptr<model::MoeLayer> MakeLayer(ops::Context& ctx, const WorkerShape& s, int64_t first,
                                            int64_t count) {
-  return MakeBenchLayer(ctx, s.tokens, s.d_model, s.d_hidden, s.experts, s.k, first, count);
+  return MakeBenchLayer(ctx, s.tokens, s.d_model, s.d_hidden, s.experts, s.k, first, count, 0);
 }
 
 // One worker: returns "step_ms comm_ms exposed_ms wrong" or "error: ...".

@@ -3,7 +3,8 @@
 
 This is the brute-force layer FastMoE compares against: a linear gate with softmax and top-k,
 then a Python loop over experts, each with its own weight tensors, gathering its tokens with
-index_select and scattering its weighted output back with index_add. Autograd does backward.
+index_select and scattering its weighted output back with index_add, plus (--shared) one FFN
+that every token goes through. Autograd does backward.
 Prints one JSON object: {"ms": median milliseconds per iteration, "peak_rss_mb": ..., "threads": ...}.
 
 --device cuda (bench_moe_gpu's baseline) runs the same layer on the GPU, timing each iteration
@@ -25,6 +26,9 @@ def main():
     ap = argparse.ArgumentParser()
     for name in ("tokens", "d_model", "d_hidden", "experts", "k"):
         ap.add_argument("--" + name, type=int, required=True)
+    ap.add_argument("--shared", type=int, default=0,
+                    help="shared experts of d_hidden each: one FFN of shared * d_hidden that every "
+                         "token goes through, added with weight 1")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
@@ -51,12 +55,18 @@ def main():
     gate = torch.nn.Linear(C, E, bias=False)
     w1 = [torch.nn.Linear(C, H) for _ in range(E)]
     w2 = [torch.nn.Linear(H, C) for _ in range(E)]
+    shared = (torch.nn.Sequential(torch.nn.Linear(C, args.shared * H),
+                                  torch.nn.GELU(approximate="tanh"),
+                                  torch.nn.Linear(args.shared * H, C))
+              if args.shared > 0 else None)
     x = torch.randn(T, C, requires_grad=True)
     dy = torch.randn(T, C)
     if cuda:
         gate = gate.to(dev)
         w1 = [m.to(dev) for m in w1]
         w2 = [m.to(dev) for m in w2]
+        if shared is not None:
+            shared = shared.to(dev)
         x = x.detach().to(dev).requires_grad_(True)
         dy = dy.to(dev)
 
@@ -86,6 +96,8 @@ def main():
             ye = w2[e](torch.nn.functional.gelu(w1[e](xe), approximate="tanh"))
             out = out.index_add(0, token_of.index_select(0, rows),
                                 (ye * flat_w.index_select(0, rows)).to(out.dtype))
+        if shared is not None:
+            out = out + shared(x).to(out.dtype)
         return out
 
     def step():
