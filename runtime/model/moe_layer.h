@@ -102,8 +102,6 @@ class MoeLayer {
   // The dense part of the layer: the gate's parameters, then the shared experts'. Every worker
   // holds them all; their gradients are summed over workers with the model's other dense ones.
   std::vector<Parameter*> DenseParameters();
-  // The gate's parameters only.
-  std::vector<Parameter*> GateParameters() { return gate_->Parameters(); }
   // Expert parameters become resident through `residency` (the tiered store) for block `layer`;
   // see expert_residency.h: the layer binds the blobs it is handed to its experts' parameters for
   // each call. Null: experts own their parameters. The layer does not own the residency.

@@ -199,7 +199,7 @@ TEST(ResidencyHandOffTest, LayerRunsOnHandedBlobsBitwiseAsInMemory) {
     }
   }
   EXPECT_GE(routed, 3);
-  std::vector<Parameter*> ga = owned->GateParameters(), gb = unbound->GateParameters();
+  std::vector<Parameter*> ga = owned->DenseParameters(), gb = unbound->DenseParameters();
   for (size_t i = 0; i < ga.size(); ++i) EXPECT_TRUE(SameBits(ga[i]->grad, gb[i]->grad));
 }
 
