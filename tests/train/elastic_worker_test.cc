@@ -77,13 +77,22 @@ class FakeMembership : public Membership {
     }
     return coordinator::JoinReply();
   }
-  StatusOr<coordinator::Generation> Heartbeat(const std::string&) override {
+  StatusOr<coordinator::Generation> Heartbeat(const std::string& id) override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (expelled_ && id == expel_id_) return NotPartOfTheJob(id);
     return generation_;
   }
   StatusOr<coordinator::Generation> ReportStep(const std::string& id, int64_t generation,
                                                int64_t step, double loss, double) override {
     std::unique_lock<std::mutex> lock(mu_);
+    if (id == expel_id_ && step >= expel_step_) {
+      // Declared failed: heartbeats hear it at once; this report is answered only after a
+      // while, so that the worker learns it from its heartbeats first.
+      expelled_ = true;
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::milliseconds(800));
+      return NotPartOfTheJob(id);
+    }
     if (generation != generation_.number()) {
       return absl::FailedPreconditionError("generation is not current");
     }
@@ -143,6 +152,12 @@ class FakeMembership : public Membership {
     std::lock_guard<std::mutex> lock(mu_);
     finished_ = true;
   }
+  // From its report of `step` on, the coordinator no longer counts worker `id` in the job.
+  void ExpelAt(const std::string& id, int64_t step) {
+    std::lock_guard<std::mutex> lock(mu_);
+    expel_id_ = id;
+    expel_step_ = step;
+  }
   // Copies, taken under the lock.
   std::vector<Report> reports() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -166,6 +181,10 @@ class FakeMembership : public Membership {
   }
 
  private:
+  static Status NotPartOfTheJob(const std::string& id) {
+    return absl::NotFoundError(absl::StrFormat(
+        "worker '%s' is not part of the job (it never joined, or it was declared failed)", id));
+  }
   void FormGeneration(const std::string& reason) {
     coordinator::Generation next;
     next.set_number(generation_.number() + 1);
@@ -188,6 +207,9 @@ class FakeMembership : public Membership {
   int join_calls_ = 0;
   int64_t hold_step_ = -1;  // none
   int hold_joins_ = 0;
+  std::string expel_id_;
+  int64_t expel_step_ = -1;
+  bool expelled_ = false;
   std::vector<Report> reports_;
   std::vector<Start> starts_;
   std::vector<std::string> attached_;
@@ -505,6 +527,33 @@ TEST_F(ElasticWorkerTest, ACoordinatorThatNeverAnswersEndsTheWorkerAfterItsPatie
 
 // A coordinator that answers after a silence is heard: its answer (here: this worker was declared
 // failed meanwhile) comes back as it is, not as the silence before it.
+// A worker the coordinator declared failed hears it from its heartbeats: it stops training and
+// leaves at once with that reason (not after waiting for a generation that will never hold it).
+// Seen failing with the heartbeat thread ignoring NOT_FOUND: the worker ends with the step
+// report's error instead.
+TEST_F(ElasticWorkerTest, AWorkerDeclaredFailedLeavesAtOnceSayingSo) {
+  FakeMembership coordinator(/*initial=*/1);
+  coordinator.ExpelAt("a", 3);
+  ElasticWorkerOptions o = Options("a");
+  SeenEnd seen;
+  o.on_end = Record(&seen);
+  const auto started = std::chrono::steady_clock::now();
+  const Status s = RunElasticWorker(coordinator, std::move(o));
+  const auto took = std::chrono::steady_clock::now() - started;
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+  EXPECT_NE(s.message().find("the coordinator at fake:7777 declared worker 'a' failed, so it "
+                             "left the job"),
+            std::string::npos)
+      << s;
+  EXPECT_EQ(seen.calls, 1);
+  EXPECT_LT(took, std::chrono::seconds(20));
+  // It trained up to the step whose report was refused, and left the job unfinished.
+  const auto reports = coordinator.reports();
+  ASSERT_EQ(reports.size(), 2u);
+  EXPECT_EQ(reports.back().step, 2);
+  EXPECT_EQ(coordinator.detached(), std::vector<bool>{false});
+}
+
 TEST(RetryWhileUnreachableTest, AnAnswerAfterRetriesIsReturnedAsItIs) {
   int calls = 0;
   auto answer = [&]() -> StatusOr<int> {
