@@ -253,6 +253,15 @@ void ValidateModel(const JobConfig& c, Validator& v) {
               {"model", "moe", "gate", "z_loss_coef"}, "z_loss_coef must be >= 0");
     v.Require(Finite(g.jitter_eps()) && g.jitter_eps() >= 0 && g.jitter_eps() < 1,
               {"model", "moe", "gate", "jitter_eps"}, "jitter_eps must be in [0, 1)");
+    if (g.type() == GateConfig::EXPERT_CHOICE) {
+      // Balanced by construction: the balancing options have nothing to act on.
+      v.Require(g.score_function() == GateConfig::SOFTMAX && g.bias_update_rate() == 0 &&
+                    g.sequence_aux_loss_coef() == 0 && g.num_groups() <= 1,
+                {"model", "moe", "gate", "type"},
+                "the EXPERT_CHOICE gate takes softmax scores and balances by construction: remove "
+                "score_function, bias_update_rate, sequence_aux_loss_coef and num_groups, or use "
+                "gate type TOP_K");
+    }
     if (g.score_function() == GateConfig::SIGMOID) {
       v.Require(g.type() == GateConfig::TOP_K, {"model", "moe", "gate", "score_function"},
                 "score_function SIGMOID goes with gate type TOP_K (SWITCH, GSHARD and "

@@ -218,15 +218,17 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
   // weights per token, noise or jitter buffers) and the dispatch (k rows per token: slot and
   // token ids, permuted input, output and input gradient, the experts' saved activations, and
   // the combine weights' gradient).
-  uint64_t gate = Add(Mul(3, N, E), Add(N, Mul(2, N, k)));
+  // Expert choice routes through E slots per token (kernels see k = E).
+  const uint64_t slots = moe.gate().type() == GateConfig::EXPERT_CHOICE ? E : k;
+  uint64_t gate = Add(Mul(3, N, E), Add(N, Mul(2, N, slots)));
   if (noisy) gate = Add(gate, Mul(2, N, E));
   // The sequence-wise loss's gradient rows (one per sequence, at most one per token).
   if (moe.gate().sequence_aux_loss_coef() > 0) gate = Add(gate, Mul(N, E));
   if (switch_gate) gate = Add(gate, Mul(2, N, C));
-  const uint64_t R = Mul(N, k);
+  const uint64_t R = Mul(N, slots);
   uint64_t dispatch = Add(Mul(2, R), Mul(3, R, C));
   dispatch = Add(dispatch, std::max<uint64_t>(1, Mul(R, Add(InWidth(m, dexp), dexp))));
-  dispatch = Add(dispatch, Mul(N, k));
+  dispatch = Add(dispatch, Mul(N, slots));
   // Shared experts: their output and saved pre-activation and activation of every row.
   const uint64_t shared = dshared > 0 ? Mul(N, Add(C, Add(InWidth(m, dshared), dshared))) : 0;
   act = Add(act, Mul(moe_layers, Add(Add(gate, dispatch), shared)));

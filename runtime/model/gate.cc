@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "core/common/rng.h"
 
@@ -260,7 +261,113 @@ bool SoftmaxGate::BiasRange(double* lo, double* hi) const {
   return true;
 }
 
+ExpertChoiceGate::ExpertChoiceGate(const std::string& prefix, const SoftmaxGateOptions& o)
+    : cfg_(o.config), C_(o.d_model), E_(o.num_experts), top_k_(o.k) {
+  w_gate_ = MakeParameter(prefix + ".router", {E_, C_}, Init::kNormal, o.init_std, true, o.device);
+  const int64_t T = o.max_tokens;
+  logits_ = Tensor::Empty({T, E_}, DType::kF32, o.device);
+  probs_ = Tensor::Empty({T, E_}, DType::kF32, o.device);
+  dlogits_ = Tensor::Empty({T, E_}, DType::kF32, o.device);
+  lse_ = Tensor::Empty({T}, DType::kF32, o.device);
+  top1_ = Tensor::Empty({T, 1}, DType::kI32, o.device);
+  top1_weight_ = Tensor::Empty({T, 1}, DType::kF32, o.device);
+  expert_ = Tensor::Empty({T, E_}, DType::kI32, o.device);
+  weight_ = Tensor::Empty({T, E_}, DType::kF32, o.device);
+  eligible_.assign(T * E_, 0);
+  // Slot j is expert j for every token.
+  Tensor ids = expert_.To(Device::Cpu());
+  for (int64_t i = 0; i < T * E_; ++i) ids.i32()[i] = static_cast<int32_t>(i % E_);
+  if (!expert_.device().is_cpu()) expert_.CopyFrom(ids);
+  batch_load_.assign(E_, 0);
+}
+
+int64_t ExpertChoiceGate::Capacity(int64_t tokens, bool training) const {
+  const double cf = training ? cfg_.capacity_factor_train() : cfg_.capacity_factor_eval();
+  return std::min(tokens, ops::MoeCapacity(cf > 0 ? cf : 1.0, tokens, top_k_, E_));
+}
+
+void ExpertChoiceGate::Forward(ops::Context& ctx, const Tensor& x, const GateCall& call,
+                               Routing* out) {
+  const int64_t T = x.dim(0);
+  CHECK_LE(T, logits_.dim(0)) << "more tokens than the gate was sized for";
+  last_tokens_ = T;
+  last_loss_scale_ = call.loss_scale;
+  Tensor none;
+  Tensor logits = logits_.Rows(0, T), probs = probs_.Rows(0, T), lse = lse_.Rows(0, T);
+  ops::LinearForward(ctx, logits, x, w_gate_->value, none);
+  // Softmax scores and logsumexp (the top-1 it also picks is not used).
+  ops::MoeRouterForward(ctx, probs, lse, top1_.Rows(0, T), top1_weight_.Rows(0, T), logits,
+                        /*renormalize=*/false);
+  const Tensor host = probs.To(Device::Cpu());
+  const float* p = host.f32();
+  // The batch's scores: this call's, or every worker's summed into one matrix.
+  int64_t batch = T, first = 0;
+  const float* scores = p;
+  std::vector<float> gathered;
+  if (reducer_ != nullptr && reducer_->parts() > 1) {
+    double tokens = static_cast<double>(T);
+    reducer_->Sum(&tokens, 1);
+    batch = std::llround(tokens);
+    first = call.first_token;
+    CHECK(first >= 0 && first + T <= batch)
+        << "tokens [" << first << ", " << first + T << ") outside a batch of " << batch;
+    batch_scores_.assign(batch * E_, 0.0);
+    for (int64_t i = 0; i < T * E_; ++i) batch_scores_[first * E_ + i] = p[i];
+    reducer_->Sum(batch_scores_.data(), batch_scores_.size());
+    gathered.resize(batch * E_);
+    for (int64_t i = 0; i < batch * E_; ++i) gathered[i] = static_cast<float>(batch_scores_[i]);
+    scores = gathered.data();
+  }
+  // Each expert takes its C best tokens of the batch (ties: the earlier token).
+  const int64_t C = Capacity(batch, call.training);
+  std::fill(eligible_.begin(), eligible_.begin() + T * E_, 0);
+  order_.resize(batch);
+  for (int64_t e = 0; e < E_; ++e) {
+    std::iota(order_.begin(), order_.end(), 0);
+    std::partial_sort(order_.begin(), order_.begin() + C, order_.end(), [&](int32_t a, int32_t b) {
+      const float va = scores[a * E_ + e], vb = scores[b * E_ + e];
+      return va > vb || (va == vb && a < b);
+    });
+    batch_load_[e] = C;
+    for (int64_t i = 0; i < C; ++i) {
+      const int64_t t = order_[i] - first;
+      if (t >= 0 && t < T) eligible_[t * E_ + e] = 1;
+    }
+  }
+  Tensor weight = weight_.Rows(0, T);
+  Tensor host_weight = weight.To(Device::Cpu());
+  for (int64_t i = 0; i < T * E_; ++i) host_weight.f32()[i] = eligible_[i] ? p[i] : 0.0f;
+  if (!weight.device().is_cpu()) weight.CopyFrom(host_weight);
+  out->tokens = T;
+  out->k = static_cast<int>(E_);
+  out->expert = expert_.Rows(0, T);
+  out->weight = weight;
+  out->eligible = eligible_.data();
+  out->aux_loss = 0;
+  out->z_loss = ops::MoeZLoss(ctx, lse);
+  out->sequence_aux_loss = 0;
+}
+
+void ExpertChoiceGate::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dweight,
+                                const Tensor& dx) {
+  const int64_t T = last_tokens_;
+  CHECK_EQ(x.dim(0), T);
+  // w[t, e] = p[t, e] where expert e took token t: the router's backward with the k = E slots,
+  // no normalisation (dweight is 0 where nothing was dispatched).
+  ops::MoeRouterSpec spec;
+  spec.k = static_cast<int>(E_);
+  Tensor dlogits = dlogits_.Rows(0, T), none;
+  ops::MoeRouterBackward(ctx, dlogits, dweight, probs_.Rows(0, T), logits_.Rows(0, T),
+                         lse_.Rows(0, T), expert_.Rows(0, T), Tensor(), 1, spec,
+                         static_cast<float>(last_loss_scale_ * cfg_.z_loss_coef()));
+  ops::LinearBackward(ctx, dx, w_gate_->grad, none, dlogits, x, w_gate_->value,
+                      /*accumulate_dinp=*/true);
+}
+
 std::unique_ptr<Gate> MakeGate(const std::string& name_prefix, const SoftmaxGateOptions& options) {
+  if (options.config.type() == config::GateConfig::EXPERT_CHOICE) {
+    return std::make_unique<ExpertChoiceGate>(name_prefix, options);
+  }
   return std::make_unique<SoftmaxGate>(name_prefix, options);
 }
 

@@ -176,6 +176,52 @@ class SoftmaxGate : public Gate {
   uint64_t last_step_ = 0;
 };
 
+// Expert choice (GateConfig EXPERT_CHOICE, Zhou et al. 2022): softmax scores; each expert takes
+// the C tokens of the whole batch that score it highest (ties: the earlier token), C =
+// MoeCapacity(capacity_factor or 1, batch tokens, top_k, E). Its Routing has k() = E slots per
+// token, slot j for expert j, dispatched (eligible) only where expert j took the token, weighted
+// by the token's score. When a reducer spans several workers, the scores of the whole batch are
+// summed into one matrix (each worker fills its rows at call.first_token), so every worker makes
+// the single process's choice and keeps its own rows. The z-loss applies; there is no aux loss.
+// Host code: the CPU only (MoeTransformer::Create refuses it elsewhere). Ownership and threads as
+// SoftmaxGate.
+class ExpertChoiceGate : public Gate {
+ public:
+  ExpertChoiceGate(const std::string& name_prefix, const SoftmaxGateOptions& options);
+
+  int k() const override { return static_cast<int>(E_); }
+  int64_t num_experts() const override { return E_; }
+  // The gate limits each expert itself: the layer's plan drops nothing.
+  double CapacityFactor(bool) const override { return 0; }
+  void Forward(ops::Context& ctx, const Tensor& x, const GateCall& call, Routing* out) override;
+  void Backward(ops::Context& ctx, const Tensor& x, const Tensor& dweight,
+                const Tensor& dx) override;
+  std::vector<Parameter*> Parameters() override { return {w_gate_.get()}; }
+  void AttachReducer(BatchReducer* reducer) override { reducer_ = reducer; }
+  const std::vector<int64_t>& BatchLoad() const override { return batch_load_; }
+  void UpdateBias(ops::Context&) override {}
+  bool BiasRange(double*, double*) const override { return false; }
+
+  Parameter& router() { return *w_gate_; }
+  // Tokens each expert takes of a batch of `tokens` (training or evaluation capacity factor).
+  int64_t Capacity(int64_t tokens, bool training) const;
+
+ private:
+  config::GateConfig cfg_;
+  int64_t C_, E_;
+  int top_k_;
+  std::unique_ptr<Parameter> w_gate_;  // [E, C]
+  Tensor logits_, probs_, lse_, top1_, top1_weight_, dlogits_;
+  Tensor expert_, weight_;            // [T, E]: slot j is expert j
+  std::vector<uint8_t> eligible_;     // [T, E]
+  std::vector<double> batch_scores_;  // [batch tokens, E] (several workers)
+  std::vector<int32_t> order_;        // token order of one expert's column
+  std::vector<int64_t> batch_load_;
+  BatchReducer* reducer_ = nullptr;
+  int64_t last_tokens_ = 0;
+  double last_loss_scale_ = 1.0;
+};
+
 // The gate a GateConfig describes, for a layer of `num_experts` experts of width d_model.
 std::unique_ptr<Gate> MakeGate(const std::string& name_prefix, const SoftmaxGateOptions& options);
 

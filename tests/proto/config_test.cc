@@ -157,6 +157,8 @@ TEST(ConfigTest, RouterOptionsAreCheckedWithTheFieldAndTheFix) {
        "group-limited routing (num_groups > 1) goes with gate type TOP_K"},
       {"num_experts: 16 top_k: 9", "top_k = 9 must be in [1, 8]"},
       {"num_shared_experts: 65", "num_shared_experts = 65 must be in [0, 64]"},
+      {"gate { type: EXPERT_CHOICE bias_update_rate: 0.001 }",
+       "the EXPERT_CHOICE gate takes softmax scores and balances by construction"},
       {"num_shared_experts: 1 shared_d_expert: -4", "shared_d_expert = -4 must be in [1, "},
   };
   for (const auto& [moe, want] : cases) {

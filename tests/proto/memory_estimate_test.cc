@@ -53,6 +53,8 @@ TEST(MemoryEstimateTest, ParameterCountsEqualTheModelBuiltFromTheConfig) {
       "model { seq_len: 8 d_model: 16 n_layers: 2 n_heads: 2\n"
       "        moe { num_experts: 6 top_k: 4 gate { score_function: SIGMOID\n"
       "              bias_update_rate: 0.001 num_groups: 3 topk_groups: 2 } } }",
+      "model { seq_len: 8 d_model: 16 n_layers: 2 n_heads: 2\n"
+      "        moe { num_experts: 4 gate { type: EXPERT_CHOICE } } }",
   };
   for (const std::string& text : models) {
     const JobConfig cfg = Parse(text);

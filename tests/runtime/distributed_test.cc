@@ -63,6 +63,7 @@ void PrintTo(const Layout& l, std::ostream* os) { *os << l.name; }
 constexpr const char* kModernRouter =
     "gate { score_function: SIGMOID bias_update_rate: 0.01 num_groups: 4 topk_groups: 2 "
     "routed_scaling: 2 sequence_aux_loss_coef: 0.01 }";
+constexpr const char* kExpertChoice = "gate { type: EXPERT_CHOICE capacity_factor_train: 1.25 }";
 
 std::string Config(const Layout& l, int steps = 10, const std::string& gate = "") {
   return absl::StrCat(
@@ -250,7 +251,12 @@ INSTANTIATE_TEST_SUITE_P(
                       // an uneven share of the batch like the cross-entropy.
                       Layout{"ep3_uneven_batch_router", 3, 0, 2, "", false, kModernRouter},
                       Layout{"ep2xdp2_router", 4, 2, 2, "", false, kModernRouter},
-                      Layout{"ep2_tiered_router", 2, 0, 2, "", true, kModernRouter}),
+                      Layout{"ep2_tiered_router", 2, 0, 2, "", true, kModernRouter},
+                      // Expert choice over the whole batch: the workers sum the batch's scores,
+                      // choose as one process does, and each keeps its own rows.
+                      Layout{"ep3_uneven_batch_expert_choice", 3, 0, 2, "", false, kExpertChoice},
+                      Layout{"ep2xdp2_expert_choice", 4, 2, 2, "", false, kExpertChoice},
+                      Layout{"ep2_tiered_expert_choice", 2, 0, 2, "", true, kExpertChoice}),
     [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
 
 // Expert replicas in TIERED: 4 workers in 2 expert-parallel groups of 2, so that each of the 16

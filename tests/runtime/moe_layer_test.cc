@@ -91,7 +91,9 @@ double Gelu(double v) {
 }
 
 RefResult Reference(const Case& c, const std::vector<double>& x, const Params& p) {
-  const int T = kTokens, C = kC, E = c.experts, k = c.k;
+  const bool expert_choice = c.type == GateConfig::EXPERT_CHOICE;
+  // Expert choice: slot j of every token is expert j (dispatched where expert j took it).
+  const int T = kTokens, C = kC, E = c.experts, k = expert_choice ? c.experts : c.k;
   const bool jitter = c.training && c.type == GateConfig::SWITCH;
   const bool noise = c.training && c.type == GateConfig::NOISY_TOP_K;
   const bool random_routing = c.training && c.type == GateConfig::GSHARD;
@@ -154,6 +156,13 @@ RefResult Reference(const Case& c, const std::vector<double>& x, const Params& p
     for (int e = 0; e < E; ++e) {
       if (allowed[e]) order.push_back(e);
     }
+    if (expert_choice) {  // every expert in id order; weights and choices come below
+      for (int e = 0; e < E; ++e) {
+        choice[t].push_back(e);
+        weight[t].push_back(probs[t * E + e]);
+      }
+      continue;
+    }
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return sel[a] > sel[b]; });
     double sum = 0;
     for (int j = 0; j < k; ++j) sum += probs[t * E + order[j]];
@@ -168,8 +177,27 @@ RefResult Reference(const Case& c, const std::vector<double>& x, const Params& p
     }
   }
   RefResult r;
+  if (expert_choice) {
+    // Each expert takes its C best tokens (ties: the earlier token); capacity factor 0 reads 1.
+    const double f = c.training && c.capacity_factor > 0 ? c.capacity_factor : 1.0;
+    const int cap = std::min<int>(
+        T, std::max(1, static_cast<int>(std::ceil(f * T * c.k / static_cast<double>(E)))));
+    for (int t = 0; t < T; ++t) eligible[t].assign(E, false);
+    for (int e = 0; e < E; ++e) {
+      std::vector<int> tokens(T);
+      std::iota(tokens.begin(), tokens.end(), 0);
+      std::stable_sort(tokens.begin(), tokens.end(),
+                       [&](int a, int b) { return probs[a * E + e] > probs[b * E + e]; });
+      for (int i = 0; i < cap; ++i) eligible[tokens[i]][e] = true;
+    }
+    for (int t = 0; t < T; ++t) {
+      for (int e = 0; e < E; ++e) {
+        if (!eligible[t][e]) weight[t][e] = 0;
+      }
+    }
+  }
   // Capacity: first choices of all tokens, then second choices, ...
-  const double cf = c.training ? c.capacity_factor : 0.0;
+  const double cf = c.training && !expert_choice ? c.capacity_factor : 0.0;
   const int64_t cap =
       cf > 0 ? std::max<int64_t>(1, static_cast<int64_t>(std::ceil(cf * T * k / E))) : 1 << 30;
   r.load.assign(E, 0);
@@ -225,6 +253,10 @@ RefResult Reference(const Case& c, const std::vector<double>& x, const Params& p
     r.z += lse[t] * lse[t] / T;
   }
   for (int e = 0; e < E; ++e) r.aux += E * f[e] * P[e];
+  if (expert_choice) {  // no aux loss; every expert took its capacity
+    r.aux = 0;
+    r.routed = r.load;
+  }
   // Sequence-wise: mean over sequences of sum_e (E / (k S) * choices to e) * mean q_e.
   const int nseq = (T + kSeqLen - 1) / kSeqLen;
   for (int sq = 0; sq < nseq; ++sq) {
@@ -289,13 +321,21 @@ class MoeLayerTest : public ::testing::TestWithParam<Case> {
     for (int64_t i = 0; i < r_.numel(); ++i) r_.f32()[i] = nd(gen);
   }
 
+  // The router of either gate class; the softmax gate, or null for expert choice.
+  Parameter& Router() {
+    if (SoftmaxGate* g = Softmax()) return g->router();
+    return dynamic_cast<ExpertChoiceGate&>(layer_->gate()).router();
+  }
+  SoftmaxGate* Softmax() { return dynamic_cast<SoftmaxGate*>(&layer_->gate()); }
+
   Params Snapshot() {
     Params p;
     auto vec = [](const Tensor& t) { return std::vector<double>(t.f32(), t.f32() + t.numel()); };
-    auto& gate = static_cast<SoftmaxGate&>(layer_->gate());
-    p.router = vec(gate.router().value);
-    if (gate.noise_router()) p.noise = vec(gate.noise_router()->value);
-    if (gate.selection_bias()) p.bias = vec(gate.selection_bias()->value);
+    p.router = vec(Router().value);
+    if (SoftmaxGate* g = Softmax()) {
+      if (g->noise_router()) p.noise = vec(g->noise_router()->value);
+      if (g->selection_bias()) p.bias = vec(g->selection_bias()->value);
+    }
     for (int e = 0; e < GetParam().experts; ++e) {
       auto& f = static_cast<FfnExpert&>(layer_->expert(e));
       p.w1.push_back(vec(f.w1().value));
@@ -336,10 +376,10 @@ TEST_P(MoeLayerTest, ForwardMatchesPerTokenReference) {
   EXPECT_EQ(s.load, ref.load);
   EXPECT_EQ(s.routed, ref.routed);
   if (c.seq_coef > 0) {
-    EXPECT_NEAR(static_cast<SoftmaxGate&>(layer_->gate()).last_sequence_aux_loss(), ref.seq, 1e-5);
+    EXPECT_NEAR(Softmax()->last_sequence_aux_loss(), ref.seq, 1e-5);
   }
   if (c.groups > 1) {  // every token's experts lie in at most topk_groups groups
-    const Tensor& ids = static_cast<SoftmaxGate&>(layer_->gate()).last_experts();
+    const Tensor& ids = Softmax()->last_experts();
     const int per = c.experts / c.groups;
     for (int t = 0; t < kTokens; ++t) {
       std::set<int> groups;
@@ -351,7 +391,8 @@ TEST_P(MoeLayerTest, ForwardMatchesPerTokenReference) {
   EXPECT_EQ(s.dropped_tokens, ref.dropped_tokens);
   EXPECT_NEAR(s.aux_loss, ref.aux, 1e-5);
   EXPECT_NEAR(s.z_loss, ref.z, 1e-5);
-  if (c.capacity_factor > 0 && c.capacity_factor < 1 && c.training) {
+  if (c.capacity_factor > 0 && c.capacity_factor < 1 && c.training &&
+      c.type != GateConfig::EXPERT_CHOICE) {
     EXPECT_GT(ref.dropped, 0) << "this case is meant to drop tokens";
   }
 }
@@ -384,11 +425,14 @@ TEST_P(MoeLayerTest, GradientsMatchFiniteDifferencesOfReference) {
   // A perturbation must not change the routing, or finite differences are meaningless.
   ASSERT_EQ(Reference(c, x, p).load, base.load);
   check("x", x, dx.f32());
-  auto& gate = static_cast<SoftmaxGate&>(layer_->gate());
-  check("router", p.router, gate.router().grad.f32());
-  if (gate.noise_router()) check("noise_router", p.noise, gate.noise_router()->grad.f32());
-  if (gate.selection_bias()) {  // not trained: its gradient stays zero
-    for (int64_t e = 0; e < c.experts; ++e) EXPECT_EQ(gate.selection_bias()->grad.f32()[e], 0.0f);
+  check("router", p.router, Router().grad.f32());
+  if (SoftmaxGate* gate = Softmax()) {
+    if (gate->noise_router()) check("noise_router", p.noise, gate->noise_router()->grad.f32());
+    if (gate->selection_bias()) {  // not trained: its gradient stays zero
+      for (int64_t e = 0; e < c.experts; ++e) {
+        EXPECT_EQ(gate->selection_bias()->grad.f32()[e], 0.0f);
+      }
+    }
   }
   for (int e = 0; e < c.experts; ++e) {
     auto& f = static_cast<FfnExpert&>(layer_->expert(e));
@@ -699,6 +743,9 @@ INSTANTIATE_TEST_SUITE_P(Gates, MoeLayerTest,
                                c.seq_coef = 0.5;
                                return c;
                              }(),
+                             Case{"ExpertChoice2", GateConfig::EXPERT_CHOICE, 2, 0.0},
+                             Case{"ExpertChoice2_Capacity1_5", GateConfig::EXPERT_CHOICE, 2, 1.5},
+                             Case{"ExpertChoice1_Eval", GateConfig::EXPERT_CHOICE, 1, 0.0, false},
                              Case{"Switch_Dropless", GateConfig::SWITCH, 1, 0.0},
                              Case{"Switch_Capacity", GateConfig::SWITCH, 1, 0.5},
                              Case{"GShard_Dropless", GateConfig::GSHARD, 2, 0.0},
