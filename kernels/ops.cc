@@ -490,7 +490,9 @@ void MoePlanDispatch(Context& ctx, const Tensor& topk_expert, const uint8_t* eli
   (void)ctx;
   const int64_t T = topk_expert.dim(0);
   const int k = static_cast<int>(topk_expert.dim(1));
-  CHECK(slot.numel() == T * k && row_token.numel() >= T * k);
+  // row_token holds the dispatched rows: at most T * k, or what the gate bounds them by (the CPU
+  // plan checks its count before writing them; the GPU's writes them as it counts).
+  CHECK(slot.numel() == T * k && (dev < 0 || row_token.numel() >= T * k));
   plan->counts.assign(num_experts, 0);
   plan->offsets.assign(num_experts + 1, 0);
   plan->capacity = capacity;
@@ -500,7 +502,7 @@ void MoePlanDispatch(Context& ctx, const Tensor& topk_expert, const uint8_t* eli
          return );
   plan->rows = cpu::moe_plan_dispatch(topk_expert.i32(), eligible, T, k, num_experts, capacity,
                                       slot.i32(), plan->counts.data(), plan->offsets.data(),
-                                      row_token.i32(), &plan->dropped);
+                                      row_token.i32(), &plan->dropped, row_token.numel());
 }
 
 void MoePermuteForward(Context& ctx, const Tensor& xp, const Tensor& x, const Tensor& row_token) {

@@ -256,11 +256,12 @@ void ValidateModel(const JobConfig& c, Validator& v) {
     if (g.type() == GateConfig::EXPERT_CHOICE) {
       // Balanced by construction: the balancing options have nothing to act on.
       v.Require(g.score_function() == GateConfig::SOFTMAX && g.bias_update_rate() == 0 &&
-                    g.sequence_aux_loss_coef() == 0 && g.num_groups() <= 1,
+                    g.sequence_aux_loss_coef() == 0 && g.num_groups() <= 1 &&
+                    g.routed_scaling() == 1,
                 {"model", "moe", "gate", "type"},
                 "the EXPERT_CHOICE gate takes softmax scores and balances by construction: remove "
-                "score_function, bias_update_rate, sequence_aux_loss_coef and num_groups, or use "
-                "gate type TOP_K");
+                "score_function, routed_scaling, bias_update_rate, sequence_aux_loss_coef and "
+                "num_groups, or use gate type TOP_K");
     }
     if (g.score_function() == GateConfig::SIGMOID) {
       v.Require(g.type() == GateConfig::TOP_K, {"model", "moe", "gate", "score_function"},

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -225,8 +226,19 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
   // The sequence-wise loss's gradient rows (one per sequence, at most one per token).
   if (moe.gate().sequence_aux_loss_coef() > 0) gate = Add(gate, Mul(N, E));
   if (switch_gate) gate = Add(gate, Mul(2, N, C));
-  const uint64_t R = Mul(N, slots);
-  uint64_t dispatch = Add(Mul(2, R), Mul(3, R, C));
+  uint64_t R = Mul(N, k);  // dispatched rows
+  if (moe.gate().type() == GateConfig::EXPERT_CHOICE) {
+    // E experts x their capacity (a capacity factor of 0 reads 1), and the batch's scores in
+    // double.
+    double cf = std::max(moe.gate().capacity_factor_train(), moe.gate().capacity_factor_eval());
+    if (cf <= 0) cf = 1;
+    const uint64_t cap = std::min<uint64_t>(
+        N, static_cast<uint64_t>(std::ceil(cf * static_cast<double>(N) * static_cast<double>(k) /
+                                           static_cast<double>(E))));
+    R = Mul(E, std::max<uint64_t>(1, cap));
+    gate = Add(gate, Mul(2, N, E));
+  }
+  uint64_t dispatch = Add(Add(Mul(N, slots), R), Mul(3, R, C));
   dispatch = Add(dispatch, std::max<uint64_t>(1, Mul(R, Add(InWidth(m, dexp), dexp))));
   dispatch = Add(dispatch, Mul(N, slots));
   // Shared experts: their output and saved pre-activation and activation of every row.

@@ -454,6 +454,7 @@ Status Trainer::BuildModel(int64_t first, int64_t count) {
   mo.config = cfg.model();
   mo.seed = cfg.seed();
   mo.max_batch = local_batch_;
+  mo.batch_sequences = cfg.train().global_batch();
   mo.expert_factory = options_.expert_factory;
   mo.unbound_experts = tiered;
   mo.first_local_expert = first;
@@ -665,6 +666,7 @@ StatusOr<StepResult> Trainer::Step() {
   model::GateCall call{true, static_cast<uint64_t>(step_), first_sequence_ * cfg.model().seq_len()};
   call.loss_scale = gradients_->loss_scale();
   call.sequence_length = cfg.model().seq_len();
+  call.batch_tokens = B * cfg.model().seq_len();
   {
     TraceScope span(ctx_.tracer, "forward", "compute");
     r.loss = model_->Forward(ctx_, inputs_.data(), targets_.data(), local_batch_, call);
@@ -724,6 +726,7 @@ EvalResult Trainer::Evaluate() {
   const int64_t n = local_batch_ * cfg.model().seq_len();
   model::GateCall call{false, static_cast<uint64_t>(step_),
                        first_sequence_ * cfg.model().seq_len()};
+  call.batch_tokens = N;
   double sum = 0;
   for (int b = 0; b < cfg.train().eval_batches(); ++b) {
     dataset_->EvalBatch(b, B, first_sequence_, local_batch_, inputs_.data(), targets_.data());

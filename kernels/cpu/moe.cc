@@ -259,7 +259,8 @@ void moe_router_backward(ThreadPool& pool, T* dlogits, const T* dweight, const T
 
 int64_t moe_plan_dispatch(const int32_t* topk_expert, const uint8_t* eligible, int64_t Tn, int k,
                           int64_t E, int64_t capacity, int32_t* slot, int64_t* counts,
-                          int64_t* offsets, int32_t* row_token, int64_t* dropped) {
+                          int64_t* offsets, int32_t* row_token, int64_t* dropped,
+                          int64_t row_capacity) {
   std::fill(counts, counts + E, 0);
   int64_t drops = 0;
   // Pass 1, in priority order: position of each choice within its expert, or -1.
@@ -281,6 +282,8 @@ int64_t moe_plan_dispatch(const int32_t* topk_expert, const uint8_t* eligible, i
   }
   offsets[0] = 0;
   for (int64_t e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + counts[e];
+  CHECK_LE(offsets[E], row_capacity < 0 ? Tn * k : row_capacity)
+      << "more dispatched rows than the layer's buffers hold";
   // Pass 2: positions become rows of the permuted buffer.
   for (int64_t i = 0; i < Tn * k; ++i) {
     if (slot[i] < 0) continue;

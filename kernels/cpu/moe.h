@@ -92,9 +92,11 @@ using ops::MoeCapacity;
 // Writes slot [T, k] (row in the permuted buffer, or -1), counts [E], offsets [E + 1],
 // row_token [R] (token of each permuted row) and returns R; *dropped gets the number of choices
 // dropped for capacity. capacity 0 means unlimited.
+// row_capacity: the rows row_token holds (-1: Tn * k); more dispatched rows are a CHECK failure.
 int64_t moe_plan_dispatch(const int32_t* topk_expert, const uint8_t* eligible, int64_t Tn, int k,
                           int64_t E, int64_t capacity, int32_t* slot, int64_t* counts,
-                          int64_t* offsets, int32_t* row_token, int64_t* dropped);
+                          int64_t* offsets, int32_t* row_token, int64_t* dropped,
+                          int64_t row_capacity = -1);
 
 // xp [R, C]: xp[r] = x[row_token[r]].
 template <typename T>

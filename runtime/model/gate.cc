@@ -262,7 +262,11 @@ bool SoftmaxGate::BiasRange(double* lo, double* hi) const {
 }
 
 ExpertChoiceGate::ExpertChoiceGate(const std::string& prefix, const SoftmaxGateOptions& o)
-    : cfg_(o.config), C_(o.d_model), E_(o.num_experts), top_k_(o.k) {
+    : cfg_(o.config),
+      C_(o.d_model),
+      E_(o.num_experts),
+      top_k_(o.k),
+      batch_tokens_(std::max(o.batch_tokens, o.max_tokens)) {
   w_gate_ = MakeParameter(prefix + ".router", {E_, C_}, Init::kNormal, o.init_std, true, o.device);
   const int64_t T = o.max_tokens;
   logits_ = Tensor::Empty({T, E_}, DType::kF32, o.device);
@@ -281,6 +285,11 @@ ExpertChoiceGate::ExpertChoiceGate(const std::string& prefix, const SoftmaxGateO
   batch_load_.assign(E_, 0);
 }
 
+int64_t ExpertChoiceGate::MaxDispatchRows(int64_t max_tokens) const {
+  const int64_t c = std::max(Capacity(batch_tokens_, true), Capacity(batch_tokens_, false));
+  return E_ * std::min(max_tokens, c);
+}
+
 int64_t ExpertChoiceGate::Capacity(int64_t tokens, bool training) const {
   const double cf = training ? cfg_.capacity_factor_train() : cfg_.capacity_factor_eval();
   return std::min(tokens, ops::MoeCapacity(cf > 0 ? cf : 1.0, tokens, top_k_, E_));
@@ -296,36 +305,38 @@ void ExpertChoiceGate::Forward(ops::Context& ctx, const Tensor& x, const GateCal
   Tensor logits = logits_.Rows(0, T), probs = probs_.Rows(0, T), lse = lse_.Rows(0, T);
   ops::LinearForward(ctx, logits, x, w_gate_->value, none);
   // Softmax scores and logsumexp (the top-1 it also picks is not used).
+  ops::MoeRouterSpec softmax;
+  softmax.k = 1;
   ops::MoeRouterForward(ctx, probs, lse, top1_.Rows(0, T), top1_weight_.Rows(0, T), logits,
-                        /*renormalize=*/false);
+                        Tensor(), softmax);
   const Tensor host = probs.To(Device::Cpu());
   const float* p = host.f32();
-  // The batch's scores: this call's, or every worker's summed into one matrix.
+  // The batch's scores: this call's, or every worker's summed into one matrix (each entry has
+  // one addend, so the sum is exact and every worker sees the same numbers). A call that does
+  // not say where it sits in a batch it fits in is chosen over alone.
   int64_t batch = T, first = 0;
-  const float* scores = p;
-  std::vector<float> gathered;
-  if (reducer_ != nullptr && reducer_->parts() > 1) {
-    double tokens = static_cast<double>(T);
-    reducer_->Sum(&tokens, 1);
-    batch = std::llround(tokens);
+  const bool whole_batch = reducer_ != nullptr && reducer_->parts() > 1 && call.batch_tokens > 0 &&
+                           call.first_token >= 0 && call.first_token + T <= call.batch_tokens;
+  if (whole_batch) {
+    batch = call.batch_tokens;
     first = call.first_token;
-    CHECK(first >= 0 && first + T <= batch)
-        << "tokens [" << first << ", " << first + T << ") outside a batch of " << batch;
-    batch_scores_.assign(batch * E_, 0.0);
-    for (int64_t i = 0; i < T * E_; ++i) batch_scores_[first * E_ + i] = p[i];
-    reducer_->Sum(batch_scores_.data(), batch_scores_.size());
-    gathered.resize(batch * E_);
-    for (int64_t i = 0; i < batch * E_; ++i) gathered[i] = static_cast<float>(batch_scores_[i]);
-    scores = gathered.data();
   }
-  // Each expert takes its C best tokens of the batch (ties: the earlier token).
+  batch_scores_.assign(batch * E_, 0.0);
+  for (int64_t i = 0; i < T * E_; ++i) batch_scores_[first * E_ + i] = p[i];
+  // After a failed collective the sum is unspecified (the step fails afterwards): the choice
+  // below only reads it, whatever it holds.
+  if (whole_batch) reducer_->Sum(batch_scores_.data(), batch_scores_.size());
+  const double* scores = batch_scores_.data();
+  // Each expert takes its C best tokens of the batch (ties: the earlier token; NaN last).
   const int64_t C = Capacity(batch, call.training);
   std::fill(eligible_.begin(), eligible_.begin() + T * E_, 0);
   order_.resize(batch);
   for (int64_t e = 0; e < E_; ++e) {
     std::iota(order_.begin(), order_.end(), 0);
     std::partial_sort(order_.begin(), order_.begin() + C, order_.end(), [&](int32_t a, int32_t b) {
-      const float va = scores[a * E_ + e], vb = scores[b * E_ + e];
+      double va = scores[a * E_ + e], vb = scores[b * E_ + e];
+      if (std::isnan(va)) va = -INFINITY;
+      if (std::isnan(vb)) vb = -INFINITY;
       return va > vb || (va == vb && a < b);
     });
     batch_load_[e] = C;

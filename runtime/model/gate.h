@@ -56,6 +56,8 @@ struct GateCall {
   // Tokens per sequence (the call's tokens are whole sequences, one after another), for the
   // sequence-wise balancing loss; 0: the call is one sequence.
   int64_t sequence_length = 0;
+  // Tokens of the whole batch (every worker's), for expert choice; 0: the call's own.
+  int64_t batch_tokens = 0;
 };
 
 struct Routing {
@@ -97,6 +99,9 @@ class Gate {
   virtual void UpdateBias(ops::Context& ctx) = 0;
   // The selection bias's smallest and largest entries; false when loss-free balancing is off.
   virtual bool BiasRange(double* lo, double* hi) const = 0;
+  // The most (token, slot) pairs a Forward of up to `max_tokens` tokens dispatches: the rows the
+  // layer's permuted buffers need.
+  virtual int64_t MaxDispatchRows(int64_t max_tokens) const { return max_tokens * k(); }
 };
 
 struct SoftmaxGateOptions {
@@ -108,6 +113,9 @@ struct SoftmaxGateOptions {
   uint64_t seed = 0;
   int layer = 0;
   float init_std = 0.02f;
+  // Tokens of the whole batch a Forward's tokens belong to (every worker's), at most; 0: the
+  // Forward holds the whole batch (max_tokens). Expert choice sizes its rows by it.
+  int64_t batch_tokens = 0;
   Device device = Device::Cpu();  // where its parameters and buffers live
 };
 
@@ -201,6 +209,9 @@ class ExpertChoiceGate : public Gate {
   const std::vector<int64_t>& BatchLoad() const override { return batch_load_; }
   void UpdateBias(ops::Context&) override {}
   bool BiasRange(double*, double*) const override { return false; }
+  // E experts x their capacity of the largest batch (training or evaluation), at most every
+  // token in every slot.
+  int64_t MaxDispatchRows(int64_t max_tokens) const override;
 
   Parameter& router() { return *w_gate_; }
   // Tokens each expert takes of a batch of `tokens` (training or evaluation capacity factor).
@@ -210,11 +221,12 @@ class ExpertChoiceGate : public Gate {
   config::GateConfig cfg_;
   int64_t C_, E_;
   int top_k_;
+  int64_t batch_tokens_;
   std::unique_ptr<Parameter> w_gate_;  // [E, C]
   Tensor logits_, probs_, lse_, top1_, top1_weight_, dlogits_;
   Tensor expert_, weight_;            // [T, E]: slot j is expert j
   std::vector<uint8_t> eligible_;     // [T, E]
-  std::vector<double> batch_scores_;  // [batch tokens, E] (several workers)
+  std::vector<double> batch_scores_;  // [batch tokens, E]: the call's rows, or the batch's
   std::vector<int32_t> order_;        // token order of one expert's column
   std::vector<int64_t> batch_load_;
   BatchReducer* reducer_ = nullptr;

@@ -20,8 +20,9 @@ MoeLayer::MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> ga
       << gate_->num_experts();
   saved_stride_ = 0;
   for (auto& e : experts_) saved_stride_ = std::max(saved_stride_, e->SavedPerRow());
-  const int64_t rows = max_tokens * gate_->k();
-  slot_ = Tensor::Empty({rows}, DType::kI32, device);
+  // Every token's k slots; the rows they dispatch (fewer for expert choice, which has E slots).
+  const int64_t rows = gate_->MaxDispatchRows(max_tokens);
+  slot_ = Tensor::Empty({max_tokens * gate_->k()}, DType::kI32, device);
   row_token_ = Tensor::Empty({rows}, DType::kI32, device);
   xp_ = Tensor::Empty({rows, C_}, DType::kF32, device);
   yp_ = Tensor::Empty({rows, C_}, DType::kF32, device);

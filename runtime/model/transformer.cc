@@ -32,9 +32,9 @@ struct BlockScratch {
 
 class Block {
  public:
-  Block(int index, const config::ModelConfig& cfg, int64_t max_batch, ops::NormKind norm,
-        uint64_t seed, const ExpertFactory& factory, bool unbound_experts, int64_t first_expert,
-        int64_t local_experts, Device device)
+  Block(int index, const config::ModelConfig& cfg, int64_t max_batch, int64_t batch_sequences,
+        ops::NormKind norm, uint64_t seed, const ExpertFactory& factory, bool unbound_experts,
+        int64_t first_expert, int64_t local_experts, Device device)
       : index_(index),
         norm_(norm),
         C_(cfg.d_model()),
@@ -64,6 +64,7 @@ class Block {
       g.num_experts = m.num_experts();
       g.k = m.top_k();
       g.max_tokens = N;
+      g.batch_tokens = std::max(batch_sequences, max_batch) * T_;
       g.config = m.gate();
       g.seed = seed;
       g.layer = index;
@@ -255,9 +256,9 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
   m->params_ = {m->wte_.get(), m->wpe_.get()};
   for (int l = 0; l < cfg.n_layers(); ++l) {
     m->blocks_.push_back(std::make_unique<Block>(
-        l, cfg, options.max_batch, m->norm_kind_, options.seed, options.expert_factory,
-        options.unbound_experts, options.first_local_expert, options.num_local_experts,
-        options.device));
+        l, cfg, options.max_batch, options.batch_sequences, m->norm_kind_, options.seed,
+        options.expert_factory, options.unbound_experts, options.first_local_expert,
+        options.num_local_experts, options.device));
     for (Parameter* p : m->blocks_.back()->Parameters()) m->params_.push_back(p);
     if (m->blocks_.back()->moe()) m->moe_layers_.push_back({l, m->blocks_.back()->moe()});
   }
@@ -308,8 +309,9 @@ int64_t MoeTransformer::ActiveParametersPerToken() const {
   int64_t n = CountScalars(dense_params_);
   for (const MoeLayerRef& ref : moe_layers_) {
     if (ref.layer->num_local_experts() == 0) continue;
+    // Experts per token: top_k (on average, for expert choice, whose gate has E slots).
     n += CountScalars(ref.layer->expert(ref.layer->first_local_expert()).Parameters()) *
-         ref.layer->gate().k();
+         cfg_.moe().top_k();
   }
   return n;
 }

@@ -37,6 +37,8 @@ struct ModelOptions {
   config::ModelConfig config;  // normalised and validated (proto/config_io.h)
   uint64_t seed = 0;
   int64_t max_batch = 1;  // sequences per Forward
+  // Sequences of the whole batch a Forward's belong to (every worker's); 0: max_batch.
+  int64_t batch_sequences = 0;
   // Builds the experts of MoE layers; null means FfnExpert from the config.
   ExpertFactory expert_factory;
   // Expert parameters are left unbound (their memory freed as each expert is built): a residency

@@ -564,6 +564,81 @@ TEST(LossFreeBalancingTest, BiasMovesByRateTimesTheSignOfMeanMinusLoad) {
   for (int64_t e = 0; e < E; ++e) EXPECT_EQ(gate.selection_bias()->grad.f32()[e], 0.0f);
 }
 
+// Expert choice's own choice, checked against a stable sort of each expert's column (ties: the
+// earlier token), on duplicated tokens so that ties do occur at the capacity boundary; and its
+// behaviour when the batch-wide sum cannot be trusted: a reducer whose Sum did nothing (a failed
+// collective leaves the buffer as it was) and calls that do not fit the batch they name choose
+// without a crash.
+class NoSumReducer : public BatchReducer {
+ public:
+  int parts() const override { return 2; }
+  void Sum(double*, size_t) override {}
+};
+
+TEST(ExpertChoiceGateTest, TiesGoToTheEarlierTokenAndABrokenSumIsNoCrash) {
+  constexpr int64_t E = 4, C = 6, T = 8;
+  SoftmaxGateOptions o;
+  o.d_model = C;
+  o.num_experts = E;
+  o.k = 2;
+  o.max_tokens = T;
+  o.batch_tokens = 2 * T;
+  o.init_std = 0.8f;
+  o.config.set_type(GateConfig::EXPERT_CHOICE);
+  o.config.set_capacity_factor_train(0.75f);  // C = ceil(0.75 * 8 * 2 / 4) = 3 of 8 tokens
+  ExpertChoiceGate gate("gate", o);
+  ThreadPool pool(2);
+  ops::Context ctx{&pool};
+  Initialize(ctx, gate.router(), 3);
+  Tensor x = Tensor::Empty({T, C});
+  std::mt19937 gen(11);
+  std::normal_distribution<float> nd(0, 1);
+  for (int64_t t = 0; t < T / 2; ++t) {
+    for (int64_t c = 0; c < C; ++c) x.f32()[t * C + c] = x.f32()[(t + T / 2) * C + c] = nd(gen);
+  }
+  // The reference: softmax scores in double, a stable sort of each column.
+  std::vector<double> p(T * E);
+  for (int64_t t = 0; t < T; ++t) {
+    double z = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      double l = 0;
+      for (int64_t c = 0; c < C; ++c)
+        l += double(gate.router().value.f32()[e * C + c]) * x.f32()[t * C + c];
+      p[t * E + e] = std::exp(l);
+      z += p[t * E + e];
+    }
+    for (int64_t e = 0; e < E; ++e) p[t * E + e] /= z;
+  }
+  auto expect_choice = [&](const Routing& r, int64_t cap, const char* what) {
+    for (int64_t e = 0; e < E; ++e) {
+      std::vector<int> order(T);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int a, int b) { return p[a * E + e] > p[b * E + e]; });
+      std::set<int> want(order.begin(), order.begin() + cap), got;
+      for (int64_t t = 0; t < T; ++t) {
+        if (r.eligible[t * E + e]) got.insert(static_cast<int>(t));
+      }
+      EXPECT_EQ(got, want) << what << ", expert " << e;
+    }
+  };
+  Routing r;
+  GateCall call{true, 0};
+  gate.Forward(ctx, x, call, &r);  // one process, the call is the batch
+  expect_choice(r, 3, "alone");
+  // Rows 0-3 and 4-7 are equal, so every expert's third place was a tie, won by the earlier token.
+  NoSumReducer reducer;
+  gate.AttachReducer(&reducer);
+  call.batch_tokens = 2 * T;
+  call.first_token = T;  // the second half of a batch of 16 whose other rows never arrive
+  gate.Forward(ctx, x, call, &r);
+  // C = ceil(0.75 * 16 * 2 / 4) = 6, all from this call's rows (the others stayed 0).
+  expect_choice(r, 6, "the sum did nothing");
+  call.first_token = T + 4;  // does not fit the batch it names: chosen alone
+  gate.Forward(ctx, x, call, &r);
+  expect_choice(r, 3, "outside its batch");
+}
+
 // Experts run either in per-thread groups or one after another with split GEMMs (MoeLayer picks by
 // balance). Both must give the single-threaded result up to rounding.
 TEST_P(MoeLayerTest, GroupedAndSequentialExpertsAgreeWithOneThread) {
