@@ -8,6 +8,9 @@
 //            the row counts the routing produced and the layer's own weights, under three thread
 //            schedules (OpenBLAS's own threads, each GEMM split over the pool, experts in
 //            per-thread groups); the fastest is the limit
+//   (with shared experts, the layer a second way too: the shared FFN as one more task of the
+//   expert groups, MoeLayer::set_shared_in_expert_groups, against its default of an FFN split
+//   over the pool after the routed experts; printed on the row's comment line)
 //   torch    the naive PyTorch layer (a Python loop over experts, index_select / index_add; see
 //            torch_moe_baseline.py) in Debian's python3-torch
 // GFLOP/s counts the expert GEMMs only: 12 * d_model * (routed rows * d_hidden + tokens * shared
@@ -77,6 +80,7 @@ struct Options {
 struct Row {
   Shape s;
   double ms = 0, gflops = 0, sgemm_ms = 0, torch_ms = NAN, peak_mb = 0, torch_peak_mb = NAN;
+  double shared_in_groups_ms = NAN;       // the layer with its shared experts in the expert groups
   std::vector<double> sgemm_by_schedule;  // in Schedule order
   std::string sgemm_schedule;             // the fastest, taken as the limit
   int64_t routed = 0;
@@ -238,7 +242,7 @@ Row RunShape(const Shape& s, const Options& o, ThreadPool& pool) {
     // a shared machine hits every column alike. Each block starts with one untimed iteration,
     // which absorbs the hand-over (cold caches, the previous block's threads still spinning), then
     // times o.iters iterations one by one; each column reports the median of its timed ones.
-    std::vector<double> layer_ms;
+    std::vector<double> layer_ms, in_groups_ms;
     std::vector<std::vector<double>> sched_ms(3);
     auto block = [&](std::vector<double>* out, const auto& fn) {
       fn();
@@ -246,9 +250,15 @@ Row RunShape(const Shape& s, const Options& o, ThreadPool& pool) {
     };
     for (int b = 0; b < o.blocks; ++b) {
       block(&layer_ms, layer_step);
+      if (s.shared > 0) {
+        layer.set_shared_in_expert_groups(true);
+        block(&in_groups_ms, layer_step);
+        layer.set_shared_in_expert_groups(false);
+      }
       for (int k = 0; k < 3; ++k) block(&sched_ms[k], [&] { gemms.Run(schedules[k]); });
     }
     row.ms = Median(layer_ms);
+    if (s.shared > 0) row.shared_in_groups_ms = Median(in_groups_ms);
     row.sgemm_ms = 1e300;
     for (int k = 0; k < 3; ++k) {
       row.sgemm_by_schedule.push_back(Median(sched_ms[k]));
@@ -327,6 +337,7 @@ Row MeasureRound(const Shape& s, const Options& o, int threads) {
     j.BeginObject()
         .Field("ms", r.ms)
         .Field("sgemm_ms", r.sgemm_ms)
+        .Field("in_groups", r.shared_in_groups_ms)
         .Field("s0", r.sgemm_by_schedule[0])
         .Field("s1", r.sgemm_by_schedule[1])
         .Field("s2", r.sgemm_by_schedule[2])
@@ -346,6 +357,7 @@ Row MeasureRound(const Shape& s, const Options& o, int threads) {
     return row;
   }
   row.ms = JsonNumber(out, "ms");
+  row.shared_in_groups_ms = JsonNumber(out, "in_groups");
   row.sgemm_by_schedule = {JsonNumber(out, "s0"), JsonNumber(out, "s1"), JsonNumber(out, "s2")};
   row.peak_mb = JsonNumber(out, "peak_mb");
   row.routed = static_cast<int64_t>(JsonNumber(out, "routed"));
@@ -385,6 +397,7 @@ Row MeasureShape(const Shape& s, const Options& o, int threads) {
   };
   row.ms = median_of([](const Row& r) { return r.ms; });
   row.torch_ms = median_of([](const Row& r) { return r.torch_ms; });
+  row.shared_in_groups_ms = median_of([](const Row& r) { return r.shared_in_groups_ms; });
   row.sgemm_ms = 1e300;
   for (int k = 0; k < 3; ++k) {
     row.sgemm_by_schedule[k] = median_of([k](const Row& r) { return r.sgemm_by_schedule[k]; });
@@ -514,6 +527,7 @@ int Main(int argc, char** argv) {
           .Field("sgemm_split_gemms_ms", r.sgemm_by_schedule[1])
           .Field("sgemm_expert_groups_ms", r.sgemm_by_schedule[2])
           .Field("time_over_sgemm", over)
+          .Field("shared_in_groups_ms", r.shared_in_groups_ms)
           .Field("torch_ms", r.torch_ms)
           .Field("speedup_over_torch", speedup)
           .Field("peak_rss_mb", r.peak_mb)
@@ -533,6 +547,12 @@ int Main(int argc, char** argv) {
           "%.1f; strata ran %s\n",
           r.sgemm_by_schedule[0], r.sgemm_by_schedule[1], r.sgemm_by_schedule[2],
           r.grouped ? "expert groups" : "split GEMMs");
+      if (s.shared > 0) {
+        std::printf(
+            "#   shared experts as a task of the expert groups: %.1f ms (%.3f x the default "
+            "above)\n",
+            r.shared_in_groups_ms, r.shared_in_groups_ms / r.ms);
+      }
       if (!r.torch_note.empty()) std::printf("# torch: %s\n", r.torch_note.c_str());
     }
     std::fflush(stdout);

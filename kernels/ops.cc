@@ -545,6 +545,22 @@ void MoeCombineBackward(Context& ctx, const Tensor& dyp, const Tensor& dweight, 
                                    weight.f32(), slot.i32(), T, k, C);
 }
 
+void MoeCombineBackwardRows(Context& ctx, const Tensor& dyp, const Tensor& dweight,
+                            const Tensor& dy, const Tensor& yp, const Tensor& weight,
+                            const Tensor& row_slot) {
+  const int dev =
+      DeviceOf({&dyp, &dweight, &dy, &yp, &weight, &row_slot}, "MoeCombineBackwardRows");
+  const int64_t C = dy.dim(-1), n = row_slot.numel();
+  CHECK(weight.rank() == 2 && dy.numel() == weight.dim(0) * C)
+      << "weight [T, k] and dy [T, C] for the same tokens";
+  const int k = static_cast<int>(weight.dim(-1));
+  CHECK(yp.numel() == n * C && dyp.numel() == n * C && dweight.numel() == weight.numel());
+  ON_GPU(return cuda::MoeCombineBackwardRows(gpu, dyp.f32(), dweight.f32(), dy.f32(), yp.f32(),
+                                             weight.f32(), row_slot.i32(), n, k, C));
+  cpu::moe_combine_backward_rows<float>(Pool(ctx), dyp.f32(), dweight.f32(), dy.f32(), yp.f32(),
+                                        weight.f32(), row_slot.i32(), n, k, C);
+}
+
 void MoeRandomRouting(Context& ctx, std::vector<uint8_t>* eligible, const Tensor& topk_weight,
                       uint64_t key, int64_t first_token) {
   const int dev = DeviceOf({&topk_weight}, "MoeRandomRouting");

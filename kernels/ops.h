@@ -186,6 +186,12 @@ void MoeCombineForward(Context& ctx, const Tensor& y, const Tensor& yp, const Te
 // dyp [R, C] (may alias yp) and dweight [T, k].
 void MoeCombineBackward(Context& ctx, const Tensor& dyp, const Tensor& dweight, const Tensor& dy,
                         const Tensor& yp, const Tensor& weight, const Tensor& slot);
+// The same for a block of rows (one expert's, run where its GEMMs then find them in cache):
+// dyp [n, C] (may alias yp [n, C]) and the n entries of dweight [T, k] that row_slot [n] names
+// (row_slot[r] = t * k + j, the inverse of slot). Nothing else is written.
+void MoeCombineBackwardRows(Context& ctx, const Tensor& dyp, const Tensor& dweight,
+                            const Tensor& dy, const Tensor& yp, const Tensor& weight,
+                            const Tensor& row_slot);
 // Random draws of the gates; first_token is the index of row 0 within the whole batch (see
 // kernels/cpu/moe.h), so workers holding parts of a batch draw what one process would.
 // GShard random routing: (*eligible)[t, 0] = 1, (*eligible)[t, 1] = 2 * w[t, 1] > U_t.

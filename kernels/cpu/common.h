@@ -24,6 +24,54 @@ T* Scratch(size_t n, int slot = 0) {
   return b.data();
 }
 
+// The dot product of a[0, n) and b[0, n), in a fixed order that vectorises: kLanes independent
+// partial sums (two 64-byte vectors), then the tail, then the partials in order. A plain serial
+// float sum cannot vectorise (its order is fixed), and waits on each add's latency.
+template <typename T>
+T Dot(const T* a, const T* b, int64_t n) {
+  constexpr int kLanes = 128 / sizeof(T);
+  T acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  }
+  T sum = 0;
+  for (; i < n; ++i) sum += a[i] * b[i];
+  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  return sum;
+}
+
+// The sum and the maximum of a[0, n), the same way (a fixed order that vectorises).
+template <typename T>
+T Sum(const T* a, int64_t n) {
+  constexpr int kLanes = 128 / sizeof(T);
+  T acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l];
+  }
+  T sum = 0;
+  for (; i < n; ++i) sum += a[i];
+  for (int l = 0; l < kLanes; ++l) sum += acc[l];
+  return sum;
+}
+template <typename T>
+T Max(const T* a, int64_t n) {  // REQUIRES: n >= 1
+  constexpr int kLanes = 128 / sizeof(T);
+  T mx = a[0];
+  int64_t i = 0;
+  if (n >= kLanes) {
+    T acc[kLanes];
+    for (int l = 0; l < kLanes; ++l) acc[l] = a[l];
+    for (i = kLanes; i + kLanes <= n; i += kLanes) {
+      for (int l = 0; l < kLanes; ++l) acc[l] = acc[l] < a[i + l] ? a[i + l] : acc[l];
+    }
+    for (int l = 0; l < kLanes; ++l) mx = mx < acc[l] ? acc[l] : mx;
+  }
+  for (; i < n; ++i) mx = mx < a[i] ? a[i] : mx;
+  return mx;
+}
+
 // Deterministic parallel column sums: out[c] (+)= sum over rows of in[r * ld + c], each thread
 // owning a block of columns and walking rows in order.
 template <typename T>

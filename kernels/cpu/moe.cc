@@ -7,6 +7,7 @@
 #include "core/common/logging.h"
 #include "core/common/rng.h"
 #include "kernels/cpu/common.h"
+#include "kernels/cpu/fast_math.h"
 
 namespace strata::cpu {
 
@@ -74,16 +75,16 @@ void moe_router_forward(ThreadPool& pool, T* scores, T* lse, int32_t* topk_exper
     for (int64_t t = t0; t < t1; ++t) {
       const T* x = logits + t * E;
       T* p = scores + t * E;
-      T mx = x[0];
-      for (int64_t e = 1; e < E; ++e) mx = std::max(mx, x[e]);
-      T s = 0;
-      for (int64_t e = 0; e < E; ++e) s += std::exp(x[e] - mx);
-      T l = mx + std::log(s);
-      lse[t] = l;
+      // One exp per score, in loops that vectorise (Exp: fast_math.h).
+      const T mx = internal::Max(x, E);
+      for (int64_t e = 0; e < E; ++e) p[e] = Exp(x[e] - mx);
+      const T s = internal::Sum(p, E);
+      lse[t] = mx + std::log(s);
       if (spec.sigmoid) {
-        for (int64_t e = 0; e < E; ++e) p[e] = T(1) / (T(1) + std::exp(-x[e]));
+        for (int64_t e = 0; e < E; ++e) p[e] = Sigmoid(x[e]);
       } else {
-        for (int64_t e = 0; e < E; ++e) p[e] = std::exp(x[e] - l);
+        const T inv = T(1) / s;
+        for (int64_t e = 0; e < E; ++e) p[e] *= inv;
       }
       const uint64_t allowed = AllowedGroups(p, bias, E, spec);
       TopList<T> top;
@@ -355,13 +356,27 @@ void moe_combine_backward(ThreadPool& pool, T* dyp, T* dweight, const T* dy, con
         const T w = weight[t * k + j];
         const T* src = yp + static_cast<int64_t>(s) * C;
         T* d = dyp + static_cast<int64_t>(s) * C;
-        T dot = 0;
-        for (int64_t c = 0; c < C; ++c) {
-          dot += g[c] * src[c];
-          d[c] = w * g[c];
-        }
-        dweight[t * k + j] = dot;
+        // dyp may be yp itself (in place): read the row before writing it.
+        dweight[t * k + j] = internal::Dot(g, src, C);
+        for (int64_t c = 0; c < C; ++c) d[c] = w * g[c];
       }
+    }
+  });
+}
+
+template <typename T>
+void moe_combine_backward_rows(ThreadPool& pool, T* dyp, T* dweight, const T* dy, const T* yp,
+                               const T* weight, const int32_t* row_slot, int64_t R, int k,
+                               int64_t C) {
+  pool.ParallelFor(R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int32_t s = row_slot[r];
+      const T* g = dy + static_cast<int64_t>(s / k) * C;
+      // dyp may be yp itself (in place): read the row before writing it.
+      dweight[s] = internal::Dot(g, yp + r * C, C);
+      const T w = weight[s];
+      T* d = dyp + r * C;
+      for (int64_t c = 0; c < C; ++c) d[c] = w * g[c];
     }
   });
 }
@@ -452,6 +467,8 @@ void moe_random_routing(uint8_t* eligible, const T* topk_weight, uint64_t key, i
                                        int64_t, int, int64_t);                                   \
   template void moe_combine_backward<T>(ThreadPool&, T*, T*, const T*, const T*, const T*,       \
                                         const int32_t*, int64_t, int, int64_t);                  \
+  template void moe_combine_backward_rows<T>(ThreadPool&, T*, T*, const T*, const T*, const T*,  \
+                                             const int32_t*, int64_t, int, int64_t);             \
   template void moe_jitter_forward<T>(ThreadPool&, T*, const T*, uint64_t, int64_t, int64_t,     \
                                       double, int64_t);                                          \
   template void moe_jitter_backward<T>(ThreadPool&, T*, const T*, uint64_t, int64_t, int64_t,    \

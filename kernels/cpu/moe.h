@@ -36,6 +36,7 @@ using ops::MoeRouterSpec;
 // for either score function); topk_expert [T, k]: the chosen experts in descending order of
 // selection value (scores plus `bias` [E], which may be null); topk_weight [T, k]: their combine
 // weights. When every score is NaN the ids are the lowest unused ones, so they stay valid.
+// scores must not alias logits (the sigmoid reads the logits after the softmax's exps are written).
 template <typename T>
 void moe_router_forward(ThreadPool& pool, T* scores, T* lse, int32_t* topk_expert, T* topk_weight,
                         const T* logits, const T* bias, int64_t Tn, int64_t E,
@@ -118,6 +119,13 @@ void moe_combine_forward(ThreadPool& pool, T* y, const T* yp, const T* weight, c
 template <typename T>
 void moe_combine_backward(ThreadPool& pool, T* dyp, T* dweight, const T* dy, const T* yp,
                           const T* weight, const int32_t* slot, int64_t Tn, int k, int64_t C);
+// The same for a block of R rows (one expert's), row by row: with s = row_slot[r] = t * k + j,
+// dweight[s] = <dy[t], yp[r]> and dyp[r] = weight[s] * dy[t]. dyp may alias yp. Nothing else is
+// written.
+template <typename T>
+void moe_combine_backward_rows(ThreadPool& pool, T* dyp, T* dweight, const T* dy, const T* yp,
+                               const T* weight, const int32_t* row_slot, int64_t R, int k,
+                               int64_t C);
 
 // --- Gate-specific pieces
 // ------------------------------------------------------------------------- Random numbers come

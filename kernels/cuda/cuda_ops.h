@@ -132,6 +132,12 @@ void MoeCombineForward(Backend& b, float* y, const float* yp, const float* weigh
 // dyp may alias yp.
 void MoeCombineBackward(Backend& b, float* dyp, float* dweight, const float* dy, const float* yp,
                         const float* weight, const int32_t* slot, int64_t T, int k, int64_t C);
+// For R rows: row_slot[r] = t * k + j names the choice row r holds; dyp may alias yp.
+// (MoeRouterBackward takes k > kMaxRouterTopK slots only as expert choice has them: softmax, not
+// renormalised, and a token's k slots naming distinct experts.)
+void MoeCombineBackwardRows(Backend& b, float* dyp, float* dweight, const float* dy,
+                            const float* yp, const float* weight, const int32_t* row_slot,
+                            int64_t R, int k, int64_t C);
 // eligible is a HOST array [T, 2]; topk_weight is on the device.
 void MoeRandomRouting(Backend& b, uint8_t* eligible, const float* topk_weight, uint64_t key,
                       int64_t T, int64_t first_token);

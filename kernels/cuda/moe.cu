@@ -287,6 +287,24 @@ __global__ void RouterBackwardKernel(float* dlogits, const float* dweight, const
     const float* p = scores + t * E;
     const float* dw = dweight + t * k;
     float* dl = dlogits + t * E;
+    if (k > kMaxK) {
+      // More slots than a top-k list holds (expert choice: k = E, slot j is expert j), never
+      // renormalised: each lane writes the balancing term of its experts, then each lane adds
+      // the terms of its slots (a token's slots name distinct experts, so no two lanes add to
+      // one entry, and each entry gets the CPU's one addition), then the score function below.
+      const float* g = score_grad != nullptr ? score_grad + (t / grad_rows) * E : nullptr;
+      for (int64_t e = lane; e < E; e += kWarpSize) dl[e] = g != nullptr ? g[e] : 0.f;
+      __syncwarp();
+      for (int j = lane; j < k; j += kWarpSize) dl[topk_expert[t * k + j]] += spec.scaling * dw[j];
+      __syncwarp();
+      float dot = 0.f;
+      for (int64_t e = lane; e < E; e += kWarpSize) dot += dl[e] * p[e];
+      dot = WarpSum(dot);
+      const float zt = z_scale * lse[t];
+      for (int64_t e = lane; e < E; e += kWarpSize) dl[e] = p[e] * (dl[e] - dot) + zt * p[e];
+      __syncwarp();
+      continue;
+    }
     int32_t idx[kMaxK];
     float term[kMaxK];  // what the CPU adds to dl[idx[j]]
     for (int j = 0; j < k; ++j) idx[j] = topk_expert[t * k + j];
@@ -458,6 +476,18 @@ __global__ void CombineForwardKernel(float* y, const float* yp, const float* wei
   }
 }
 
+// One row by one warp: d = w * g, returning <g, src> (every lane gets the sum). d may be src.
+__device__ float CombineBackwardRow(float* d, const float* g, const float* src, float w, int64_t C,
+                                    int lane) {
+  float dot = 0.f;
+  for (int64_t c = lane; c < C; c += kWarpSize) {
+    const float gc = g[c];
+    dot += gc * src[c];
+    d[c] = w * gc;
+  }
+  return WarpSum(dot);
+}
+
 // One warp per (token, choice). dyp may alias yp: each element of the row is read and then
 // overwritten by the same lane (no __restrict__ here, so the compiler keeps that order), and rows
 // of different choices are distinct.
@@ -473,18 +503,22 @@ __global__ void CombineBackwardKernel(float* dyp, float* dweight, const float* d
       continue;
     }
     const int64_t t = tj / k;
-    const float w = weight[tj];
-    const float* g = dy + t * C;
-    const float* src = yp + static_cast<int64_t>(s) * C;
-    float* d = dyp + static_cast<int64_t>(s) * C;
-    float dot = 0.f;
-    for (int64_t c = lane; c < C; c += kWarpSize) {
-      const float gc = g[c];
-      dot += gc * src[c];
-      d[c] = w * gc;
-    }
-    dot = WarpSum(dot);
+    const float dot = CombineBackwardRow(dyp + static_cast<int64_t>(s) * C, dy + t * C,
+                                         yp + static_cast<int64_t>(s) * C, weight[tj], C, lane);
     if (lane == 0) dweight[tj] = dot;
+  }
+}
+
+// One warp per row of a block of rows: the same arithmetic, indexed by row.
+__global__ void CombineBackwardRowsKernel(float* dyp, float* dweight, const float* dy,
+                                          const float* yp, const float* weight,
+                                          const int32_t* row_slot, int64_t R, int k, int64_t C) {
+  const int lane = threadIdx.x % kWarpSize;
+  for (int64_t r = GlobalWarp(); r < R; r += GridWarps()) {
+    const int32_t s = row_slot[r];  // warp-uniform
+    const float dot = CombineBackwardRow(dyp + r * C, dy + static_cast<int64_t>(s / k) * C,
+                                         yp + r * C, weight[s], C, lane);
+    if (lane == 0) dweight[s] = dot;
   }
 }
 
@@ -624,7 +658,9 @@ void MoeRouterBackward(Backend& b, float* dlogits, const float* dweight, const f
                        const float* logits, const float* lse, const int32_t* topk_expert,
                        const float* score_grad, int64_t grad_rows, int64_t T, int64_t E,
                        const ops::MoeRouterSpec& spec, float z_coef) {
-  CHECK(spec.k >= 1 && spec.k <= kMaxK && spec.k <= E) << "k=" << spec.k << " E=" << E;
+  // More than kMaxK slots only as expert choice has them: softmax scores, not renormalised.
+  CHECK(spec.k >= 1 && spec.k <= E && (spec.k <= kMaxK || (!spec.renormalize && !spec.sigmoid)))
+      << "k=" << spec.k << " E=" << E;
   CHECK(score_grad == nullptr || grad_rows > 0) << "grad_rows=" << grad_rows;
   CHECK(!spec.sigmoid || logits != nullptr) << "sigmoid scores need the logits";
   if (T == 0) return;
@@ -737,6 +773,15 @@ void MoeCombineBackward(Backend& b, float* dyp, float* dweight, const float* dy,
   if (T == 0 || k == 0) return;
   CombineBackwardKernel<<<WarpBlocks(T * k), kBlock, 0, b.stream>>>(dyp, dweight, dy, yp, weight,
                                                                     slot, T, k, C);
+  STRATA_CUDA_LAUNCH_CHECK();
+}
+
+void MoeCombineBackwardRows(Backend& b, float* dyp, float* dweight, const float* dy,
+                            const float* yp, const float* weight, const int32_t* row_slot,
+                            int64_t R, int k, int64_t C) {
+  if (R == 0) return;
+  CombineBackwardRowsKernel<<<WarpBlocks(R), kBlock, 0, b.stream>>>(dyp, dweight, dy, yp, weight,
+                                                                    row_slot, R, k, C);
   STRATA_CUDA_LAUNCH_CHECK();
 }
 

@@ -309,8 +309,13 @@ void ExpertChoiceGate::Forward(ops::Context& ctx, const Tensor& x, const GateCal
   softmax.k = 1;
   ops::MoeRouterForward(ctx, probs, lse, top1_.Rows(0, T), top1_weight_.Rows(0, T), logits,
                         Tensor(), softmax);
-  const Tensor host = probs.To(Device::Cpu());
-  const float* p = host.f32();
+  // The scores on the host (copied there from a GPU into a buffer kept across calls).
+  const float* p = probs.device().is_cpu() ? probs.f32() : nullptr;
+  if (p == nullptr) {
+    host_probs_.resize(T * E_);
+    probs.CopyToHost(host_probs_.data());
+    p = host_probs_.data();
+  }
   // The batch's scores: this call's, or every worker's summed into one matrix (each entry has
   // one addend, so the sum is exact and every worker sees the same numbers). A call that does
   // not say where it sits in a batch it fits in is chosen over alone.
@@ -329,6 +334,7 @@ void ExpertChoiceGate::Forward(ops::Context& ctx, const Tensor& x, const GateCal
   const double* scores = batch_scores_.data();
   // Each expert takes its C best tokens of the batch (ties: the earlier token; NaN last).
   const int64_t C = Capacity(batch, call.training);
+  last_capacity_ = C;
   std::fill(eligible_.begin(), eligible_.begin() + T * E_, 0);
   order_.resize(batch);
   for (int64_t e = 0; e < E_; ++e) {
@@ -346,9 +352,13 @@ void ExpertChoiceGate::Forward(ops::Context& ctx, const Tensor& x, const GateCal
     }
   }
   Tensor weight = weight_.Rows(0, T);
-  Tensor host_weight = weight.To(Device::Cpu());
-  for (int64_t i = 0; i < T * E_; ++i) host_weight.f32()[i] = eligible_[i] ? p[i] : 0.0f;
-  if (!weight.device().is_cpu()) weight.CopyFrom(host_weight);
+  float* w = weight.device().is_cpu() ? weight.f32() : nullptr;
+  if (w == nullptr) {
+    host_weight_.resize(T * E_);
+    w = host_weight_.data();
+  }
+  for (int64_t i = 0; i < T * E_; ++i) w[i] = eligible_[i] ? p[i] : 0.0f;
+  if (!weight.device().is_cpu()) weight.CopyFromHost(w);
   out->tokens = T;
   out->k = static_cast<int>(E_);
   out->expert = expert_.Rows(0, T);

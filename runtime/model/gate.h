@@ -102,6 +102,9 @@ class Gate {
   // The most (token, slot) pairs a Forward of up to `max_tokens` tokens dispatches: the rows the
   // layer's permuted buffers need.
   virtual int64_t MaxDispatchRows(int64_t max_tokens) const { return max_tokens * k(); }
+  // The tokens each expert took in the last Forward when the gate itself caps them (expert
+  // choice: its C, over the whole batch); 0 for gates whose capacity the layer applies.
+  virtual int64_t ChosenCapacity() const { return 0; }
 };
 
 struct SoftmaxGateOptions {
@@ -191,8 +194,10 @@ class SoftmaxGate : public Gate {
 // by the token's score. When a reducer spans several workers, the scores of the whole batch are
 // summed into one matrix (each worker fills its rows at call.first_token), so every worker makes
 // the single process's choice and keeps its own rows. The z-loss applies; there is no aux loss.
-// Host code: the CPU only (MoeTransformer::Create refuses it elsewhere). Ownership and threads as
-// SoftmaxGate.
+// The choice itself is host code: on a GPU the scores come to the host each call and the
+// combine weights go back, and the dispatch plan takes the choice up from the host (synchronising
+// copies each layer and call); the router GEMM, softmax and backward run on the GPU, the backward
+// with its E slots. Ownership and threads as SoftmaxGate.
 class ExpertChoiceGate : public Gate {
  public:
   ExpertChoiceGate(const std::string& name_prefix, const SoftmaxGateOptions& options);
@@ -209,6 +214,7 @@ class ExpertChoiceGate : public Gate {
   const std::vector<int64_t>& BatchLoad() const override { return batch_load_; }
   void UpdateBias(ops::Context&) override {}
   bool BiasRange(double*, double*) const override { return false; }
+  int64_t ChosenCapacity() const override { return last_capacity_; }
   // E experts x their capacity of the largest batch (training or evaluation), at most every
   // token in every slot.
   int64_t MaxDispatchRows(int64_t max_tokens) const override;
@@ -228,6 +234,8 @@ class ExpertChoiceGate : public Gate {
   std::vector<uint8_t> eligible_;     // [T, E]
   std::vector<double> batch_scores_;  // [batch tokens, E]: the call's rows, or the batch's
   std::vector<int32_t> order_;        // token order of one expert's column
+  int64_t last_capacity_ = 0;         // C of the last Forward
+  std::vector<float> host_probs_, host_weight_;  // [T, E] host copies, for a gate on a GPU
   std::vector<int64_t> batch_load_;
   BatchReducer* reducer_ = nullptr;
   int64_t last_tokens_ = 0;

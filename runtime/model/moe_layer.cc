@@ -1,6 +1,7 @@
 #include "runtime/model/moe_layer.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "kernels/ops.h"
 
@@ -23,7 +24,12 @@ MoeLayer::MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> ga
   // Every token's k slots; the rows they dispatch (fewer for expert choice, which has E slots).
   const int64_t rows = gate_->MaxDispatchRows(max_tokens);
   slot_ = Tensor::Empty({max_tokens * gate_->k()}, DType::kI32, device);
-  row_token_ = Tensor::Empty({rows}, DType::kI32, device);
+  CHECK_LE(max_tokens * gate_->k(), int64_t{std::numeric_limits<int32_t>::max()})
+      << "slots and rows are int32: " << max_tokens << " tokens of " << gate_->k() << " slots";
+  // The GPU's plan writes rows as it counts them, so it wants room for every slot (T * k).
+  row_token_ = Tensor::Empty({device.is_cpu() ? rows : std::max(rows, max_tokens * gate_->k())},
+                             DType::kI32, device);
+  row_slot_ = Tensor::Empty({rows}, DType::kI32, device);
   xp_ = Tensor::Empty({rows, C_}, DType::kF32, device);
   yp_ = Tensor::Empty({rows, C_}, DType::kF32, device);
   dxp_ = Tensor::Empty({rows, C_}, DType::kF32, device);
@@ -106,7 +112,7 @@ void MoeLayer::PlanExpertGroups(int threads, const std::vector<int64_t>& offsets
 
 template <typename Fn>
 void MoeLayer::ForEachExpert(ops::Context& ctx, const std::vector<int64_t>& offsets, Fn&& fn) {
-  const int64_t E = num_local_experts();
+  const int64_t E = static_cast<int64_t>(offsets.size()) - 1;  // tasks: experts (+ shared)
   if (group_begin_.empty()) {
     for (int64_t e = 0; e < E; ++e) {
       if (offsets[e + 1] > offsets[e]) fn(e);
@@ -124,7 +130,11 @@ void MoeLayer::ForEachExpert(ops::Context& ctx, const std::vector<int64_t>& offs
 template <typename Fn>
 void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
                           const std::vector<int64_t>& offsets, Fn&& fn) {
-  CHECK_EQ(static_cast<int64_t>(offsets.size()), num_local_experts() + 1);
+  // One more task than experts: the shared experts' (SharedInTasks), never with a residency.
+  const int64_t tasks = static_cast<int64_t>(offsets.size()) - 1;
+  CHECK(tasks == num_local_experts() ||
+        (tasks == num_local_experts() + 1 && residency_ == nullptr && device_.is_cpu()))
+      << tasks << " expert tasks for " << num_local_experts() << " local experts";
   if (!device_.is_cpu()) {
     // One stream orders the experts after the permutation and before the combine; fanning them
     // out to pool threads would put them on other threads' streams, unordered.
@@ -161,9 +171,20 @@ void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
   });
 }
 
+const std::vector<int64_t>& MoeLayer::TaskOffsets(const std::vector<int64_t>& offsets,
+                                                  const InTask& in) {
+  if (!in.shared) return offsets;
+  CHECK(in.x != nullptr && shared_ != nullptr && residency_ == nullptr);
+  task_offsets_.assign(offsets.begin(), offsets.end());
+  task_offsets_.push_back(offsets.back() + in.x->dim(0));
+  return task_offsets_;
+}
+
 void MoeLayer::RunLocalForward(ops::Context& ctx, const std::vector<int64_t>& offsets,
-                               const Tensor& x, const Tensor& y, const Tensor& saved) {
+                               const Tensor& x, const Tensor& y, const Tensor& saved,
+                               const InTask& in) {
   if (grouped_gemm_ && residency_ == nullptr) {
+    CHECK(in.x == nullptr && !in.shared) << "the grouped GEMM takes rows already gathered";
     const int64_t r0 = offsets.front(), r1 = offsets.back();
     group_offsets_.clear();
     for (int64_t o : offsets) group_offsets_.push_back(o - r0);
@@ -172,8 +193,17 @@ void MoeLayer::RunLocalForward(ops::Context& ctx, const std::vector<int64_t>& of
                             saved.View(r0 * saved_stride_, {(r1 - r0) * saved_stride_}));
     return;
   }
-  RunExperts(ctx, ExpertResidency::Pass::kForward, offsets, [&](int64_t e) {
+  const int64_t n = num_local_experts();
+  RunExperts(ctx, ExpertResidency::Pass::kForward, TaskOffsets(offsets, in), [&](int64_t e) {
+    if (e == n) {  // the shared experts, on every token
+      const int64_t T = in.x->dim(0);
+      shared_->Forward(ctx, *in.x, shared_y_.Rows(0, T), shared_saved_.Rows(0, T));
+      return;
+    }
     const int64_t r0 = offsets[e], r1 = offsets[e + 1];
+    if (in.x != nullptr) {
+      ops::MoePermuteForward(ctx, x.Rows(r0, r1), *in.x, row_token_.Rows(r0, r1));
+    }
     experts_[e]->Forward(ctx, x.Rows(r0, r1), y.Rows(r0, r1),
                          saved.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));
   });
@@ -181,8 +211,9 @@ void MoeLayer::RunLocalForward(ops::Context& ctx, const std::vector<int64_t>& of
 
 void MoeLayer::RunLocalBackward(ops::Context& ctx, const std::vector<int64_t>& offsets,
                                 const Tensor& x, const Tensor& dy, const Tensor& dx,
-                                const Tensor& saved) {
+                                const Tensor& saved, const InTask& in) {
   if (grouped_gemm_ && residency_ == nullptr) {
+    CHECK(in.dy == nullptr && !in.shared) << "the grouped GEMM takes rows already made";
     const int64_t r0 = offsets.front(), r1 = offsets.back();
     group_offsets_.clear();
     for (int64_t o : offsets) group_offsets_.push_back(o - r0);
@@ -191,8 +222,19 @@ void MoeLayer::RunLocalBackward(ops::Context& ctx, const std::vector<int64_t>& o
                              saved.View(r0 * saved_stride_, {(r1 - r0) * saved_stride_}));
     return;
   }
-  RunExperts(ctx, ExpertResidency::Pass::kBackward, offsets, [&](int64_t e) {
+  const int64_t n = num_local_experts();
+  RunExperts(ctx, ExpertResidency::Pass::kBackward, TaskOffsets(offsets, in), [&](int64_t e) {
+    if (e == n) {  // the shared experts write dx; the routed rows' gradients add onto it later
+      const int64_t T = in.x->dim(0);
+      shared_->Backward(ctx, *in.x, *in.dy, *in.dx, shared_saved_.Rows(0, T));
+      return;
+    }
     const int64_t r0 = offsets[e], r1 = offsets[e + 1];
+    if (in.dy != nullptr) {
+      const Tensor rows = dy.Rows(r0, r1);  // the expert's outputs, overwritten by their gradient
+      ops::MoeCombineBackwardRows(ctx, rows, dweight_.Rows(0, routing_.tokens), *in.dy, rows,
+                                  routing_.weight, row_slot_.Rows(r0, r1));
+    }
     experts_[e]->Backward(ctx, x.Rows(r0, r1), dy.Rows(r0, r1), dx.Rows(r0, r1),
                           saved.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));
   });
@@ -209,24 +251,38 @@ void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, cons
                        &plan_);
   const int64_t R = plan_.rows;
   Tensor xp = xp_.Rows(0, R), yp = yp_.Rows(0, R);
-  ops::MoePermuteForward(ctx, xp, x, row_token_);
+  // How this Forward ran its experts; its Backward runs them the same way.
+  rows_in_tasks_ = RowsInTasks();  // never with an exchange
+  shared_in_tasks_now_ = SharedInTasks();
   if (exchange_ != nullptr) {
+    ops::MoePermuteForward(ctx, xp, x, row_token_);
     exchange_->Forward(ctx, layer_, local_, xp, plan_.counts, yp);
+  } else if (rows_in_tasks_) {
+    CHECK_EQ(num_local_experts(), E) << "experts on other workers need an ExpertExchange";
+    // Each row's choice, for the backward's per-expert combine: the inverse of slot.
+    const int32_t* s = slot.i32();
+    int32_t* rs = row_slot_.i32();
+    for (int64_t i = 0; i < T * k; ++i) {
+      if (s[i] >= 0) rs[s[i]] = static_cast<int32_t>(i);
+    }
+    RunLocalForward(ctx, plan_.offsets, xp, yp, saved_,
+                    InTask{&x, nullptr, nullptr, shared_in_tasks_now_});
   } else {
     CHECK_EQ(num_local_experts(), E) << "experts on other workers need an ExpertExchange";
-    RunLocalForward(ctx, plan_.offsets, xp, yp, saved_);
+    ops::MoePermuteForward(ctx, xp, x, row_token_);
+    RunLocalForward(ctx, plan_.offsets, xp, yp, saved_, InTask{});
   }
   ops::MoeCombineForward(ctx, y, yp, routing_.weight, slot);
   if (shared_) {  // every token, with weight 1, whatever capacity dropped
     Tensor shared_y = shared_y_.Rows(0, T);
-    shared_->Forward(ctx, x, shared_y, shared_saved_.Rows(0, T));
+    if (!shared_in_tasks_now_) shared_->Forward(ctx, x, shared_y, shared_saved_.Rows(0, T));
     ops::Accumulate(ctx, y, shared_y);
   }
 
   stats_.tokens = T;
   stats_.load = plan_.counts;
   stats_.dropped = plan_.dropped;
-  stats_.capacity = capacity;
+  stats_.capacity = capacity > 0 ? capacity : gate_->ChosenCapacity();
   stats_.aux_loss = routing_.aux_loss;
   stats_.z_loss = routing_.z_loss;
   stats_.sequence_aux_loss = routing_.sequence_aux_loss;
@@ -252,13 +308,20 @@ void MoeLayer::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, co
   Tensor xp = xp_.Rows(0, R), yp = yp_.Rows(0, R), dxp = dxp_.Rows(0, R);
   Tensor dweight = dweight_.Rows(0, T);
   // The shared experts write dx; the routed rows' gradients and the gate's add onto it.
-  if (shared_) shared_->Backward(ctx, x, dy, dx, shared_saved_.Rows(0, T));
+  if (shared_ && !shared_in_tasks_now_) {
+    shared_->Backward(ctx, x, dy, dx, shared_saved_.Rows(0, T));
+  }
   // dyp overwrites yp in place (each row is read, then written, by one thread).
-  ops::MoeCombineBackward(ctx, yp, dweight, dy, yp, routing_.weight, slot);
   if (exchange_ != nullptr) {
+    ops::MoeCombineBackward(ctx, yp, dweight, dy, yp, routing_.weight, slot);
     exchange_->Backward(ctx, layer_, local_, yp, dxp);
+  } else if (rows_in_tasks_) {
+    dweight.SetZero();  // the choices capacity dropped have no row to write theirs
+    RunLocalBackward(ctx, plan_.offsets, xp, yp, dxp, saved_,
+                     InTask{&x, &dy, &dx, shared_in_tasks_now_});
   } else {
-    RunLocalBackward(ctx, plan_.offsets, xp, yp, dxp, saved_);
+    ops::MoeCombineBackward(ctx, yp, dweight, dy, yp, routing_.weight, slot);
+    RunLocalBackward(ctx, plan_.offsets, xp, yp, dxp, saved_, InTask{});
   }
   ops::MoePermuteBackward(ctx, dx, dxp, slot, /*accumulate=*/shared_ != nullptr);
   gate_->Backward(ctx, x, dweight, dx);

@@ -5,7 +5,10 @@
 //   2. the dispatch plan applies capacity (drops go to the residual) and gives each expert a
 //      contiguous block of rows;
 //   3. rows are permuted into those blocks (xp), each expert runs once on its block (the grouped
-//      computation), and yp holds their outputs;
+//      computation), and yp holds their outputs. When this worker runs every expert on the CPU,
+//      each expert gathers its own rows inside its task, just before its GEMMs read them (and in
+//      backward scales its own rows of dy and computes their combine-weight gradients there):
+//      the rows are then in the core's cache instead of one pass over memory behind;
 //   4. y[t] = sum of the token's weighted expert outputs (un-permute);
 //   5. with shared experts, y[t] += shared(x[t]) for every token.
 // Backward runs the same steps in reverse; the gate gets the gradient of its combine weights.
@@ -62,7 +65,7 @@ struct MoeStats {
   std::vector<int64_t> load;   // rows dispatched to each expert
   int64_t dropped = 0;         // (token, choice) pairs dropped for capacity
   int64_t dropped_tokens = 0;  // tokens with no routed expert (only the shared ones, if any)
-  int64_t capacity = 0;        // per expert; 0 = dropless
+  int64_t capacity = 0;        // per expert (expert choice: the C each took); 0 = dropless
   double aux_loss = 0;
   double z_loss = 0;
   double sequence_aux_loss = 0;  // unweighted; 0 unless gate.sequence_aux_loss_coef > 0
@@ -126,6 +129,12 @@ class MoeLayer {
   // groups are faster. Turning it on needs such experts and no residency.
   void set_grouped_gemm(bool on);
   bool grouped_gemm() const { return grouped_gemm_; }
+  // Run the shared experts as one more task of the CPU expert groups (on the thread whose group
+  // they join, with their GEMMs single-threaded) instead of as their own FFN split over the pool
+  // after the routed experts. Off by default: on the 2-core CPU it measured no faster either way
+  // (bench_moe_layer's "shared in groups" column). Applies only where the experts make their rows
+  // in their tasks (all local, on the CPU) and without a residency; elsewhere it is ignored.
+  void set_shared_in_expert_groups(bool on) { shared_in_tasks_ = on; }
   Gate& gate() { return *gate_; }
   // The shared experts as one FFN; null without them.
   FfnExpert* shared() { return shared_.get(); }
@@ -148,7 +157,11 @@ class MoeLayer {
   int64_t saved_stride_;                 // floats of saved storage per row: max over experts
   std::vector<FfnExpert*> ffn_experts_;  // the local experts when all are FfnExperts of one shape
   bool grouped_gemm_ = false;
+  bool shared_in_tasks_ = false;      // set_shared_in_expert_groups
+  bool rows_in_tasks_ = false;        // how the last Forward ran (its Backward runs the same way):
+  bool shared_in_tasks_now_ = false;  // RowsInTasks() and SharedInTasks() then
   std::vector<int64_t> group_offsets_;  // offsets relative to the first row, for the grouped path
+  std::vector<int64_t> task_offsets_;   // the routed offsets, then one more task of T rows
   std::unique_ptr<FfnExpert> shared_;   // null without shared experts
   Tensor shared_y_, shared_saved_;      // [T, C] its output; [T, SavedPerRow()] for Backward
 
@@ -156,6 +169,7 @@ class MoeLayer {
   ops::DispatchPlan plan_;
   MoeStats stats_;
   Tensor slot_, row_token_;  // i32 [T*k]
+  Tensor row_slot_;          // i32 [rows]: t * k + j of each row, when rows are made in the tasks
   Tensor xp_, yp_, dxp_;     // [T*k, C]; yp also holds dyp in backward
   Tensor saved_;             // [T*k * saved_stride_]
   Tensor dweight_;           // [T, k]
@@ -180,11 +194,11 @@ class MoeLayer {
     int64_t saved_stride() const override { return layer_->saved_stride_; }
     void Forward(ops::Context& ctx, const std::vector<int64_t>& offsets, const Tensor& x,
                  const Tensor& y, const Tensor& saved) override {
-      layer_->RunLocalForward(ctx, offsets, x, y, saved);
+      layer_->RunLocalForward(ctx, offsets, x, y, saved, InTask{});
     }
     void Backward(ops::Context& ctx, const std::vector<int64_t>& offsets, const Tensor& x,
                   const Tensor& dy, const Tensor& dx, const Tensor& saved) override {
-      layer_->RunLocalBackward(ctx, offsets, x, dy, dx, saved);
+      layer_->RunLocalBackward(ctx, offsets, x, dy, dx, saved, InTask{});
     }
 
    private:
@@ -192,12 +206,34 @@ class MoeLayer {
   };
   Local local_{this};
 
+  // What the expert tasks of RunLocalForward/Backward do besides their expert, when every expert
+  // is local on the CPU (RowsInTasks). x, dy and dx are the layer's own tensors, one row per
+  // token. In forward with x, each expert first gathers its rows of xp from x; in backward with
+  // dy, each expert first makes its rows of dyp (which hold its outputs yp until then) and their
+  // combine-weight gradients (MoeCombineBackwardRows). With `shared`, the shared experts run as
+  // one more task (index num_local_experts(), T rows for the schedule), from x (and dy, into dx).
+  struct InTask {
+    const Tensor* x = nullptr;
+    const Tensor* dy = nullptr;
+    const Tensor* dx = nullptr;
+    bool shared = false;
+  };
   // Local expert i (global id first_local_expert() + i) on rows [offsets[i], offsets[i + 1]) of
   // x, writing y, keeping saved[row * saved_stride()..]; LocalExperts::Forward/Backward.
   void RunLocalForward(ops::Context& ctx, const std::vector<int64_t>& offsets, const Tensor& x,
-                       const Tensor& y, const Tensor& saved);
+                       const Tensor& y, const Tensor& saved, const InTask& in);
   void RunLocalBackward(ops::Context& ctx, const std::vector<int64_t>& offsets, const Tensor& x,
-                        const Tensor& dy, const Tensor& dx, const Tensor& saved);
+                        const Tensor& dy, const Tensor& dx, const Tensor& saved, const InTask& in);
+  // `offsets`, or with the shared experts' task, one more entry for its rows.
+  const std::vector<int64_t>& TaskOffsets(const std::vector<int64_t>& offsets, const InTask& in);
+  // Whether each expert makes its own rows inside its task: every expert local, on the CPU, run
+  // one by one (not as one grouped GEMM).
+  bool RowsInTasks() const { return exchange_ == nullptr && device_.is_cpu() && !grouped_gemm_; }
+  // Whether the shared experts run as one of those tasks (not with a residency, whose threads
+  // take only the experts it hands them).
+  bool SharedInTasks() const {
+    return shared_in_tasks_ && shared_ != nullptr && RowsInTasks() && residency_ == nullptr;
+  }
 
   // Per-thread groups over local experts whose rows are [offsets[i], offsets[i + 1]).
   void PlanExpertGroups(int threads, const std::vector<int64_t>& offsets);

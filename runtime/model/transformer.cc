@@ -229,12 +229,6 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
           "model on %s, but %s; train on the CPU device or on a machine with an NVIDIA GPU",
           options.device.ToString(), CudaDeviceDescription(options.device.index)));
     }
-    if (probe.model().moe().gate().type() == config::GateConfig::EXPERT_CHOICE) {
-      return absl::UnimplementedError(absl::StrFormat(
-          "model.moe.gate.type EXPERT_CHOICE chooses on the host: it needs the CPU device for "
-          "now (a model on %s); use gate type TOP_K there",
-          options.device.ToString()));
-    }
     if (options.unbound_experts || options.expert_factory || options.num_local_experts >= 0) {
       return absl::UnimplementedError(absl::StrFormat(
           "a model on %s runs every expert itself from the config: the tiered store, expert "

@@ -492,6 +492,51 @@ TEST_F(CpuKernelsTest, MoePermuteAndCombineBackward) {
   ExpectGradient("permute x", x, dx, permute_loss);
 }
 
+TEST_F(CpuKernelsTest, MoeCombineBackwardRowsMatchesTheTokenOrder) {
+  // The per-expert combine backward (each expert's block of rows, in place over yp, as the layer
+  // runs it inside its expert tasks) against the per-token kernel: bitwise, since both take the
+  // same dot of the same floats. C = 70 covers the vector lanes and the tail; capacity drops some
+  // choices, whose dweight the rows kernel must leave alone.
+  const int T = 50, k = 3, C = 70, E = 5;
+  std::mt19937 gen(11);
+  std::vector<int32_t> experts(T * k);
+  for (int t = 0; t < T; ++t) {
+    for (int j = 0; j < k; ++j) experts[t * k + j] = (t + 2 * j + (t % 7 == 0 ? 0 : j)) % E;
+  }
+  std::vector<int32_t> slot(T * k), row_token(T * k);
+  std::vector<int64_t> counts(E), offsets(E + 1);
+  int64_t dropped;
+  const int64_t R = moe_plan_dispatch(experts.data(), nullptr, T, k, E, 28, slot.data(),
+                                      counts.data(), offsets.data(), row_token.data(), &dropped);
+  ASSERT_GT(dropped, 0);
+  std::normal_distribution<float> nd(0, 1);
+  std::vector<float> yp(R * C), dy(T * C), w(T * k);
+  for (float& v : yp) v = nd(gen);
+  for (float& v : dy) v = nd(gen);
+  for (float& v : w) v = nd(gen);
+  std::vector<float> dyp_ref(R * C), dw_ref(T * k);
+  moe_combine_backward<float>(pool, dyp_ref.data(), dw_ref.data(), dy.data(), yp.data(), w.data(),
+                              slot.data(), T, k, C);
+  std::vector<int32_t> row_slot(R, -1);
+  for (int i = 0; i < T * k; ++i) {
+    if (slot[i] >= 0) row_slot[slot[i]] = i;
+  }
+  std::vector<float> rows = yp, dw(T * k, 7.f);  // in place; 7 marks "not written"
+  for (int e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e], n = offsets[e + 1] - r0;
+    moe_combine_backward_rows<float>(pool, rows.data() + r0 * C, dw.data(), dy.data(),
+                                     rows.data() + r0 * C, w.data(), row_slot.data() + r0, n, k, C);
+  }
+  EXPECT_EQ(0, std::memcmp(rows.data(), dyp_ref.data(), rows.size() * sizeof(float)));
+  for (int i = 0; i < T * k; ++i) {
+    if (slot[i] >= 0) {
+      EXPECT_EQ(dw[i], dw_ref[i]) << "choice " << i;
+    } else {
+      EXPECT_EQ(dw[i], 7.f) << "dropped choice " << i << " was written";
+    }
+  }
+}
+
 TEST_F(CpuKernelsTest, MoeJitterAndNoisyLogitsBackward) {
   const int T = 4, C = 5, E = 3;
   const uint64_t key = rng::Key(9, 8, 7);

@@ -863,6 +863,37 @@ TEST_F(CudaOpsTest, MoeRouterSpecForwardAndBackward) {
   }
 }
 
+TEST_F(CudaOpsTest, MoeRouterBackwardWithASlotPerExpert) {
+  // Expert choice's backward: k = E slots, slot j = expert j, softmax, not renormalised; E = 40
+  // is more than a top-k list holds and not a multiple of the warp. With and without the
+  // balancing term; dweight is zero where an expert did not take the token.
+  const int64_t T = 200, E = 40;
+  ops::MoeRouterSpec spec;
+  spec.k = static_cast<int>(E);
+  Tensor logits = RandomF32({T, E}, 190, 2.0);
+  Tensor probs = Tensor::Empty({T, E}), lse = Tensor::Empty({T});
+  Tensor top1 = Tensor::Empty({T, 1}, DType::kI32), w1 = Tensor::Empty({T, 1});
+  ops::MoeRouterSpec softmax;
+  softmax.k = 1;
+  ops::MoeRouterForward(ctx, probs, lse, top1, w1, logits, Tensor(), softmax);
+  Tensor ids = Tensor::Empty({T, E}, DType::kI32), dweight = RandomF32({T, E}, 191);
+  for (int64_t i = 0; i < T * E; ++i) {
+    ids.i32()[i] = static_cast<int32_t>(i % E);
+    if (i % 3 == 0) dweight.f32()[i] = 0.f;  // not taken
+  }
+  Tensor score_grad = RandomF32({1, E}, 192, 0.05);
+  for (bool balancing : {false, true}) {
+    SCOPED_TRACE(balancing ? "with a balancing term" : "without");
+    const Tensor g = balancing ? score_grad : Tensor();
+    Tensor dl_c = Tensor::Empty({T, E});
+    ops::MoeRouterBackward(ctx, dl_c, dweight, probs, logits, lse, ids, g, T, spec, 0.07f);
+    Tensor dl_g = GpuGarbage({T, E});
+    ops::MoeRouterBackward(ctx, dl_g, Up(dweight), Up(probs), Up(logits), Up(lse), Up(ids),
+                           balancing ? Up(score_grad) : Tensor(), T, spec, 0.07f);
+    ExpectClose(dl_g, dl_c, kReduction, "dlogits");
+  }
+}
+
 // topk_expert [T, k]: distinct experts per token, first choices skewed to expert 0 (60%) so a
 // tight capacity drops many of them and some tokens lose every choice.
 Tensor SkewedExperts(int64_t T, int k, int64_t E, uint64_t seed) {
@@ -1012,6 +1043,24 @@ TEST_F(CudaOpsTest, MoePermuteAndCombine) {
     ops::MoeCombineBackward(ctx, alias_g, dw2_g, dy_g, alias_g, weight_g, slot_g);
     ExpectClose(alias_g, dyp_c, kPointwise, "combine dyp aliasing yp");
     ExpectClose(dw2_g, dw_c, kReduction, "combine dweight with dyp aliasing yp");
+    // The per-expert rows kernel, each expert's block in place over yp; dweight starts as NaN
+    // where a row will write it and as the reference (0) where the choice was dropped.
+    Tensor row_slot = Tensor::Empty({R}, DType::kI32), dw_init = Clone(dw_c);
+    for (int64_t i = 0; i < T * k; ++i) {
+      const int32_t s = slot.i32()[i];
+      if (s >= 0) {
+        row_slot.i32()[s] = static_cast<int32_t>(i);
+        dw_init.f32()[i] = std::numeric_limits<float>::quiet_NaN();
+      }
+    }
+    Tensor rows_g = Up(yp), dw3_g = Up(dw_init), row_slot_g = Up(row_slot);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = plan.offsets[e], r1 = plan.offsets[e + 1];
+      ops::MoeCombineBackwardRows(ctx, rows_g.Rows(r0, r1), dw3_g, dy_g, rows_g.Rows(r0, r1),
+                                  weight_g, row_slot_g.Rows(r0, r1));
+    }
+    ExpectClose(rows_g, dyp_c, kPointwise, "combine dyp by expert rows");
+    ExpectClose(dw3_g, dw_c, kReduction, "combine dweight by expert rows");
   }
 }
 

@@ -146,18 +146,20 @@ TEST_P(MoeLayerGpuTest, MatchesTheCpuLayer) {
   for (size_t i = 0; i < cp.size(); ++i) ExpectClose(gp[i]->grad, cp[i]->grad, cp[i]->name);
 }
 
-INSTANTIATE_TEST_SUITE_P(Gates, MoeLayerGpuTest,
-                         ::testing::Values(Case{"TopK1_Dropless", GateConfig::TOP_K, 1, 0.0},
-                                           Case{"TopK2_Dropless", GateConfig::TOP_K, 2, 0.0},
-                                           Case{"TopK2_Capacity", GateConfig::TOP_K, 2, 0.5},
-                                           Case{"TopK2_SwiGLU", GateConfig::TOP_K, 2, 0.0, true,
-                                                ops::Activation::kSwiglu},
-                                           Case{"Switch_Capacity", GateConfig::SWITCH, 1, 0.5},
-                                           Case{"GShard_Capacity", GateConfig::GSHARD, 2, 0.5},
-                                           Case{"Noisy2_Capacity", GateConfig::NOISY_TOP_K, 2, 0.5},
-                                           Case{"Noisy2_Eval", GateConfig::NOISY_TOP_K, 2, 0.5,
-                                                false}),
-                         CaseName);
+INSTANTIATE_TEST_SUITE_P(
+    Gates, MoeLayerGpuTest,
+    ::testing::Values(Case{"TopK1_Dropless", GateConfig::TOP_K, 1, 0.0},
+                      Case{"TopK2_Dropless", GateConfig::TOP_K, 2, 0.0},
+                      Case{"TopK2_Capacity", GateConfig::TOP_K, 2, 0.5},
+                      Case{"TopK2_SwiGLU", GateConfig::TOP_K, 2, 0.0, true,
+                           ops::Activation::kSwiglu},
+                      Case{"Switch_Capacity", GateConfig::SWITCH, 1, 0.5},
+                      Case{"GShard_Capacity", GateConfig::GSHARD, 2, 0.5},
+                      Case{"Noisy2_Capacity", GateConfig::NOISY_TOP_K, 2, 0.5},
+                      Case{"Noisy2_Eval", GateConfig::NOISY_TOP_K, 2, 0.5, false},
+                      Case{"ExpertChoice", GateConfig::EXPERT_CHOICE, 2, 1.0},
+                      Case{"ExpertChoice_Eval", GateConfig::EXPERT_CHOICE, 2, 1.5, false}),
+    CaseName);
 
 }  // namespace
 }  // namespace strata::model

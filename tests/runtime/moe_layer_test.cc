@@ -82,6 +82,7 @@ struct RefResult {
   std::vector<double> y;
   std::vector<int64_t> load;
   int64_t dropped = 0, dropped_tokens = 0;
+  int64_t capacity = 0;  // per expert (expert choice: the tokens each took); 0 = dropless
   double aux = 0, z = 0, seq = 0;
   std::vector<int64_t> routed;  // all k choices, before capacity
 };
@@ -190,6 +191,7 @@ RefResult Reference(const Case& c, const std::vector<double>& x, const Params& p
                        [&](int a, int b) { return probs[a * E + e] > probs[b * E + e]; });
       for (int i = 0; i < cap; ++i) eligible[tokens[i]][e] = true;
     }
+    r.capacity = cap;
     for (int t = 0; t < T; ++t) {
       for (int e = 0; e < E; ++e) {
         if (!eligible[t][e]) weight[t][e] = 0;
@@ -200,6 +202,7 @@ RefResult Reference(const Case& c, const std::vector<double>& x, const Params& p
   const double cf = c.training && !expert_choice ? c.capacity_factor : 0.0;
   const int64_t cap =
       cf > 0 ? std::max<int64_t>(1, static_cast<int64_t>(std::ceil(cf * T * k / E))) : 1 << 30;
+  if (cf > 0) r.capacity = cap;
   r.load.assign(E, 0);
   std::vector<std::vector<bool>> kept(T, std::vector<bool>(k, false));
   for (int j = 0; j < k; ++j)
@@ -389,6 +392,7 @@ TEST_P(MoeLayerTest, ForwardMatchesPerTokenReference) {
   }
   EXPECT_EQ(s.dropped, ref.dropped);
   EXPECT_EQ(s.dropped_tokens, ref.dropped_tokens);
+  EXPECT_EQ(s.capacity, ref.capacity);
   EXPECT_NEAR(s.aux_loss, ref.aux, 1e-5);
   EXPECT_NEAR(s.z_loss, ref.z, 1e-5);
   if (c.capacity_factor > 0 && c.capacity_factor < 1 && c.training &&
@@ -626,6 +630,7 @@ TEST(ExpertChoiceGateTest, TiesGoToTheEarlierTokenAndABrokenSumIsNoCrash) {
   GateCall call{true, 0};
   gate.Forward(ctx, x, call, &r);  // one process, the call is the batch
   expect_choice(r, 3, "alone");
+  EXPECT_EQ(gate.ChosenCapacity(), 3);
   // Rows 0-3 and 4-7 are equal, so every expert's third place was a tie, won by the earlier token.
   NoSumReducer reducer;
   gate.AttachReducer(&reducer);
@@ -634,6 +639,7 @@ TEST(ExpertChoiceGateTest, TiesGoToTheEarlierTokenAndABrokenSumIsNoCrash) {
   gate.Forward(ctx, x, call, &r);
   // C = ceil(0.75 * 16 * 2 / 4) = 6, all from this call's rows (the others stayed 0).
   expect_choice(r, 6, "the sum did nothing");
+  EXPECT_EQ(gate.ChosenCapacity(), 6);
   call.first_token = T + 4;  // does not fit the batch it names: chosen alone
   gate.Forward(ctx, x, call, &r);
   expect_choice(r, 3, "outside its batch");

@@ -32,6 +32,8 @@ struct Case {
   bool bias;
   int shared;  // shared experts of width kH, run as one FFN of width shared * kH
   int k;
+  bool in_groups =
+      false;  // the shared FFN as a task of the expert groups (not split over the pool)
 };
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
@@ -155,6 +157,7 @@ class SharedExpertsTest : public ::testing::TestWithParam<Case> {
     }
     auto layer = std::make_unique<MoeLayer>(kC, kTokens, MakeGate("gate", g), std::move(experts), 0,
                                             Device::Cpu(), std::move(shared));
+    layer->set_shared_in_expert_groups(c.in_groups);
     for (Parameter* p : layer->Parameters()) {
       Initialize(ctx_, *p, kSeed);
       if (p->init == Init::kZeros) {  // give biases values too
@@ -205,6 +208,10 @@ TEST_P(SharedExpertsTest, OutputIsTheRoutedLayerPlusAnFfnOfTheSharedWeights) {
     }
   }
   EXPECT_GT(largest, 0.1) << "the shared FFN's output is too small to tell";
+  // In groups, the shared FFN really ran as a task of the per-thread expert groups.
+  if (GetParam().in_groups) {
+    EXPECT_TRUE(layer->last_run_grouped());
+  }
 }
 
 TEST_P(SharedExpertsTest, GradientsMatchFiniteDifferencesOfReference) {
@@ -325,7 +332,11 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, SharedExpertsTest,
     ::testing::Values(Case{"gelu_bias_2_shared_top2", ops::Activation::kGelu, true, 2, 2},
                       Case{"swiglu_no_bias_1_shared_top2", ops::Activation::kSwiglu, false, 1, 2},
-                      Case{"relu_bias_3_shared_top1", ops::Activation::kRelu, true, 3, 1}),
+                      Case{"relu_bias_3_shared_top1", ops::Activation::kRelu, true, 3, 1},
+                      Case{"gelu_bias_2_shared_top2_in_groups", ops::Activation::kGelu, true, 2, 2,
+                           true},
+                      Case{"swiglu_no_bias_1_shared_top1_in_groups", ops::Activation::kSwiglu,
+                           false, 1, 1, true}),
     CaseName);
 
 // V 17, T 6, C 8, 2 MoE blocks of 4 experts of width 6 (top-2) and 1 shared expert of width 6.
