@@ -59,6 +59,14 @@ class CoordinatorStateTest : public ::testing::Test {
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? std::move(*c) : nullptr;
   }
+  // A coordinator for 3 to 8 workers that needs 1, with a, b and c joined at `now`: generation 1.
+  std::unique_ptr<CoordinatorState> OpenWithThreeJoined(Time now) {
+    auto c = Open(/*initial=*/3, /*min=*/1);
+    if (c == nullptr) return c;
+    for (const char* id : {"a", "b", "c"}) EXPECT_TRUE(c->Join(kToken, Worker(id), now).ok());
+    EXPECT_EQ(c->Snapshot().generation().workers_size(), 3);
+    return c;
+  }
   // Every member reports `step` of the current generation.
   void AllReport(CoordinatorState& c, int64_t step, Time now) {
     const coordinator::Generation g = c.Snapshot().generation();
@@ -543,9 +551,8 @@ TEST_F(CoordinatorStateTest, AStalledWriteOfANewGenerationIsNotHeldAgainstItsMem
   GTEST_SKIP() << "this build compiled fault points out (-DSTRATA_FAULT_INJECTION=OFF)";
 #endif
   auto now = [] { return std::chrono::steady_clock::now(); };
-  auto c = Open(/*initial=*/3, /*min=*/1);
-  for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), now()).ok());
-  ASSERT_EQ(c->Snapshot().generation().workers_size(), 3);
+  auto c = OpenWithThreeJoined(now());
+  ASSERT_FALSE(HasFailure());
   // c's stream breaks; the write of the generation without it stalls 2.5 s (the heartbeat timeout
   // is 2 s), and the survivors are seen as of the call's start, before the stall.
   ASSERT_TRUE(FaultPoints::Instance().Arm("coordinator.persist=sleep_ms:2500").ok());
@@ -574,9 +581,8 @@ TEST_F(CoordinatorStateTest, StalledWritesBackToBackAreNotHeldAgainstTheMembers)
   GTEST_SKIP() << "this build compiled fault points out (-DSTRATA_FAULT_INJECTION=OFF)";
 #endif
   auto now = [] { return std::chrono::steady_clock::now(); };
-  auto c = Open(/*initial=*/3, /*min=*/1);
-  for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), now()).ok());
-  ASSERT_EQ(c->Snapshot().generation().workers_size(), 3);
+  auto c = OpenWithThreeJoined(now());
+  ASSERT_FALSE(HasFailure());
   ASSERT_TRUE(FaultPoints::Instance().Arm("coordinator.persist=sleep_ms:2500").ok());
   const auto t = now();
   AllReport(*c, 1, t);

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/common/rng.h"
 #include "runtime/model/moe_layer.h"
+#include "tests/runtime/moe_test_util.h"
 
 namespace strata::model {
 namespace {
@@ -102,13 +103,7 @@ TEST_P(MoeLayerGpuTest, MatchesTheCpuLayer) {
   auto cp = cpu_layer->Parameters(), gp = gpu_layer->Parameters();
   ASSERT_EQ(cp.size(), gp.size());
   for (size_t i = 0; i < cp.size(); ++i) {
-    Initialize(ctx, *cp[i], kSeed);
-    if (cp[i]->init == Init::kZeros) {  // give biases values too
-      for (int64_t j = 0; j < cp[i]->value.numel(); ++j) {
-        cp[i]->value.f32()[j] =
-            static_cast<float>(0.1 * rng::Normal(rng::Key(5, NameHash(cp[i]->name)), j));
-      }
-    }
+    InitializeWithBiases(ctx, *cp[i], kSeed);
     gp[i]->value.CopyFrom(cp[i]->value);
   }
   std::mt19937 gen(3);

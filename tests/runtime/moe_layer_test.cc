@@ -24,6 +24,7 @@
 #include "runtime/model/adamw.h"
 #include "runtime/model/moe_layer.h"
 #include "runtime/model/transformer.h"
+#include "tests/runtime/moe_test_util.h"
 
 // Counts heap allocations, to show the layer's steady state allocates nothing. (GCC cannot see
 // that new and delete below are a matched pair.)
@@ -307,15 +308,7 @@ class MoeLayerTest : public ::testing::TestWithParam<Case> {
       experts.push_back(std::make_unique<FfnExpert>(absl::StrCat("experts.", e), f));
     }
     layer_ = std::make_unique<MoeLayer>(kC, kTokens, MakeGate("gate", g), std::move(experts));
-    for (Parameter* p : layer_->Parameters()) {
-      Initialize(ctx_, *p, kSeed);
-      if (p->init == Init::kZeros) {  // give biases values too
-        for (int64_t i = 0; i < p->value.numel(); ++i) {
-          p->value.f32()[i] =
-              static_cast<float>(0.1 * rng::Normal(rng::Key(5, NameHash(p->name)), i));
-        }
-      }
-    }
+    for (Parameter* p : layer_->Parameters()) InitializeWithBiases(ctx_, *p, kSeed);
     std::mt19937 gen(3);
     std::normal_distribution<float> nd(0, 1);
     x_ = Tensor::Empty({kTokens, kC});

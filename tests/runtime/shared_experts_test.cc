@@ -20,6 +20,7 @@
 #include "core/common/rng.h"
 #include "runtime/model/moe_layer.h"
 #include "runtime/model/transformer.h"
+#include "tests/runtime/moe_test_util.h"
 
 namespace strata::model {
 namespace {
@@ -159,13 +160,7 @@ class SharedExpertsTest : public ::testing::TestWithParam<Case> {
                                             Device::Cpu(), std::move(shared));
     layer->set_shared_in_expert_groups(c.in_groups);
     for (Parameter* p : layer->Parameters()) {
-      Initialize(ctx_, *p, kSeed);
-      if (p->init == Init::kZeros) {  // give biases values too
-        for (int64_t i = 0; i < p->value.numel(); ++i) {
-          p->value.f32()[i] =
-              static_cast<float>(0.1 * rng::Normal(rng::Key(5, NameHash(p->name)), i));
-        }
-      }
+      InitializeWithBiases(ctx_, *p, kSeed);
       p->grad.SetZero();
     }
     return layer;

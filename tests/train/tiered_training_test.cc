@@ -95,6 +95,22 @@ RunResult Train(const config::JobConfig& cfg) {
   return run;
 }
 
+// The losses of `cfg` trained with every expert in memory (no store).
+std::vector<double> InMemoryLosses(config::JobConfig cfg) {
+  cfg.mutable_storage()->set_mode(config::StorageConfig::IN_MEMORY);
+  TrainOptions o;
+  o.config = cfg;
+  o.progress = false;
+  auto t = Trainer::Create(o);
+  EXPECT_TRUE(t.ok()) << t.status();
+  if (!t.ok()) return {};
+  Status s = (*t)->Run();
+  EXPECT_TRUE(s.ok()) << s;
+  std::vector<double> losses;
+  for (const auto& r : (*t)->history()) losses.push_back(r.loss);
+  return losses;
+}
+
 class TieredTrainingTest : public ::testing::Test {
  protected:
   void SetUp() override { WriteFile(dir_.File("text.txt"), strata::testing::SyntheticText(40000)); }
@@ -196,17 +212,11 @@ TEST_F(TieredTrainingTest, MatchesInMemoryTrainingClosely) {
   // In memory, experts run with split GEMMs and the gradient norm is summed in another order, so
   // only rounding may differ.
   const std::string data = dir_.File("text.txt");
-  config::JobConfig mem = TieredJob(data, 0, 0);
-  mem.mutable_storage()->set_mode(config::StorageConfig::IN_MEMORY);
-  TrainOptions o;
-  o.config = mem;
-  o.progress = false;
-  auto t = Trainer::Create(o);
-  ASSERT_TRUE(t.ok()) << t.status();
-  ASSERT_TRUE((*t)->Run().ok());
+  const std::vector<double> in_memory = InMemoryLosses(TieredJob(data, 0, 0));
+  ASSERT_EQ(in_memory.size(), 12u);
   const RunResult tiered = Train(TieredJob(data, 0, 0));
   for (size_t i = 0; i < 12; ++i) {
-    EXPECT_NEAR(tiered.losses[i], (*t)->history()[i].loss, 2e-4 * tiered.losses[i]) << i;
+    EXPECT_NEAR(tiered.losses[i], in_memory[i], 2e-4 * tiered.losses[i]) << i;
   }
 }
 
@@ -236,16 +246,10 @@ TEST_F(TieredTrainingTest, SharedExpertsStayDenseAndTrainAsInMemory) {
         << "step " << i + 1 << ": " << tiny.losses[i] << " vs " << unlimited.losses[i];
   }
   // In memory, where one AdamW updates every parameter: only rounding differs (see above).
-  config::JobConfig mem = with_shared(TieredJob(data, 0, 0));
-  mem.mutable_storage()->set_mode(config::StorageConfig::IN_MEMORY);
-  TrainOptions o;
-  o.config = mem;
-  o.progress = false;
-  auto t = Trainer::Create(o);
-  ASSERT_TRUE(t.ok()) << t.status();
-  ASSERT_TRUE((*t)->Run().ok());
+  const std::vector<double> in_memory = InMemoryLosses(with_shared(TieredJob(data, 0, 0)));
+  ASSERT_EQ(in_memory.size(), 12u);
   for (size_t i = 0; i < 12; ++i) {
-    EXPECT_NEAR(tiny.losses[i], (*t)->history()[i].loss, 2e-4 * tiny.losses[i]) << i;
+    EXPECT_NEAR(tiny.losses[i], in_memory[i], 2e-4 * tiny.losses[i]) << i;
   }
 }
 
