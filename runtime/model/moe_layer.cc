@@ -30,6 +30,7 @@ MoeLayer::MoeLayer(int64_t d_model, int64_t max_tokens, std::unique_ptr<Gate> ga
   row_token_ = Tensor::Empty({device.is_cpu() ? rows : std::max(rows, max_tokens * gate_->k())},
                              DType::kI32, device);
   row_slot_ = Tensor::Empty({rows}, DType::kI32, device);
+  task_rows_cap_ = std::min(rows, max_tokens);
   xp_ = Tensor::Empty({rows, C_}, DType::kF32, device);
   yp_ = Tensor::Empty({rows, C_}, DType::kF32, device);
   dxp_ = Tensor::Empty({rows, C_}, DType::kF32, device);
@@ -115,14 +116,16 @@ void MoeLayer::ForEachExpert(ops::Context& ctx, const std::vector<int64_t>& offs
   const int64_t E = static_cast<int64_t>(offsets.size()) - 1;  // tasks: experts (+ shared)
   if (group_begin_.empty()) {
     for (int64_t e = 0; e < E; ++e) {
-      if (offsets[e + 1] > offsets[e]) fn(e);
+      if (offsets[e + 1] > offsets[e]) fn(e, 0);
     }
     return;
   }
+  CHECK_EQ(group_begin_.size(), static_cast<size_t>(ctx.pool->num_threads()) + 1)
+      << "expert groups planned for another pool size";
   // Inside a pool task every op runs on its own thread (nested parallelism is inline).
   ctx.pool->Run([&](int tid, int) {
     for (int64_t e = group_begin_[tid]; e < group_begin_[tid + 1]; ++e) {
-      if (offsets[e + 1] > offsets[e]) fn(e);
+      if (offsets[e + 1] > offsets[e]) fn(e, tid);
     }
   });
 }
@@ -140,7 +143,7 @@ void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
     // out to pool threads would put them on other threads' streams, unordered.
     CHECK(residency_ == nullptr) << "the tiered store's experts run on the CPU device only";
     for (int64_t e = 0; e < num_local_experts(); ++e) {
-      if (offsets[e + 1] > offsets[e]) fn(e);
+      if (offsets[e + 1] > offsets[e]) fn(e, 0);
     }
     return;
   }
@@ -156,7 +159,7 @@ void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
     if (offsets[e + 1] > offsets[e]) needed_.push_back(static_cast<int>(first_local_ + e));
   }
   residency_->BeginPass(layer_, pass, needed_);
-  ctx.pool->Run([&](int, int) {
+  ctx.pool->Run([&](int tid, int) {
     while (true) {
       const ResidentExpert r = residency_->NextReady(layer_, pass);
       if (r.expert < 0) break;
@@ -164,11 +167,26 @@ void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
       CHECK(e >= 0 && e < num_local_experts()) << "the residency handed expert " << r.expert;
       // The handed blobs are the expert's parameters for this call only.
       expert_layout_.Bind(expert_params_[e], r.weights, r.grad);
-      fn(e);
+      fn(e, tid);
       for (Parameter* p : expert_params_[e]) Unbind(*p);
       residency_->Done(layer_, pass, r);
     }
   });
+}
+
+void MoeLayer::EnsureTaskRows(int threads) {
+  if (static_cast<int>(task_rows_.size()) == threads) return;
+  task_rows_.clear();
+  for (int i = 0; i < threads; ++i) {
+    task_rows_.push_back(Tensor::Empty({2 * task_rows_cap_, C_}, DType::kF32, device_));
+  }
+}
+
+Tensor MoeLayer::TaskRows(int thread, bool dy, int64_t n) const {
+  CHECK(thread >= 0 && thread < static_cast<int>(task_rows_.size()) && n <= task_rows_cap_)
+      << "task rows of thread " << thread << " for " << n << " rows";
+  const int64_t first = dy ? task_rows_cap_ : 0;
+  return task_rows_[thread].Rows(first, first + n);
 }
 
 const std::vector<int64_t>& MoeLayer::TaskOffsets(const std::vector<int64_t>& offsets,
@@ -194,19 +212,22 @@ void MoeLayer::RunLocalForward(ops::Context& ctx, const std::vector<int64_t>& of
     return;
   }
   const int64_t n = num_local_experts();
-  RunExperts(ctx, ExpertResidency::Pass::kForward, TaskOffsets(offsets, in), [&](int64_t e) {
-    if (e == n) {  // the shared experts, on every token
-      const int64_t T = in.x->dim(0);
-      shared_->Forward(ctx, *in.x, shared_y_.Rows(0, T), shared_saved_.Rows(0, T));
-      return;
-    }
-    const int64_t r0 = offsets[e], r1 = offsets[e + 1];
-    if (in.x != nullptr) {
-      ops::MoePermuteForward(ctx, x.Rows(r0, r1), *in.x, row_token_.Rows(r0, r1));
-    }
-    experts_[e]->Forward(ctx, x.Rows(r0, r1), y.Rows(r0, r1),
-                         saved.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));
-  });
+  RunExperts(
+      ctx, ExpertResidency::Pass::kForward, TaskOffsets(offsets, in), [&](int64_t e, int tid) {
+        if (e == n) {  // the shared experts, on every token
+          const int64_t T = in.x->dim(0);
+          shared_->Forward(ctx, *in.x, shared_y_.Rows(0, T), shared_saved_.Rows(0, T));
+          return;
+        }
+        const int64_t r0 = offsets[e], r1 = offsets[e + 1];
+        Tensor rows = x.Rows(r0, r1);
+        if (in.x != nullptr) {
+          rows = TaskRows(tid, /*dy=*/false, r1 - r0);
+          ops::MoePermuteForward(ctx, rows, *in.x, row_token_.Rows(r0, r1));
+        }
+        experts_[e]->Forward(ctx, rows, y.Rows(r0, r1),
+                             saved.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));
+      });
 }
 
 void MoeLayer::RunLocalBackward(ops::Context& ctx, const std::vector<int64_t>& offsets,
@@ -223,21 +244,28 @@ void MoeLayer::RunLocalBackward(ops::Context& ctx, const std::vector<int64_t>& o
     return;
   }
   const int64_t n = num_local_experts();
-  RunExperts(ctx, ExpertResidency::Pass::kBackward, TaskOffsets(offsets, in), [&](int64_t e) {
-    if (e == n) {  // the shared experts write dx; the routed rows' gradients add onto it later
-      const int64_t T = in.x->dim(0);
-      shared_->Backward(ctx, *in.x, *in.dy, *in.dx, shared_saved_.Rows(0, T));
-      return;
-    }
-    const int64_t r0 = offsets[e], r1 = offsets[e + 1];
-    if (in.dy != nullptr) {
-      const Tensor rows = dy.Rows(r0, r1);  // the expert's outputs, overwritten by their gradient
-      ops::MoeCombineBackwardRows(ctx, rows, dweight_.Rows(0, routing_.tokens), *in.dy, rows,
-                                  routing_.weight, row_slot_.Rows(r0, r1));
-    }
-    experts_[e]->Backward(ctx, x.Rows(r0, r1), dy.Rows(r0, r1), dx.Rows(r0, r1),
-                          saved.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));
-  });
+  RunExperts(
+      ctx, ExpertResidency::Pass::kBackward, TaskOffsets(offsets, in), [&](int64_t e, int tid) {
+        if (e == n) {  // shared experts write dx; the routed rows' gradients add on later
+          const int64_t T = in.x->dim(0);
+          shared_->Backward(ctx, *in.x, *in.dy, *in.dx, shared_saved_.Rows(0, T));
+          return;
+        }
+        const int64_t r0 = offsets[e], r1 = offsets[e + 1];
+        Tensor x_rows = x.Rows(r0, r1), dy_rows = dy.Rows(r0, r1);
+        if (in.x != nullptr) {
+          x_rows = TaskRows(tid, /*dy=*/false, r1 - r0);
+          ops::MoePermuteForward(ctx, x_rows, *in.x, row_token_.Rows(r0, r1));
+        }
+        if (in.dy != nullptr) {  // from the expert's outputs, which dy holds until now
+          dy_rows = TaskRows(tid, /*dy=*/true, r1 - r0);
+          ops::MoeCombineBackwardRows(ctx, dy_rows, dweight_.Rows(0, routing_.tokens), *in.dy,
+                                      dy.Rows(r0, r1), routing_.weight, row_slot_.Rows(r0, r1));
+        }
+        experts_[e]->Backward(
+            ctx, x_rows, dy_rows, dx.Rows(r0, r1),
+            saved.View(r0 * saved_stride_, {r1 - r0, experts_[e]->SavedPerRow()}));
+      });
 }
 
 void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, const GateCall& call) {
@@ -265,6 +293,7 @@ void MoeLayer::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, cons
     for (int64_t i = 0; i < T * k; ++i) {
       if (s[i] >= 0) rs[s[i]] = static_cast<int32_t>(i);
     }
+    EnsureTaskRows(ctx.pool->num_threads());
     RunLocalForward(ctx, plan_.offsets, xp, yp, saved_,
                     InTask{&x, nullptr, nullptr, shared_in_tasks_now_});
   } else {
@@ -311,11 +340,14 @@ void MoeLayer::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, co
   if (shared_ && !shared_in_tasks_now_) {
     shared_->Backward(ctx, x, dy, dx, shared_saved_.Rows(0, T));
   }
-  // dyp overwrites yp in place (each row is read, then written, by one thread).
+  // dyp overwrites yp in place (each row is read, then written, by one thread), except when the
+  // expert tasks make their rows (they make them in their task rows).
   if (exchange_ != nullptr) {
     ops::MoeCombineBackward(ctx, yp, dweight, dy, yp, routing_.weight, slot);
     exchange_->Backward(ctx, layer_, local_, yp, dxp);
   } else if (rows_in_tasks_) {
+    CHECK_EQ(static_cast<size_t>(ctx.pool->num_threads()), task_rows_.size())
+        << "Backward on a pool of another size than its Forward's";
     dweight.SetZero();  // the choices capacity dropped have no row to write theirs
     RunLocalBackward(ctx, plan_.offsets, xp, yp, dxp, saved_,
                      InTask{&x, &dy, &dx, shared_in_tasks_now_});

@@ -6,9 +6,10 @@
 //      contiguous block of rows;
 //   3. rows are permuted into those blocks (xp), each expert runs once on its block (the grouped
 //      computation), and yp holds their outputs. When this worker runs every expert on the CPU,
-//      each expert gathers its own rows inside its task, just before its GEMMs read them (and in
-//      backward scales its own rows of dy and computes their combine-weight gradients there):
-//      the rows are then in the core's cache instead of one pass over memory behind;
+//      each expert instead gathers its own rows inside its task into its thread's buffer, just
+//      before its GEMMs read them, and again in backward, where it also makes its rows of dyp
+//      there and their combine-weight gradients: the rows are then in the core's cache instead
+//      of one pass over memory behind, and xp is not used;
 //   4. y[t] = sum of the token's weighted expert outputs (un-permute);
 //   5. with shared experts, y[t] += shared(x[t]) for every token.
 // Backward runs the same steps in reverse; the gate gets the gradient of its combine weights.
@@ -21,8 +22,9 @@
 // parameters of the layer (DenseParameters()), the same on every worker: never routed, exchanged or
 // put in a residency.
 //
-// All buffers are sized for max_tokens at construction and reused: nothing is allocated per step
-// or per token.
+// All buffers are sized for max_tokens and reused: nothing is allocated per step or per token.
+// They are made at construction, except the per-thread rows of the expert tasks, made by the
+// first Forward that uses them on a pool of a new size.
 //
 // How the experts share the cores: when there are enough experts to give every thread a
 // contiguous group with about the same number of rows (within 15%), each thread runs its group
@@ -45,7 +47,7 @@
 // parameters may be bound to a residency's blobs during a call, see expert_residency.h); it does
 // not own the residency or the exchange attached to it. Forward, Backward and the Attach/set calls
 // are made from one thread at a time (the one running the model); the layer fans its experts out
-// over ctx.pool itself.
+// over ctx.pool itself. Backward runs on a pool of the same size as its Forward's.
 #pragma once
 
 #include <memory>
@@ -170,9 +172,14 @@ class MoeLayer {
   MoeStats stats_;
   Tensor slot_, row_token_;  // i32 [T*k]
   Tensor row_slot_;          // i32 [rows]: t * k + j of each row, when rows are made in the tasks
-  Tensor xp_, yp_, dxp_;     // [T*k, C]; yp also holds dyp in backward
-  Tensor saved_;             // [T*k * saved_stride_]
-  Tensor dweight_;           // [T, k]
+  Tensor xp_, yp_, dxp_;     // [T*k, C]; yp also holds dyp in backward (not with RowsInTasks)
+  // With RowsInTasks, thread i's rows of its current expert: x rows in [0, task_rows_cap_), dy
+  // rows after them. task_rows_cap_ is the most rows an expert can get (each token once); pages
+  // an expert never reaches are never touched.
+  std::vector<Tensor> task_rows_;
+  int64_t task_rows_cap_;
+  Tensor saved_;    // [T*k * saved_stride_]
+  Tensor dweight_;  // [T, k]
   // Per-thread expert groups of the last Forward: thread i runs experts
   // [group_begin_[i], group_begin_[i + 1]); empty when the experts ran one after another.
   std::vector<int64_t> group_begin_;
@@ -208,10 +215,11 @@ class MoeLayer {
 
   // What the expert tasks of RunLocalForward/Backward do besides their expert, when every expert
   // is local on the CPU (RowsInTasks). x, dy and dx are the layer's own tensors, one row per
-  // token. In forward with x, each expert first gathers its rows of xp from x; in backward with
-  // dy, each expert first makes its rows of dyp (which hold its outputs yp until then) and their
-  // combine-weight gradients (MoeCombineBackwardRows). With `shared`, the shared experts run as
-  // one more task (index num_local_experts(), T rows for the schedule), from x (and dy, into dx).
+  // token. With x, each expert first gathers its rows of x into its thread's task_rows_ (in
+  // backward again: xp is never written, and the rows its GEMMs read stay in cache); with dy, each
+  // expert first makes its rows of dyp there from its outputs yp, and their combine-weight
+  // gradients (MoeCombineBackwardRows). With `shared`, the shared experts run as one more task
+  // (index num_local_experts(), T rows for the schedule), from x (and dy, into dx).
   struct InTask {
     const Tensor* x = nullptr;
     const Tensor* dy = nullptr;
@@ -229,6 +237,10 @@ class MoeLayer {
   // Whether each expert makes its own rows inside its task: every expert local, on the CPU, run
   // one by one (not as one grouped GEMM).
   bool RowsInTasks() const { return exchange_ == nullptr && device_.is_cpu() && !grouped_gemm_; }
+  // One task_rows_ buffer per thread of a pool of `threads` (made when the size changes).
+  void EnsureTaskRows(int threads);
+  // Thread `thread`'s task rows for n rows of x (`dy` false) or of dy, [n, C].
+  Tensor TaskRows(int thread, bool dy, int64_t n) const;
   // Whether the shared experts run as one of those tasks (not with a residency, whose threads
   // take only the experts it hands them).
   bool SharedInTasks() const {
@@ -237,12 +249,14 @@ class MoeLayer {
 
   // Per-thread groups over local experts whose rows are [offsets[i], offsets[i + 1]).
   void PlanExpertGroups(int threads, const std::vector<int64_t>& offsets);
-  // Runs fn(i) for every local expert i with rows: through the residency when there is one, else
+  // Runs fn(i, thread) for every local expert i with rows, `thread` being the pool thread that runs
+  // it (0 when they run in order on the caller's): through the residency when there is one, else
   // grouped or in order.
   template <typename Fn>
   void RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
                   const std::vector<int64_t>& offsets, Fn&& fn);
-  // Runs fn(i) for every local expert with rows, grouped or in order (see the file comment).
+  // Runs fn(i, thread) for every local expert with rows, grouped or in order (see the file
+  // comment).
   template <typename Fn>
   void ForEachExpert(ops::Context& ctx, const std::vector<int64_t>& offsets, Fn&& fn);
 };
