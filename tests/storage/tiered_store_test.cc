@@ -327,10 +327,13 @@ TEST_F(TieredStoreTest, IdleSsdThreadsWriteTheNextVictimsBackAhead) {
   EXPECT_EQ(s.host.evictions, 0u);
   // Seven fresh tensors take their slots (as cold, and more recent); every value comes back from
   // the SSD tier bit for bit, and no tensor was written twice (an eviction of a cleaned entry
-  // writes nothing).
+  // writes nothing). Each waits for the write-backs ahead it started: an eviction that finds
+  // every dirty victim being written takes a clean, newer entry instead (a fresh one here), which
+  // would leave one of 1-7 resident and make the count of reads below depend on timing.
   for (int e = 8; e <= 14; ++e) {
     ASSERT_TRUE(store->AcquireHost(TensorKey{1, e, TensorKind::kGrad}).ok());
     store->ReleaseHost(TensorKey{1, e, TensorKind::kGrad}, false);
+    store->WaitIdle();
   }
   for (int e = 1; e <= 7; ++e) {
     TensorKey k{1, e, TensorKind::kGrad};
