@@ -121,7 +121,8 @@ void MoeLayer::ForEachExpert(ops::Context& ctx, const std::vector<int64_t>& offs
     return;
   }
   CHECK_EQ(group_begin_.size(), static_cast<size_t>(ctx.pool->num_threads()) + 1)
-      << "expert groups planned for another pool size";
+      << "expert groups planned for a pool of " << group_begin_.size() - 1 << " threads, run on "
+      << ctx.pool->num_threads() << "; run Backward on the pool its Forward ran on";
   // Inside a pool task every op runs on its own thread (nested parallelism is inline).
   ctx.pool->Run([&](int tid, int) {
     for (int64_t e = group_begin_[tid]; e < group_begin_[tid + 1]; ++e) {
@@ -347,7 +348,8 @@ void MoeLayer::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, co
     exchange_->Backward(ctx, layer_, local_, yp, dxp);
   } else if (rows_in_tasks_) {
     CHECK_EQ(static_cast<size_t>(ctx.pool->num_threads()), task_rows_.size())
-        << "Backward on a pool of another size than its Forward's";
+        << "Backward on a pool of " << ctx.pool->num_threads() << " threads after a Forward on "
+        << task_rows_.size() << "; run Backward on the pool its Forward ran on";
     dweight.SetZero();  // the choices capacity dropped have no row to write theirs
     RunLocalBackward(ctx, plan_.offsets, xp, yp, dxp, saved_,
                      InTask{&x, &dy, &dx, shared_in_tasks_now_});
