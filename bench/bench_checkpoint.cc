@@ -62,6 +62,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
+#include "bench/blas_report.h"
 #include "core/common/json.h"
 #include "core/common/thread_pool.h"
 #include "proto/config_io.h"
@@ -526,6 +527,7 @@ int Main(int argc, char** argv) {
         "(medians)\n",
         HostDescription().c_str(), o.dir.c_str(), o.layers, o.experts, o.d_model, o.d_expert,
         o.rounds);
+    PrintBlasReport(MeasureBlas(static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN))));
   }
   if (o.part != "stall") {
     // Part 1: writers 0 (the baseline) and each count, in alternating order from round to round.
@@ -704,4 +706,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace strata::bench
 
-int main(int argc, char** argv) { return strata::bench::Main(argc, argv); }
+int main(int argc, char** argv) {
+  strata::bench::ChooseBlasKernelAtStart("bench_checkpoint", argv);
+  return strata::bench::Main(argc, argv);
+}

@@ -34,6 +34,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench/bench_util.h"
+#include "bench/blas_report.h"
 #include "core/common/clock.h"
 #include "core/common/json.h"
 #include "kernels/cpu/gemm.h"
@@ -492,16 +493,18 @@ int Main(int argc, char** argv) {
   if (o.iters < 1) o.iters = 1;
   if (o.rounds < 1) o.rounds = 1;
   if (o.blocks < 1) o.blocks = 1;
+  const BlasReport blas = MeasureBlas(o.threads);
   if (!o.json) {
     std::printf("# bench_moe_layer: MoE layer forward+backward, top-k gate, dropless, %d threads\n",
                 o.threads);
     std::printf("# host: %s\n", HostDescription().c_str());
+    PrintBlasReport(blas);
     std::printf(
         "# GFLOP/s counts expert GEMMs only (12 * d_model * d_hidden * (routed rows + tokens * "
-        "shared))\n");
-    std::printf("%6s %7s %8s %7s %2s %6s | %9s %8s | %9s %8s | %9s %8s | %7s %6s\n", "tokens",
-                "d_model", "d_hidden", "experts", "k", "shared", "strata_ms", "GFLOP/s", "sgemm_ms",
-                "x_sgemm", "torch_ms", "speedup", "peak_MB", "#wrong");
+        "shared)); of_best: that rate over the best kernel's sgemm above\n");
+    std::printf("%6s %7s %8s %7s %2s %6s | %9s %8s %7s | %9s %8s | %9s %8s | %7s %6s\n", "tokens",
+                "d_model", "d_hidden", "experts", "k", "shared", "strata_ms", "GFLOP/s", "of_best",
+                "sgemm_ms", "x_sgemm", "torch_ms", "speedup", "peak_MB", "#wrong");
   }
   int failures = 0;
   for (const Shape& s : o.shapes) {
@@ -509,6 +512,7 @@ int Main(int argc, char** argv) {
     failures += r.wrong;
     const double over = r.ms / r.sgemm_ms;
     const double speedup = r.torch_ms / r.ms;
+    const double of_best = blas.best_gflops > 0 ? r.gflops / blas.best_gflops : 0.0;
     if (o.json) {
       JsonWriter j;
       j.BeginObject()
@@ -521,6 +525,7 @@ int Main(int argc, char** argv) {
           .Field("threads", o.threads)
           .Field("ms", r.ms)
           .Field("gflops", r.gflops)
+          .Field("of_best_sgemm", of_best)
           .Field("sgemm_ms", r.sgemm_ms)
           .Field("sgemm_schedule", r.sgemm_schedule)
           .Field("sgemm_openblas_threads_ms", r.sgemm_by_schedule[0])
@@ -533,15 +538,17 @@ int Main(int argc, char** argv) {
           .Field("peak_rss_mb", r.peak_mb)
           .Field("torch_peak_rss_mb", r.torch_peak_mb)
           .Field("checked", r.checked)
-          .Field("wrong", r.wrong)
-          .EndObject();
+          .Field("wrong", r.wrong);
+      AddBlasFields(j, blas);
+      j.EndObject();
       std::printf("%s\n", j.str().c_str());
     } else {
       std::printf(
-          "%6lld %7lld %8lld %7lld %2d %6d | %9.1f %8.1f | %9.1f %8.3f | %9.1f %8.2f | %7.0f "
-          "%6d\n",
+          "%6lld %7lld %8lld %7lld %2d %6d | %9.1f %8.1f %7.2f | %9.1f %8.3f | %9.1f %8.2f | "
+          "%7.0f %6d\n",
           (long long)s.tokens, (long long)s.d_model, (long long)s.d_hidden, (long long)s.experts,
-          s.k, s.shared, r.ms, r.gflops, r.sgemm_ms, over, r.torch_ms, speedup, r.peak_mb, r.wrong);
+          s.k, s.shared, r.ms, r.gflops, of_best, r.sgemm_ms, over, r.torch_ms, speedup, r.peak_mb,
+          r.wrong);
       std::printf(
           "#   sgemm schedules (ms): openblas_threads %.1f, split_gemms %.1f, expert_groups "
           "%.1f; strata ran %s\n",
@@ -563,4 +570,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace strata::bench
 
-int main(int argc, char** argv) { return strata::bench::Main(argc, argv); }
+int main(int argc, char** argv) {
+  strata::bench::ChooseBlasKernelAtStart("bench_moe_layer", argv);
+  return strata::bench::Main(argc, argv);
+}

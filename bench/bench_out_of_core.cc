@@ -52,6 +52,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
+#include "bench/blas_report.h"
 #include "core/common/heap.h"
 #include "core/common/json.h"
 #include "proto/config_io.h"
@@ -277,6 +278,7 @@ int RunConfig(Options o) {
         config::FormatBytes(first.storage().device_budget_bytes()).c_str(), dir.c_str(),
         config::FormatBytes(config::AvailableDiskBytes(dir)).c_str(),
         own_data ? "synthetic" : data.c_str(), o.warmup, o.steps, o.rounds);
+    PrintBlasReport(MeasureBlas(static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN))));
   }
   std::vector<Row> rows(o.batches.size());
   std::vector<double> fio_read, fio_write, routed(o.batches.size()), rss(o.batches.size());
@@ -403,6 +405,7 @@ int Main(int argc, char** argv) {
         "bench_out_of_core: %s; SSD tier and fio in %s; %d warm-up + %d timed steps, "
         "%d rounds\n",
         HostDescription().c_str(), o.dir.c_str(), o.warmup, o.steps, o.rounds);
+    PrintBlasReport(MeasureBlas(static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN))));
   }
   std::vector<Row> rows(o.batches.size());
   std::vector<double> fio_read, fio_write;
@@ -483,6 +486,7 @@ int Main(int argc, char** argv) {
 }  // namespace strata::bench
 
 int main(int argc, char** argv) {
+  strata::bench::ChooseBlasKernelAtStart("bench_out_of_core", argv);
   strata::KeepLargeBlocksOffTheHeap();  // as the strata binary does: peak RSS is reported
   return strata::bench::Main(argc, argv);
 }

@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench/bench_util.h"
+#include "bench/blas_report.h"
 #include "core/common/clock.h"
 #include "core/common/json.h"
 #include "runtime/comm/communicator.h"
@@ -204,6 +205,7 @@ int RunWorkersBench(int workers, int chunks, int rounds, int iters, bool json, b
         "forward+backward, all-to-all-v over Gloo/TCP loopback\n",
         workers, workers);
     std::printf("# host: %s\n", HostDescription().c_str());
+    PrintBlasReport(MeasureBlas(workers));
     std::printf(
         "# per worker: %lld tokens, d_model %lld, d_hidden %lld, %lld experts in all, k %d; "
         "overlap on = %d dispatch chunks; medians of %d rounds x %d iterations\n",

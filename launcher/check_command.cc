@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "absl/strings/str_split.h"
+#include "kernels/blas_kernel.h"
 #include "launcher/command_util.h"
 #include "proto/config_io.h"
 #include "proto/memory_estimate.h"
@@ -65,6 +66,9 @@ int CheckCommand(const std::vector<std::string>& args) {
     std::printf("# %s\n", std::string(line).c_str());
   }
   std::printf("# available here: %s\n", config::FormatBytes(config::AvailableHostMemory()).c_str());
+  const blas::Choice blas = blas::Current();
+  std::printf("# blas: %s\n", blas.describe.c_str());
+  if (!blas.warning.empty()) std::printf("# warning: %s\n", blas.warning.c_str());
   if (const std::string need = config::FormatDiskEstimate(disk); !need.empty()) {
     std::printf("# %s# free in %s: %s\n", need.c_str(), disk.ssd_dir.c_str(),
                 config::FormatBytes(config::AvailableDiskBytes(disk.ssd_dir)).c_str());

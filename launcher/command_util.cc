@@ -15,6 +15,7 @@
 #include "absl/strings/strip.h"
 #include "core/common/logging.h"
 #include "core/device/device.h"
+#include "kernels/blas_kernel.h"
 #include "launcher/job_config.h"
 #include "proto/config_io.h"
 
@@ -148,8 +149,15 @@ void PrintDone(const train::Trainer& trainer, int rank) {
               e.loss, bpb.c_str());
 }
 
+void LogBlasKernel() {
+  const blas::Choice blas = blas::Current();
+  STRATA_LOG(INFO) << "blas: " << blas.describe;
+  if (!blas.warning.empty()) STRATA_LOG(WARNING) << "blas: " << blas.warning;
+}
+
 int RunTraining(const Flags& flags, const std::string& command, const std::vector<FlagSpec>& specs,
                 const train::WorkerOptions& worker) {
+  LogBlasKernel();
   int rc = 0;
   auto options = TrainOptionsFrom(flags, command, specs, worker, &rc);
   if (!options) return rc;

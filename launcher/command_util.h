@@ -58,6 +58,9 @@ train::TrainOptions OptionsFor(const Flags& flags, config::JobConfig cfg,
 
 // "done: N steps, held-out loss ..." on stdout, from rank 0's latest evaluation (if any).
 void PrintDone(const train::Trainer& trainer, int rank);
+// A run's first log line: the BLAS and the kernel its CPU GEMMs run on, and a warning when that
+// kernel is below the best this CPU runs and stays so (kernels/blas_kernel.h).
+void LogBlasKernel();
 
 // `strata train` and `strata worker --rank ...` after their own flags: loads the config with the
 // flags' overrides, trains, and returns the exit code.

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_format.h"
 #include "core/device/device.h"
+#include "kernels/blas_kernel.h"
 #include "launcher/command_util.h"
 #include "launcher/flags.h"
 
@@ -56,6 +57,9 @@ int Main(int argc, char** argv) {
         ""
 #endif
     );
+    const blas::Choice blas = blas::Current();
+    std::printf("blas: %s\n", blas.describe.c_str());
+    if (!blas.warning.empty()) std::printf("warning: %s\n", blas.warning.c_str());
     return 0;
   }
   std::fprintf(stderr, "strata: unknown command '%s'\n\n", cmd.c_str());

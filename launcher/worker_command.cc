@@ -109,6 +109,7 @@ StatusOr<config::JobConfig> WorkerConfig(const Flags& flags, const Overrides& o,
 }
 
 int JoinAndTrain(const Flags& flags) {
+  LogBlasKernel();
   const std::string address = *flags.String("coordinator");
   int rc = 0;
   const std::optional<std::string> token = RequireToken(flags, "worker", WorkerFlags(), &rc);

@@ -6,8 +6,8 @@
 # and a file may include its own layer and the layers below it, never one above (docs/DESIGN.md).
 # Reads every `#include "..."` in those folders and fails, printing file:line, the include and both
 # layers, on an include of a higher layer. It also fails when a file outside kernels/ includes a
-# backend (kernels/cpu/, kernels/cuda/): the rest of strata sees kernels through kernels/ops.h and
-# kernels/vocabulary.h. tests/ and bench/ sit on top of everything (a backend's tests include its
+# backend (kernels/cpu/, kernels/cuda/): the rest of strata sees kernels through kernels/ops.h,
+# kernels/vocabulary.h and kernels/blas_kernel.h. tests/ and bench/ sit on top of everything (a backend's tests include its
 # headers) and are not checked. Includes of other projects (absl/, google/, ...) are ignored.
 #
 #   scripts/check-layers.sh        (from anywhere; exits 0 when the tree is layered, 1 otherwise)
@@ -29,7 +29,7 @@ awk -v order="${layers[*]}" '
       bad = 1
     }
     if (from[1] != "kernels" && to[1] == "kernels" && (to[2] == "cpu" || to[2] == "cuda")) {
-      printf "%s:%d: #include \"%s\": layer %s includes the kernels backend kernels/%s/; use kernels/ops.h or kernels/vocabulary.h\n",
+      printf "%s:%d: #include \"%s\": layer %s includes the kernels backend kernels/%s/; use kernels/ops.h, kernels/vocabulary.h or kernels/blas_kernel.h\n",
              FILENAME, FNR, inc, from[1], to[2]
       bad = 1
     }

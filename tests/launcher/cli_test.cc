@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -43,6 +45,95 @@ TEST_F(CliTest, NoArgumentsPrintsUsage) {
   auto v = RunCommand(kStrata + " version");
   EXPECT_EQ(v.exit_code, 0);
   EXPECT_NE(v.output.find("backends: cpu"), std::string::npos) << v.output;
+}
+
+// The OpenBLAS kernel this CPU should run, from the flags Linux lists in /proc/cpuinfo (it lists
+// AVX and AVX-512 only where it saves their registers) and OpenBLAS's kernel list: independent of
+// the cpuid code in kernels/cpu/blas_kernel.cc. "" where /proc/cpuinfo has no flags (not x86-64).
+std::string BestKernelFromProcCpuinfo() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  std::set<std::string> flags;
+  while (std::getline(f, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    for (auto w : absl::StrSplit(line.substr(line.find(':') + 1), ' ', absl::SkipEmpty())) {
+      flags.insert(std::string(w));
+    }
+    break;
+  }
+  auto has = [&](std::initializer_list<const char*> names) {
+    return std::all_of(names.begin(), names.end(), [&](const char* n) { return flags.count(n); });
+  };
+  if (flags.empty()) return "";
+  const bool avx512 = has({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"});
+  if (avx512 && has({"avx512_bf16"})) return "Cooperlake";
+  if (avx512) return "SkylakeX";
+  if (has({"avx2", "fma"})) return "Haswell";
+  if (has({"avx"})) return "Sandybridge";
+  return "Prescott";
+}
+
+// The environment of a strata run with only the given BLAS settings (the machine's own
+// OPENBLAS_CORETYPE and strata's marker removed).
+std::string BlasEnv(const std::string& settings) {
+  return "env -u OPENBLAS_CORETYPE -u STRATA_BLAS_KERNEL -u STRATA_OPENBLAS_CORETYPE_SET " +
+         settings + " ";
+}
+
+// Forced onto OpenBLAS's oldest x86-64 kernel (what Debian 12's OpenBLAS picks by itself on CPUs
+// newer than its table), `strata version` says so and warns; STRATA_BLAS_KERNEL=best re-executes
+// strata on the best kernel, and a training run's log names it.
+TEST_F(CliTest, VersionReportsAnOldBlasKernelAndStrataSwitchesToTheBest) {
+  const std::string best = BestKernelFromProcCpuinfo();
+  if (best.empty() || best == "Prescott") GTEST_SKIP() << "this CPU runs nothing above Prescott";
+
+  auto forced = RunCommand(BlasEnv("OPENBLAS_CORETYPE=Prescott") + kStrata + " version");
+  EXPECT_EQ(forced.exit_code, 0) << forced.output;
+  EXPECT_NE(forced.output.find("blas: OpenBLAS"), std::string::npos) << forced.output;
+  EXPECT_NE(forced.output.find("kernel Prescott (SSE3), set by OPENBLAS_CORETYPE=Prescott"),
+            std::string::npos)
+      << forced.output;
+  EXPECT_NE(forced.output.find("warning: OpenBLAS runs its Prescott kernel (SSE3), below the best "
+                               "this CPU runs, " + best),
+            std::string::npos)
+      << forced.output;
+
+  auto fixed = RunCommand(BlasEnv("OPENBLAS_CORETYPE=Prescott STRATA_BLAS_KERNEL=best") + kStrata +
+                          " version");
+  EXPECT_EQ(fixed.exit_code, 0) << fixed.output;
+  EXPECT_NE(fixed.output.find("kernel " + best + " ("), std::string::npos) << fixed.output;
+  EXPECT_NE(fixed.output.find("chosen by strata in place of Prescott"), std::string::npos)
+      << fixed.output;
+  EXPECT_EQ(fixed.output.find("warning:"), std::string::npos) << fixed.output;
+
+  // Left to itself (no OPENBLAS_CORETYPE), strata runs the best kernel: OpenBLAS's own choice
+  // when it is as good, or strata's.
+  auto own = RunCommand(BlasEnv("") + kStrata + " version");
+  EXPECT_EQ(own.exit_code, 0) << own.output;
+  EXPECT_EQ(own.output.find("warning:"), std::string::npos) << own.output;
+  const bool openblas_best = own.output.find(": the best for this CPU") != std::string::npos;
+  const bool strata_chose = own.output.find("kernel " + best + " (") != std::string::npos &&
+                            own.output.find("chosen by strata") != std::string::npos;
+  EXPECT_TRUE(openblas_best || strata_chose) << own.output;
+
+  // A run's log names the kernel, and `strata check` prints it.
+  auto run = RunCommand(BlasEnv("OPENBLAS_CORETYPE=Prescott STRATA_BLAS_KERNEL=best") + kStrata +
+                        " train --steps 2 --quiet --config " + dir_.File("ok.textproto"));
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("blas: OpenBLAS"), std::string::npos) << run.output;
+  EXPECT_NE(run.output.find("kernel " + best + " ("), std::string::npos) << run.output;
+  auto check = RunCommand(BlasEnv("OPENBLAS_CORETYPE=Prescott") + kStrata + " check --config " +
+                          dir_.File("ok.textproto"));
+  EXPECT_EQ(check.exit_code, 0) << check.output;
+  EXPECT_NE(check.output.find("# blas: OpenBLAS"), std::string::npos) << check.output;
+  EXPECT_NE(check.output.find("# warning: OpenBLAS runs its Prescott kernel"), std::string::npos)
+      << check.output;
+
+  auto bad = RunCommand(BlasEnv("STRATA_BLAS_KERNEL=fastest") + kStrata + " version");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("STRATA_BLAS_KERNEL='fastest' is not a policy: use auto"),
+            std::string::npos)
+      << bad.output;
 }
 
 TEST_F(CliTest, UsageErrorsExitTwoAndNameTheFlag) {

@@ -1,0 +1,112 @@
+// Which OpenBLAS kernel the CPU backend's GEMMs run on, and choosing the fastest one at start.
+//
+// Design decision: OpenBLAS (a DYNAMIC_ARCH build, as Debian ships it) picks its kernel once, when
+// the library loads, from a table of CPU models. A model newer than the table gets an old kernel
+// (Debian 12's 0.3.21 runs an AVX-512 BF16 Xeon on Prescott, SSE3 only), which slows every GEMM
+// several times while every benchmark ratio against sgemm still reads 1.0. The kernel cannot be
+// changed once loaded, so strata decides in main(), before anything else runs: it reads what the
+// CPU offers (cpuid, and xgetbv for what the OS saves) and what OpenBLAS chose, and when the
+// choice is below the best kernel the CPU can run it sets OPENBLAS_CORETYPE and executes itself
+// again, once. Workers that `strata launch` starts inherit the setting and do not re-execute.
+//
+// The user decides over strata: an OPENBLAS_CORETYPE that strata did not set is kept (with a
+// warning when it is below the best), and STRATA_BLAS_KERNEL chooses the policy:
+//   auto  (default) fix OpenBLAS's own choice; keep a user's OPENBLAS_CORETYPE
+//   best  the best kernel the CPU runs, even over a user's OPENBLAS_CORETYPE
+//   keep  never change anything; only report (and warn)
+//
+// Threads: ChooseKernelAtStart runs in main() before any other thread exists. The rest reads the
+// environment and the library and may be called from any thread.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/common/status.h"
+
+namespace strata::blas {
+
+// What the CPU offers for GEMMs, as the running OS lets a program use it: an AVX or AVX-512 flag
+// counts only when the OS saves that register state (xgetbv).
+struct CpuFeatures {
+  bool sse3 = false;
+  bool avx = false;
+  bool avx2 = false;
+  bool fma = false;
+  bool avx512 = false;  // F, CD, BW, DQ and VL: what OpenBLAS's SkylakeX kernel needs
+  bool avx512_bf16 = false;
+  bool amx = false;  // AMX-TILE and AMX-BF16 (OpenBLAS uses them for sbgemm only)
+};
+
+// This CPU's features (cpuid and xgetbv on x86-64; none elsewhere).
+CpuFeatures DetectCpu();
+
+// The OpenBLAS that this process runs, as it reports itself.
+struct Library {
+  std::string config;    // openblas_get_config(), e.g. "OpenBLAS 0.3.21 ... DYNAMIC_ARCH ..."
+  std::string corename;  // openblas_get_corename(), e.g. "Haswell"
+  bool dynamic_arch = false;  // built with every kernel, so OPENBLAS_CORETYPE can switch them
+  // The kernels strata would choose that the library holds (in a DYNAMIC_ARCH build), e.g.
+  // {"Cooperlake", "SkylakeX", "Haswell", "Sandybridge", "Prescott"}.
+  std::vector<std::string> kernels;
+};
+Library DetectLibrary();
+
+// "OpenBLAS 0.3.21" from a config string.
+std::string LibraryVersion(std::string_view config);
+
+// How fast a kernel's sgemm is, by the widest vectors it uses: 0 unknown (not x86-64, or a name
+// strata does not know), 1 SSE, 2 AVX, 3 AVX2 with FMA, 4 AVX-512, 5 AVX-512 with BF16.
+int KernelTier(std::string_view corename);
+// What a tier needs of the CPU, in words ("AVX-512 BF16").
+std::string TierName(int tier);
+
+// The best kernel among `available` that `cpu` can run, or "" when none is known.
+std::string BestKernel(const CpuFeatures& cpu, const std::vector<std::string>& available);
+
+enum class Policy { kAuto, kBest, kKeep };
+// STRATA_BLAS_KERNEL's value ("" means auto); an unknown value is an error naming the variable.
+StatusOr<Policy> ParsePolicy(std::string_view value);
+
+// The environment as strata reads it at start.
+struct Environment {
+  std::string coretype;         // OPENBLAS_CORETYPE ("" when unset or empty)
+  std::string set_by_strata;    // STRATA_OPENBLAS_CORETYPE_SET: "<kernel set>,<kernel before>"
+  Policy policy = Policy::kAuto;
+};
+
+// What to do at start, and what to tell the user.
+struct Choice {
+  std::string reexec_with;  // non-empty: set OPENBLAS_CORETYPE to this and execute again
+  std::string describe;     // one line: library, kernel in use, and why
+  std::string warning;      // non-empty when the kernel is below the CPU's best and stays so
+};
+// The decision, a pure function of what the CPU offers, what the library chose and the
+// environment (tested with made-up CPUs in tests/kernels/blas_kernel_test.cc).
+Choice Choose(const CpuFeatures& cpu, const Library& lib, const Environment& env);
+
+// Reads the environment: STRATA_BLAS_KERNEL, OPENBLAS_CORETYPE and strata's own marker.
+StatusOr<Environment> ReadEnvironment();
+
+// Called first in main() of `strata` and of the benchmarks. May execute the program again
+// (execv of /proc/self/exe with the same argv and OPENBLAS_CORETYPE set); returns an error only
+// for a bad STRATA_BLAS_KERNEL, which the caller prints before exiting with status 2. When
+// STRATA_SGEMM_PROBE is set (by MeasureBestSgemm), measures sgemm, prints GFLOP/s and exits.
+Status ChooseKernelAtStart(char** argv);
+
+// The choice for this process as it runs now (what `strata version` prints).
+Choice Current();
+
+// sgemm GFLOP/s the way strata runs GEMMs: `threads` threads at once, each a single-threaded
+// n x n x n sgemm on its own matrices, best of three timed repetitions, summed over the threads.
+// Each thread checks one element of its result against a double-precision sum; -1 if one is
+// wrong.
+double MeasureSgemm(int threads, int n = 1024);
+
+// The same in a child process of this program on the best kernel the CPU runs (needs
+// ChooseKernelAtStart in main). Sets *kernel to that kernel; returns a negative number when the
+// child could not be run.
+double MeasureBestSgemm(int threads, std::string* kernel, int n = 1024);
+
+}  // namespace strata::blas

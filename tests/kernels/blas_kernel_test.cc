@@ -1,0 +1,217 @@
+// The choice of OpenBLAS kernel (kernels/blas_kernel.h) against made-up CPUs and libraries, each
+// expected result written by hand from OpenBLAS's kernel list; and the cpuid reading against the
+// flags the Linux kernel lists in /proc/cpuinfo.
+#include "kernels/blas_kernel.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_split.h"
+
+namespace strata::blas {
+namespace {
+
+const std::vector<std::string> kDebian12 = {"Cooperlake", "SkylakeX", "Haswell", "Sandybridge",
+                                            "Prescott"};
+
+Library OpenBlas(std::string corename, bool dynamic = true) {
+  Library lib;
+  lib.config = absl::StrCat("OpenBLAS 0.3.21 NO_LAPACKE", dynamic ? " DYNAMIC_ARCH" : "",
+                            " NO_AFFINITY ", corename, " MAX_THREADS=64");
+  lib.corename = std::move(corename);
+  lib.dynamic_arch = dynamic;
+  if (dynamic) lib.kernels = kDebian12;
+  return lib;
+}
+
+// An Intel Xeon with AVX-512 and AVX512_BF16 (and AMX), or an AMD Zen 4/5.
+CpuFeatures Avx512Bf16() {
+  return {.sse3 = true, .avx = true, .avx2 = true, .fma = true, .avx512 = true,
+          .avx512_bf16 = true, .amx = true};
+}
+CpuFeatures Avx512() {
+  CpuFeatures f = Avx512Bf16();
+  f.avx512_bf16 = false;
+  f.amx = false;
+  return f;
+}
+CpuFeatures Avx2() {
+  CpuFeatures f = Avx512();
+  f.avx512 = false;
+  return f;
+}
+
+Environment Env(std::string coretype, std::string marker = "", Policy policy = Policy::kAuto) {
+  Environment env;
+  env.coretype = std::move(coretype);
+  env.set_by_strata = std::move(marker);
+  env.policy = policy;
+  return env;
+}
+
+TEST(BlasKernelTest, TiersFollowTheWidestVectors) {
+  EXPECT_EQ(KernelTier("Prescott"), 1);
+  EXPECT_EQ(KernelTier("Sandybridge"), 2);
+  EXPECT_EQ(KernelTier("Haswell"), 3);
+  EXPECT_EQ(KernelTier("ZEN"), 3);
+  EXPECT_EQ(KernelTier("SkylakeX"), 4);
+  EXPECT_EQ(KernelTier("Cooperlake"), 5);
+  EXPECT_EQ(KernelTier("SapphireRapids"), 5);
+  EXPECT_EQ(KernelTier("NEOVERSEN1"), 0);
+  EXPECT_EQ(LibraryVersion("OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH"), "OpenBLAS 0.3.21");
+}
+
+TEST(BlasKernelTest, BestKernelIsTheWidestTheCpuAndTheLibraryBothHave) {
+  EXPECT_EQ(BestKernel(Avx512Bf16(), kDebian12), "Cooperlake");
+  EXPECT_EQ(BestKernel(Avx512(), kDebian12), "SkylakeX");
+  EXPECT_EQ(BestKernel(Avx2(), kDebian12), "Haswell");
+  // An OpenBLAS older than Cooperlake's kernel.
+  EXPECT_EQ(BestKernel(Avx512Bf16(), {"SkylakeX", "Haswell", "Prescott"}), "SkylakeX");
+  // AVX without FMA (Sandy Bridge), SSE3 only, nothing at all.
+  CpuFeatures avx = Avx2();
+  avx.avx2 = false;
+  avx.fma = false;
+  EXPECT_EQ(BestKernel(avx, kDebian12), "Sandybridge");
+  EXPECT_EQ(BestKernel(CpuFeatures{.sse3 = true}, kDebian12), "Prescott");
+  EXPECT_EQ(BestKernel(CpuFeatures{}, kDebian12), "");
+  EXPECT_EQ(BestKernel(Avx512Bf16(), {}), "");
+}
+
+// The machine of the report: a Xeon (family 6, model 207) with AVX-512 BF16, on which Debian 12's
+// OpenBLAS 0.3.21 picks Prescott. strata re-executes on Cooperlake.
+TEST(BlasKernelTest, APrescottChoiceOnAnAvx512Bf16XeonIsFixed) {
+  const Choice c = Choose(Avx512Bf16(), OpenBlas("Prescott"), Environment{});
+  EXPECT_EQ(c.reexec_with, "Cooperlake");
+  EXPECT_EQ(c.warning, "");
+  // The same with an OpenBLAS that lacks Cooperlake, and on a CPU with AVX-512 but no BF16.
+  Library old = OpenBlas("Prescott");
+  old.kernels = {"SkylakeX", "Haswell", "Sandybridge", "Prescott"};
+  EXPECT_EQ(Choose(Avx512Bf16(), old, Environment{}).reexec_with, "SkylakeX");
+  EXPECT_EQ(Choose(Avx512(), OpenBlas("Haswell"), Environment{}).reexec_with, "SkylakeX");
+}
+
+// After the re-execution: the marker names what strata set and what it replaced.
+TEST(BlasKernelTest, AfterTheFixTheKernelIsReportedAsStratasChoice) {
+  Environment env = Env("Cooperlake", "Cooperlake,Prescott");
+  const Choice c = Choose(Avx512Bf16(), OpenBlas("Cooperlake"), env);
+  EXPECT_EQ(c.reexec_with, "");
+  EXPECT_EQ(c.warning, "");
+  EXPECT_EQ(c.describe,
+            "OpenBLAS 0.3.21, kernel Cooperlake (AVX-512 BF16), chosen by strata in place of "
+            "Prescott (OPENBLAS_CORETYPE=Cooperlake)");
+  // OpenBLAS ignored the setting: never a second re-execution, a warning instead.
+  const Choice ignored = Choose(Avx512Bf16(), OpenBlas("Prescott"), env);
+  EXPECT_EQ(ignored.reexec_with, "");
+  EXPECT_NE(ignored.warning.find("strata set OPENBLAS_CORETYPE=Cooperlake, but OpenBLAS runs its "
+                                 "Prescott kernel"),
+            std::string::npos)
+      << ignored.warning;
+}
+
+// This project's development machine: an AMD EPYC (Zen 5, AVX-512 BF16) whose environment sets
+// OPENBLAS_CORETYPE=Haswell. The user's setting is kept, with a warning that says how to lift it.
+TEST(BlasKernelTest, AUsersOpenblasCoretypeIsKeptWithAWarningUnlessThePolicyIsBest) {
+  Environment env = Env("Haswell");
+  const Choice c = Choose(Avx512Bf16(), OpenBlas("Haswell"), env);
+  EXPECT_EQ(c.reexec_with, "");
+  EXPECT_EQ(c.describe, "OpenBLAS 0.3.21, kernel Haswell (AVX2), set by OPENBLAS_CORETYPE=Haswell");
+  EXPECT_EQ(c.warning,
+            "OpenBLAS runs its Haswell kernel (AVX2), below the best this CPU runs, Cooperlake "
+            "(AVX-512 BF16): GEMMs run slower than this CPU can; OPENBLAS_CORETYPE=Haswell is "
+            "kept: unset it, or set STRATA_BLAS_KERNEL=best to let strata choose Cooperlake");
+  env.policy = Policy::kBest;
+  EXPECT_EQ(Choose(Avx512Bf16(), OpenBlas("Haswell"), env).reexec_with, "Cooperlake");
+  // A user's setting that is already the best stays, without a warning.
+  env.coretype = "SkylakeX";
+  const Choice fine = Choose(Avx512(), OpenBlas("SkylakeX"), env);
+  EXPECT_EQ(fine.reexec_with, "");
+  EXPECT_EQ(fine.warning, "");
+  // A marker for another kernel than OPENBLAS_CORETYPE's is stale: the setting is the user's.
+  env = Env("Haswell", "Cooperlake,Prescott");
+  EXPECT_NE(Choose(Avx512Bf16(), OpenBlas("Haswell"), env).warning.find("is kept"),
+            std::string::npos);
+}
+
+TEST(BlasKernelTest, KeepOnlyWarnsAndTheBestChoiceNeedsNothing) {
+  const Choice keep =
+      Choose(Avx512Bf16(), OpenBlas("Prescott"), Env("", "", Policy::kKeep));
+  EXPECT_EQ(keep.reexec_with, "");
+  EXPECT_NE(keep.warning.find("STRATA_BLAS_KERNEL=keep keeps it"), std::string::npos);
+  // OpenBLAS's own choice is the best (or as good: Zen is the AVX2 tier).
+  const Choice good = Choose(Avx2(), OpenBlas("Zen"), Environment{});
+  EXPECT_EQ(good.reexec_with, "");
+  EXPECT_EQ(good.warning, "");
+  EXPECT_EQ(good.describe, "OpenBLAS 0.3.21, kernel Zen (AVX2): the best for this CPU");
+  // A kernel strata does not know (another architecture) is reported, not judged.
+  const Choice arm = Choose(CpuFeatures{}, OpenBlas("NEOVERSEN1"), Environment{});
+  EXPECT_EQ(arm.reexec_with, "");
+  EXPECT_EQ(arm.warning, "");
+}
+
+TEST(BlasKernelTest, AnOpenblasBuiltForOneCpuCannotBeFixedAndSaysSo) {
+  const Choice c = Choose(Avx512Bf16(), OpenBlas("Haswell", /*dynamic=*/false), Environment{});
+  EXPECT_EQ(c.reexec_with, "");
+  EXPECT_NE(c.warning.find("this OpenBLAS cannot switch to it (it is built for one CPU)"),
+            std::string::npos)
+      << c.warning;
+  // A DYNAMIC_ARCH build without the better kernel.
+  Library old = OpenBlas("Haswell");
+  old.kernels = {"Haswell", "Prescott"};
+  EXPECT_NE(Choose(Avx512Bf16(), old, Environment{}).warning.find("it does not hold that kernel"),
+            std::string::npos);
+}
+
+TEST(BlasKernelTest, AnUnknownPolicyNamesTheVariableAndTheChoices) {
+  EXPECT_EQ(*ParsePolicy(""), Policy::kAuto);
+  EXPECT_EQ(*ParsePolicy("BEST"), Policy::kBest);
+  EXPECT_EQ(*ParsePolicy("keep"), Policy::kKeep);
+  const auto bad = ParsePolicy("fastest");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("STRATA_BLAS_KERNEL='fastest' is not a policy: use auto"),
+            std::string::npos)
+      << bad.status();
+}
+
+// cpuid and xgetbv against the flags Linux lists for this CPU (it lists AVX and AVX-512 only when
+// it saves their registers, which is what DetectCpu checks with xgetbv).
+TEST(BlasKernelTest, DetectCpuAgreesWithProcCpuinfo) {
+#if !defined(__x86_64__)
+  GTEST_SKIP() << "cpuid is x86-64 only";
+#endif
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  std::set<std::string> flags;
+  while (std::getline(f, line)) {
+    if (line.rfind("flags", 0) == 0) {
+      for (auto w : absl::StrSplit(line.substr(line.find(':') + 1), ' ', absl::SkipEmpty())) {
+        flags.insert(std::string(w));
+      }
+      break;
+    }
+  }
+  if (flags.empty()) GTEST_SKIP() << "no flags line in /proc/cpuinfo";
+  const CpuFeatures cpu = DetectCpu();
+  EXPECT_EQ(cpu.sse3, flags.count("pni") == 1);
+  EXPECT_EQ(cpu.avx, flags.count("avx") == 1);
+  EXPECT_EQ(cpu.avx2, flags.count("avx2") == 1);
+  EXPECT_EQ(cpu.fma, flags.count("fma") == 1);
+  const bool avx512 = flags.count("avx512f") && flags.count("avx512cd") &&
+                      flags.count("avx512bw") && flags.count("avx512dq") &&
+                      flags.count("avx512vl");
+  EXPECT_EQ(cpu.avx512, avx512);
+  EXPECT_EQ(cpu.avx512_bf16, avx512 && flags.count("avx512_bf16") == 1);
+}
+
+// The probe the benchmarks print: a real sgemm, so it must be positive and finite.
+TEST(BlasKernelTest, MeasureSgemmRunsARealGemm) {
+  const double g = MeasureSgemm(1, 128);
+  EXPECT_GT(g, 0.0);
+  EXPECT_LT(g, 1e6);
+}
+
+}  // namespace
+}  // namespace strata::blas
