@@ -521,13 +521,14 @@ int Main(int argc, char** argv) {
       !FioAvailable("bench_checkpoint", "to leave fio's write rate out")) {
     return cleanup_and_fail("fio is missing");
   }
+  const BlasReport blas = MeasureBlas(static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)));
   if (!o.json) {
     std::printf(
         "bench_checkpoint: %s; folders in %s; model %d layers x %d experts of %dx%d, %d rounds "
         "(medians)\n",
         HostDescription().c_str(), o.dir.c_str(), o.layers, o.experts, o.d_model, o.d_expert,
         o.rounds);
-    PrintBlasReport(MeasureBlas(static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN))));
+    PrintBlasReport(blas);
   }
   if (o.part != "stall") {
     // Part 1: writers 0 (the baseline) and each count, in alternating order from round to round.
@@ -582,8 +583,9 @@ int Main(int argc, char** argv) {
             .Field("gbps", gbps)
             .Field("ratio", gbps / base_gbps)
             .Field("save_s", MedianOf(save_seconds[n]))
-            .Field("rounds", static_cast<int64_t>(o.rounds))
-            .EndObject();
+            .Field("rounds", static_cast<int64_t>(o.rounds));
+        AddBlasFields(j, blas);
+        j.EndObject();
         std::printf("%s\n", j.str().c_str());
       } else {
         std::printf("%-22s %14llu %9.3f %8.3f %8.2fx %11.3f\n",
@@ -670,8 +672,9 @@ int Main(int argc, char** argv) {
           .Field("cost_s", cost)
           .Field("cost_fraction", cost / step)
           .Field("persist_s", persist)
-          .Field("rounds", static_cast<int64_t>(o.rounds))
-          .EndObject();
+          .Field("rounds", static_cast<int64_t>(o.rounds));
+      AddBlasFields(j, blas);
+      j.EndObject();
       std::printf("%s\n", j.str().c_str());
     } else {
       std::printf(

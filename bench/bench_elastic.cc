@@ -106,6 +106,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench/bench_util.h"
+#include "bench/blas_report.h"
 #include "core/common/json.h"
 #include "core/common/thread_pool.h"
 #include "launcher/coordinator_service.h"
@@ -653,6 +654,8 @@ std::string MB(int64_t bytes) {
 
 int main(int argc, char** argv) {
   using namespace strata;
+  // The workers this benchmark starts inherit the kernel it settles on and do not re-execute.
+  bench::ChooseBlasKernelAtStart("bench_elastic", argv);
   Options o;
   const char* usage =
       "usage: bench_elastic [--workers N] [--trials N] [--restarts N] [--threads N] "
@@ -733,6 +736,7 @@ int main(int argc, char** argv) {
       static_cast<long long>(sizes.moe_layers),
       static_cast<unsigned long long>(sizes.TensorBytes()),
       static_cast<long long>(sizes.dense_scalars));
+  bench::PrintBlasReport(bench::MeasureBlas(o.threads));
   if (o.tiered) {
     std::printf(
         "TIERED budgets per worker: device %llu bytes (dense state %llu + %d expert tensors), host "

@@ -512,7 +512,7 @@ int Main(int argc, char** argv) {
     failures += r.wrong;
     const double over = r.ms / r.sgemm_ms;
     const double speedup = r.torch_ms / r.ms;
-    const double of_best = blas.best_gflops > 0 ? r.gflops / blas.best_gflops : 0.0;
+    const double of_best = blas.OfBest(r.gflops);
     if (o.json) {
       JsonWriter j;
       j.BeginObject()

@@ -265,6 +265,7 @@ int RunConfig(Options o) {
   const config::DiskEstimate disk = config::EstimateDisk(first);
   const double mem_total = MemTotalBytes();
   const uint64_t state = config::EstimateMemory(first).expert_state_bytes;
+  const BlasReport blas = MeasureBlas(static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)));
   if (!o.json) {
     std::printf(
         "bench_out_of_core --config %s%s: %s; TIERED only; expert state %s (%.2fx MemTotal %s), "
@@ -278,7 +279,7 @@ int RunConfig(Options o) {
         config::FormatBytes(first.storage().device_budget_bytes()).c_str(), dir.c_str(),
         config::FormatBytes(config::AvailableDiskBytes(dir)).c_str(),
         own_data ? "synthetic" : data.c_str(), o.warmup, o.steps, o.rounds);
-    PrintBlasReport(MeasureBlas(static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN))));
+    PrintBlasReport(blas);
   }
   std::vector<Row> rows(o.batches.size());
   std::vector<double> fio_read, fio_write, routed(o.batches.size()), rss(o.batches.size());
@@ -341,8 +342,9 @@ int RunConfig(Options o) {
           .Field("peak_rss_bytes", static_cast<int64_t>(rss[b]))
           .Field("mem_total_bytes", static_cast<int64_t>(mem_total))
           .Field("peak_rss_of_ram", rss[b] / mem_total)
-          .Field("rounds", o.rounds)
-          .EndObject();
+          .Field("rounds", o.rounds);
+      AddBlasFields(j, blas);
+      j.EndObject();
       std::printf("%s\n", j.str().c_str());
     } else {
       std::printf(
@@ -400,12 +402,13 @@ int Main(int argc, char** argv) {
   const std::string data = dir + "/text.txt";
   WriteSyntheticText(data, 4 << 20);
 
+  const BlasReport blas = MeasureBlas(static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)));
   if (!o.json) {
     std::printf(
         "bench_out_of_core: %s; SSD tier and fio in %s; %d warm-up + %d timed steps, "
         "%d rounds\n",
         HostDescription().c_str(), o.dir.c_str(), o.warmup, o.steps, o.rounds);
-    PrintBlasReport(MeasureBlas(static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN))));
+    PrintBlasReport(blas);
   }
   std::vector<Row> rows(o.batches.size());
   std::vector<double> fio_read, fio_write;
@@ -470,8 +473,9 @@ int Main(int argc, char** argv) {
           .Field("ssd_write_bytes_per_step", wr)
           .Field("fio_read_gbps", fr)
           .Field("fio_write_gbps", fw)
-          .Field("rounds", o.rounds)
-          .EndObject();
+          .Field("rounds", o.rounds);
+      AddBlasFields(j, blas);
+      j.EndObject();
       std::printf("%s\n", j.str().c_str());
     } else {
       std::printf("%6d %10.0f %10.0f %7.0f%% %9.3f %9.3f %9.3f %8.2f %5.0f/%-5.0f %6.0f%% %7s\n",

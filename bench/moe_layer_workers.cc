@@ -199,13 +199,14 @@ int RunWorkersBench(int workers, int chunks, int rounds, int iters, bool json, b
   if (shape[0] > 0) {
     s = WorkerShape{shape[0], shape[1], shape[2], shape[3], static_cast<int>(shape[4])};
   }
+  const BlasReport blas = MeasureBlas(workers);
   if (!json) {
     std::printf(
         "# bench_moe_layer --workers %d: one MoE layer over %d processes (1 compute thread each), "
         "forward+backward, all-to-all-v over Gloo/TCP loopback\n",
         workers, workers);
     std::printf("# host: %s\n", HostDescription().c_str());
-    PrintBlasReport(MeasureBlas(workers));
+    PrintBlasReport(blas);
     std::printf(
         "# per worker: %lld tokens, d_model %lld, d_hidden %lld, %lld experts in all, k %d; "
         "overlap on = %d dispatch chunks; medians of %d rounds x %d iterations\n",
@@ -257,8 +258,9 @@ int RunWorkersBench(int workers, int chunks, int rounds, int iters, bool json, b
           .Field("comm_ms", comm_ms)
           .Field("exposed_comm_ms", exposed_ms)
           .Field("hidden_comm_fraction", hidden)
-          .Field("wrong", row_wrong)
-          .EndObject();
+          .Field("wrong", row_wrong);
+      AddBlasFields(j, blas);
+      j.EndObject();
       std::printf("%s\n", j.str().c_str());
     } else {
       std::printf("%7d %7s %6d | %8.1f %10.1f %8.1f %10.1f | %5.0f%% %6lld\n", workers,

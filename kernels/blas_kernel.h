@@ -15,10 +15,15 @@
 //   best  the best kernel the CPU runs, even over a user's OPENBLAS_CORETYPE
 //   keep  never change anything; only report (and warn)
 //
-// Threads: ChooseKernelAtStart runs in main() before any other thread exists. The rest reads the
-// environment and the library and may be called from any thread.
+// Debuggers and tools that follow one process (valgrind without --trace-children) lose it at the
+// re-execution: run them with STRATA_BLAS_KERNEL=keep, or OPENBLAS_CORETYPE set.
+//
+// Threads: ChooseKernelAtStart runs first in main(), before strata starts a thread of its own (only
+// OpenBLAS's idle thread pool exists then). The rest reads the environment and the library and may
+// be called from any thread.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -39,6 +44,15 @@ struct CpuFeatures {
   bool amx = false;  // AMX-TILE and AMX-BF16 (OpenBLAS uses them for sbgemm only)
 };
 
+// The cpuid and xgetbv words the features come from (x86-64).
+struct CpuRegisters {
+  uint32_t leaf1_ecx = 0;    // SSE3 (bit 0), FMA (12), OSXSAVE (27), AVX (28)
+  uint32_t leaf7_ebx = 0;    // AVX2 (5), AVX-512 F (16), DQ (17), CD (28), BW (30), VL (31)
+  uint32_t leaf7_edx = 0;    // AMX-BF16 (22), AMX-TILE (24)
+  uint32_t leaf7_1_eax = 0;  // AVX512_BF16 (5)
+  uint64_t xcr0 = 0;         // the state the OS saves: SSE|AVX 0x6, opmask|ZMM 0xe0, AMX 0x60000
+};
+CpuFeatures CpuFeaturesFromRegisters(const CpuRegisters& r);
 // This CPU's features (cpuid and xgetbv on x86-64; none elsewhere).
 CpuFeatures DetectCpu();
 
@@ -57,10 +71,11 @@ Library DetectLibrary();
 std::string LibraryVersion(std::string_view config);
 
 // How fast a kernel's sgemm is, by the widest vectors it uses: 0 unknown (not x86-64, or a name
-// strata does not know), 1 SSE, 2 AVX, 3 AVX2 with FMA, 4 AVX-512, 5 AVX-512 with BF16.
+// strata does not know), 1 SSE, 2 AVX, 3 AVX2 with FMA, 4 AVX-512. Cooperlake shares SkylakeX's
+// tier: their sgemm is the same (they differ in sbgemm, which strata does not call).
 int KernelTier(std::string_view corename);
-// What a tier needs of the CPU, in words ("AVX-512 BF16").
-std::string TierName(int tier);
+// What a kernel needs of the CPU, in words ("AVX-512 BF16"); "" for an unknown name.
+std::string KernelIsa(std::string_view corename);
 
 // The best kernel among `available` that `cpu` can run, or "" when none is known.
 std::string BestKernel(const CpuFeatures& cpu, const std::vector<std::string>& available);
@@ -89,10 +104,10 @@ Choice Choose(const CpuFeatures& cpu, const Library& lib, const Environment& env
 // Reads the environment: STRATA_BLAS_KERNEL, OPENBLAS_CORETYPE and strata's own marker.
 StatusOr<Environment> ReadEnvironment();
 
-// Called first in main() of `strata` and of the benchmarks. May execute the program again
-// (execv of /proc/self/exe with the same argv and OPENBLAS_CORETYPE set); returns an error only
-// for a bad STRATA_BLAS_KERNEL, which the caller prints before exiting with status 2. When
-// STRATA_SGEMM_PROBE is set (by MeasureBestSgemm), measures sgemm, prints GFLOP/s and exits.
+// Called first in main() of `strata`, of the CPU benchmarks and of programs that embed strata. May
+// execute the program again (execv of /proc/self/exe with the same argv and OPENBLAS_CORETYPE
+// set); returns an error only for a bad STRATA_BLAS_KERNEL, which the caller prints before exiting
+// with status 2. In the child that MeasureSgemmInChild starts, measures sgemm and exits.
 Status ChooseKernelAtStart(char** argv);
 
 // The choice for this process as it runs now (what `strata version` prints).
@@ -104,9 +119,10 @@ Choice Current();
 // wrong.
 double MeasureSgemm(int threads, int n = 1024);
 
-// The same in a child process of this program on the best kernel the CPU runs (needs
-// ChooseKernelAtStart in main). Sets *kernel to that kernel; returns a negative number when the
-// child could not be run.
-double MeasureBestSgemm(int threads, std::string* kernel, int n = 1024);
+// The same in a child process of this program (so that this process's memory is untouched), on
+// `kernel` ("" for the kernel this process runs). Sets *ran to the kernel the child ran. Returns
+// -1 when the child could not run, ran another kernel than asked, or computed a wrong result, and
+// when this program's main() did not call ChooseKernelAtStart (the child would run it in full).
+double MeasureSgemmInChild(const std::string& kernel, int threads, int n, std::string* ran);
 
 }  // namespace strata::blas

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "absl/strings/numbers.h"
+#include "kernels/blas_kernel.h"
 #include "proto/config_io.h"
 #include "runtime/model/expert.h"
 #include "train/trainer.h"
@@ -111,6 +112,12 @@ bool CheckGradients() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // As `strata` does: the CPU GEMMs on the best OpenBLAS kernel this CPU runs (this may execute
+  // the program again, once, before anything else happens).
+  if (strata::Status s = strata::blas::ChooseKernelAtStart(argv); !s.ok()) {
+    std::fprintf(stderr, "custom_expert_example: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   std::string config_path =
       std::string(STRATA_SOURCE_DIR) + "/examples/custom_expert/config.textproto";
   std::string data_path;

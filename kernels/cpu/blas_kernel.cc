@@ -2,6 +2,8 @@
 
 #include <cblas.h>
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/prctl.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <thread>
 
 #include "absl/strings/ascii.h"
@@ -36,29 +39,33 @@ constexpr char kPolicyVar[] = "STRATA_BLAS_KERNEL";
 constexpr char kCoretypeVar[] = "OPENBLAS_CORETYPE";
 constexpr char kMarkerVar[] = "STRATA_OPENBLAS_CORETYPE_SET";
 constexpr char kProbeVar[] = "STRATA_SGEMM_PROBE";
+constexpr char kProbeArgv0[] = "strata-sgemm-probe";
 
-// The kernels strata chooses between, best first: one per tier, the ones every x86-64
-// DYNAMIC_ARCH build of OpenBLAS since 0.3.10 holds.
-constexpr const char* kCandidates[] = {"Cooperlake", "SkylakeX", "Haswell", "Sandybridge",
-                                       "Prescott"};
+// The kernels strata chooses between, best first: the ones every x86-64 DYNAMIC_ARCH build of
+// OpenBLAS since 0.3.10 holds. Tiers rank sgemm speed: Cooperlake's sgemm is SkylakeX's (they
+// differ in sbgemm only), so they share a tier and Cooperlake is preferred where the CPU has BF16.
+struct KernelInfo {
+  const char* name;
+  int tier;
+  bool needs_bf16;
+};
+constexpr KernelInfo kCandidates[] = {{"Cooperlake", 4, true},
+                                      {"SkylakeX", 4, false},
+                                      {"Haswell", 3, false},
+                                      {"Sandybridge", 2, false},
+                                      {"Prescott", 1, false}};
+
+// Set by ChooseKernelAtStart: the program's main() handles the sgemm probe's child.
+bool g_chose_at_start = false;
 
 std::string Env(const char* name) {
   const char* v = std::getenv(name);
   return v ? std::string(v) : std::string();
 }
 
-#if defined(__x86_64__)
-uint64_t Xgetbv0() {
-  uint32_t lo = 0, hi = 0;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  return (static_cast<uint64_t>(hi) << 32) | lo;
-}
-#endif
 
-bool CpuCanRun(const CpuFeatures& cpu, int tier) {
+bool CpuCanRunTier(const CpuFeatures& cpu, int tier) {
   switch (tier) {
-    case 5:
-      return cpu.avx512 && cpu.avx512_bf16;
     case 4:
       return cpu.avx512;
     case 3:
@@ -72,38 +79,68 @@ bool CpuCanRun(const CpuFeatures& cpu, int tier) {
   }
 }
 
+// Whether the CPU runs a kernel of that name; a name strata does not know is given the benefit.
+bool CpuCanRun(const CpuFeatures& cpu, std::string_view corename) {
+  const int tier = KernelTier(corename);
+  if (tier == 0) return true;
+  if (KernelIsa(corename) == "AVX-512 BF16" && !cpu.avx512_bf16) return false;
+  return CpuCanRunTier(cpu, tier);
+}
+
+// Retries a system call that a signal interrupted.
+template <typename F>
+auto RetryOnEintr(F f) {
+  decltype(f()) r;
+  do {
+    r = f();
+  } while (r < 0 && errno == EINTR);
+  return r;
+}
+
 }  // namespace
 
-CpuFeatures DetectCpu() {
+CpuFeatures CpuFeaturesFromRegisters(const CpuRegisters& r) {
   CpuFeatures f;
-#if defined(__x86_64__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
-  f.sse3 = c & (1u << 0);
-  const bool fma = c & (1u << 12);
-  const bool osxsave = c & (1u << 27);
-  const bool avx = c & (1u << 28);
-  const uint64_t xcr0 = osxsave ? Xgetbv0() : 0;
-  const bool os_ymm = (xcr0 & 0x6) == 0x6;     // SSE and AVX state
-  const bool os_zmm = (xcr0 & 0xe6) == 0xe6;   // plus opmask and the upper ZMM registers
+  f.sse3 = r.leaf1_ecx & (1u << 0);
+  const bool fma = r.leaf1_ecx & (1u << 12);
+  const bool osxsave = r.leaf1_ecx & (1u << 27);
+  const bool avx = r.leaf1_ecx & (1u << 28);
+  const uint64_t xcr0 = osxsave ? r.xcr0 : 0;
+  const bool os_ymm = (xcr0 & 0x6) == 0x6;    // SSE and AVX state
+  const bool os_zmm = (xcr0 & 0xe6) == 0xe6;  // plus opmask and the upper ZMM registers
   const bool os_amx = (xcr0 & 0x60000) == 0x60000;
   f.avx = avx && os_ymm;
   f.fma = fma && os_ymm;
-  unsigned max_leaf = __get_cpuid_max(0, nullptr);
-  if (max_leaf >= 7) {
+  f.avx2 = f.avx && (r.leaf7_ebx & (1u << 5));
+  constexpr uint32_t kAvx512 = (1u << 16) | (1u << 17) | (1u << 28) | (1u << 30) | (1u << 31);
+  f.avx512 = os_zmm && (r.leaf7_ebx & kAvx512) == kAvx512;
+  f.avx512_bf16 = f.avx512 && (r.leaf7_1_eax & (1u << 5));
+  f.amx = os_amx && (r.leaf7_edx & (1u << 24)) && (r.leaf7_edx & (1u << 22));
+  return f;
+}
+
+CpuFeatures DetectCpu() {
+  CpuRegisters r;
+#if defined(__x86_64__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return CpuFeatures{};
+  r.leaf1_ecx = c;
+  if (c & (1u << 27)) {  // OSXSAVE: xgetbv is allowed
+    uint32_t lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    r.xcr0 = (static_cast<uint64_t>(hi) << 32) | lo;
+  }
+  if (__get_cpuid_max(0, nullptr) >= 7) {
     __cpuid_count(7, 0, a, b, c, d);
-    const unsigned ebx = b, edx = d, max_sub = a;
-    f.avx2 = f.avx && (ebx & (1u << 5));
-    constexpr unsigned kAvx512 = (1u << 16) | (1u << 17) | (1u << 28) | (1u << 30) | (1u << 31);
-    f.avx512 = os_zmm && (ebx & kAvx512) == kAvx512;
-    f.amx = os_amx && (edx & (1u << 24)) && (edx & (1u << 22));
-    if (max_sub >= 1) {
+    r.leaf7_ebx = b;
+    r.leaf7_edx = d;
+    if (a >= 1) {
       __cpuid_count(7, 1, a, b, c, d);
-      f.avx512_bf16 = f.avx512 && (a & (1u << 5));
+      r.leaf7_1_eax = a;
     }
   }
 #endif
-  return f;
+  return CpuFeaturesFromRegisters(r);
 }
 
 Library DetectLibrary() {
@@ -117,12 +154,14 @@ Library DetectLibrary() {
   // A DYNAMIC_ARCH build exports one table of function pointers per kernel, gotoblas_<NAME>.
   // When none can be found (a stripped build), assume the standard list; the start check then
   // verifies that the kernel it set is the one OpenBLAS runs.
-  for (const char* k : kCandidates) {
-    if (dlsym(RTLD_DEFAULT, absl::StrCat("gotoblas_", absl::AsciiStrToUpper(k)).c_str())) {
-      lib.kernels.push_back(k);
+  for (const KernelInfo& k : kCandidates) {
+    if (dlsym(RTLD_DEFAULT, absl::StrCat("gotoblas_", absl::AsciiStrToUpper(k.name)).c_str())) {
+      lib.kernels.push_back(k.name);
     }
   }
-  if (lib.kernels.empty()) lib.kernels.assign(std::begin(kCandidates), std::end(kCandidates));
+  if (lib.kernels.empty()) {
+    for (const KernelInfo& k : kCandidates) lib.kernels.push_back(k.name);
+  }
   return lib;
 }
 
@@ -135,10 +174,9 @@ std::string LibraryVersion(std::string_view config) {
 
 int KernelTier(std::string_view corename) {
   const std::string n = absl::AsciiStrToLower(std::string(corename));
-  for (const char* k : {"cooperlake", "sapphirerapids"}) {
-    if (n == k) return 5;
+  for (const char* k : {"cooperlake", "sapphirerapids", "skylakex"}) {
+    if (n == k) return 4;
   }
-  if (n == "skylakex") return 4;
   for (const char* k : {"haswell", "zen"}) {
     if (n == k) return 3;
   }
@@ -153,10 +191,10 @@ int KernelTier(std::string_view corename) {
   return 0;
 }
 
-std::string TierName(int tier) {
-  switch (tier) {
-    case 5:
-      return "AVX-512 BF16";
+std::string KernelIsa(std::string_view corename) {
+  const std::string n = absl::AsciiStrToLower(std::string(corename));
+  if (n == "cooperlake" || n == "sapphirerapids") return "AVX-512 BF16";
+  switch (KernelTier(corename)) {
     case 4:
       return "AVX-512";
     case 3:
@@ -166,16 +204,16 @@ std::string TierName(int tier) {
     case 1:
       return "SSE3";
     default:
-      return "unknown";
+      return "";
   }
 }
 
 std::string BestKernel(const CpuFeatures& cpu, const std::vector<std::string>& available) {
-  for (const char* k : kCandidates) {
+  for (const KernelInfo& k : kCandidates) {
     const bool held = std::any_of(available.begin(), available.end(), [&](const std::string& a) {
-      return absl::EqualsIgnoreCase(a, k);
+      return absl::EqualsIgnoreCase(a, k.name);
     });
-    if (held && CpuCanRun(cpu, KernelTier(k))) return k;
+    if (held && CpuCanRunTier(cpu, k.tier) && (!k.needs_bf16 || cpu.avx512_bf16)) return k.name;
   }
   return "";
 }
@@ -204,15 +242,26 @@ Choice Choose(const CpuFeatures& cpu, const Library& lib, const Environment& env
   Choice c;
   const int used = KernelTier(lib.corename);
   c.describe = absl::StrCat(LibraryVersion(lib.config), ", kernel ", lib.corename);
-  if (used > 0) absl::StrAppend(&c.describe, " (", TierName(used), ")");
+  if (used > 0) absl::StrAppend(&c.describe, " (", KernelIsa(lib.corename), ")");
 
-  // Set by strata: the marker names the kernel it set (and the one before), and still matches.
+  // The best kernel the CPU runs among all strata knows, and among those this library can switch
+  // to (none when it is built for one CPU).
+  std::vector<std::string> all;
+  for (const KernelInfo& k : kCandidates) all.push_back(k.name);
+  const std::string cpu_best = BestKernel(cpu, all);
+  const std::string best = lib.dynamic_arch ? BestKernel(cpu, lib.kernels) : std::string();
+  const bool runs = CpuCanRun(cpu, lib.corename);
+
+  // Set by strata: the marker names the kernel it set (and the one before), still matches
+  // OPENBLAS_CORETYPE, and this CPU runs it (a marker carried to another machine is stale).
   std::vector<std::string> marker = absl::StrSplit(env.set_by_strata, absl::MaxSplits(',', 1));
-  const bool strata_set =
-      !env.coretype.empty() && !marker.empty() && absl::EqualsIgnoreCase(marker[0], env.coretype);
+  const bool strata_set = !env.coretype.empty() && !marker.empty() &&
+                          absl::EqualsIgnoreCase(marker[0], env.coretype) &&
+                          CpuCanRun(cpu, env.coretype);
   const bool user_set = !env.coretype.empty() && !strata_set;
+  const bool took_effect = absl::EqualsIgnoreCase(lib.corename, env.coretype);
   if (strata_set) {
-    if (absl::EqualsIgnoreCase(lib.corename, env.coretype)) {
+    if (took_effect) {
       absl::StrAppend(&c.describe, ", chosen by strata",
                       marker.size() > 1 && !marker[1].empty()
                           ? absl::StrCat(" in place of ", marker[1])
@@ -227,13 +276,27 @@ Choice Choose(const CpuFeatures& cpu, const Library& lib, const Environment& env
     }
     return c;
   }
-  if (user_set) absl::StrAppend(&c.describe, ", set by OPENBLAS_CORETYPE=", env.coretype);
+  if (user_set) {
+    absl::StrAppend(&c.describe, took_effect ? ", set by " : ", chosen by OpenBLAS although ",
+                    "OPENBLAS_CORETYPE=", env.coretype,
+                    took_effect ? "" : " (not a kernel this OpenBLAS can switch to)");
+  }
 
-  // The best kernel the CPU runs among all strata knows, and among those this library can switch
-  // to (none when it is built for one CPU).
-  const std::vector<std::string> all(std::begin(kCandidates), std::end(kCandidates));
-  const std::string cpu_best = BestKernel(cpu, all);
-  const std::string best = lib.dynamic_arch ? BestKernel(cpu, lib.kernels) : std::string();
+  // A kernel that needs instructions this CPU (or its OS) lacks: the first GEMM would stop the
+  // process with SIGILL. Only a forced OPENBLAS_CORETYPE gets there.
+  if (!runs) {
+    const std::string danger = absl::StrFormat(
+        "OpenBLAS runs its %s kernel (%s), which this CPU or its OS does not support: GEMMs will "
+        "stop the process with SIGILL",
+        lib.corename, KernelIsa(lib.corename));
+    if (env.policy == Policy::kKeep || best.empty()) {
+      c.warning = absl::StrCat(danger, "; unset OPENBLAS_CORETYPE",
+                               best.empty() ? "" : absl::StrCat(" or set it to ", best));
+    } else {
+      c.reexec_with = best;
+    }
+    return c;
+  }
   // An unknown kernel name (another architecture, or a newer OpenBLAS) is not judged.
   if (used == 0 || KernelTier(cpu_best) <= used) {
     if (used > 0) absl::StrAppend(&c.describe, ": the best for this CPU");
@@ -242,7 +305,7 @@ Choice Choose(const CpuFeatures& cpu, const Library& lib, const Environment& env
   const std::string below = absl::StrFormat(
       "OpenBLAS runs its %s kernel (%s), below the best this CPU runs, %s (%s): GEMMs run slower "
       "than this CPU can",
-      lib.corename, TierName(used), cpu_best, TierName(KernelTier(cpu_best)));
+      lib.corename, KernelIsa(lib.corename), cpu_best, KernelIsa(cpu_best));
   if (best.empty() || KernelTier(best) <= used) {
     c.warning = absl::StrCat(
         below, "; this OpenBLAS cannot switch to it (",
@@ -258,8 +321,9 @@ Choice Choose(const CpuFeatures& cpu, const Library& lib, const Environment& env
     return c;
   }
   if (env.policy == Policy::kKeep) {
-    c.warning = absl::StrCat(below, "; STRATA_BLAS_KERNEL=keep keeps it: unset it to let strata "
-                                    "choose ",
+    c.warning = absl::StrCat(below,
+                             "; STRATA_BLAS_KERNEL=keep keeps it: set STRATA_BLAS_KERNEL=auto (or "
+                             "unset it) to let strata choose ",
                              best);
     return c;
   }
@@ -267,19 +331,42 @@ Choice Choose(const CpuFeatures& cpu, const Library& lib, const Environment& env
   return c;
 }
 
-Status ChooseKernelAtStart(char** argv) {
-  if (const std::string probe = Env(kProbeVar); !probe.empty()) {
-    std::vector<std::string> parts = absl::StrSplit(probe, ',');
-    int threads = 1, n = 1024;
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &threads) ||
-        !absl::SimpleAtoi(parts[1], &n) || threads < 1 || n < 1) {
-      std::fprintf(stderr, "%s='%s' must be THREADS,N\n", kProbeVar, probe.c_str());
-      _exit(2);
-    }
-    std::printf("%.3f\n", MeasureSgemm(threads, n));
-    std::fflush(stdout);
-    _exit(0);
+namespace {
+
+// The child of MeasureSgemmInChild: "<corename> <GFLOP/s>" on stdout, then exit.
+[[noreturn]] void RunSgemmProbe(const std::string& spec) {
+  std::vector<std::string> parts = absl::StrSplit(spec, ',');
+  int threads = 1, n = 1024;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &threads) ||
+      !absl::SimpleAtoi(parts[1], &n) || threads < 1 || n < 1) {
+    std::fprintf(stderr, "%s='%s' must be THREADS,N\n", kProbeVar, spec.c_str());
+    _exit(2);
   }
+  std::printf("%s %.3f\n", DetectLibrary().corename.c_str(), MeasureSgemm(threads, n));
+  std::fflush(stdout);
+  _exit(0);
+}
+
+// Linux names a process after the file it executes: after an exec of /proc/self/exe that is
+// "exe", which `ps`, `top` and `pgrep strata` would show. Name it after argv[0] again.
+void NameProcessAfterArgv0(const char* argv0) {
+  if (argv0 == nullptr || argv0[0] == '\0') return;
+  std::ifstream f("/proc/self/comm");
+  std::string comm;
+  if (!std::getline(f, comm) || comm != "exe") return;
+  const char* base = std::strrchr(argv0, '/');
+  prctl(PR_SET_NAME, base ? base + 1 : argv0, 0, 0, 0);
+}
+
+}  // namespace
+
+Status ChooseKernelAtStart(char** argv) {
+  g_chose_at_start = true;
+  if (const std::string probe = Env(kProbeVar);
+      !probe.empty() && argv[0] != nullptr && std::strcmp(argv[0], kProbeArgv0) == 0) {
+    RunSgemmProbe(probe);
+  }
+  NameProcessAfterArgv0(argv[0]);
   ASSIGN_OR_RETURN(Environment env, ReadEnvironment());
   const Library lib = DetectLibrary();
   const Choice c = Choose(DetectCpu(), lib, env);
@@ -309,8 +396,9 @@ Choice Current() {
   Choice c = Choose(DetectCpu(), DetectLibrary(), env.ok() ? *env : Environment{});
   if (!c.reexec_with.empty()) {
     c.warning = absl::StrFormat(
-        "OpenBLAS runs its %s kernel, below the best this CPU runs, %s: this program did not "
-        "switch it at start; set OPENBLAS_CORETYPE=%s",
+        "OpenBLAS runs its %s kernel, not the best this CPU runs, %s, and this process did not "
+        "switch kernels when it started (its main() does not call blas::ChooseKernelAtStart, or "
+        "the exec failed); set OPENBLAS_CORETYPE=%s",
         DetectLibrary().corename, c.reexec_with, c.reexec_with);
     c.reexec_with.clear();
   }
@@ -359,38 +447,33 @@ double MeasureSgemm(int threads, int n) {
   return sum;
 }
 
-double MeasureBestSgemm(int threads, std::string* kernel, int n) {
-  const Library lib = DetectLibrary();
-  const std::string best = BestKernel(DetectCpu(), lib.dynamic_arch ? lib.kernels
-                                                                     : std::vector<std::string>{});
-  *kernel = best.empty() ? lib.corename : best;
-  if (best.empty() || absl::EqualsIgnoreCase(best, lib.corename)) return MeasureSgemm(threads, n);
-  // A child of this program on that kernel: OpenBLAS's kernel is fixed once it has loaded.
+double MeasureSgemmInChild(const std::string& kernel, int threads, int n, std::string* ran) {
+  ran->clear();
+  if (!g_chose_at_start) return -1;  // the child would run this program's main() in full
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string kv(*e);
-    if (absl::StartsWith(kv, absl::StrCat(kCoretypeVar, "=")) ||
-        absl::StartsWith(kv, absl::StrCat(kMarkerVar, "=")) ||
-        absl::StartsWith(kv, absl::StrCat(kProbeVar, "="))) {
-      continue;
-    }
-    env_strings.emplace_back(kv);
+    const bool replaced = !kernel.empty() && (absl::StartsWith(kv, absl::StrCat(kCoretypeVar, "=")) ||
+                                              absl::StartsWith(kv, absl::StrCat(kMarkerVar, "=")));
+    if (replaced || absl::StartsWith(kv, absl::StrCat(kProbeVar, "="))) continue;
+    env_strings.push_back(kv);
   }
-  env_strings.push_back(absl::StrCat(kCoretypeVar, "=", best));
-  env_strings.push_back(absl::StrCat(kMarkerVar, "=", best, ",", lib.corename));
+  if (!kernel.empty()) {
+    env_strings.push_back(absl::StrCat(kCoretypeVar, "=", kernel));
+    env_strings.push_back(absl::StrCat(kMarkerVar, "=", kernel));
+  }
   env_strings.push_back(absl::StrCat(kProbeVar, "=", threads, ",", n));
   std::vector<char*> envp;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
-  char arg0[] = "strata-sgemm-probe";
-  char* argv[] = {arg0, nullptr};
+  std::string arg0 = kProbeArgv0;
+  char* argv[] = {arg0.data(), nullptr};
 
   int fds[2];
-  if (pipe(fds) != 0) return -1;
+  if (pipe2(fds, O_CLOEXEC) != 0) return -1;  // no other child inherits the write end
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-  posix_spawn_file_actions_addclose(&actions, fds[0]);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);  // clears FD_CLOEXEC there
   pid_t pid = 0;
   const int rc = posix_spawn(&pid, "/proc/self/exe", &actions, nullptr, argv, envp.data());
   posix_spawn_file_actions_destroy(&actions);
@@ -399,17 +482,24 @@ double MeasureBestSgemm(int threads, std::string* kernel, int n) {
   if (rc == 0) {
     char buf[256];
     ssize_t got;
-    while ((got = read(fds[0], buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(got));
+    while ((got = RetryOnEintr([&] { return read(fds[0], buf, sizeof(buf)); })) > 0) {
+      out.append(buf, static_cast<size_t>(got));
+    }
   }
   close(fds[0]);
   if (rc != 0) return -1;
   int status = 0;
-  waitpid(pid, &status, 0);
+  if (RetryOnEintr([&] { return waitpid(pid, &status, 0); }) != pid) return -1;
+  std::vector<std::string> words =
+      absl::StrSplit(absl::StripAsciiWhitespace(out), ' ', absl::SkipEmpty());
   double gflops = -1;
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 ||
-      !absl::SimpleAtod(absl::StripAsciiWhitespace(out), &gflops)) {
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || words.size() != 2 ||
+      !absl::SimpleAtod(words[1], &gflops)) {
     return -1;
   }
+  *ran = words[0];
+  // The child must have run the kernel asked for.
+  if (!kernel.empty() && !absl::EqualsIgnoreCase(*ran, kernel)) return -1;
   return gflops;
 }
 

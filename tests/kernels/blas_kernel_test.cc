@@ -10,6 +10,7 @@
 #include <sstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 
 namespace strata::blas {
@@ -53,15 +54,26 @@ Environment Env(std::string coretype, std::string marker = "", Policy policy = P
   return env;
 }
 
+// The choice keeps the kernel and warns with `text` in its message.
+void ExpectKeptWithWarning(const Choice& c, const std::string& text) {
+  EXPECT_EQ(c.reexec_with, "");
+  EXPECT_NE(c.warning.find(text), std::string::npos) << c.warning;
+}
+
 TEST(BlasKernelTest, TiersFollowTheWidestVectors) {
   EXPECT_EQ(KernelTier("Prescott"), 1);
   EXPECT_EQ(KernelTier("Sandybridge"), 2);
   EXPECT_EQ(KernelTier("Haswell"), 3);
   EXPECT_EQ(KernelTier("ZEN"), 3);
   EXPECT_EQ(KernelTier("SkylakeX"), 4);
-  EXPECT_EQ(KernelTier("Cooperlake"), 5);
-  EXPECT_EQ(KernelTier("SapphireRapids"), 5);
+  // Cooperlake's sgemm is SkylakeX's: one tier.
+  EXPECT_EQ(KernelTier("Cooperlake"), 4);
+  EXPECT_EQ(KernelTier("SapphireRapids"), 4);
   EXPECT_EQ(KernelTier("NEOVERSEN1"), 0);
+  EXPECT_EQ(KernelIsa("Cooperlake"), "AVX-512 BF16");
+  EXPECT_EQ(KernelIsa("SkylakeX"), "AVX-512");
+  EXPECT_EQ(KernelIsa("Zen"), "AVX2");
+  EXPECT_EQ(KernelIsa("NEOVERSEN1"), "");
   EXPECT_EQ(LibraryVersion("OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH"), "OpenBLAS 0.3.21");
 }
 
@@ -79,6 +91,36 @@ TEST(BlasKernelTest, BestKernelIsTheWidestTheCpuAndTheLibraryBothHave) {
   EXPECT_EQ(BestKernel(CpuFeatures{.sse3 = true}, kDebian12), "Prescott");
   EXPECT_EQ(BestKernel(CpuFeatures{}, kDebian12), "");
   EXPECT_EQ(BestKernel(Avx512Bf16(), {}), "");
+}
+
+// cpuid and xgetbv words written by hand from the Intel SDM's bit positions.
+TEST(BlasKernelTest, FeaturesFromRegistersNeedTheOsToSaveTheRegisters) {
+  CpuRegisters r;
+  r.leaf1_ecx = (1u << 0) | (1u << 12) | (1u << 27) | (1u << 28);  // SSE3 FMA OSXSAVE AVX
+  r.leaf7_ebx = (1u << 5) | (1u << 16) | (1u << 17) | (1u << 28) | (1u << 30) | (1u << 31);
+  r.leaf7_edx = (1u << 22) | (1u << 24);  // AMX-BF16, AMX-TILE
+  r.leaf7_1_eax = 1u << 5;                // AVX512_BF16
+  r.xcr0 = 0x600e7;                       // x87 SSE AVX opmask ZMM_Hi256 Hi16_ZMM TILECFG TILEDATA
+  CpuFeatures f = CpuFeaturesFromRegisters(r);
+  EXPECT_TRUE(f.sse3 && f.avx && f.avx2 && f.fma && f.avx512 && f.avx512_bf16 && f.amx);
+
+  // An OS that saves AVX but not the AVX-512 state: AVX2, no AVX-512, no BF16.
+  r.xcr0 = 0x7;
+  f = CpuFeaturesFromRegisters(r);
+  EXPECT_TRUE(f.avx2 && f.fma);
+  EXPECT_FALSE(f.avx512 || f.avx512_bf16 || f.amx);
+  // No OSXSAVE: xgetbv's word is not to be trusted, nothing past SSE3.
+  r.xcr0 = 0x600e7;
+  r.leaf1_ecx &= ~(1u << 27);
+  f = CpuFeaturesFromRegisters(r);
+  EXPECT_TRUE(f.sse3);
+  EXPECT_FALSE(f.avx || f.avx2 || f.fma || f.avx512);
+  // AVX-512 without VL (bit 31) is not what the SkylakeX kernel needs.
+  r.leaf1_ecx |= 1u << 27;
+  r.leaf7_ebx &= ~(1u << 31);
+  f = CpuFeaturesFromRegisters(r);
+  EXPECT_TRUE(f.avx2);
+  EXPECT_FALSE(f.avx512 || f.avx512_bf16);
 }
 
 // The machine of the report: a Xeon (family 6, model 207) with AVX-512 BF16, on which Debian 12's
@@ -104,12 +146,9 @@ TEST(BlasKernelTest, AfterTheFixTheKernelIsReportedAsStratasChoice) {
             "OpenBLAS 0.3.21, kernel Cooperlake (AVX-512 BF16), chosen by strata in place of "
             "Prescott (OPENBLAS_CORETYPE=Cooperlake)");
   // OpenBLAS ignored the setting: never a second re-execution, a warning instead.
-  const Choice ignored = Choose(Avx512Bf16(), OpenBlas("Prescott"), env);
-  EXPECT_EQ(ignored.reexec_with, "");
-  EXPECT_NE(ignored.warning.find("strata set OPENBLAS_CORETYPE=Cooperlake, but OpenBLAS runs its "
-                                 "Prescott kernel"),
-            std::string::npos)
-      << ignored.warning;
+  ExpectKeptWithWarning(Choose(Avx512Bf16(), OpenBlas("Prescott"), env),
+                        "strata set OPENBLAS_CORETYPE=Cooperlake, but OpenBLAS runs its Prescott "
+                        "kernel");
 }
 
 // This project's development machine: an AMD EPYC (Zen 5, AVX-512 BF16) whose environment sets
@@ -132,15 +171,49 @@ TEST(BlasKernelTest, AUsersOpenblasCoretypeIsKeptWithAWarningUnlessThePolicyIsBe
   EXPECT_EQ(fine.warning, "");
   // A marker for another kernel than OPENBLAS_CORETYPE's is stale: the setting is the user's.
   env = Env("Haswell", "Cooperlake,Prescott");
-  EXPECT_NE(Choose(Avx512Bf16(), OpenBlas("Haswell"), env).warning.find("is kept"),
-            std::string::npos);
+  ExpectKeptWithWarning(Choose(Avx512Bf16(), OpenBlas("Haswell"), env), "is kept");
+}
+
+// Cooperlake's sgemm is SkylakeX's: neither choice is "below" on a CPU with BF16.
+TEST(BlasKernelTest, SkylakeXOnABf16CpuIsNotBelowTheBest) {
+  const Choice own = Choose(Avx512Bf16(), OpenBlas("SkylakeX"), Environment{});
+  EXPECT_EQ(own.reexec_with, "");
+  EXPECT_EQ(own.warning, "");
+  EXPECT_EQ(own.describe, "OpenBLAS 0.3.21, kernel SkylakeX (AVX-512): the best for this CPU");
+  const Choice user = Choose(Avx512Bf16(), OpenBlas("SkylakeX"), Env("SkylakeX"));
+  EXPECT_EQ(user.reexec_with, "");
+  EXPECT_EQ(user.warning, "");
+}
+
+// A forced kernel that needs instructions the CPU lacks would stop the first GEMM with SIGILL:
+// strata switches to the best kernel the CPU runs, or (keep) says so loudly. A marker for such a
+// kernel (an environment carried to another machine) is not trusted.
+TEST(BlasKernelTest, AKernelTheCpuCannotRunIsReplacedOrWarnedAbout) {
+  EXPECT_EQ(Choose(Avx2(), OpenBlas("Cooperlake"), Env("Cooperlake")).reexec_with, "Haswell");
+  EXPECT_EQ(Choose(Avx512(), OpenBlas("Cooperlake"), Env("Cooperlake")).reexec_with, "SkylakeX");
+  ExpectKeptWithWarning(Choose(Avx2(), OpenBlas("SkylakeX"), Env("SkylakeX", "", Policy::kKeep)),
+                        "which this CPU or its OS does not support: GEMMs will stop the process "
+                        "with SIGILL; unset OPENBLAS_CORETYPE or set it to Haswell");
+  EXPECT_EQ(
+      Choose(Avx2(), OpenBlas("Cooperlake"), Env("Cooperlake", "Cooperlake,Haswell")).reexec_with,
+      "Haswell");
+}
+
+// An OPENBLAS_CORETYPE that OpenBLAS did not take (not a kernel it holds) is not reported as the
+// kernel's reason.
+TEST(BlasKernelTest, AnOpenblasCoretypeThatDidNotTakeIsNamedAsSuch) {
+  const Choice c = Choose(Avx512Bf16(), OpenBlas("Cooperlake"), Env("Bogus"));
+  EXPECT_EQ(c.describe,
+            "OpenBLAS 0.3.21, kernel Cooperlake (AVX-512 BF16), chosen by OpenBLAS although "
+            "OPENBLAS_CORETYPE=Bogus (not a kernel this OpenBLAS can switch to): the best for this "
+            "CPU");
+  EXPECT_EQ(c.warning, "");
 }
 
 TEST(BlasKernelTest, KeepOnlyWarnsAndTheBestChoiceNeedsNothing) {
-  const Choice keep =
-      Choose(Avx512Bf16(), OpenBlas("Prescott"), Env("", "", Policy::kKeep));
-  EXPECT_EQ(keep.reexec_with, "");
-  EXPECT_NE(keep.warning.find("STRATA_BLAS_KERNEL=keep keeps it"), std::string::npos);
+  ExpectKeptWithWarning(Choose(Avx512Bf16(), OpenBlas("Prescott"), Env("", "", Policy::kKeep)),
+                        "STRATA_BLAS_KERNEL=keep keeps it: set STRATA_BLAS_KERNEL=auto (or unset "
+                        "it) to let strata choose Cooperlake");
   // OpenBLAS's own choice is the best (or as good: Zen is the AVX2 tier).
   const Choice good = Choose(Avx2(), OpenBlas("Zen"), Environment{});
   EXPECT_EQ(good.reexec_with, "");
@@ -153,16 +226,13 @@ TEST(BlasKernelTest, KeepOnlyWarnsAndTheBestChoiceNeedsNothing) {
 }
 
 TEST(BlasKernelTest, AnOpenblasBuiltForOneCpuCannotBeFixedAndSaysSo) {
-  const Choice c = Choose(Avx512Bf16(), OpenBlas("Haswell", /*dynamic=*/false), Environment{});
-  EXPECT_EQ(c.reexec_with, "");
-  EXPECT_NE(c.warning.find("this OpenBLAS cannot switch to it (it is built for one CPU)"),
-            std::string::npos)
-      << c.warning;
+  ExpectKeptWithWarning(
+      Choose(Avx512Bf16(), OpenBlas("Haswell", /*dynamic=*/false), Environment{}),
+      "this OpenBLAS cannot switch to it (it is built for one CPU)");
   // A DYNAMIC_ARCH build without the better kernel.
   Library old = OpenBlas("Haswell");
   old.kernels = {"Haswell", "Prescott"};
-  EXPECT_NE(Choose(Avx512Bf16(), old, Environment{}).warning.find("it does not hold that kernel"),
-            std::string::npos);
+  ExpectKeptWithWarning(Choose(Avx512Bf16(), old, Environment{}), "it does not hold that kernel");
 }
 
 TEST(BlasKernelTest, AnUnknownPolicyNamesTheVariableAndTheChoices) {
@@ -206,11 +276,16 @@ TEST(BlasKernelTest, DetectCpuAgreesWithProcCpuinfo) {
   EXPECT_EQ(cpu.avx512_bf16, avx512 && flags.count("avx512_bf16") == 1);
 }
 
-// The probe the benchmarks print: a real sgemm, so it must be positive and finite.
-TEST(BlasKernelTest, MeasureSgemmRunsARealGemm) {
-  const double g = MeasureSgemm(1, 128);
+// The probe the benchmarks print checks its own result (-1 when wrong), so a positive rate is a
+// correct GEMM. In a program whose main() does not call ChooseKernelAtStart (this test), the child
+// probe refuses: the child would run the whole test program again.
+TEST(BlasKernelTest, MeasureSgemmRunsARealGemmAndTheChildProbeNeedsTheStartHook) {
+  const double g = MeasureSgemm(2, 128);
   EXPECT_GT(g, 0.0);
   EXPECT_LT(g, 1e6);
+  std::string ran = "unset";
+  EXPECT_EQ(MeasureSgemmInChild("", 1, 64, &ran), -1);
+  EXPECT_EQ(ran, "");
 }
 
 }  // namespace
