@@ -29,9 +29,9 @@ inline void ChooseBlasKernelAtStart(const char* program, char** argv) {
 struct BlasReport {
   int threads = 1;
   blas::Choice choice;
-  std::string kernel;       // in use
-  std::string best_kernel;  // the best this CPU runs and this OpenBLAS holds ("" if not known)
-  double gflops = NAN;      // sgemm on `threads` threads, kernel in use; NaN: not measured
+  std::string kernel;        // in use
+  std::string best_kernel;   // the best this CPU runs and this OpenBLAS holds ("" if not known)
+  double gflops = NAN;       // sgemm on `threads` threads, kernel in use; NaN: not measured
   double best_gflops = NAN;  // the same on best_kernel
 
   // GFLOP/s over the best kernel's sgemm; NaN when that was not measured.

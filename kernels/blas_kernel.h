@@ -58,8 +58,8 @@ CpuFeatures DetectCpu();
 
 // The OpenBLAS that this process runs, as it reports itself.
 struct Library {
-  std::string config;    // openblas_get_config(), e.g. "OpenBLAS 0.3.21 ... DYNAMIC_ARCH ..."
-  std::string corename;  // openblas_get_corename(), e.g. "Haswell"
+  std::string config;         // openblas_get_config(), e.g. "OpenBLAS 0.3.21 ... DYNAMIC_ARCH ..."
+  std::string corename;       // openblas_get_corename(), e.g. "Haswell"
   bool dynamic_arch = false;  // built with every kernel, so OPENBLAS_CORETYPE can switch them
   // The kernels strata would choose that the library holds (in a DYNAMIC_ARCH build), e.g.
   // {"Cooperlake", "SkylakeX", "Haswell", "Sandybridge", "Prescott"}.
@@ -86,8 +86,8 @@ StatusOr<Policy> ParsePolicy(std::string_view value);
 
 // The environment as strata reads it at start.
 struct Environment {
-  std::string coretype;         // OPENBLAS_CORETYPE ("" when unset or empty)
-  std::string set_by_strata;    // STRATA_OPENBLAS_CORETYPE_SET: "<kernel set>,<kernel before>"
+  std::string coretype;       // OPENBLAS_CORETYPE ("" when unset or empty)
+  std::string set_by_strata;  // STRATA_OPENBLAS_CORETYPE_SET: "<kernel set>,<kernel before>"
   Policy policy = Policy::kAuto;
 };
 
@@ -112,6 +112,15 @@ Status ChooseKernelAtStart(char** argv);
 
 // The choice for this process as it runs now (what `strata version` prints).
 Choice Current();
+
+// Whether an sgemm gives a row of its result the same bits whatever the number of rows in the call
+// (probed on 64 x 32 by 32 x 8 against calls of 1 to 63 of its rows; well under a millisecond). A
+// worker computes its share of a batch in calls with fewer rows than one process computing the
+// whole batch, so only then can a distributed run match one process bitwise. Some OpenBLAS kernels
+// round differently by row count (0.3.21's Haswell, Zen and Prescott do; SkylakeX, Cooperlake and
+// Sandybridge do not): there the two match to rounding, and a routing choice at a near-tie (expert
+// choice at an expert's capacity, above all) can go the other way.
+bool SgemmRowsIndependentOfRowCount();
 
 // sgemm GFLOP/s the way strata runs GEMMs: `threads` threads at once, each a single-threaded
 // n x n x n sgemm on its own matrices, best of three timed repetitions, summed over the threads.

@@ -60,6 +60,11 @@ int Main(int argc, char** argv) {
     const blas::Choice blas = blas::Current();
     std::printf("blas: %s\n", blas.describe.c_str());
     if (!blas.warning.empty()) std::printf("warning: %s\n", blas.warning.c_str());
+    std::printf("sgemm rows: %s\n",
+                blas::SgemmRowsIndependentOfRowCount()
+                    ? "the same bits whatever a call's row count"
+                    : "a row's bits depend on the call's row count (distributed runs match one "
+                      "process to rounding, not bitwise)");
     return 0;
   }
   std::fprintf(stderr, "strata: unknown command '%s'\n\n", cmd.c_str());

@@ -3,8 +3,8 @@
 #include <cblas.h>
 #include <dlfcn.h>
 #include <fcntl.h>
-#include <sys/prctl.h>
 #include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -62,7 +62,6 @@ std::string Env(const char* name) {
   const char* v = std::getenv(name);
   return v ? std::string(v) : std::string();
 }
-
 
 bool CpuCanRunTier(const CpuFeatures& cpu, int tier) {
   switch (tier) {
@@ -405,6 +404,31 @@ Choice Current() {
   return c;
 }
 
+bool SgemmRowsIndependentOfRowCount() {
+  constexpr int kRows = 64, kK = 32, kN = 8;
+  std::vector<float> a(kRows * kK), b(kN * kK), full(kRows * kN), part(kRows * kN);
+  uint32_t x = 12345;
+  auto next = [&x] {
+    x = x * 1664525u + 1013904223u;
+    return static_cast<float>(x >> 8) / 16777216.0f - 0.5f;
+  };
+  for (float& v : a) v = next();
+  for (float& v : b) v = next();
+  // out [rows, kN] = a [rows, kK] b^T, as a linear layer computes it.
+  cpu::GemmSerial<float>(false, true, kRows, kN, kK, 1.f, a.data(), kK, b.data(), kK, 0.f,
+                         full.data(), kN);
+  for (int m : {1, 3, 5, 8, 16, 17, 33, 61, 63}) {
+    for (int first : {0, kRows - m}) {
+      cpu::GemmSerial<float>(false, true, m, kN, kK, 1.f, a.data() + first * kK, kK, b.data(), kK,
+                             0.f, part.data(), kN);
+      if (std::memcmp(part.data(), full.data() + first * kN, sizeof(float) * m * kN) != 0) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 double MeasureSgemm(int threads, int n) {
   threads = std::max(1, threads);
   std::vector<double> gflops(static_cast<size_t>(threads), 0.0);
@@ -453,8 +477,9 @@ double MeasureSgemmInChild(const std::string& kernel, int threads, int n, std::s
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string kv(*e);
-    const bool replaced = !kernel.empty() && (absl::StartsWith(kv, absl::StrCat(kCoretypeVar, "=")) ||
-                                              absl::StartsWith(kv, absl::StrCat(kMarkerVar, "=")));
+    const bool replaced =
+        !kernel.empty() && (absl::StartsWith(kv, absl::StrCat(kCoretypeVar, "=")) ||
+                            absl::StartsWith(kv, absl::StrCat(kMarkerVar, "=")));
     if (replaced || absl::StartsWith(kv, absl::StrCat(kProbeVar, "="))) continue;
     env_strings.push_back(kv);
   }

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -12,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "kernels/cpu/gemm.h"
 
 namespace strata::blas {
 namespace {
@@ -31,8 +34,13 @@ Library OpenBlas(std::string corename, bool dynamic = true) {
 
 // An Intel Xeon with AVX-512 and AVX512_BF16 (and AMX), or an AMD Zen 4/5.
 CpuFeatures Avx512Bf16() {
-  return {.sse3 = true, .avx = true, .avx2 = true, .fma = true, .avx512 = true,
-          .avx512_bf16 = true, .amx = true};
+  return {.sse3 = true,
+          .avx = true,
+          .avx2 = true,
+          .fma = true,
+          .avx512 = true,
+          .avx512_bf16 = true,
+          .amx = true};
 }
 CpuFeatures Avx512() {
   CpuFeatures f = Avx512Bf16();
@@ -226,9 +234,8 @@ TEST(BlasKernelTest, KeepOnlyWarnsAndTheBestChoiceNeedsNothing) {
 }
 
 TEST(BlasKernelTest, AnOpenblasBuiltForOneCpuCannotBeFixedAndSaysSo) {
-  ExpectKeptWithWarning(
-      Choose(Avx512Bf16(), OpenBlas("Haswell", /*dynamic=*/false), Environment{}),
-      "this OpenBLAS cannot switch to it (it is built for one CPU)");
+  ExpectKeptWithWarning(Choose(Avx512Bf16(), OpenBlas("Haswell", /*dynamic=*/false), Environment{}),
+                        "this OpenBLAS cannot switch to it (it is built for one CPU)");
   // A DYNAMIC_ARCH build without the better kernel.
   Library old = OpenBlas("Haswell");
   old.kernels = {"Haswell", "Prescott"};
@@ -270,10 +277,35 @@ TEST(BlasKernelTest, DetectCpuAgreesWithProcCpuinfo) {
   EXPECT_EQ(cpu.avx2, flags.count("avx2") == 1);
   EXPECT_EQ(cpu.fma, flags.count("fma") == 1);
   const bool avx512 = flags.count("avx512f") && flags.count("avx512cd") &&
-                      flags.count("avx512bw") && flags.count("avx512dq") &&
-                      flags.count("avx512vl");
+                      flags.count("avx512bw") && flags.count("avx512dq") && flags.count("avx512vl");
   EXPECT_EQ(cpu.avx512, avx512);
   EXPECT_EQ(cpu.avx512_bf16, avx512 && flags.count("avx512_bf16") == 1);
+}
+
+// The row-count probe against another matrix, row counts and offsets than its own: rows [first,
+// first + m) of a 40-row call computed again in an m-row call. Where any differ, the probe must
+// report that rows depend on the row count (where all agree, either answer can be right).
+TEST(BlasKernelTest, TheRowCountProbeAgreesWithOtherRowCounts) {
+  constexpr int kK = 32, kN = 8;
+  std::vector<float> a(40 * kK), b(kN * kK), full(40 * kN), part(40 * kN);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = std::sin(0.37f * static_cast<float>(i));
+  for (size_t i = 0; i < b.size(); ++i) b[i] = std::cos(0.11f * static_cast<float>(i));
+  cpu::GemmSerial<float>(false, true, 40, kN, kK, 1.f, a.data(), kK, b.data(), kK, 0.f, full.data(),
+                         kN);
+  int differ = 0;
+  for (int m : {2, 7, 9, 13, 22, 31}) {
+    for (int first : {0, 5, 40 - m}) {
+      cpu::GemmSerial<float>(false, true, m, kN, kK, 1.f, a.data() + first * kK, kK, b.data(), kK,
+                             0.f, part.data(), kN);
+      differ += std::memcmp(part.data(), full.data() + first * kN, sizeof(float) * m * kN) != 0;
+    }
+  }
+  const bool independent = SgemmRowsIndependentOfRowCount();
+  std::printf("kernel %s: %d of 18 calls differ; the probe says %s\n",
+              DetectLibrary().corename.c_str(), differ, independent ? "independent" : "dependent");
+  if (differ > 0) {
+    EXPECT_FALSE(independent);
+  }
 }
 
 // The probe the benchmarks print checks its own result (-1 when wrong), so a positive rate is a

@@ -12,6 +12,18 @@
 // aux-loss gradient scale fails all, gradients left unaveraged fail all (through the norm; Adam
 // and clipping hide a constant factor from the losses), and dropping the loss weight of a worker
 // with an uneven share of the batch (8 sequences over 3 workers: 2, 3, 3) fails that layout.
+// Routing that flips at a near-tie. The argument above needs a GEMM to give a row the same bits
+// whatever the number of rows in the call; some OpenBLAS kernels do not (`strata version` says
+// which: 0.3.21's Haswell, Zen and Prescott kernels round a row differently by row count). Then a
+// worker's hidden states differ from the single process's by rounding, and expert choice, which
+// ranks every token of the batch for an expert's capacity, can send a token at the boundary the
+// other way. Measured with the Haswell kernel on ep2_tiered_expert_choice: one such flip at step 5
+// moves that step's loss by 3.6e-5 and a parameter by 5.9e-4 after 10 steps (the run matches
+// bitwise-order kernels to the tolerances above). So expert choice on such a kernel is held to
+// what one flipped token a step can do, with room: losses within 1e-3, gradient norms within 1e-2
+// relative, parameters within 1e-2. Every worker training on the same samples still fails them
+// (seen: losses off by 6e-3 to 1.1e-2), and gradients left unaveraged double the norm. Top-k
+// routing decides per token, among 8 experts, and meets the strict bounds on every kernel measured.
 // With storage.mode TIERED every worker keeps its own experts in its own tiers (a temporary SSD
 // folder each, small budgets so experts do go to the SSD) and is compared with a tiered single
 // process; with expert replicas in TIERED, with one process training in memory. With shared
@@ -102,9 +114,18 @@ std::vector<float> ReadFloats(const std::string& path) {
   return v;
 }
 
+// Whether this machine's sgemm, as strata runs it, gives a row the same bits whatever the row
+// count.
+bool SgemmRowsIndependentOfRowCount() {
+  static const bool independent =
+      RunCommand(kStrata + " version").output.find("sgemm rows: the same bits") !=
+      std::string::npos;
+  return independent;
+}
+
 // Every parameter file the single process exported to dir/single against the workers' export in
-// dir/workers, within 1e-4 (see the tolerance above); returns the names compared.
-std::vector<std::string> ExpectExportsMatch(const TempDir& dir) {
+// dir/workers, within `tolerance` (1e-4: see the tolerance above); returns the names compared.
+std::vector<std::string> ExpectExportsMatch(const TempDir& dir, float tolerance = 1e-4f) {
   std::vector<std::string> names;
   for (const auto& f : std::filesystem::directory_iterator(dir.File("single"))) {
     const std::string name = f.path().filename().string();
@@ -116,7 +137,7 @@ std::vector<std::string> ExpectExportsMatch(const TempDir& dir) {
     for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
       worst = std::max(worst, std::fabs(a[i] - b[i]));
     }
-    EXPECT_LE(worst, 1e-4f) << name;
+    EXPECT_LE(worst, tolerance) << name;
     names.push_back(name);
   }
   return names;
@@ -182,6 +203,10 @@ TEST_P(DistributedTest, MatchesTheSingleProcessOnTheSameGlobalBatch) {
   }
   if (HasFailure()) return;
 
+  // Expert choice where a GEMM rounds a row by row count: see "Routing that flips" above.
+  const bool may_flip = std::string(l.moe) == kExpertChoice && !SgemmRowsIndependentOfRowCount();
+  const double loss_tol = may_flip ? 1e-3 : 1e-5, norm_tol = may_flip ? 1e-2 : 1e-4;
+  const float param_tol = may_flip ? 1e-2f : 1e-4f;
   const auto want = Losses(dir_.File("single.jsonl"));
   ASSERT_EQ(want.size(), 10u);
   for (int r = 0; r < l.workers; ++r) {
@@ -189,7 +214,7 @@ TEST_P(DistributedTest, MatchesTheSingleProcessOnTheSameGlobalBatch) {
     const auto got = Losses(dir_.File(absl::StrCat("w", r, ".jsonl")));
     ASSERT_EQ(got.size(), want.size()) << "worker " << r;
     for (const auto& [step, loss] : want) {
-      EXPECT_NEAR(got.at(step), loss, 1e-5) << "worker " << r << " step " << step;
+      EXPECT_NEAR(got.at(step), loss, loss_tol) << "worker " << r << " step " << step;
     }
     // Adam and clipping hide a gradient off by a constant factor from the losses; the norm
     // before clipping does not.
@@ -197,18 +222,18 @@ TEST_P(DistributedTest, MatchesTheSingleProcessOnTheSameGlobalBatch) {
     const auto got_norm = Losses(dir_.File(absl::StrCat("w", r, ".jsonl")), "\"grad_norm\":");
     ASSERT_EQ(got_norm.size(), want_norm.size());
     for (const auto& [step, norm] : want_norm) {
-      EXPECT_NEAR(got_norm.at(step), norm, 1e-4 * norm) << "worker " << r << " step " << step;
+      EXPECT_NEAR(got_norm.at(step), norm, norm_tol * norm) << "worker " << r << " step " << step;
     }
   }
   const auto want_eval = Losses(dir_.File("single.jsonl"), "\"eval_loss\":");
   const auto got_eval = Losses(dir_.File("w0.jsonl"), "\"eval_loss\":");
   ASSERT_EQ(want_eval.size(), 2u);
   ASSERT_EQ(got_eval.size(), 2u);
-  for (const auto& [step, loss] : want_eval) EXPECT_NEAR(got_eval.at(step), loss, 1e-5);
+  for (const auto& [step, loss] : want_eval) EXPECT_NEAR(got_eval.at(step), loss, loss_tol);
 
   // Every parameter, dense and expert (tiered ones out of the store), exported once across the
   // workers: 2 blocks x (8 experts x 4 + 9 dense) + 4, and a noisy gate's.
-  const std::vector<std::string> names = ExpectExportsMatch(dir_);
+  const std::vector<std::string> names = ExpectExportsMatch(dir_, param_tol);
   EXPECT_GE(names.size(), 86u);
   // Shared experts, where the layout has them: 4 tensors a block, exported once.
   const auto shared = std::count_if(names.begin(), names.end(), [](const std::string& n) {
