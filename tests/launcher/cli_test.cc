@@ -94,7 +94,8 @@ TEST_F(CliTest, VersionReportsAnOldBlasKernelAndStrataSwitchesToTheBest) {
             std::string::npos)
       << forced.output;
   EXPECT_NE(forced.output.find("warning: OpenBLAS runs its Prescott kernel (SSE3), below the best "
-                               "this CPU runs, " + best),
+                               "this CPU runs, " +
+                               best),
             std::string::npos)
       << forced.output;
 
