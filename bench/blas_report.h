@@ -46,6 +46,10 @@ inline BlasReport MeasureBlas(int threads) {
   const blas::Library lib = blas::DetectLibrary();
   r.kernel = lib.corename;
   r.best_kernel = lib.dynamic_arch ? blas::BestKernel(blas::DetectCpu(), lib.kernels) : "";
+  // A kernel of the best's tier (Zen beside Haswell, SkylakeX beside Cooperlake) is the best.
+  if (!r.best_kernel.empty() && blas::KernelTier(r.kernel) == blas::KernelTier(r.best_kernel)) {
+    r.best_kernel = r.kernel;
+  }
   std::string ran;
   if (const double g = blas::MeasureSgemmInChild("", threads, 1024, &ran); g > 0) r.gflops = g;
   if (r.best_kernel == r.kernel) {

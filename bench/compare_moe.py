@@ -69,10 +69,12 @@ def train(strata, workdir, name, ffn, args):
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if run.returncode != 0:
         sys.exit("compare_moe: %s failed (exit %d):\n%s" % (name, run.returncode, run.stdout))
-    params = ""
+    params, blas = "", []
     for line in run.stdout.splitlines():
         if " parameters (" in line:
             params = line.split("] ", 1)[-1]
+        if "] blas: " in line:  # the kernel the run's GEMMs ran on, and a warning if below the best
+            blas.append(line.split("] ", 1)[-1])
     steps, seconds, bpb, tok_s, balance = [], [], [], [], []
     elapsed = 0.0
     with open(metrics) as f:
@@ -89,6 +91,7 @@ def train(strata, workdir, name, ffn, args):
     tok_s.sort()
     return {"name": name, "steps": steps, "seconds": seconds, "bpb": bpb, "train_s": elapsed,
             "wall_s": time.time() - started, "tok_s": tok_s[len(tok_s) // 2], "params": params,
+            "blas": blas,
             "balance": balance}
 
 
@@ -147,6 +150,8 @@ def main():
                                                            r["train_s"], r["tok_s"], balance))
     for r in runs:
         print("# %s: %s" % (r["label"], r["params"]))
+    for line in runs[0]["blas"]:
+        print("# %s" % line)
     print("# metrics and configs in %s; plot in %s" % (workdir, args.out))
     return 0
 

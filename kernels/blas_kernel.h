@@ -36,17 +36,29 @@ namespace strata::blas {
 // counts only when the OS saves that register state (xgetbv).
 struct CpuFeatures {
   bool sse3 = false;
+  bool ssse3 = false;
+  bool sse4_1 = false;
+  bool sse4_2 = false;
+  // AMD's own extensions, which OpenBLAS's kernels for older AMD CPUs use: SSE4a (Barcelona,
+  // Bobcat), FMA4 and XOP (Bulldozer to Excavator), 3DNow! (Opteron, Athlon).
+  bool sse4a = false;
+  bool fma4 = false;
+  bool xop = false;
+  bool three_dnow = false;
   bool avx = false;
   bool avx2 = false;
   bool fma = false;
   bool avx512 = false;  // F, CD, BW, DQ and VL: what OpenBLAS's SkylakeX kernel needs
   bool avx512_bf16 = false;
-  bool amx = false;  // AMX-TILE and AMX-BF16 (OpenBLAS uses them for sbgemm only)
+  bool amx = false;  // AMX-TILE and AMX-BF16 (OpenBLAS's SapphireRapids kernel, for sbgemm)
 };
 
 // The cpuid and xgetbv words the features come from (x86-64).
 struct CpuRegisters {
-  uint32_t leaf1_ecx = 0;    // SSE3 (bit 0), FMA (12), OSXSAVE (27), AVX (28)
+  uint32_t leaf1_ecx = 0;    // SSE3 (bit 0), SSSE3 (9), FMA (12), SSE4.1 (19), SSE4.2 (20),
+                             // OSXSAVE (27), AVX (28)
+  uint32_t ext1_ecx = 0;     // leaf 0x80000001: SSE4a (6), XOP (11), FMA4 (16)
+  uint32_t ext1_edx = 0;     // leaf 0x80000001: 3DNow! (31)
   uint32_t leaf7_ebx = 0;    // AVX2 (5), AVX-512 F (16), DQ (17), CD (28), BW (30), VL (31)
   uint32_t leaf7_edx = 0;    // AMX-BF16 (22), AMX-TILE (24)
   uint32_t leaf7_1_eax = 0;  // AVX512_BF16 (5)
@@ -114,12 +126,13 @@ Status ChooseKernelAtStart(char** argv);
 Choice Current();
 
 // Whether an sgemm gives a row of its result the same bits whatever the number of rows in the call
-// (probed on 64 x 32 by 32 x 8 against calls of 1 to 63 of its rows; well under a millisecond). A
-// worker computes its share of a batch in calls with fewer rows than one process computing the
-// whole batch, so only then can a distributed run match one process bitwise. Some OpenBLAS kernels
-// round differently by row count (0.3.21's Haswell, Zen and Prescott do; SkylakeX, Cooperlake and
-// Sandybridge do not): there the two match to rounding, and a routing choice at a near-tie (expert
-// choice at an expert's capacity, above all) can go the other way.
+// (probed with 64 rows of two shapes, k x n = 32 x 8 and 256 x 64, against calls of 1 to 63 of
+// those rows; about a millisecond). A worker computes its share of a batch in calls with fewer
+// rows than one process computing the whole batch, so only then does a distributed run match one
+// process up to the order of its reductions. Some OpenBLAS kernels round a row differently by row
+// count (0.3.21's Haswell, Zen and Prescott do; SkylakeX, Cooperlake and Sandybridge do not):
+// there the two match only to rounding, and a routing choice at a near-tie (expert choice at an
+// expert's capacity, above all) can go the other way.
 bool SgemmRowsIndependentOfRowCount();
 
 // sgemm GFLOP/s the way strata runs GEMMs: `threads` threads at once, each a single-threaded

@@ -24,7 +24,7 @@ void PrintTopUsage(std::FILE* out) {
                "  coordinator  serve a job's membership and rendezvous (gRPC; --dir, --config)\n"
                "  status   a running coordinator's generation, members and step: status HOST:PORT\n"
                "  ckpt     list, verify or remove checkpoints: strata ckpt ls|verify|rm DIR ...\n"
-               "  version  print the version and the backends this build has\n"
+               "  version  print the version, the backends of this build, the BLAS kernel\n"
                "  help     this text\n\n"
                "flags of train:\n%s\nRun 'strata COMMAND --help' for a command's flags.\n",
                Flags::Usage(TrainFlags()).c_str());
@@ -60,11 +60,12 @@ int Main(int argc, char** argv) {
     const blas::Choice blas = blas::Current();
     std::printf("blas: %s\n", blas.describe.c_str());
     if (!blas.warning.empty()) std::printf("warning: %s\n", blas.warning.c_str());
+    std::fflush(stdout);  // what is known so far is out, whatever the probe's GEMMs do
     std::printf("sgemm rows: %s\n",
                 blas::SgemmRowsIndependentOfRowCount()
                     ? "the same bits whatever a call's row count"
-                    : "a row's bits depend on the call's row count (distributed runs match one "
-                      "process to rounding, not bitwise)");
+                    : "a row's bits depend on the call's row count (a distributed run matches one "
+                      "process only to rounding, and routing at a near-tie can differ)");
     return 0;
   }
   std::fprintf(stderr, "strata: unknown command '%s'\n\n", cmd.c_str());

@@ -8,7 +8,8 @@
 # layers, on an include of a higher layer. It also fails when a file outside kernels/ includes a
 # backend (kernels/cpu/, kernels/cuda/): the rest of strata sees kernels through kernels/ops.h,
 # kernels/vocabulary.h and kernels/blas_kernel.h. tests/ and bench/ sit on top of everything (a
-# backend's tests include its headers) and are not checked. Includes of other projects (absl/, google/, ...) are ignored.
+# backend's tests include its headers) and are not checked. Includes of other projects (absl/,
+# google/, ...) are ignored.
 #
 #   scripts/check-layers.sh        (from anywhere; exits 0 when the tree is layered, 1 otherwise)
 set -euo pipefail

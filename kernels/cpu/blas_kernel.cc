@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <barrier>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -42,18 +43,10 @@ constexpr char kProbeVar[] = "STRATA_SGEMM_PROBE";
 constexpr char kProbeArgv0[] = "strata-sgemm-probe";
 
 // The kernels strata chooses between, best first: the ones every x86-64 DYNAMIC_ARCH build of
-// OpenBLAS since 0.3.10 holds. Tiers rank sgemm speed: Cooperlake's sgemm is SkylakeX's (they
-// differ in sbgemm only), so they share a tier and Cooperlake is preferred where the CPU has BF16.
-struct KernelInfo {
-  const char* name;
-  int tier;
-  bool needs_bf16;
-};
-constexpr KernelInfo kCandidates[] = {{"Cooperlake", 4, true},
-                                      {"SkylakeX", 4, false},
-                                      {"Haswell", 3, false},
-                                      {"Sandybridge", 2, false},
-                                      {"Prescott", 1, false}};
+// OpenBLAS since 0.3.10 holds. Cooperlake's sgemm is SkylakeX's (they differ in sbgemm only):
+// Cooperlake comes first where the CPU has BF16, but neither is "below" the other.
+constexpr const char* kCandidates[] = {"Cooperlake", "SkylakeX", "Haswell", "Sandybridge",
+                                       "Prescott"};
 
 // Set by ChooseKernelAtStart: the program's main() handles the sgemm probe's child.
 bool g_chose_at_start = false;
@@ -63,27 +56,26 @@ std::string Env(const char* name) {
   return v ? std::string(v) : std::string();
 }
 
-bool CpuCanRunTier(const CpuFeatures& cpu, int tier) {
-  switch (tier) {
-    case 4:
-      return cpu.avx512;
-    case 3:
-      return cpu.avx2 && cpu.fma;
-    case 2:
-      return cpu.avx;
-    case 1:
-      return cpu.sse3;
-    default:
-      return false;
-  }
-}
-
-// Whether the CPU runs a kernel of that name; a name strata does not know is given the benefit.
+// Whether the CPU has what OpenBLAS's kernel of that name executes (a forced kernel the CPU lacks
+// an instruction of stops the first GEMM with SIGILL); a name strata does not know passes.
 bool CpuCanRun(const CpuFeatures& cpu, std::string_view corename) {
-  const int tier = KernelTier(corename);
-  if (tier == 0) return true;
-  if (KernelIsa(corename) == "AVX-512 BF16" && !cpu.avx512_bf16) return false;
-  return CpuCanRunTier(cpu, tier);
+  const std::string n = absl::AsciiStrToLower(std::string(corename));
+  if (n == "sapphirerapids") return cpu.avx512 && cpu.avx512_bf16 && cpu.amx;
+  if (n == "cooperlake") return cpu.avx512 && cpu.avx512_bf16;
+  if (n == "skylakex") return cpu.avx512;
+  if (n == "haswell" || n == "zen") return cpu.avx2 && cpu.fma;
+  if (n == "sandybridge") return cpu.avx;
+  if (n == "bulldozer" || n == "piledriver" || n == "steamroller" || n == "excavator") {
+    return cpu.avx && cpu.fma4 && cpu.xop;
+  }
+  if (n == "barcelona" || n == "bobcat") return cpu.sse3 && cpu.sse4a;
+  if (n == "opteron" || n == "athlon") return cpu.three_dnow;
+  if (n == "opteron_sse3") return cpu.three_dnow && cpu.sse3;
+  if (n == "nehalem") return cpu.sse4_2;
+  if (n == "penryn" || n == "dunnington") return cpu.sse4_1;
+  if (n == "core2" || n == "atom" || n == "nano") return cpu.ssse3;
+  if (n == "prescott") return cpu.sse3;
+  return true;  // SSE2 and older (Katmai, Coppermine, Northwood, Banias), and unknown names
 }
 
 // Retries a system call that a signal interrupted.
@@ -101,6 +93,11 @@ auto RetryOnEintr(F f) {
 CpuFeatures CpuFeaturesFromRegisters(const CpuRegisters& r) {
   CpuFeatures f;
   f.sse3 = r.leaf1_ecx & (1u << 0);
+  f.ssse3 = r.leaf1_ecx & (1u << 9);
+  f.sse4_1 = r.leaf1_ecx & (1u << 19);
+  f.sse4_2 = r.leaf1_ecx & (1u << 20);
+  f.sse4a = r.ext1_ecx & (1u << 6);
+  f.three_dnow = r.ext1_edx & (1u << 31);
   const bool fma = r.leaf1_ecx & (1u << 12);
   const bool osxsave = r.leaf1_ecx & (1u << 27);
   const bool avx = r.leaf1_ecx & (1u << 28);
@@ -110,6 +107,8 @@ CpuFeatures CpuFeaturesFromRegisters(const CpuRegisters& r) {
   const bool os_amx = (xcr0 & 0x60000) == 0x60000;
   f.avx = avx && os_ymm;
   f.fma = fma && os_ymm;
+  f.xop = os_ymm && (r.ext1_ecx & (1u << 11));
+  f.fma4 = os_ymm && (r.ext1_ecx & (1u << 16));
   f.avx2 = f.avx && (r.leaf7_ebx & (1u << 5));
   constexpr uint32_t kAvx512 = (1u << 16) | (1u << 17) | (1u << 28) | (1u << 30) | (1u << 31);
   f.avx512 = os_zmm && (r.leaf7_ebx & kAvx512) == kAvx512;
@@ -128,6 +127,10 @@ CpuFeatures DetectCpu() {
     uint32_t lo = 0, hi = 0;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     r.xcr0 = (static_cast<uint64_t>(hi) << 32) | lo;
+  }
+  if (__get_cpuid(0x80000001u, &a, &b, &c, &d)) {
+    r.ext1_ecx = c;
+    r.ext1_edx = d;
   }
   if (__get_cpuid_max(0, nullptr) >= 7) {
     __cpuid_count(7, 0, a, b, c, d);
@@ -153,14 +156,12 @@ Library DetectLibrary() {
   // A DYNAMIC_ARCH build exports one table of function pointers per kernel, gotoblas_<NAME>.
   // When none can be found (a stripped build), assume the standard list; the start check then
   // verifies that the kernel it set is the one OpenBLAS runs.
-  for (const KernelInfo& k : kCandidates) {
-    if (dlsym(RTLD_DEFAULT, absl::StrCat("gotoblas_", absl::AsciiStrToUpper(k.name)).c_str())) {
-      lib.kernels.push_back(k.name);
+  for (const char* k : kCandidates) {
+    if (dlsym(RTLD_DEFAULT, absl::StrCat("gotoblas_", absl::AsciiStrToUpper(k)).c_str())) {
+      lib.kernels.push_back(k);
     }
   }
-  if (lib.kernels.empty()) {
-    for (const KernelInfo& k : kCandidates) lib.kernels.push_back(k.name);
-  }
+  if (lib.kernels.empty()) lib.kernels.assign(std::begin(kCandidates), std::end(kCandidates));
   return lib;
 }
 
@@ -208,11 +209,11 @@ std::string KernelIsa(std::string_view corename) {
 }
 
 std::string BestKernel(const CpuFeatures& cpu, const std::vector<std::string>& available) {
-  for (const KernelInfo& k : kCandidates) {
+  for (const char* k : kCandidates) {
     const bool held = std::any_of(available.begin(), available.end(), [&](const std::string& a) {
-      return absl::EqualsIgnoreCase(a, k.name);
+      return absl::EqualsIgnoreCase(a, k);
     });
-    if (held && CpuCanRunTier(cpu, k.tier) && (!k.needs_bf16 || cpu.avx512_bf16)) return k.name;
+    if (held && CpuCanRun(cpu, k)) return k;
   }
   return "";
 }
@@ -245,8 +246,7 @@ Choice Choose(const CpuFeatures& cpu, const Library& lib, const Environment& env
 
   // The best kernel the CPU runs among all strata knows, and among those this library can switch
   // to (none when it is built for one CPU).
-  std::vector<std::string> all;
-  for (const KernelInfo& k : kCandidates) all.push_back(k.name);
+  const std::vector<std::string> all(std::begin(kCandidates), std::end(kCandidates));
   const std::string cpu_best = BestKernel(cpu, all);
   const std::string best = lib.dynamic_arch ? BestKernel(cpu, lib.kernels) : std::string();
   const bool runs = CpuCanRun(cpu, lib.corename);
@@ -285,12 +285,16 @@ Choice Choose(const CpuFeatures& cpu, const Library& lib, const Environment& env
   // process with SIGILL. Only a forced OPENBLAS_CORETYPE gets there.
   if (!runs) {
     const std::string danger = absl::StrFormat(
-        "OpenBLAS runs its %s kernel (%s), which this CPU or its OS does not support: GEMMs will "
-        "stop the process with SIGILL",
-        lib.corename, KernelIsa(lib.corename));
+        "OpenBLAS runs its %s kernel, which needs instructions this CPU or its OS does not "
+        "provide: GEMMs will stop the process with SIGILL",
+        lib.corename);
     if (env.policy == Policy::kKeep || best.empty()) {
-      c.warning = absl::StrCat(danger, "; unset OPENBLAS_CORETYPE",
-                               best.empty() ? "" : absl::StrCat(" or set it to ", best));
+      c.warning = env.coretype.empty()
+                      ? absl::StrCat(danger,
+                                     "; install an OpenBLAS built for this CPU, or Debian's "
+                                     "libopenblas0-pthread (a DYNAMIC_ARCH build)")
+                      : absl::StrCat(danger, "; unset OPENBLAS_CORETYPE",
+                                     best.empty() ? "" : absl::StrCat(" or set it to ", best));
     } else {
       c.reexec_with = best;
     }
@@ -361,11 +365,11 @@ void NameProcessAfterArgv0(const char* argv0) {
 
 Status ChooseKernelAtStart(char** argv) {
   g_chose_at_start = true;
+  NameProcessAfterArgv0(argv[0]);
   if (const std::string probe = Env(kProbeVar);
       !probe.empty() && argv[0] != nullptr && std::strcmp(argv[0], kProbeArgv0) == 0) {
     RunSgemmProbe(probe);
   }
-  NameProcessAfterArgv0(argv[0]);
   ASSIGN_OR_RETURN(Environment env, ReadEnvironment());
   const Library lib = DetectLibrary();
   const Choice c = Choose(DetectCpu(), lib, env);
@@ -405,24 +409,27 @@ Choice Current() {
 }
 
 bool SgemmRowsIndependentOfRowCount() {
-  constexpr int kRows = 64, kK = 32, kN = 8;
-  std::vector<float> a(kRows * kK), b(kN * kK), full(kRows * kN), part(kRows * kN);
+  constexpr int kRows = 64;
   uint32_t x = 12345;
   auto next = [&x] {
     x = x * 1664525u + 1013904223u;
     return static_cast<float>(x >> 8) / 16777216.0f - 0.5f;
   };
-  for (float& v : a) v = next();
-  for (float& v : b) v = next();
-  // out [rows, kN] = a [rows, kK] b^T, as a linear layer computes it.
-  cpu::GemmSerial<float>(false, true, kRows, kN, kK, 1.f, a.data(), kK, b.data(), kK, 0.f,
-                         full.data(), kN);
-  for (int m : {1, 3, 5, 8, 16, 17, 33, 61, 63}) {
-    for (int first : {0, kRows - m}) {
-      cpu::GemmSerial<float>(false, true, m, kN, kK, 1.f, a.data() + first * kK, kK, b.data(), kK,
-                             0.f, part.data(), kN);
-      if (std::memcmp(part.data(), full.data() + first * kN, sizeof(float) * m * kN) != 0) {
-        return false;
+  // Two shapes of out [rows, n] = a [rows, k] b^T, as a linear layer computes it: a router's
+  // narrow output and a wider one with a longer reduction.
+  for (const auto& [k, n] : {std::pair<int, int>{32, 8}, std::pair<int, int>{256, 64}}) {
+    std::vector<float> a(kRows * k), b(n * k), full(kRows * n), part(kRows * n);
+    for (float& v : a) v = next();
+    for (float& v : b) v = next();
+    cpu::GemmSerial<float>(false, true, kRows, n, k, 1.f, a.data(), k, b.data(), k, 0.f,
+                           full.data(), n);
+    for (int m : {1, 3, 5, 8, 16, 17, 33, 61, 63}) {
+      for (int first : {0, kRows - m}) {
+        cpu::GemmSerial<float>(false, true, m, n, k, 1.f, a.data() + first * k, k, b.data(), k, 0.f,
+                               part.data(), n);
+        if (std::memcmp(part.data(), full.data() + first * n, sizeof(float) * m * n) != 0) {
+          return false;
+        }
       }
     }
   }
@@ -432,6 +439,9 @@ bool SgemmRowsIndependentOfRowCount() {
 double MeasureSgemm(int threads, int n) {
   threads = std::max(1, threads);
   std::vector<double> gflops(static_cast<size_t>(threads), 0.0);
+  // Every repetition starts on all threads at once, so the rates add up to what they reach
+  // together (sharing caches and memory bandwidth), as the pool's GEMMs do.
+  std::barrier start(threads);
   std::vector<std::thread> workers;
   for (int t = 0; t < threads; ++t) {
     workers.emplace_back([&, t] {
@@ -443,6 +453,7 @@ double MeasureSgemm(int threads, int n) {
       }
       double best = 1e30;
       for (int rep = 0; rep < 4; ++rep) {
+        start.arrive_and_wait();
         const auto t0 = std::chrono::steady_clock::now();
         cpu::GemmSerial<float>(false, false, n, n, n, 1.f, a.data(), n, b.data(), n, 0.f, c.data(),
                                n);

@@ -6,11 +6,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <set>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -35,6 +37,9 @@ Library OpenBlas(std::string corename, bool dynamic = true) {
 // An Intel Xeon with AVX-512 and AVX512_BF16 (and AMX), or an AMD Zen 4/5.
 CpuFeatures Avx512Bf16() {
   return {.sse3 = true,
+          .ssse3 = true,
+          .sse4_1 = true,
+          .sse4_2 = true,
           .avx = true,
           .avx2 = true,
           .fma = true,
@@ -123,8 +128,16 @@ TEST(BlasKernelTest, FeaturesFromRegistersNeedTheOsToSaveTheRegisters) {
   f = CpuFeaturesFromRegisters(r);
   EXPECT_TRUE(f.sse3);
   EXPECT_FALSE(f.avx || f.avx2 || f.fma || f.avx512);
-  // AVX-512 without VL (bit 31) is not what the SkylakeX kernel needs.
+  // AMD's own extensions (leaf 0x80000001); FMA4 and XOP work on YMM registers, so the OS must
+  // save them too.
+  r.ext1_ecx = (1u << 6) | (1u << 11) | (1u << 16);  // SSE4a, XOP, FMA4
+  r.ext1_edx = 1u << 31;                             // 3DNow!
+  f = CpuFeaturesFromRegisters(r);
+  EXPECT_TRUE(f.sse4a && f.three_dnow && !f.xop && !f.fma4);
   r.leaf1_ecx |= 1u << 27;
+  f = CpuFeaturesFromRegisters(r);
+  EXPECT_TRUE(f.sse4a && f.three_dnow && f.xop && f.fma4);
+  // AVX-512 without VL (bit 31) is not what the SkylakeX kernel needs.
   r.leaf7_ebx &= ~(1u << 31);
   f = CpuFeaturesFromRegisters(r);
   EXPECT_TRUE(f.avx2);
@@ -200,11 +213,39 @@ TEST(BlasKernelTest, AKernelTheCpuCannotRunIsReplacedOrWarnedAbout) {
   EXPECT_EQ(Choose(Avx2(), OpenBlas("Cooperlake"), Env("Cooperlake")).reexec_with, "Haswell");
   EXPECT_EQ(Choose(Avx512(), OpenBlas("Cooperlake"), Env("Cooperlake")).reexec_with, "SkylakeX");
   ExpectKeptWithWarning(Choose(Avx2(), OpenBlas("SkylakeX"), Env("SkylakeX", "", Policy::kKeep)),
-                        "which this CPU or its OS does not support: GEMMs will stop the process "
-                        "with SIGILL; unset OPENBLAS_CORETYPE or set it to Haswell");
+                        "which needs instructions this CPU or its OS does not provide: GEMMs will "
+                        "stop the process with SIGILL; unset OPENBLAS_CORETYPE or set it to "
+                        "Haswell");
   EXPECT_EQ(
       Choose(Avx2(), OpenBlas("Cooperlake"), Env("Cooperlake", "Cooperlake,Haswell")).reexec_with,
       "Haswell");
+}
+
+// OpenBLAS's kernels for older AMD CPUs use AMD's own instructions (FMA4 and XOP from Bulldozer to
+// Excavator, 3DNow! on Opteron and Athlon, SSE4a on Barcelona and Bobcat), which Intel CPUs and
+// Zen lack: forced on such a CPU, each is replaced like any kernel the CPU cannot run.
+TEST(BlasKernelTest, OldAmdKernelsNeedAmdsOwnInstructions) {
+  for (const char* k : {"Bulldozer", "Piledriver", "Steamroller", "Excavator", "Opteron",
+                        "Opteron_SSE3", "Athlon", "Barcelona", "Bobcat"}) {
+    EXPECT_EQ(Choose(Avx512Bf16(), OpenBlas(k), Env(k)).reexec_with, "Cooperlake") << k;
+  }
+  CpuFeatures piledriver = Avx2();  // AVX, FMA3, FMA4 and XOP, no AVX2
+  piledriver.avx2 = false;
+  piledriver.fma4 = piledriver.xop = piledriver.sse4a = true;
+  const Choice own = Choose(piledriver, OpenBlas("Piledriver"), Environment{});
+  EXPECT_EQ(own.reexec_with, "");
+  EXPECT_EQ(own.warning, "");
+  // A forced Intel kernel on a CPU without its SSE level (SSSE3 for Core2, SSE4.2 for Nehalem).
+  CpuFeatures sse3_only{};
+  sse3_only.sse3 = true;
+  ExpectKeptWithWarning(Choose(sse3_only, OpenBlas("Nehalem"), Env("Nehalem", "", Policy::kKeep)),
+                        "needs instructions this CPU or its OS does not provide");
+  EXPECT_EQ(Choose(sse3_only, OpenBlas("Core2"), Env("Core2")).reexec_with, "Prescott");
+  // SapphireRapids (a newer OpenBLAS) needs AMX as well as BF16: Zen 4 and 5 have no AMX.
+  CpuFeatures zen5 = Avx512Bf16();
+  zen5.amx = false;
+  EXPECT_EQ(Choose(zen5, OpenBlas("SapphireRapids"), Env("SapphireRapids")).reexec_with,
+            "Cooperlake");
 }
 
 // An OPENBLAS_CORETYPE that OpenBLAS did not take (not a kernel it holds) is not reported as the

@@ -13,17 +13,19 @@
 // and clipping hide a constant factor from the losses), and dropping the loss weight of a worker
 // with an uneven share of the batch (8 sequences over 3 workers: 2, 3, 3) fails that layout.
 // Routing that flips at a near-tie. The argument above needs a GEMM to give a row the same bits
-// whatever the number of rows in the call; some OpenBLAS kernels do not (`strata version` says
-// which: 0.3.21's Haswell, Zen and Prescott kernels round a row differently by row count). Then a
-// worker's hidden states differ from the single process's by rounding, and expert choice, which
-// ranks every token of the batch for an expert's capacity, can send a token at the boundary the
-// other way. Measured with the Haswell kernel on ep2_tiered_expert_choice: one such flip at step 5
-// moves that step's loss by 3.6e-5 and a parameter by 5.9e-4 after 10 steps (the run matches
-// bitwise-order kernels to the tolerances above). So expert choice on such a kernel is held to
-// what one flipped token a step can do, with room: losses within 1e-3, gradient norms within 1e-2
-// relative, parameters within 1e-2. Every worker training on the same samples still fails them
-// (seen: losses off by 6e-3 to 1.1e-2), and gradients left unaveraged double the norm. Top-k
-// routing decides per token, among 8 experts, and meets the strict bounds on every kernel measured.
+// whatever the number of rows in the call; some OpenBLAS kernels do not (`strata version` says,
+// in its "sgemm rows:" line: 0.3.21's Haswell, Zen and Prescott kernels round a row differently by
+// row count). Then a worker's hidden states differ from the single process's by rounding, and a
+// routing choice at a near-tie can go the other way. Expert choice ranks every token of the batch
+// for each expert's capacity, so it meets such ties far more often than top-k, which needs a tie
+// between two of one token's own 8 scores. Measured with the Haswell kernel on
+// ep2_tiered_expert_choice: a flip at step 5 moved that step's loss by 3.6e-5, later losses by up
+// to 1.2e-5, parameters by up to 2.2e-3 after 10 steps, gradient norms by less than 1e-4 relative.
+// So expert choice on such a kernel is held to losses within 2e-4, gradient norms within 1e-3
+// relative and parameters within 1e-2. Seen failing with every worker training on the same
+// samples (losses off by 6e-3 to 1.1e-2) and, on ep3_uneven_batch_expert_choice, with the uneven
+// share's loss weight dropped. Top-k layouts keep the strict bounds; they met them on every kernel
+// measured.
 // With storage.mode TIERED every worker keeps its own experts in its own tiers (a temporary SSD
 // folder each, small budgets so experts do go to the SSD) and is compared with a tiered single
 // process; with expert replicas in TIERED, with one process training in memory. With shared
@@ -115,12 +117,16 @@ std::vector<float> ReadFloats(const std::string& path) {
 }
 
 // Whether this machine's sgemm, as strata runs it, gives a row the same bits whatever the row
-// count.
+// count: the "sgemm rows:" line of `strata version`, which must say one or the other.
 bool SgemmRowsIndependentOfRowCount() {
-  static const bool independent =
-      RunCommand(kStrata + " version").output.find("sgemm rows: the same bits") !=
-      std::string::npos;
-  return independent;
+  static const int answer = [] {
+    const std::string out = RunCommand(kStrata + " version").output;
+    if (out.find("\nsgemm rows: the same bits") != std::string::npos) return 1;
+    if (out.find("\nsgemm rows: a row's bits depend") != std::string::npos) return 0;
+    return -1;
+  }();
+  EXPECT_NE(answer, -1) << "`strata version` printed no sgemm rows: line";
+  return answer == 1;
 }
 
 // Every parameter file the single process exported to dir/single against the workers' export in
@@ -205,7 +211,7 @@ TEST_P(DistributedTest, MatchesTheSingleProcessOnTheSameGlobalBatch) {
 
   // Expert choice where a GEMM rounds a row by row count: see "Routing that flips" above.
   const bool may_flip = std::string(l.moe) == kExpertChoice && !SgemmRowsIndependentOfRowCount();
-  const double loss_tol = may_flip ? 1e-3 : 1e-5, norm_tol = may_flip ? 1e-2 : 1e-4;
+  const double loss_tol = may_flip ? 2e-4 : 1e-5, norm_tol = may_flip ? 1e-3 : 1e-4;
   const float param_tol = may_flip ? 1e-2f : 1e-4f;
   const auto want = Losses(dir_.File("single.jsonl"));
   ASSERT_EQ(want.size(), 10u);
