@@ -21,6 +21,7 @@ packages=(
   fortunes              # corpus of the default example (examples/moe_lm)
   openssl               # the coordinator's TLS test makes its certificate with it
   python3
+  patchelf xz-utils file  # scripts/package.sh: RUNPATH, the tarball, telling binaries apart
 )
 
 for arg in "$@"; do

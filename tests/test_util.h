@@ -17,6 +17,18 @@
 
 namespace strata::testing {
 
+// The source tree (examples/, bench/) and the folder of strata's binaries: STRATA_SOURCE_DIR and
+// STRATA_BIN_DIR from the environment when set (a package run on another machine:
+// scripts/gpu-check.sh sets them), else the paths compiled into the test.
+inline std::string SourceDir() {
+  const char* e = std::getenv("STRATA_SOURCE_DIR");
+  return e != nullptr && *e != '\0' ? std::string(e) : std::string(STRATA_SOURCE_DIR);
+}
+inline std::string BinDir() {
+  const char* e = std::getenv("STRATA_BIN_DIR");
+  return e != nullptr && *e != '\0' ? std::string(e) : std::string(STRATA_BIN_DIR);
+}
+
 // A fresh folder under $TMPDIR (or /tmp), removed with everything in it on destruction.
 class TempDir {
  public:

@@ -18,8 +18,8 @@ using strata::testing::RunCommand;
 using strata::testing::StepLosses;
 using strata::testing::TempDir;
 
-const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
-const std::string kConfig = std::string(STRATA_SOURCE_DIR) + "/examples/moe_lm/config.textproto";
+const std::string kStrata = strata::testing::BinDir() + "/strata";
+const std::string kConfig = strata::testing::SourceDir() + "/examples/moe_lm/config.textproto";
 
 TEST(TrainGpuTest, DefaultExampleOnAGpuTrainsLikeTheCpuAndItsCheckpointResumesOnTheCpu) {
   if (CudaDeviceCount() == 0) {

@@ -18,6 +18,7 @@
 #include "runtime/data/dataset.h"
 #include "runtime/model/adamw.h"
 #include "runtime/model/transformer.h"
+#include "tests/test_util.h"
 
 namespace strata::model {
 namespace {
@@ -63,7 +64,8 @@ TEST(ModelGpuTest, DefaultExampleTrainsLikeTheCpuFor50Steps) {
   if (CudaDeviceCount() == 0) {
     GTEST_SKIP() << "no CUDA device: this test runs on a machine with an NVIDIA GPU";
   }
-  auto cfg = config::LoadJobConfig(STRATA_SOURCE_DIR "/examples/moe_lm/config.textproto");
+  auto cfg =
+      config::LoadJobConfig(strata::testing::SourceDir() + "/examples/moe_lm/config.textproto");
   ASSERT_TRUE(cfg.ok()) << cfg.status();
   auto dataset = data::TokenDataset::Open(cfg->data(), cfg->model().vocab_size(),
                                           cfg->model().seq_len(), storage::Env::Default());
@@ -87,7 +89,8 @@ TEST(ModelGpuTest, DefaultExampleTrainsLikeTheCpuFor50Steps) {
 TEST(ModelGpuTest, AModelOnAMissingGpuIsAClearError) {
   ThreadPool pool(1);
   ops::Context ctx{&pool, nullptr};
-  auto cfg = config::LoadJobConfig(STRATA_SOURCE_DIR "/examples/moe_lm/config.textproto");
+  auto cfg =
+      config::LoadJobConfig(strata::testing::SourceDir() + "/examples/moe_lm/config.textproto");
   ASSERT_TRUE(cfg.ok()) << cfg.status();
   ModelOptions options;
   options.config = cfg->model();

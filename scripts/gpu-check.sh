@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# The GPU check: every GPU test and GPU benchmark of strata on this machine's GPU, then a short
+# `strata train --device cuda` of the default example, each under a time limit and all in under
+# 8 minutes, ending in one summary table. Runs from a source tree (after scripts/build.sh) or from
+# a package made by scripts/package.sh (it sits at the package's top, beside bin/ and lib/).
+#
+#   scripts/gpu-check.sh [--quick] [--logs DIR] [--archive FILE.tar.gz] [--budget SECONDS]
+#
+#   --quick      the GPU tests only
+#   --logs       where each check's full output goes (default: a new folder under /tmp)
+#   --archive    also pack the logs and the summary into one .tar.gz (for a machine that returns few
+#                files)
+#   --budget     the whole check's time limit (default 480 s); each check gets at most what is left
+#
+# Without a GPU (no driver, or `strata version` sees none) it says so and exits 0: nothing to check.
+# Exit status: 0 when every check that ran passed, 1 otherwise, 2 on a usage error.
+#
+# cuBLAS, cudart and NCCL come from the machine: from a PyTorch install's nvidia-* wheels when
+# there is one, else from /usr/local/cuda. The package's own libraries (gRPC, RocksDB, Gloo,
+# OpenBLAS, ...) are found through the binaries' RUNPATH ($ORIGIN/../lib).
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+
+quick=0
+logs=""
+archive=""
+budget=480
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) quick=1 ;;
+    --logs) logs=${2:?--logs needs a folder}; shift ;;
+    --archive) archive=${2:?--archive needs a file name}; shift ;;
+    --budget) budget=${2:?--budget needs seconds}; shift ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "gpu-check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+case "$budget" in
+  ''|*[!0-9]*) echo "gpu-check: --budget wants whole seconds, not '$budget'" >&2; exit 2 ;;
+esac
+
+# Where the binaries and the examples are: a package (bin/ beside this script) or a source tree
+# (this script in scripts/, binaries in the build folder).
+if [ -x "$here/bin/strata" ]; then
+  bin=$here/bin tests=$here/bin source=$here/share/strata
+else
+  source=$(cd "$here/.." && pwd)
+  build=${STRATA_BUILD_DIR:-$source/build}
+  bin=$build/bin tests=$build/tests
+fi
+if [ ! -x "$bin/strata" ]; then
+  echo "gpu-check: no strata binary in $bin: build first (scripts/build.sh), or run the" \
+       "gpu-check.sh of a package" >&2
+  exit 2
+fi
+# The tests read the examples and run strata from here, not from the paths compiled into them.
+export STRATA_SOURCE_DIR=$source STRATA_BIN_DIR=$bin
+
+nvroot=$(python3 -c 'import nvidia, os; print(list(nvidia.__path__)[0])' 2>/dev/null || true)
+if [ -n "$nvroot" ] && [ -d "$nvroot" ]; then
+  nvlibs=$(find "$nvroot" -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
+  export LD_LIBRARY_PATH="${nvlibs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64"
+
+version=$("$bin/strata" version 2>&1)
+gpus=$(echo "$version" | sed -n 's/.*cuda: \([0-9]*\) GPU(s).*/\1/p')
+if [ -z "$gpus" ] || [ "$gpus" = 0 ]; then
+  echo "gpu-check: no GPU here ($(echo "$version" | head -1)); nothing to check"
+  exit 0
+fi
+
+[ -n "$logs" ] || logs=$(mktemp -d /tmp/strata-gpu-check.XXXXXX)
+mkdir -p "$logs"
+summary=$logs/summary.md
+started=$(date +%s)
+failed=0
+rows=()
+
+gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null)
+echo "gpu-check: $(echo "$gpu" | head -1)"
+echo "$version" | sed 's/^/gpu-check: /'
+echo "gpu-check: logs in $logs"
+
+# run NAME LIMIT COMMAND...: runs one check under min(LIMIT, what is left of the budget).
+run() {
+  local name=$1 limit=$2; shift 2
+  local left=$((budget - ($(date +%s) - started)))
+  if [ "$left" -lt 10 ]; then
+    rows+=("| $name | SKIPPED | the budget of ${budget} s is spent | 0 |")
+    failed=1
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0 rc secs detail result
+  t0=$(date +%s)
+  # In the logs folder: whatever a check writes to its working folder stays with its log.
+  (cd "$logs" && exec timeout --kill-after=10 "$limit" "$@") > "$logs/$name.log" 2>&1
+  rc=$?
+  secs=$(($(date +%s) - t0))
+  # gtest's closing lines: "[  PASSED  ] N tests.", "[  SKIPPED ] N tests, listed below:", ...
+  local passed skipped failed_tests
+  count() { sed -n "s/^\\[  $1 *\\] \\([0-9]*\\) tests\\{0,1\\}$2.*/\\1/p" "$logs/$name.log" | tail -1; }
+  passed=$(count PASSED '\.')
+  skipped=$(count SKIPPED ', listed below')
+  failed_tests=$(count FAILED ', listed below')
+  detail=""
+  [ -n "$passed" ] && detail="$passed passed"
+  [ -n "$failed_tests" ] && detail="${detail:+$detail, }$failed_tests failed"
+  [ -n "$skipped" ] && detail="${detail:+$detail, }$skipped skipped"
+  if [ "$rc" = 0 ]; then
+    result=PASS
+  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    result=TIMEOUT detail="${detail:+$detail, }killed after ${limit} s"
+    failed=1
+  else
+    result=FAIL detail="${detail:+$detail, }exit $rc"
+    failed=1
+  fi
+  rows+=("| $name | $result | ${detail:-exit 0} | $secs |")
+  echo "gpu-check: $name: $result (${secs} s)"
+}
+
+# Every GPU test: the gpu-labelled suites and NCCL's.
+for t in cuda_ops_test moe_layer_gpu_test model_gpu_test train_gpu_test tiered_store_gpu_test \
+         nccl_test; do
+  if [ -x "$tests/$t" ]; then
+    run "$t" 180 "$tests/$t"
+  else
+    rows+=("| $t | MISSING | not in $tests | 0 |")
+    failed=1
+  fi
+done
+
+if [ "$quick" = 0 ]; then
+  # The GPU benchmarks: they check their own results and exit 1 on a wrong one.
+  for b in bench_moe_gpu bench_tier_gpu; do
+    if [ -x "$bin/$b" ]; then
+      run "$b" 240 "$bin/$b"
+    else
+      rows+=("| $b | MISSING | not in $bin | 0 |")
+      failed=1
+    fi
+  done
+  # The default example on the GPU: 300 steps, its median tokens/s from the metrics.
+  run "train_cuda" 120 "$bin/strata" train --config "$source/examples/moe_lm/config.textproto" \
+    --device cuda --steps 300 --quiet --metrics-out "$logs/train_cuda.jsonl"
+  if [ -s "$logs/train_cuda.jsonl" ]; then
+    tps=$(sed -n 's/.*"tokens_per_s":\([0-9.]*\).*/\1/p' "$logs/train_cuda.jsonl" | sort -n |
+          awk '{v[NR]=$1} END {if (NR) printf "%.0f", v[int((NR+1)/2)]}')
+    last=${#rows[@]}
+    rows[last-1]=$(echo "${rows[last-1]}" | sed "s/| exit 0 |/| median ${tps} tok\/s |/")
+  fi
+fi
+
+total=$(($(date +%s) - started))
+{
+  echo "| check | result | detail | seconds |"
+  echo "|---|---|---|---:|"
+  printf '%s\n' "${rows[@]}"
+  echo "| all | $([ "$failed" = 0 ] && echo PASS || echo FAIL) | budget ${budget} s | $total |"
+} > "$summary"
+echo
+cat "$summary"
+if [ -n "$archive" ]; then
+  tar -C "$logs" -czf "$archive" . && echo "gpu-check: logs and summary packed into $archive"
+fi
+exit "$failed"
