@@ -4,17 +4,18 @@
 // dropless, GELU FFN experts with biases (the shared experts: one FFN of shared * d_hidden on every
 // token), the same thread count everywhere:
 //   strata   MoeLayer::Forward + Backward (gate, permutation, grouped experts, combine, gate grad)
-//   sgemm    only the six expert GEMMs per expert (and the shared FFN's on every token), on exactly
-//            the row counts the routing produced and the layer's own weights, under three thread
-//            schedules (OpenBLAS's own threads, each GEMM split over the pool, experts in
-//            per-thread groups); the fastest is the limit
+//   sgemm    only the layer's GEMMs: the router's three over every token and the six of each
+//            expert (and the shared FFN's on every token), on exactly the row counts the routing
+//            produced and the layer's own weights, under three thread schedules (OpenBLAS's own
+//            threads, each GEMM split over the pool, experts in per-thread groups with the
+//            router's GEMMs split over the pool); the fastest is the limit
 //   (with shared experts, the layer a second way too: the shared FFN as one more task of the
 //   expert groups, MoeLayer::set_shared_in_expert_groups, against its default of an FFN split
 //   over the pool after the routed experts; printed on the row's comment line)
 //   torch    the naive PyTorch layer (a Python loop over experts, index_select / index_add; see
 //            torch_moe_baseline.py) in Debian's python3-torch
-// GFLOP/s counts the expert GEMMs only: 12 * d_model * (routed rows * d_hidden + tokens * shared
-// * d_hidden) per iteration.
+// GFLOP/s counts the layer's GEMMs: 6 * d_model * tokens * experts (the router) + 12 * d_model *
+// d_hidden * (routed rows + tokens * shared) per iteration.
 // Timing on a shared machine: a shape is measured in --rounds rounds, each a fresh strata process
 // (the layer and the sgemm schedules in alternating blocks of individually timed iterations, see
 // RunShape) followed by a PyTorch process; each column is the median over rounds of its medians.
@@ -112,15 +113,24 @@ const char* ScheduleName(Schedule s) {
   return "?";
 }
 
-// The six GEMMs of each expert's forward and backward, on exactly the routed row counts, with the
-// layer's own weight and gradient tensors and one contiguous block of rows per expert (as the
-// layer has): forward h = x W1^T, y = h W2^T; backward dW2 += dy^T h, dh = dy W2, dW1 += dh^T x,
-// dx = dh W1. Nothing else: no gate, permutation, bias, activation or combine.
+// The layer's GEMMs alone: the router's three over every token, with the layer's router weight
+// (logits = x Wr^T; backward dWr += dlogits^T x, dx += dlogits Wr), and the six of each expert's
+// forward and backward, on exactly the routed row counts, with the layer's own weight and gradient
+// tensors and one contiguous block of rows per expert (as the layer has): forward h = x W1^T,
+// y = h W2^T; backward dW2 += dy^T h, dh = dy W2, dW1 += dh^T x, dx = dh W1. Nothing else: no
+// softmax or top-k, permutation, bias, activation or combine.
 class ExpertGemms {
  public:
   ExpertGemms(const Shape& s, model::MoeLayer& layer, const std::vector<int64_t>& rows,
               ThreadPool& pool)
-      : s_(s), layer_(layer), rows_(rows), pool_(pool) {
+      : s_(s),
+        layer_(layer),
+        rows_(rows),
+        pool_(pool),
+        tok_x_(s.tokens * s.d_model, 0.01f),
+        logits_(s.tokens * s.experts, 0.f),
+        dlogits_(s.tokens * s.experts, 0.01f),
+        tok_dx_(s.tokens * s.d_model, 0.f) {
     // The shared FFN is one more "expert" of shared * d_hidden on every token.
     if (s.shared > 0) rows_.push_back(s.tokens);
     const int64_t n = static_cast<int64_t>(rows_.size());
@@ -142,22 +152,46 @@ class ExpertGemms {
     }
   }
 
-  // One forward + backward of every expert's GEMMs under `schedule`.
+  // One forward + backward of the router's and every expert's GEMMs under `schedule` (the
+  // router's are whole-batch GEMMs: split over the pool, or on OpenBLAS's threads).
   void Run(Schedule schedule) {
+    const bool openblas = schedule == Schedule::kOpenBlasThreads;
+    if (openblas) cpu::SetBlasThreads(pool_.num_threads());
+    Router(openblas, /*forward=*/true);
     if (schedule == Schedule::kExpertGroups) {
       pool_.Run([&](int tid, int) {
         for (int64_t e = cut_[tid]; e < cut_[tid + 1]; ++e) RunExpert(e, schedule, true);
       });
-      return;
+    } else {
+      for (int64_t e = 0; e < static_cast<int64_t>(rows_.size()); ++e) {
+        RunExpert(e, schedule, false);
+      }
     }
-    if (schedule == Schedule::kOpenBlasThreads) cpu::SetBlasThreads(pool_.num_threads());
-    for (int64_t e = 0; e < static_cast<int64_t>(rows_.size()); ++e) {
-      RunExpert(e, schedule, false);
-    }
+    Router(openblas, /*forward=*/false);
     cpu::SetBlasThreads(1);
   }
 
  private:
+  void Router(bool openblas, bool forward) {
+    const int64_t T = s_.tokens, C = s_.d_model, E = s_.experts;
+    model::Parameter& wr = static_cast<model::SoftmaxGate&>(layer_.gate()).router();
+    auto gemm = [&](bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                    const float* B, int64_t ldb, float beta, float* Cm, int64_t ldc) {
+      if (openblas) {
+        cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                    M, N, K, 1.0f, A, lda, B, ldb, beta, Cm, ldc);
+      } else {
+        cpu::Gemm<float>(pool_, ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, Cm, ldc);
+      }
+    };
+    if (forward) {
+      gemm(false, true, T, E, C, tok_x_.data(), C, wr.value.f32(), C, 0.f, logits_.data(), E);
+      return;
+    }
+    gemm(true, false, E, C, T, dlogits_.data(), E, tok_x_.data(), C, 1.f, wr.grad.f32(), C);
+    gemm(false, false, T, C, E, dlogits_.data(), E, wr.value.f32(), C, 1.f, tok_dx_.data(), C);
+  }
+
   void RunExpert(int64_t e, Schedule schedule, bool single_thread) {
     const bool shared = e == s_.experts;
     const int64_t n = rows_[e], C = s_.d_model, H = s_.d_hidden * (shared ? s_.shared : 1);
@@ -197,14 +231,17 @@ class ExpertGemms {
   std::vector<int64_t> rows_;
   ThreadPool& pool_;
   std::vector<int64_t> first_, cut_;
+  std::vector<float> tok_x_, logits_, dlogits_, tok_dx_;  // the router's, one row per token
   std::vector<float> x_, h_, y_, dy_, dx_;
 };
 
-// GFLOP of the expert GEMMs of one forward + backward: routed rows through d_hidden-wide experts
-// and every token through the shared FFN.
+// GFLOP of the layer's GEMMs in one forward + backward: the router's (every token against every
+// expert), routed rows through d_hidden-wide experts and every token through the shared FFN.
 double ExpertGflop(const Shape& s, int64_t routed) {
-  return 12.0 * s.d_model * s.d_hidden *
-         (static_cast<double>(routed) + static_cast<double>(s.tokens) * s.shared) * 1e-9;
+  return (6.0 * s.d_model * s.experts * static_cast<double>(s.tokens) +
+          12.0 * s.d_model * s.d_hidden *
+              (static_cast<double>(routed) + static_cast<double>(s.tokens) * s.shared)) *
+         1e-9;
 }
 
 double Median(std::vector<double> v) {
@@ -500,8 +537,9 @@ int Main(int argc, char** argv) {
     std::printf("# host: %s\n", HostDescription().c_str());
     PrintBlasReport(blas);
     std::printf(
-        "# GFLOP/s counts expert GEMMs only (12 * d_model * d_hidden * (routed rows + tokens * "
-        "shared)); of_best: that rate over the best kernel's sgemm above\n");
+        "# GFLOP/s counts the layer's GEMMs (router 6 * d_model * tokens * experts, experts 12 * "
+        "d_model * d_hidden * (routed rows + tokens * shared)); sgemm: those GEMMs alone; of_best: "
+        "GFLOP/s over the best kernel's sgemm above\n");
     std::printf("%6s %7s %8s %7s %2s %6s | %9s %8s %7s | %9s %8s | %9s %8s | %7s %6s\n", "tokens",
                 "d_model", "d_hidden", "experts", "k", "shared", "strata_ms", "GFLOP/s", "of_best",
                 "sgemm_ms", "x_sgemm", "torch_ms", "speedup", "peak_MB", "#wrong");
