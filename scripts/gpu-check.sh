@@ -143,6 +143,12 @@ if [ "$quick" = 0 ]; then
       failed=1
     fi
   done
+  # CPU against GPU side by side on the default example, free and synced (docs/gpu.md, Parity).
+  if [ -x "$bin/bench_parity" ]; then
+    cfg=$source/examples/moe_lm/config.textproto
+    run "parity_free" 90 "$bin/bench_parity" --config "$cfg" --steps 30
+    run "parity_sync" 90 "$bin/bench_parity" --config "$cfg" --steps 30 --sync
+  fi
   # The default example on the GPU: 300 steps, its median tokens/s from the metrics.
   run "train_cuda" 120 "$bin/strata" train --config "$source/examples/moe_lm/config.textproto" \
     --device cuda --steps 300 --quiet --metrics-out "$logs/train_cuda.jsonl"

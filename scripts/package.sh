@@ -3,7 +3,7 @@
 # driver and CUDA 13's cuBLAS, cudart and NCCL (a PyTorch install brings them) and none of
 # strata's other dependencies:
 #
-#   bin/            strata, the GPU tests and benchmarks (and the PyTorch baseline script)
+#   bin/            strata, the GPU tests and benchmarks, bench_parity (and the PyTorch baseline)
 #   lib/            the shared libraries those binaries need that such a machine may lack (gRPC,
 #                   protobuf, Abseil, RocksDB, Gloo, liburing, OpenBLAS, ...), found through the
 #                   binaries' RUNPATH $ORIGIN/../lib; never the C library, libstdc++, the driver,
@@ -58,7 +58,7 @@ for t in cuda_ops_test moe_layer_gpu_test model_gpu_test train_gpu_test tiered_s
          nccl_test; do
   [ -x "$build/tests/$t" ] && cp "$build/tests/$t" "$stage/bin/"
 done
-for b in bench_moe_gpu bench_tier_gpu; do
+for b in bench_moe_gpu bench_tier_gpu bench_parity; do
   [ -x "$build/bin/$b" ] && cp "$build/bin/$b" "$stage/bin/"
 done
 cp "$root/bench/torch_moe_baseline.py" "$stage/bin/bench_moe_torch.py"
