@@ -14,6 +14,23 @@ using strata::testing::RunCommand;
 
 const std::string kParity = strata::testing::BinDir() + "/bench_parity";
 
+// The default example in a folder of its own, with its data made by its prepare script (from
+// Debian's fortunes, shuffled with a fixed seed: the same bytes every time), so that a fresh
+// clone needs nothing prepared. Returns the config's path; the folder lives as long as the test.
+std::string DefaultExample() {
+  static strata::testing::TempDir dir;
+  static const std::string config = [] {
+    const std::string src = strata::testing::SourceDir() + "/examples/moe_lm";
+    strata::testing::WriteFile(dir.File("config.textproto"),
+                               strata::testing::ReadFile(src + "/config.textproto"));
+    auto r =
+        RunCommand("python3 " + src + "/prepare_data.py --out " + dir.File("data/fortunes.txt"));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return dir.File("config.textproto");
+  }();
+  return kParity + " --config " + config;
+}
+
 // The number after "key": in a flat JSON line.
 double Number(const std::string& line, const std::string& key) {
   const size_t at = line.find("\"" + key + "\":");
@@ -31,7 +48,8 @@ std::vector<std::string> JsonLines(const std::string& output) {
 // Two sides on one device with one thread count compute the same bits: every difference the
 // tool reports must be exactly zero, which checks its comparisons end to end.
 TEST(ParityToolTest, TwoIdenticalSidesReportNoDifferenceAtAll) {
-  auto r = RunCommand(kParity + " --steps 12 --a cpu --b cpu --threads-a 2 --threads-b 2 --json");
+  auto r = RunCommand(DefaultExample() +
+                      " --steps 12 --a cpu --b cpu --threads-a 2 --threads-b 2 --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto lines = JsonLines(r.output);
   ASSERT_EQ(lines.size(), 12u) << r.output;
@@ -46,7 +64,7 @@ TEST(ParityToolTest, TwoIdenticalSidesReportNoDifferenceAtAll) {
 // each step's losses agree to float rounding (the default example's losses are about 3-5 nats;
 // rounding of the sums moves them by 1e-8 to 1e-7, measured).
 TEST(ParityToolTest, SyncedSidesAgreeToRoundingEveryStep) {
-  auto r = RunCommand(kParity +
+  auto r = RunCommand(DefaultExample() +
                       " --steps 12 --a cpu --b cpu --threads-a 2 --threads-b 1 --sync "
                       "--json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -63,7 +81,8 @@ TEST(ParityToolTest, SyncedSidesAgreeToRoundingEveryStep) {
 // (measured on the Haswell and Cooperlake kernels alike: thousands of tokens routed otherwise and
 // losses apart by 2e-2 to 2 nats at step 11). The tool must see it.
 TEST(ParityToolTest, FreeSidesWithAnotherThreadCountPartAtTheLossSpike) {
-  auto r = RunCommand(kParity + " --steps 12 --a cpu --b cpu --threads-a 2 --threads-b 1 --json");
+  auto r = RunCommand(DefaultExample() +
+                      " --steps 12 --a cpu --b cpu --threads-a 2 --threads-b 1 --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto lines = JsonLines(r.output);
   ASSERT_EQ(lines.size(), 12u) << r.output;
