@@ -45,14 +45,23 @@ std::vector<std::string> JsonLines(const std::string& output) {
   return lines;
 }
 
+// 12 steps of the default example on the CPU, side A on 2 threads, with `flags` for side B: the
+// tool's JSON lines, one per step (none if it did not exit 0).
+std::vector<std::string> TwelveSteps(const std::string& flags) {
+  auto r = RunCommand(DefaultExample() + " --steps 12 --a cpu --b cpu --threads-a 2 " + flags +
+                      " --json");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  if (r.exit_code != 0) return {};
+  const auto lines = JsonLines(r.output);
+  EXPECT_EQ(lines.size(), 12u) << r.output;
+  return lines;
+}
+
 // Two sides on one device with one thread count compute the same bits: every difference the
 // tool reports must be exactly zero, which checks its comparisons end to end.
 TEST(ParityToolTest, TwoIdenticalSidesReportNoDifferenceAtAll) {
-  auto r = RunCommand(DefaultExample() +
-                      " --steps 12 --a cpu --b cpu --threads-a 2 --threads-b 2 --json");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto lines = JsonLines(r.output);
-  ASSERT_EQ(lines.size(), 12u) << r.output;
+  const auto lines = TwelveSteps("--threads-b 2");
+  ASSERT_EQ(lines.size(), 12u);
   for (const std::string& l : lines) {
     EXPECT_EQ(Number(l, "loss_diff"), 0.0) << l;
     EXPECT_EQ(Number(l, "grads_beyond_tol"), 0.0) << l;
@@ -64,12 +73,8 @@ TEST(ParityToolTest, TwoIdenticalSidesReportNoDifferenceAtAll) {
 // each step's losses agree to float rounding (the default example's losses are about 3-5 nats;
 // rounding of the sums moves them by 1e-8 to 1e-7, measured).
 TEST(ParityToolTest, SyncedSidesAgreeToRoundingEveryStep) {
-  auto r = RunCommand(DefaultExample() +
-                      " --steps 12 --a cpu --b cpu --threads-a 2 --threads-b 1 --sync "
-                      "--json");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto lines = JsonLines(r.output);
-  ASSERT_EQ(lines.size(), 12u) << r.output;
+  const auto lines = TwelveSteps("--threads-b 1 --sync");
+  ASSERT_EQ(lines.size(), 12u);
   for (const std::string& l : lines) {
     EXPECT_LE(Number(l, "loss_diff"), 1e-6) << l;
     EXPECT_GE(Number(l, "loss_a"), 1.0) << l;
@@ -81,11 +86,8 @@ TEST(ParityToolTest, SyncedSidesAgreeToRoundingEveryStep) {
 // (measured on the Haswell and Cooperlake kernels alike: thousands of tokens routed otherwise and
 // losses apart by 2e-2 to 2 nats at step 11). The tool must see it.
 TEST(ParityToolTest, FreeSidesWithAnotherThreadCountPartAtTheLossSpike) {
-  auto r = RunCommand(DefaultExample() +
-                      " --steps 12 --a cpu --b cpu --threads-a 2 --threads-b 1 --json");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto lines = JsonLines(r.output);
-  ASSERT_EQ(lines.size(), 12u) << r.output;
+  const auto lines = TwelveSteps("--threads-b 1");
+  ASSERT_EQ(lines.size(), 12u);
   EXPECT_LE(Number(lines[0], "loss_diff"), 1e-6) << lines[0];
   EXPECT_GT(Number(lines[11], "loss_diff"), 1e-3) << lines[11];
   EXPECT_EQ(lines[11].find("\"tokens_routed_otherwise\":[0,0,0,0]"), std::string::npos)
