@@ -109,8 +109,8 @@
 #include "bench/blas_report.h"
 #include "core/common/json.h"
 #include "core/common/thread_pool.h"
-#include "launcher/coordinator_service.h"
-#include "launcher/coordinator_state.h"
+#include "coordinator/service.h"
+#include "coordinator/state.h"
 #include "proto/config_io.h"
 #include "runtime/model/expert.h"
 #include "runtime/model/parameter.h"
@@ -300,7 +300,7 @@ class Job {
     std::ofstream(dir + "/corpus.txt") << bench::WordCorpus(2 << 20);
     // The coordinator records the job's config and hands it to the workers.
     std::ofstream(dir + "/job.textproto") << job;
-    launcher::CoordinatorOptions co;
+    coordinator::CoordinatorOptions co;
     co.dir = dir + "/coordinator";
     co.token = "bench-token";
     co.initial_workers = o.workers;
@@ -308,10 +308,10 @@ class Job {
     co.max_workers = o.workers;
     co.heartbeat_timeout = std::chrono::milliseconds(kHeartbeatTimeoutMs);
     co.restart_grace = co.heartbeat_timeout;
-    auto state = launcher::CoordinatorState::Open(co, job, Clock::now());
+    auto state = coordinator::CoordinatorState::Open(co, job, Clock::now());
     if (!state.ok()) Die(std::string(state.status().message()));
     state_ = std::move(*state);
-    auto server = launcher::CoordinatorServer::Start(state_.get(), "127.0.0.1:0");
+    auto server = coordinator::CoordinatorServer::Start(state_.get(), "127.0.0.1:0");
     if (!server.ok()) Die(std::string(server.status().message()));
     server_ = std::move(*server);
   }
@@ -416,8 +416,8 @@ class Job {
  private:
   Options o_;
   std::string dir_, strata_;
-  std::unique_ptr<launcher::CoordinatorState> state_;
-  std::unique_ptr<launcher::CoordinatorServer> server_;
+  std::unique_ptr<coordinator::CoordinatorState> state_;
+  std::unique_ptr<coordinator::CoordinatorServer> server_;
   std::map<std::string, pid_t> pids_;
 };
 

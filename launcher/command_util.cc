@@ -240,9 +240,10 @@ StatusOr<config::JobConfig> EffectiveJobConfig(const Flags& flags) {
   return cfg;
 }
 
-CoordinatorOptions CoordinatorOptionsFor(const config::JobConfig& cfg, const std::string& dir,
-                                         const std::string& token) {
-  CoordinatorOptions o;
+coordinator::CoordinatorOptions CoordinatorOptionsFor(const config::JobConfig& cfg,
+                                                      const std::string& dir,
+                                                      const std::string& token) {
+  coordinator::CoordinatorOptions o;
   o.dir = dir;
   o.token = token;
   o.heartbeat_timeout = std::chrono::milliseconds(cfg.elastic().heartbeat_timeout_ms());

@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "coordinator/state.h"
 #include "core/common/status.h"
-#include "launcher/coordinator_state.h"
 #include "launcher/flags.h"
 #include "proto/config.pb.h"
 #include "train/trainer.h"
@@ -84,8 +84,9 @@ std::optional<std::string> RequireToken(const Flags& flags, const std::string& c
 [[nodiscard]] StatusOr<config::JobConfig> EffectiveJobConfig(const Flags& flags);
 
 // The coordinator's options for job `cfg` (worker counts are the caller's).
-CoordinatorOptions CoordinatorOptionsFor(const config::JobConfig& cfg, const std::string& dir,
-                                         const std::string& token);
+coordinator::CoordinatorOptions CoordinatorOptionsFor(const config::JobConfig& cfg,
+                                                      const std::string& dir,
+                                                      const std::string& token);
 
 // Keeps the token beside the coordinator's record, readable by this user only, so that workers
 // started by hand and a restarted coordinator find it. A token file already there must hold

@@ -12,10 +12,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "coordinator/service.h"
+#include "coordinator/state.h"
 #include "core/common/logging.h"
 #include "launcher/command_util.h"
-#include "launcher/coordinator_service.h"
-#include "launcher/coordinator_state.h"
 #include "launcher/job_config.h"
 #include "proto/config_io.h"
 
@@ -93,7 +93,7 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
             dir)),
         "coordinator", CoordinatorFlags());
   }
-  auto record = CoordinatorState::ReadRecord(dir);
+  auto record = coordinator::CoordinatorState::ReadRecord(dir);
   if (!record.ok()) return Fail(record.status());
   const bool resumed = record->has_value() && !(*record)->job_config().empty();
   // The job's config: the record's when resuming (a --config given too must agree with it),
@@ -137,7 +137,7 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
     cfg = *given;
   }
   if (Status t = KeepToken(dir, token); !t.ok()) return Fail(t);
-  CoordinatorOptions o = CoordinatorOptionsFor(cfg, dir, token);
+  coordinator::CoordinatorOptions o = CoordinatorOptionsFor(cfg, dir, token);
   // Worker counts: the flags, else the record's, else the config's elastic section. A record
   // that does not hold them counts the workers of its generation.
   const config::ElasticConfig& el = cfg.elastic();
@@ -172,7 +172,8 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
         dir.c_str(), static_cast<long long>(kept.step()));
     return 0;
   }
-  auto state = CoordinatorState::Open(o, config::ToText(cfg), std::chrono::steady_clock::now());
+  auto state =
+      coordinator::CoordinatorState::Open(o, config::ToText(cfg), std::chrono::steady_clock::now());
   if (!state.ok()) return Fail(state.status());
   // Where to serve: --listen, else where this job's coordinator served before (so its workers
   // find it again), else the default.
@@ -183,8 +184,8 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
   }
   std::string listen = flags->String("listen").value_or(
       !kept.listen().empty() ? kept.listen() : std::string("127.0.0.1:7777"));
-  TlsFiles tls{o.tls_cert, o.tls_key, ""};
-  auto server = CoordinatorServer::Start(state->get(), listen, tls);
+  coordinator::TlsFiles tls{o.tls_cert, o.tls_key, ""};
+  auto server = coordinator::CoordinatorServer::Start(state->get(), listen, tls);
   if (!server.ok()) return Fail(server.status());
   if (Status l = (*state)->SetListenAddress((*server)->address()); !l.ok()) return Fail(l);
   const auto snapshot = (*state)->Snapshot();

@@ -12,10 +12,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "coordinator/service.h"
+#include "coordinator/state.h"
 #include "core/common/clock.h"
 #include "launcher/command_util.h"
-#include "launcher/coordinator_service.h"
-#include "launcher/coordinator_state.h"
 #include "proto/config_io.h"
 #include "proto/memory_estimate.h"
 
@@ -81,7 +81,7 @@ int LaunchCommand(const std::vector<std::string>& args) {
   auto cfg = EffectiveJobConfig(*flags);
   if (!cfg.ok()) return Fail(cfg.status());
   const int n = static_cast<int>(**workers);
-  CoordinatorOptions o = CoordinatorOptionsFor(*cfg, "", RandomToken());
+  coordinator::CoordinatorOptions o = CoordinatorOptionsFor(*cfg, "", RandomToken());
   o.initial_workers = n;
   const config::ElasticConfig& el = cfg->elastic();
   o.min_workers = static_cast<int>(min_w->value_or(el.min_workers() > 0 ? el.min_workers() : 1));
@@ -105,7 +105,7 @@ int LaunchCommand(const std::vector<std::string>& args) {
   if (auto d = flags->String("coordinator-dir")) {
     o.dir = *d;
     // A folder with a job's record is that job's: its coordinator restarts from it alone.
-    auto kept = CoordinatorState::ReadRecord(o.dir);
+    auto kept = coordinator::CoordinatorState::ReadRecord(o.dir);
     if (!kept.ok()) return Fail(kept.status());
     if (kept->has_value()) {
       return Fail(absl::FailedPreconditionError(absl::StrFormat(
@@ -125,10 +125,11 @@ int LaunchCommand(const std::vector<std::string>& args) {
   }
   int rc = 0;
   {
-    auto state = CoordinatorState::Open(o, config::ToText(*cfg), std::chrono::steady_clock::now());
+    auto state = coordinator::CoordinatorState::Open(o, config::ToText(*cfg),
+                                                     std::chrono::steady_clock::now());
     if (!state.ok()) return Fail(state.status());
-    auto server =
-        CoordinatorServer::Start(state->get(), flags->String("listen").value_or("127.0.0.1:0"));
+    auto server = coordinator::CoordinatorServer::Start(
+        state->get(), flags->String("listen").value_or("127.0.0.1:0"));
     if (!server.ok()) return Fail(server.status());
     const std::string address = (*server)->address();
     if (Status l = (*state)->SetListenAddress(address); !l.ok()) return Fail(l);

@@ -7,8 +7,8 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "coordinator/service.h"
 #include "launcher/command_util.h"
-#include "launcher/coordinator_service.h"
 
 namespace strata::launcher {
 int StatusCommand(const std::vector<std::string>& args) {
@@ -26,7 +26,8 @@ int StatusCommand(const std::vector<std::string>& args) {
   if (!flags.ok()) return UsageError(flags.status(), "status", specs);
   auto token = TokenFrom(*flags);
   if (!token.ok()) return Fail(token.status());
-  auto client = CoordinatorClient::Connect(args[0], *token, flags->String("tls-ca").value_or(""));
+  auto client = coordinator::CoordinatorClient::Connect(args[0], *token,
+                                                        flags->String("tls-ca").value_or(""));
   if (!client.ok()) return Fail(client.status());
   auto r = (*client)->GetStatus();
   if (!r.ok()) return Fail(r.status());
@@ -47,7 +48,7 @@ int StatusCommand(const std::vector<std::string>& args) {
                 static_cast<long long>(r->moe_balance_step()));
   }
   for (const auto& layer : r->moe_balance()) {
-    std::printf("  %s\n", MoeBalanceLine(layer).c_str());
+    std::printf("  %s\n", coordinator::MoeBalanceLine(layer).c_str());
   }
   if (r->experts_per_worker_size() > 0) {
     std::printf("experts per rank: %s\n", absl::StrJoin(r->experts_per_worker(), " ").c_str());

@@ -9,9 +9,9 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "coordinator/membership_client.h"
+#include "coordinator/service.h"
 #include "launcher/command_util.h"
-#include "launcher/coordinator_membership.h"
-#include "launcher/coordinator_service.h"
 #include "launcher/job_config.h"
 #include "proto/config_io.h"
 #include "runtime/comm/store.h"
@@ -119,9 +119,10 @@ int JoinAndTrain(const Flags& flags) {
   const std::string id = flags.String("id").value_or(absl::StrFormat("%s:%d", host, getpid()));
   auto overrides = ParseOverrides(flags, /*config_required=*/false);
   if (!overrides.ok()) return UsageError(overrides.status(), "worker", WorkerFlags());
-  auto connected = CoordinatorClient::Connect(address, *token, flags.String("tls-ca").value_or(""));
+  auto connected =
+      coordinator::CoordinatorClient::Connect(address, *token, flags.String("tls-ca").value_or(""));
   if (!connected.ok()) return Fail(connected.status());
-  CoordinatorMembership membership(connected->get(), address);
+  coordinator::MembershipClient membership(connected->get(), address);
   // The job's config is the coordinator's: read it first (the coordinator may be restarting).
   auto record = train::RetryWhileUnreachable(
       "reading the job's config", address,

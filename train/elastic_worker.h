@@ -8,7 +8,7 @@
 // for elastic.coordinator_patience_ms and outwaited for its restart grace (docs/elastic.md).
 //
 // The coordinator is reached through `Membership`, plain calls in proto/coordinator.proto's
-// messages. launcher/ implements it over gRPC (launcher/coordinator_membership.h); tests drive
+// messages. coordinator/ implements it over gRPC (coordinator/membership_client.h); tests drive
 // the loop with a fake in the same process. Nothing here links gRPC.
 #pragma once
 

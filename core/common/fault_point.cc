@@ -34,7 +34,7 @@ constexpr FaultPointInfo kKnownPoints[] = {
      "update; train/checkpoint_set.cc"},
     {"coordinator.persist", false,
      "in the coordinator, before the synced write of its record, holding its state's mutex "
-     "(heartbeats wait meanwhile); launcher/coordinator_state.cc"},
+     "(heartbeats wait meanwhile); coordinator/state.cc"},
     {"checkpoint_set.before_delete", true,
      "in RemoveCheckpointSet and CommitCheckpointSet, between the global ledger's record of a "
      "removal and the delete of its manifest; train/checkpoint_set.cc"},

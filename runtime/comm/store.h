@@ -10,8 +10,8 @@
 //                  is a file written to a temporary name and renamed into place, so readers never
 //                  see half a value; Add is serialised with flock
 // Behind the same interface, the coordinator's store serves workers over gRPC
-// (launcher/coordinator_service.h, CoordinatorClient::store) and in its own process
-// (launcher/coordinator_state.h, MakeCoordinatorStore).
+// (coordinator/service.h, CoordinatorClient::store) and in its own process
+// (coordinator/state.h, MakeCoordinatorStore).
 //
 // Every Store is safe for concurrent use by multiple threads (a FileStore also by several
 // processes), and is shared as a std::shared_ptr: prefix and cancellable stores keep their base

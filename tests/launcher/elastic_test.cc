@@ -40,7 +40,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "launcher/coordinator_state.h"
+#include "coordinator/state.h"
 #include "tests/test_util.h"
 
 namespace strata {
@@ -758,7 +758,7 @@ TEST_F(ElasticTest, ALaunchRefusesACoordinatorFolderThatHoldsAJobAndChangesNothi
                                        " launch --config job.textproto --workers 2 --quiet "
                                        "--coordinator-dir coord"));
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  auto before = launcher::CoordinatorState::ReadRecord(dir_.File("coord"));
+  auto before = coordinator::CoordinatorState::ReadRecord(dir_.File("coord"));
   ASSERT_TRUE(before.ok() && before->has_value()) << before.status();
   const std::string token = ReadFile(dir_.File("coord/token"));
   auto again = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
@@ -767,7 +767,7 @@ TEST_F(ElasticTest, ALaunchRefusesACoordinatorFolderThatHoldsAJobAndChangesNothi
   EXPECT_EQ(again.exit_code, 1) << again.output;
   EXPECT_NE(again.output.find("holds the record of a job"), std::string::npos) << again.output;
   EXPECT_NE(again.output.find("strata coordinator --dir coord"), std::string::npos) << again.output;
-  auto after = launcher::CoordinatorState::ReadRecord(dir_.File("coord"));
+  auto after = coordinator::CoordinatorState::ReadRecord(dir_.File("coord"));
   ASSERT_TRUE(after.ok() && after->has_value()) << after.status();
   EXPECT_EQ((*after)->SerializeAsString(), (*before)->SerializeAsString());
   EXPECT_EQ(ReadFile(dir_.File("coord/token")), token);

@@ -25,8 +25,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "launcher/coordinator_service.h"
-#include "tests/launcher/catalog_test_util.h"
+#include "coordinator/service.h"
+#include "tests/coordinator/catalog_test_util.h"
 #include "tests/test_util.h"
 #include "train/checkpoint_set.h"
 
@@ -125,7 +125,7 @@ class CoordinatorCatalogTest : public ::testing::Test {
   coordinator::CoordinatorRecord GetStatus(const std::string& address) {
     Status last = absl::OkStatus();
     for (int attempt = 0; attempt < 100; ++attempt) {
-      auto client = launcher::CoordinatorClient::Connect(address, "secret");
+      auto client = coordinator::CoordinatorClient::Connect(address, "secret");
       if (client.ok()) {
         auto r = (*client)->GetStatus();
         if (r.ok()) return *r;

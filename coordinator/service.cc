@@ -1,4 +1,4 @@
-#include "launcher/coordinator_service.h"
+#include "coordinator/service.h"
 
 #include <grpcpp/grpcpp.h>
 
@@ -9,7 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "proto/coordinator.grpc.pb.h"
 
-namespace strata::launcher {
+namespace strata::coordinator {
 
 namespace {
 
@@ -431,4 +431,4 @@ std::shared_ptr<comm::Store> CoordinatorClient::store() {
   return std::make_shared<Store>(channel_, token_, address_, rpc_timeout);
 }
 
-}  // namespace strata::launcher
+}  // namespace strata::coordinator

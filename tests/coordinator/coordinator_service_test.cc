@@ -2,7 +2,7 @@
 // every call, the rendezvous store over the network used by two real Gloo communicators, a clear
 // error when no coordinator is listening, TLS with a certificate made for the test, and the
 // `strata coordinator` process killed with SIGKILL and restarted on its RocksDB record.
-#include "launcher/coordinator_service.h"
+#include "coordinator/service.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -16,13 +16,13 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "launcher/coordinator_membership.h"
+#include "coordinator/membership_client.h"
 #include "launcher/job_config.h"
 #include "proto/config_io.h"
 #include "runtime/comm/communicator.h"
 #include "tests/test_util.h"
 
-namespace strata::launcher {
+namespace strata::coordinator {
 namespace {
 
 using std::chrono::milliseconds;
@@ -144,7 +144,7 @@ TEST_F(CoordinatorServiceTest, WorkersJoinReportAndSeeTheirGenerationOverGrpc) {
 TEST_F(CoordinatorServiceTest, AMoeBalanceReachesTheStatusAndAMalformedOneIsRefused) {
   std::unique_ptr<CoordinatorClient> a, b;
   ASSERT_NO_FATAL_FAILURE(JoinAndAttachTwo(&a, &b));
-  CoordinatorMembership rank0(a.get(), server_->address());
+  MembershipClient rank0(a.get(), server_->address());
   coordinator::MoeLayerBalance layer;
   layer.set_block(3);
   layer.set_max_over_mean(1.42);
@@ -347,7 +347,7 @@ TEST_F(CoordinatorProcessTest, KilledAndRestartedItResumesTheJobFromItsRecord) {
   ASSERT_TRUE(cfg.ok()) << cfg.status();
   auto worker = [&](const std::string& id) {
     coordinator::WorkerInfo w = Worker(id);
-    w.set_job_config(config::ToText(JobPart(*cfg)));
+    w.set_job_config(config::ToText(launcher::JobPart(*cfg)));
     return w;
   };
   {
@@ -440,4 +440,4 @@ TEST(CoordinatorAttachTest, AKilledWorkerFailsAtOnceAFinishedOneDoesNot) {
 }
 
 }  // namespace
-}  // namespace strata::launcher
+}  // namespace strata::coordinator

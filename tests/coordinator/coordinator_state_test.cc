@@ -4,7 +4,7 @@
 // reopened on its folder resuming the job, and the checkpoint catalog reconciled with a real
 // checkpoint folder whose global manifests train::CommitCheckpointSet writes (the committer's own
 // function), checked against train::ListCheckpointSets.
-#include "launcher/coordinator_state.h"
+#include "coordinator/state.h"
 
 #include <gtest/gtest.h>
 
@@ -17,13 +17,14 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "coordinator/catalog.h"
 #include "core/common/fault_point.h"
-#include "tests/launcher/catalog_test_util.h"
+#include "tests/coordinator/catalog_test_util.h"
 #include "tests/test_util.h"
 #include "train/checkpoint_set.h"
 #include "train/elastic_worker.h"
 
-namespace strata::launcher {
+namespace strata::coordinator {
 namespace {
 
 using coordinator::WorkerInfo;
@@ -1077,4 +1078,4 @@ TEST(ReconcileCatalogTest, AReportedCommitTheFolderDoesNotListStaysUntilANewerOn
 }
 
 }  // namespace
-}  // namespace strata::launcher
+}  // namespace strata::coordinator

@@ -1,4 +1,4 @@
-#include "launcher/coordinator_state.h"
+#include "coordinator/state.h"
 
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "coordinator/catalog.h"
 #include "core/common/fault_point.h"
 #include "core/common/logging.h"
 #include "google/protobuf/text_format.h"
@@ -21,7 +22,7 @@
 #include "proto/config_io.h"
 #include "train/checkpoint_set.h"
 
-namespace strata::launcher {
+namespace strata::coordinator {
 
 namespace {
 
@@ -41,24 +42,6 @@ Status FromRocks(const rocksdb::Status& s, const std::string& what, const std::s
 }
 
 std::string LogKey(int64_t generation) { return absl::StrFormat("log/%020d", generation); }
-
-using coordinator::CatalogCheckpoint;
-
-std::vector<CatalogCheckpoint> CatalogOf(const coordinator::CoordinatorRecord& record) {
-  return {record.catalog().begin(), record.catalog().end()};
-}
-
-void SetCatalog(coordinator::CoordinatorRecord* record, std::vector<CatalogCheckpoint> catalog) {
-  record->clear_catalog();
-  for (auto& e : catalog) *record->add_catalog() = std::move(e);
-}
-
-const CatalogCheckpoint* FindInCatalog(const coordinator::CoordinatorRecord& record, int64_t step) {
-  for (const auto& e : record.catalog()) {
-    if (e.step() == step) return &e;
-  }
-  return nullptr;
-}
 
 // A step report's MoE balance is what a worker's trainer computed, and a worker of another build
 // (or with corrupt statistics) may send anything: it is checked before it reaches the record,
@@ -111,80 +94,7 @@ Status CheckMoeBalance(const std::vector<coordinator::MoeLayerBalance>& balance,
   return absl::OkStatus();
 }
 
-int CompleteCheckpoints(const coordinator::CoordinatorRecord& record) {
-  return static_cast<int>(std::count_if(record.catalog().begin(), record.catalog().end(),
-                                        [](const CatalogCheckpoint& e) { return e.complete(); }));
-}
-
-// By increasing step; an entry that is not complete only when it is newer than every complete
-// one (a newer commit ends it), and the newest kCatalogCheckpoints complete ones.
-std::vector<CatalogCheckpoint> Tidy(std::vector<CatalogCheckpoint> entries) {
-  std::sort(entries.begin(), entries.end(),
-            [](const auto& a, const auto& b) { return a.step() < b.step(); });
-  int64_t newest = 0;
-  int complete = 0;
-  for (const auto& e : entries) {
-    if (!e.complete()) continue;
-    newest = std::max(newest, e.step());
-    ++complete;
-  }
-  int too_many = complete - kCatalogCheckpoints;
-  std::vector<CatalogCheckpoint> out;
-  for (auto& e : entries) {
-    if (e.complete() ? too_many-- > 0 : e.step() <= newest) continue;
-    out.push_back(std::move(e));
-  }
-  return out;
-}
-
-// "20 (4 shards), 30 (not complete)": the catalog for a log line.
-std::string DescribeCatalog(const coordinator::CoordinatorRecord& record) {
-  std::vector<std::string> parts;
-  for (const auto& e : record.catalog()) {
-    if (!e.complete()) {
-      parts.push_back(absl::StrFormat("%d (not complete)", e.step()));
-    } else if (e.sequence() == 0) {
-      parts.push_back(absl::StrFormat("%d (reported committed)", e.step()));
-    } else {
-      parts.push_back(absl::StrFormat("%d (%d shards)", e.step(), e.shards_size()));
-    }
-  }
-  return parts.empty() ? std::string("none") : absl::StrJoin(parts, ", ");
-}
-
 }  // namespace
-
-std::vector<CatalogCheckpoint> ReconcileCatalog(const std::vector<CatalogCheckpoint>& catalog,
-                                                const std::vector<storage::CheckpointSet>& sets,
-                                                int64_t generation) {
-  std::map<int64_t, const CatalogCheckpoint*> reported;
-  for (const auto& e : catalog) reported[e.step()] = &e;
-  std::vector<CatalogCheckpoint> out;
-  int64_t newest = 0;
-  for (const storage::CheckpointSet& set : sets) {
-    CatalogCheckpoint e;
-    if (auto it = reported.find(set.step()); it != reported.end()) {
-      e.set_generation(it->second->generation());
-      e.set_commit_reported(it->second->commit_reported());
-    }
-    e.set_step(set.step());
-    e.set_complete(true);
-    e.set_sequence(set.sequence());
-    for (const auto& shard : set.shards()) e.add_shards(shard.name());
-    out.push_back(std::move(e));
-    newest = std::max(newest, set.step());
-  }
-  for (const auto& e : catalog) {
-    const bool listed = std::any_of(sets.begin(), sets.end(),
-                                    [&](const auto& set) { return set.step() == e.step(); });
-    if (listed || e.step() <= newest) continue;
-    // The folder is the truth about what committed once it lists something newer (a complete
-    // entry it lacks then was pruned or removed), but its listing may lag rank 0's commit report,
-    // and only the current generation can still commit a prepared checkpoint.
-    if (e.complete() ? e.commit_reported() : e.generation() == generation) out.push_back(e);
-  }
-  return Tidy(std::move(out));
-}
 
 CoordinatorState::~CoordinatorState() = default;
 
@@ -809,7 +719,7 @@ Status CoordinatorState::RecordCheckpointReport(const std::string& id, int64_t g
     e->set_commit_reported(true);
     e->set_complete(true);
   }
-  SetCatalog(&record_, Tidy(std::move(catalog)));
+  SetCatalog(&record_, TidyCatalog(std::move(catalog)));
   Status s = PersistLocked();
   if (!s.ok()) record_ = before;
   return s;
@@ -1004,4 +914,4 @@ std::shared_ptr<comm::Store> MakeCoordinatorStore(CoordinatorState* state, std::
   return std::make_shared<CoordinatorStore>(state, std::move(token));
 }
 
-}  // namespace strata::launcher
+}  // namespace strata::coordinator

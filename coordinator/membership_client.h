@@ -1,5 +1,5 @@
 // The elastic worker's coordinator over gRPC: train::Membership (train/elastic_worker.h) carried
-// out by a CoordinatorClient (launcher/coordinator_service.h). `strata worker --coordinator`
+// out by a CoordinatorClient (coordinator/service.h). `strata worker --coordinator`
 // hands one to train::RunElasticWorker.
 //
 // Each call is the client's call of the same name; errors are the client's, unchanged. Safe for
@@ -11,15 +11,15 @@
 #include <string>
 #include <vector>
 
-#include "launcher/coordinator_service.h"
+#include "coordinator/service.h"
 #include "train/elastic_worker.h"
 
-namespace strata::launcher {
+namespace strata::coordinator {
 
-class CoordinatorMembership : public train::Membership {
+class MembershipClient : public train::Membership {
  public:
   // `client` (not owned) must outlive this; `address` is where it connected (HOST:PORT).
-  CoordinatorMembership(CoordinatorClient* client, std::string address)
+  MembershipClient(CoordinatorClient* client, std::string address)
       : client_(client), address_(std::move(address)) {}
 
   std::string address() const override { return address_; }
@@ -46,4 +46,4 @@ class CoordinatorMembership : public train::Membership {
   std::string address_;
 };
 
-}  // namespace strata::launcher
+}  // namespace strata::coordinator

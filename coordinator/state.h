@@ -65,7 +65,7 @@ namespace rocksdb {
 class DB;
 }
 
-namespace strata::launcher {
+namespace strata::coordinator {
 
 struct CoordinatorOptions {
   std::string dir;    // RocksDB folder of the coordinator's record (created if missing)
@@ -229,23 +229,6 @@ class CoordinatorState {
   std::map<std::string, std::string> kv_;
 };
 
-// The newest complete checkpoints the catalog keeps.
-inline constexpr int kCatalogCheckpoints = 16;
-
-// The catalog `catalog` reconciled with `sets`, the committed sets of the job's checkpoint folder
-// by increasing step (as train::ListCheckpointSets lists them), while the job is in generation
-// `generation`. Every set is a complete entry with its shard names and sequence (keeping rank 0's
-// reports of it). A complete entry the folder does not list stays, complete at rank 0's word, only
-// when rank 0 reported its commit (commit_reported) and it is newer than every set: the folder may
-// lag rank 0. Otherwise it goes: a newer set is listed, so it was pruned or removed (or it was
-// found in the folder alone, which no longer holds it). An entry that is not complete stays, not
-// complete, only while it is newer than every set and was prepared in `generation`. The newest
-// kCatalogCheckpoints complete entries are kept. Returns the catalog by increasing step. Pure:
-// touches no file.
-std::vector<coordinator::CatalogCheckpoint> ReconcileCatalog(
-    const std::vector<coordinator::CatalogCheckpoint>& catalog,
-    const std::vector<storage::CheckpointSet>& sets, int64_t generation);
-
 // The most MoE layers a step report's balance may hold.
 inline constexpr int kMaxMoeBalanceLayers = 4096;
 
@@ -257,4 +240,4 @@ std::string MoeBalanceLine(const coordinator::MoeLayerBalance& layer);
 // same methods remotely). The store keeps `state`, which must outlive it; any thread may use it.
 std::shared_ptr<comm::Store> MakeCoordinatorStore(CoordinatorState* state, std::string token);
 
-}  // namespace strata::launcher
+}  // namespace strata::coordinator

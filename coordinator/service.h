@@ -26,8 +26,8 @@
 #include <thread>
 #include <vector>
 
+#include "coordinator/state.h"
 #include "core/common/status.h"
-#include "launcher/coordinator_state.h"
 #include "proto/coordinator.pb.h"
 #include "runtime/comm/store.h"
 
@@ -36,7 +36,7 @@ class Channel;
 class Server;
 }  // namespace grpc
 
-namespace strata::launcher {
+namespace strata::coordinator {
 
 struct TlsFiles {
   std::string cert, key, ca;  // PEM files; all empty: no TLS
@@ -111,4 +111,4 @@ class CoordinatorClient {
   std::unique_ptr<Stub> stub_;
 };
 
-}  // namespace strata::launcher
+}  // namespace strata::coordinator
