@@ -63,10 +63,10 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
 #include "bench/blas_report.h"
+#include "checkpoint/manager.h"
 #include "core/common/json.h"
 #include "core/common/thread_pool.h"
 #include "proto/config_io.h"
-#include "train/checkpoint.h"
 #include "train/trainer.h"
 
 namespace strata::bench {
@@ -197,8 +197,8 @@ WriteResult WriteOnce(const Options& o, const config::JobConfig& cfg, const std:
     models.push_back(*std::move(m));
   }
   const std::vector<std::set<std::string>> dealt =
-      train::DealDenseParameters(*models[0].model, writers);
-  std::vector<train::CheckpointShare> shares(writers);
+      checkpoint::DealDenseParameters(*models[0].model, writers);
+  std::vector<checkpoint::CheckpointShare> shares(writers);
   for (int k = 0; k < writers; ++k) {
     if (n == 0) break;  // the baseline: the one-process share, everything
     shares[k].dense = dealt[k];
@@ -219,14 +219,14 @@ WriteResult WriteOnce(const Options& o, const config::JobConfig& cfg, const std:
     }
   }
   // The committer opens first: it clears reports a previous job left.
-  std::vector<std::unique_ptr<train::CheckpointManager>> managers;
+  std::vector<std::unique_ptr<checkpoint::CheckpointManager>> managers;
   for (int k = 0; k < writers; ++k) {
-    train::CheckpointOptions co;
+    checkpoint::CheckpointOptions co;
     co.dir = dir;
     co.shard = n == 0 ? "p0" : absl::StrCat("r", k);
     co.committer = k == 0;
     co.keep = 1;
-    auto m = train::CheckpointManager::Open(co, /*must_exist=*/false);
+    auto m = checkpoint::CheckpointManager::Open(co, /*must_exist=*/false);
     if (!m.ok()) return fail("opening the checkpoint folder", m.status());
     managers.push_back(*std::move(m));
   }
@@ -263,10 +263,10 @@ WriteResult WriteOnce(const Options& o, const config::JobConfig& cfg, const std:
   managers.clear();
 
   std::vector<std::string> report;
-  if (Status s = train::CheckpointManager::Verify(dir, -1, &report); !s.ok()) {
+  if (Status s = checkpoint::CheckpointManager::Verify(dir, -1, &report); !s.ok()) {
     return fail("verifying the folder (" + absl::StrJoin(report, "; ") + ")", s);
   }
-  auto list = train::CheckpointManager::List(dir);
+  auto list = checkpoint::CheckpointManager::List(dir);
   if (!list.ok()) return fail("listing the folder", list.status());
   if (list->size() != 1 || (*list)[0].step != 1 ||
       (*list)[0].shards.size() != static_cast<size_t>(writers)) {
@@ -295,10 +295,10 @@ WriteResult WriteOnce(const Options& o, const config::JobConfig& cfg, const std:
     return r;
   }
   {
-    train::CheckpointOptions co;
+    checkpoint::CheckpointOptions co;
     co.dir = dir;
     co.shard = n == 0 ? "p0" : "r0";
-    auto reader = train::CheckpointManager::Open(co, /*must_exist=*/true);
+    auto reader = checkpoint::CheckpointManager::Open(co, /*must_exist=*/true);
     if (!reader.ok()) return fail("opening the folder to resume", reader.status());
     auto step = (*reader)->Resume(cfg, *fresh->model, *fresh->opt, nullptr, build_ctx);
     if (!step.ok()) return fail("resuming", step.status());
@@ -618,12 +618,12 @@ int Main(int argc, char** argv) {
         }
         if (checkpointing) {
           std::vector<std::string> report;
-          if (Status s = train::CheckpointManager::Verify(ck, -1, &report); !s.ok()) {
+          if (Status s = checkpoint::CheckpointManager::Verify(ck, -1, &report); !s.ok()) {
             return cleanup_and_fail(
                 absl::StrCat("the trainer's checkpoints do not verify: ", s.message(), " (",
                              absl::StrJoin(report, "; "), ")"));
           }
-          auto list = train::CheckpointManager::List(ck);
+          auto list = checkpoint::CheckpointManager::List(ck);
           const int64_t last = static_cast<int64_t>(o.checkpoints) * o.every;
           if (!list.ok() || list->empty() || list->back().step != last) {
             return cleanup_and_fail(absl::StrFormat(

@@ -22,7 +22,7 @@ namespace strata::coordinator {
 inline constexpr int kCatalogCheckpoints = 16;
 
 // The catalog `catalog` reconciled with `sets`, the committed sets of the job's checkpoint folder
-// by increasing step (as train::ListCheckpointSets lists them), while the job is in generation
+// by increasing step (as checkpoint::ListCheckpointSets lists them), while the job is in generation
 // `generation`. Every set is a complete entry with its shard names and sequence (keeping rank 0's
 // reports of it). A complete entry the folder does not list stays, complete at rank 0's word, only
 // when rank 0 reported its commit (commit_reported) and it is newer than every set: the folder may

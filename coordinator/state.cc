@@ -14,13 +14,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint/checkpoint_set.h"
 #include "coordinator/catalog.h"
 #include "core/common/fault_point.h"
 #include "core/common/logging.h"
 #include "google/protobuf/text_format.h"
 #include "proto/config.pb.h"
 #include "proto/config_io.h"
-#include "train/checkpoint_set.h"
 
 namespace strata::coordinator {
 
@@ -273,7 +273,7 @@ Status CoordinatorState::ReconcileWithFolder() {
   if (ec) {
     sets = absl::UnavailableError(ec.message());
   } else if (committed_here) {
-    sets = train::ListCheckpointSets(checkpoint_dir_);
+    sets = checkpoint::ListCheckpointSets(checkpoint_dir_);
   }
   std::lock_guard<std::mutex> lock(mu_);
   // Before its first checkpoint that is how a job's folder is; after it, such a folder is not the

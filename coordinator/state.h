@@ -19,8 +19,8 @@
 // (prepare) and once it committed it, but a report can be lost (a coordinator killed in between,
 // a re-form), so the catalog is reconciled with the folder itself, the job config's
 // checkpoint.dir: when the record is opened and at every checkpoint report, the coordinator lists
-// the folder's committed sets (train::ListCheckpointSets: read-only, no lock a training process
-// holds, tolerant of commits and removals racing it) and records each as complete with its
+// the folder's committed sets (checkpoint::ListCheckpointSets: read-only, no lock a training
+// process holds, tolerant of commits and removals racing it) and records each as complete with its
 // shards; a checkpoint with no global manifest stays "not complete" until a newer one commits or
 // the workers re-form (the new generation abandons the commit in flight). The folder may lag rank
 // 0 (an NFS client lists manifests/ from a cache for tens of seconds; a coordinator host may see

@@ -6,8 +6,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint/manager.h"
 #include "launcher/command_util.h"
-#include "train/checkpoint.h"
 
 namespace strata::launcher {
 int CkptCommand(const std::vector<std::string>& args) {
@@ -28,7 +28,7 @@ int CkptCommand(const std::vector<std::string>& args) {
     return std::nullopt;
   };
   if (verb == "ls" && args.size() == 2) {
-    auto list = train::CheckpointManager::List(args[1]);
+    auto list = checkpoint::CheckpointManager::List(args[1]);
     if (!list.ok()) return Fail(list.status());
     std::printf("%10s  %-19s  %8s  %12s  %-9s  %-16s  %s\n", "step", "created", "tensors",
                 "stored MiB", "storage", "model hash", "shards");
@@ -50,13 +50,13 @@ int CkptCommand(const std::vector<std::string>& args) {
   }
   if (verb == "verify" && (args.size() == 2 || (args.size() == 3 && step_arg(2)))) {
     std::vector<std::string> report;
-    Status s =
-        train::CheckpointManager::Verify(args[1], args.size() == 3 ? *step_arg(2) : -1, &report);
+    Status s = checkpoint::CheckpointManager::Verify(args[1], args.size() == 3 ? *step_arg(2) : -1,
+                                                     &report);
     for (const auto& line : report) std::printf("%s\n", line.c_str());
     return s.ok() ? 0 : Fail(s);
   }
   if (verb == "rm" && args.size() == 3 && step_arg(2)) {
-    Status s = train::CheckpointManager::Remove(args[1], *step_arg(2));
+    Status s = checkpoint::CheckpointManager::Remove(args[1], *step_arg(2));
     if (!s.ok()) return Fail(s);
     std::printf("removed checkpoint %lld from %s\n", static_cast<long long>(*step_arg(2)),
                 args[1].c_str());

@@ -923,7 +923,7 @@ Status Trainer::GoBackToCheckpoint() {
 Status Trainer::ResumeDistributed() {
   // Every worker reads what it holds from the shards that have it; all take the newest
   // checkpoint that every worker found intact.
-  ResumeAgreement agree = [this](bool ok_here) -> StatusOr<bool> {
+  checkpoint::ResumeAgreement agree = [this](bool ok_here) -> StatusOr<bool> {
     double ok = ok_here ? 1.0 : 0.0;
     RETURN_IF_ERROR(world_comm_->AllReduce(&ok, 1));
     return ok == options_.worker.world_size;

@@ -349,7 +349,7 @@ double Trainer::LearningRate(const config::TrainConfig& t, int64_t s) {
 Status Trainer::OpenCheckpoints(bool continuing) {
   const config::JobConfig& cfg = options_.config;
   const bool resume = options_.resume;
-  CheckpointOptions co;
+  checkpoint::CheckpointOptions co;
   co.dir = cfg.checkpoint().dir();
   co.keep = cfg.checkpoint().keep();
   co.io.queue_depth = cfg.storage().io_queue_depth();
@@ -372,10 +372,10 @@ Status Trainer::OpenCheckpoints(bool continuing) {
   } else if (!options_.worker.member_ids.empty()) {
     // A coordinator's worker alone keeps the shard named by its id: the one a TIERED store shares
     // across generations of any size.
-    ASSIGN_OR_RETURN(co.shard, ShardNameOfWorker(options_.worker.member_ids[0]));
+    ASSIGN_OR_RETURN(co.shard, checkpoint::ShardNameOfWorker(options_.worker.member_ids[0]));
     co.generation = options_.worker.generation;
   }
-  ASSIGN_OR_RETURN(checkpoints_, CheckpointManager::Open(co, resume && !continuing));
+  ASSIGN_OR_RETURN(checkpoints_, checkpoint::CheckpointManager::Open(co, resume && !continuing));
   if (resume || continuing) RETURN_IF_ERROR(checkpoints_->CheckCompatible(cfg));
   if (!resume && !continuing && checkpoints_->committer() && !checkpoints_->Steps().empty()) {
     return absl::AlreadyExistsError(absl::StrFormat(
@@ -399,7 +399,8 @@ Status Trainer::OpenWorkerCheckpoints(bool continuing) {
       return absl::InternalError(absl::StrFormat("generation %d lists %d worker ids for %d ranks",
                                                  w.generation, w.member_ids.size(), w.world_size));
     }
-    ASSIGN_OR_RETURN(std::string name, ShardNameOfWorker(w.member_ids[static_cast<size_t>(r)]));
+    ASSIGN_OR_RETURN(std::string name,
+                     checkpoint::ShardNameOfWorker(w.member_ids[static_cast<size_t>(r)]));
     shard_names_.push_back(std::move(name));
   }
   // Rank 0 (the committer) first: it moves a folder aside (--start-over) and clears reports of
@@ -873,14 +874,14 @@ void Trainer::ReportCommittedCheckpoint() {
   }
 }
 
-CheckpointShare Trainer::CheckpointShareOfThisWorker() const {
-  CheckpointShare share;
+checkpoint::CheckpointShare Trainer::CheckpointShareOfThisWorker() const {
+  checkpoint::CheckpointShare share;
   if (!distributed()) return share;
   const int W = options_.worker.world_size, rank = options_.worker.rank;
   // Every worker writes a shard: the leader of each expert replica group its experts, and every
   // worker its share of the dense state.
   share.experts = expert_replica_leader_;
-  share.dense = DealDenseParameters(*model_, W)[static_cast<size_t>(rank)];
+  share.dense = checkpoint::DealDenseParameters(*model_, W)[static_cast<size_t>(rank)];
   share.shards = shard_names_;
   share.workers = W;
   return share;

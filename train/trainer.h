@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint/manager.h"
 #include "core/common/json.h"
 #include "core/common/status.h"
 #include "core/common/thread_pool.h"
@@ -46,7 +47,6 @@
 #include "scheduler/tiered_scheduler.h"
 #include "storage/copy_shelf.h"
 #include "storage/private_folder.h"
-#include "train/checkpoint.h"
 #include "train/metrics.h"
 #include "train/state_sync.h"
 #include "train/step_seams.h"
@@ -175,7 +175,7 @@ class Trainer {
   // TIERED: the scheduler and its store (null in memory).
   scheduler::TieredExpertScheduler* tiered() { return scheduler_.get(); }
   // The checkpoint folder's manager (null without checkpoints).
-  CheckpointManager* checkpoints() { return checkpoints_.get(); }
+  checkpoint::CheckpointManager* checkpoints() { return checkpoints_.get(); }
   // The trace being recorded (null without TrainOptions::trace_path).
   Tracer* tracer() { return tracer_.get(); }
   // The step a resumed run started from (0 for a fresh run).
@@ -286,7 +286,7 @@ class Trainer {
   // its manager across a re-form), rank 0 (the committer) first.
   [[nodiscard]] Status OpenWorkerCheckpoints(bool continuing);
   // What this worker's shard of a checkpoint holds.
-  CheckpointShare CheckpointShareOfThisWorker() const;
+  checkpoint::CheckpointShare CheckpointShareOfThisWorker() const;
   // The checkpoint shard of every rank of this generation (set by OpenWorkerCheckpoints).
   std::vector<std::string> shard_names_;
   // Distributed checkpoints: every worker writes its own shard (CheckpointShareOfThisWorker) and
@@ -336,8 +336,9 @@ class Trainer {
   // they charge, then the temporary SSD folder).
   std::unique_ptr<storage::PrivateFolder> temp_ssd_dir_;
   std::unique_ptr<MemoryBudget> device_budget_, host_budget_;
-  uint64_t dense_state_bytes_ = 0;                  // charged to device_budget_ for good
-  std::unique_ptr<CheckpointManager> checkpoints_;  // uses the budgets' SSD tier; goes last
+  uint64_t dense_state_bytes_ = 0;  // charged to device_budget_ for good
+  std::unique_ptr<checkpoint::CheckpointManager>
+      checkpoints_;  // uses the budgets' SSD tier; goes last
   std::unique_ptr<scheduler::TieredExpertScheduler> scheduler_;
   // Distributed (declared so that the exchanges go before the communicators they use).
   std::unique_ptr<comm::Communicator> world_comm_, ep_comm_, replica_comm_;

@@ -21,23 +21,23 @@ namespace {
 constexpr FaultPointInfo kKnownPoints[] = {
     {"checkpoint.before_commit", true,
      "in the checkpoint writer, between a checkpoint's synced extents and its commit; "
-     "train/checkpoint.cc"},
+     "checkpoint/manager.cc"},
     {"checkpoint.after_commit", true,
      "in the checkpoint writer, once a checkpoint is committed and the ledger updated, holding "
      "the CheckpointManager's mutex: a callback must not call that CheckpointManager "
-     "(NewestCommitted, PollError, ...), it would deadlock; train/checkpoint.cc"},
+     "(NewestCommitted, PollError, ...), it would deadlock; checkpoint/manager.cc"},
     {"checkpoint.before_set_commit", true,
      "in the checkpoint writer, between a shard's local commit (the shard is prepared) and the "
-     "commit of the checkpoint's global manifest; train/checkpoint.cc"},
+     "commit of the checkpoint's global manifest; checkpoint/manager.cc"},
     {"checkpoint_set.before_ledger", true,
      "in CommitCheckpointSet, between the rename of a global manifest and the global ledger's "
-     "update; train/checkpoint_set.cc"},
+     "update; checkpoint/checkpoint_set.cc"},
     {"coordinator.persist", false,
      "in the coordinator, before the synced write of its record, holding its state's mutex "
      "(heartbeats wait meanwhile); coordinator/state.cc"},
     {"checkpoint_set.before_delete", true,
      "in RemoveCheckpointSet and CommitCheckpointSet, between the global ledger's record of a "
-     "removal and the delete of its manifest; train/checkpoint_set.cc"},
+     "removal and the delete of its manifest; checkpoint/checkpoint_set.cc"},
 };
 
 constexpr int64_t kMaxSleepMs = 3600000;

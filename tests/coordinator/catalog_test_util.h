@@ -9,8 +9,8 @@
 #include <tuple>
 #include <vector>
 
+#include "checkpoint/checkpoint_set.h"
 #include "proto/coordinator.pb.h"
-#include "train/checkpoint_set.h"
 
 namespace strata::testing {
 
@@ -30,7 +30,7 @@ inline std::vector<CatalogEntry> CompleteInCatalog(const coordinator::Coordinato
 
 // The committed checkpoints of the folder `dir`, read from its own global manifests.
 inline std::vector<CatalogEntry> CommittedInFolder(const std::string& dir) {
-  auto sets = train::ListCheckpointSets(dir);
+  auto sets = checkpoint::ListCheckpointSets(dir);
   EXPECT_TRUE(sets.ok()) << sets.status();
   std::vector<CatalogEntry> out;
   for (const auto& set : sets.ok() ? *sets : std::vector<storage::CheckpointSet>{}) {

@@ -1,7 +1,7 @@
 // The coordinator's checkpoint catalog with real processes: `strata coordinator` and `strata
 // worker`s on loopback, checkpoints in a real folder, processes SIGKILLed where a fault point
 // (STRATA_FAULTS) holds them. What the coordinator says (GetStatus, as `strata status` gets it)
-// is checked against the folder's own global manifests, read by train::ListCheckpointSets:
+// is checked against the folder's own global manifests, read by checkpoint::ListCheckpointSets:
 //
 // (a) rank 0 held right after committing checkpoint 8 (checkpoint.after_commit), so its commit
 //     report never leaves; the coordinator, which does not know 8 is complete, is SIGKILLed and
@@ -25,10 +25,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint/checkpoint_set.h"
 #include "coordinator/service.h"
 #include "tests/coordinator/catalog_test_util.h"
 #include "tests/test_util.h"
-#include "train/checkpoint_set.h"
 
 namespace strata {
 namespace {

@@ -2,8 +2,8 @@
 // and ranks, admission of joins at step boundaries, failures by missed heartbeats and broken
 // streams, the token, refused requests that change nothing, the rendezvous store, a coordinator
 // reopened on its folder resuming the job, and the checkpoint catalog reconciled with a real
-// checkpoint folder whose global manifests train::CommitCheckpointSet writes (the committer's own
-// function), checked against train::ListCheckpointSets.
+// checkpoint folder whose global manifests checkpoint::CommitCheckpointSet writes (the committer's
+// own function), checked against checkpoint::ListCheckpointSets.
 #include "coordinator/state.h"
 
 #include <gtest/gtest.h>
@@ -17,11 +17,11 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "checkpoint/checkpoint_set.h"
 #include "coordinator/catalog.h"
 #include "core/common/fault_point.h"
 #include "tests/coordinator/catalog_test_util.h"
 #include "tests/test_util.h"
-#include "train/checkpoint_set.h"
 #include "train/elastic_worker.h"
 
 namespace strata::coordinator {
@@ -716,13 +716,13 @@ TEST_F(CoordinatorStateTest, OnlyTheWholeTokenIsAccepted) {
 }
 
 // The checkpoint catalog against a real checkpoint folder, the job config's checkpoint.dir.
-// Checkpoints are committed there as rank 0's writer commits them (train::CommitCheckpointSet: a
-// global manifest naming the shards "wa" and "wb"), with or without a report to the coordinator.
+// Checkpoints are committed there as rank 0's writer commits them (checkpoint::CommitCheckpointSet:
+// a global manifest naming the shards "wa" and "wb"), with or without a report to the coordinator.
 class CheckpointCatalogTest : public CoordinatorStateTest {
  protected:
   void SetUp() override { job_config_ = "checkpoint { dir: \"" + ckpt_ + "\" }\n"; }
-  static train::CheckpointSetLayout Layout() {
-    train::CheckpointSetLayout layout;
+  static checkpoint::CheckpointSetLayout Layout() {
+    checkpoint::CheckpointSetLayout layout;
     layout.moe_layers = {1};
     layout.experts_per_layer = 2;
     layout.dense = {"embed"};
@@ -743,7 +743,7 @@ class CheckpointCatalogTest : public CoordinatorStateTest {
       r->set_count(1);
       if (i == 0) shard->add_dense("embed");
     }
-    auto committed = train::CommitCheckpointSet(ckpt_, Layout(), set);
+    auto committed = checkpoint::CommitCheckpointSet(ckpt_, Layout(), set);
     ASSERT_TRUE(committed.ok()) << committed.status();
   }
   using Entry = strata::testing::CatalogEntry;
@@ -769,7 +769,7 @@ class CheckpointCatalogTest : public CoordinatorStateTest {
     ASSERT_GT(bytes.size(), 8u);
     bytes[bytes.size() / 2] ^= 0x20;
     strata::testing::WriteFile(manifest, bytes);
-    ASSERT_FALSE(train::ListCheckpointSets(ckpt_).ok());
+    ASSERT_FALSE(checkpoint::ListCheckpointSets(ckpt_).ok());
   }
   static std::vector<int64_t> Steps(const coordinator::CoordinatorRecord& r, bool complete) {
     std::vector<int64_t> out;

@@ -25,9 +25,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "storage/tensor_index.h"
+#include "checkpoint/checkpoint_set.h"
+#include "checkpoint/tensor_index.h"
 #include "tests/test_util.h"
-#include "train/checkpoint_set.h"
 
 namespace strata {
 namespace {
@@ -174,7 +174,7 @@ TEST_P(ShardedCheckpointTest, FourWorkersWriteAShardEachAndResumeOnTwoThreeAndOn
   ExpectLossesFrom(4, 0);
 
   // Every checkpoint is four shards, one per worker, committed once; 10 was pruned (keep 3).
-  auto sets = train::ListCheckpointSets(ck);
+  auto sets = checkpoint::ListCheckpointSets(ck);
   ASSERT_TRUE(sets.ok()) << sets.status();
   ASSERT_EQ(sets->size(), 3u);
   for (const auto& set : *sets) {
@@ -187,7 +187,7 @@ TEST_P(ShardedCheckpointTest, FourWorkersWriteAShardEachAndResumeOnTwoThreeAndOn
       with_experts += shard.experts_size() > 0;
       dense += shard.dense_size();
       // The shard's own index holds the local checkpoint the set names.
-      auto index = storage::TensorIndex::OpenReadOnly(ck + "/shards/" + shard.name() + "/index");
+      auto index = checkpoint::TensorIndex::OpenReadOnly(ck + "/shards/" + shard.name() + "/index");
       ASSERT_TRUE(index.ok()) << index.status();
       auto locals = (*index)->Checkpoints();
       ASSERT_TRUE(locals.ok());
@@ -220,7 +220,7 @@ TEST_P(ShardedCheckpointTest, FourWorkersWriteAShardEachAndResumeOnTwoThreeAndOn
   EXPECT_FALSE(std::filesystem::exists(ck + "/shards/p0")) << "a refused rm created a shard";
   // `rm` also let every shard's part of 30 and 40 go, and 10's (pruned, no longer named).
   for (int r = 0; r < 4; ++r) {
-    auto index = storage::TensorIndex::OpenReadOnly(absl::StrCat(ck, "/shards/r", r, "/index"));
+    auto index = checkpoint::TensorIndex::OpenReadOnly(absl::StrCat(ck, "/shards/r", r, "/index"));
     ASSERT_TRUE(index.ok()) << index.status();
     auto locals = (*index)->Checkpoints();
     ASSERT_TRUE(locals.ok());
@@ -245,7 +245,7 @@ TEST_P(ShardedCheckpointTest, FourWorkersWriteAShardEachAndResumeOnTwoThreeAndOn
   ASSERT_EQ(got.size(), static_cast<size_t>(kSteps - 20));
   for (const auto& [step, loss] : got) EXPECT_NEAR(loss, reference_.at(step), 1e-5) << step;
   // The one process wrote its own shard beside the workers' four.
-  auto after = train::ListCheckpointSets(ck1);
+  auto after = checkpoint::ListCheckpointSets(ck1);
   ASSERT_TRUE(after.ok()) << after.status();
   ASSERT_EQ(after->back().step(), 40);
   ASSERT_EQ(after->back().shards_size(), 1);
@@ -308,7 +308,7 @@ TEST_P(ShardedCheckpointTest, AWorkerKilledWhileShardsAreWrittenLeavesThePreviou
   EXPECT_EQ(verify.exit_code, 0) << verify.output;
   // The shards the three workers wrote hold no local checkpoint of a kept step that no set names:
   // the ones the killed run prepared for 20 were reclaimed (the set of 20 names the new ones).
-  auto sets = train::ListCheckpointSets(ck);
+  auto sets = checkpoint::ListCheckpointSets(ck);
   ASSERT_TRUE(sets.ok()) << sets.status();
   for (int r = 0; r < 3; ++r) {
     const std::string shard = absl::StrCat("r", r);
@@ -318,7 +318,7 @@ TEST_P(ShardedCheckpointTest, AWorkerKilledWhileShardsAreWrittenLeavesThePreviou
         if (e.name() == shard) named.insert({set.step(), e.local_sequence()});
       }
     }
-    auto index = storage::TensorIndex::OpenReadOnly(ck + "/shards/" + shard + "/index");
+    auto index = checkpoint::TensorIndex::OpenReadOnly(ck + "/shards/" + shard + "/index");
     ASSERT_TRUE(index.ok()) << index.status();
     auto locals = (*index)->Checkpoints();
     ASSERT_TRUE(locals.ok());
@@ -342,19 +342,19 @@ TEST_P(ShardedCheckpointTest, ADamagedOrDeletedShardIsNamedAndSkipped) {
   std::string file;
   uint64_t offset = 0;
   {
-    auto index = storage::TensorIndex::OpenReadOnly(flipped + "/shards/r2/index");
+    auto index = checkpoint::TensorIndex::OpenReadOnly(flipped + "/shards/r2/index");
     ASSERT_TRUE(index.ok()) << index.status();
     auto locals = (*index)->Checkpoints();
     ASSERT_TRUE(locals.ok());
     std::set<std::string> older;
     for (const auto& m : *locals) {
       if (m.step() == 40) continue;
-      for (const auto& t : m.tensors()) older.insert(storage::TensorIndex::TensorKey(t));
+      for (const auto& t : m.tensors()) older.insert(checkpoint::TensorIndex::TensorKey(t));
     }
     for (const auto& m : *locals) {
       if (m.step() != 40) continue;
       for (const auto& t : m.tensors()) {
-        if (!t.has_extent() || older.count(storage::TensorIndex::TensorKey(t))) continue;
+        if (!t.has_extent() || older.count(checkpoint::TensorIndex::TensorKey(t))) continue;
         char name[32];
         std::snprintf(name, sizeof(name), "/data-%05u.bin", t.extent().file());
         file = flipped + "/shards/r2" + name;
@@ -484,7 +484,7 @@ TEST_F(ShardedCheckpointMemoryTest, TieredWorkersCheckpointWithinTheirBudgets) {
         2 * kBudget / double(kMiB), share / double(kMiB));
     EXPECT_LE(peaks[r], bound) << "worker " << r;
   }
-  auto sets = train::ListCheckpointSets(dir_.File("ck"));
+  auto sets = checkpoint::ListCheckpointSets(dir_.File("ck"));
   ASSERT_TRUE(sets.ok()) << sets.status();
   ASSERT_EQ(sets->size(), 2u);
   EXPECT_EQ(sets->back().shards_size(), 4);

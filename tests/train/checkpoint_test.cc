@@ -18,14 +18,14 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "checkpoint/checkpoint_set.h"
+#include "checkpoint/tensor_index.h"
 #include "core/common/fault_injection.h"
 #include "google/protobuf/text_format.h"
 #include "proto/config_io.h"
 #include "scheduler/tiered_scheduler.h"
 #include "storage/crc32c.h"
-#include "storage/tensor_index.h"
 #include "tests/test_util.h"
-#include "train/checkpoint_set.h"
 #include "train/trainer.h"
 
 // Tests that arm fault points in the strata binary (STRATA_FAULTS) need a build that compiled
@@ -42,6 +42,17 @@
 
 namespace strata::train {
 namespace {
+
+using checkpoint::CheckpointInfo;
+using checkpoint::CheckpointManager;
+using checkpoint::CheckpointOptions;
+using checkpoint::CheckpointSet;
+using checkpoint::CheckpointSetLayout;
+using checkpoint::CheckpointShare;
+using checkpoint::CommitCheckpointSet;
+using checkpoint::DealDenseParameters;
+using checkpoint::ListCheckpointSets;
+using checkpoint::RemoveCheckpointSet;
 
 using strata::testing::ListedSteps;
 using strata::testing::ReadFile;
@@ -168,7 +179,7 @@ TEST_P(CheckpointTest, FlippedByteIsNamedAndResumeFallsBackToThePreviousCheckpoi
   std::string file;
   uint64_t offset = 0;
   {
-    auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
+    auto index = checkpoint::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
     ASSERT_TRUE(index.ok()) << index.status();
     auto cps = (*index)->Checkpoints();
     ASSERT_TRUE(cps.ok());
@@ -176,10 +187,10 @@ TEST_P(CheckpointTest, FlippedByteIsNamedAndResumeFallsBackToThePreviousCheckpoi
     std::set<std::string> older;
     for (const auto& m : *cps) {
       if (m.step() == 30) continue;
-      for (const auto& t : m.tensors()) older.insert(storage::TensorIndex::TensorKey(t));
+      for (const auto& t : m.tensors()) older.insert(checkpoint::TensorIndex::TensorKey(t));
     }
     for (const auto& t : cps->back().tensors()) {
-      if (t.has_extent() && !older.count(storage::TensorIndex::TensorKey(t))) {
+      if (t.has_extent() && !older.count(checkpoint::TensorIndex::TensorKey(t))) {
         char name[32];
         std::snprintf(name, sizeof(name), "/data-%05u.bin", t.extent().file());
         file = Shard(ck) + name;
@@ -212,7 +223,7 @@ TEST_P(CheckpointTest, OneProcessWritesOneShardAndAGlobalManifestPerCheckpoint) 
   auto r = RunCommand(Strata("--checkpoint-dir " + ck + " --checkpoint-every 10"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_FALSE(std::filesystem::exists(ck + "/index")) << "the shard's index lives in its folder";
-  auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
+  auto index = checkpoint::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
   ASSERT_TRUE(index.ok()) << index.status();
   auto locals = (*index)->Checkpoints();
   ASSERT_TRUE(locals.ok()) << locals.status();
@@ -260,7 +271,7 @@ TEST_P(CheckpointTest, KilledBetweenTheShardAndTheGlobalCommitLeavesThePreviousC
   const std::string ck = dir_.File("ck");
   RunAndKill(ck, "holding here", "STRATA_FAULTS=checkpoint.before_set_commit=hold_at_step:20");
   {
-    auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
+    auto index = checkpoint::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
     ASSERT_TRUE(index.ok()) << index.status();
     auto locals = (*index)->Checkpoints();
     ASSERT_TRUE(locals.ok());
@@ -463,7 +474,7 @@ TEST_P(CheckpointFolderDamageTest, IndexWalCutInHalfIsDetected) {
   // What the index alone now says: RocksDB may replay the first half as if its tail had been torn
   // by a crash. The checkpoints it lost and the ones it brought back must be named.
   std::vector<std::string> expect = {ck, "--start-over"};
-  auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
+  auto index = checkpoint::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
   if (index.ok()) {
     auto cps = (*index)->Checkpoints();
     ASSERT_TRUE(cps.ok()) << cps.status();
@@ -543,7 +554,7 @@ TEST_P(CheckpointFolderDamageTest, TruncatedDataFileDamagesOnlyTheCheckpointsCut
   uint64_t keep_end = 0, cut_40 = 0;
   std::string file;
   {
-    auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
+    auto index = checkpoint::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
     ASSERT_TRUE(index.ok()) << index.status();
     auto cps = (*index)->Checkpoints();
     ASSERT_TRUE(cps.ok());
@@ -633,7 +644,7 @@ TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
   RunAndKill(ck, "holding here", "STRATA_FAULTS=checkpoint.after_commit=hold_at_step:30");
   std::vector<storage::CheckpointManifest> written;  // 10, 20, 30
   {
-    auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
+    auto index = checkpoint::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
     ASSERT_TRUE(index.ok()) << index.status();
     auto cps = (*index)->Checkpoints();
     ASSERT_TRUE(cps.ok());
@@ -646,7 +657,7 @@ TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
   ASSERT_EQ(sets->size(), 3u);
   // A local checkpoint in the shard (and, with `set`, the global manifest naming it).
   auto commit = [&](int64_t step, uint64_t sequence, uint64_t previous_sequence, bool set) {
-    auto index = storage::TensorIndex::Open(Shard(ck) + "/index", false);
+    auto index = checkpoint::TensorIndex::Open(Shard(ck) + "/index", false);
     ASSERT_TRUE(index.ok()) << index.status();
     storage::CheckpointManifest m = written[2];  // the same tensors as checkpoint 30
     m.set_step(step);
@@ -671,7 +682,7 @@ TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
     ASSERT_TRUE(committed.ok()) << committed.status();
   };
   auto forget = [&](int64_t step) {
-    auto index = storage::TensorIndex::Open(Shard(ck) + "/index", false);
+    auto index = checkpoint::TensorIndex::Open(Shard(ck) + "/index", false);
     ASSERT_TRUE(index.ok()) << index.status();
     ASSERT_TRUE((*index)->RemoveCheckpoint(step, {}).ok());
     Status removed = RemoveCheckpointSet(ck, step);
@@ -714,7 +725,7 @@ TEST_P(CheckpointFolderDamageTest, CrashWindowsAroundTheLedgerAreNotDamage) {
   // The next writable open finishes the removal in the index.
   auto rm = RunCommand(kStrata + " ckpt rm " + ck + " 20");
   EXPECT_EQ(rm.exit_code, 0) << rm.output;
-  auto index = storage::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
+  auto index = checkpoint::TensorIndex::OpenReadOnly(Shard(ck) + "/index");
   ASSERT_TRUE(index.ok()) << index.status();
   auto cps = (*index)->Checkpoints();
   ASSERT_TRUE(cps.ok());
@@ -741,7 +752,7 @@ TEST_P(CheckpointFolderDamageTest, FolderWrittenBeforeShardingStillOpens) {
   std::filesystem::remove_all(ck + "/shards");
   std::filesystem::remove_all(ck + "/manifests");
   {
-    auto index = storage::TensorIndex::Open(ck + "/index", false);
+    auto index = checkpoint::TensorIndex::Open(ck + "/index", false);
     ASSERT_TRUE(index.ok()) << index.status();
     auto cps = (*index)->Checkpoints();
     ASSERT_TRUE(cps.ok());
@@ -1198,7 +1209,7 @@ void PlantReport(const std::string& ck, int64_t generation, int64_t step,
 // Every step a checkpoint manager opened read-only finds in a shard's index.
 std::vector<int64_t> LocalSteps(const std::string& shard_dir, uint64_t* stored_bytes = nullptr) {
   std::vector<int64_t> steps;
-  auto index = storage::TensorIndex::OpenReadOnly(shard_dir + "/index");
+  auto index = checkpoint::TensorIndex::OpenReadOnly(shard_dir + "/index");
   EXPECT_TRUE(index.ok()) << index.status();
   if (!index.ok()) return steps;
   auto listed = (*index)->Checkpoints();

@@ -1,4 +1,4 @@
-#include "train/checkpoint_set.h"
+#include "checkpoint/checkpoint_set.h"
 
 #include <algorithm>
 #include <chrono>
@@ -14,13 +14,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint/ledger_text.h"
 #include "core/common/fault_point.h"
 #include "core/common/logging.h"
 #include "proto/config_io.h"
 #include "storage/crc32c.h"
-#include "train/ledger_text.h"
 
-namespace strata::train {
+namespace strata::checkpoint {
 namespace {
 
 using storage::CheckpointLedger;
@@ -623,4 +623,4 @@ Status RemoveCheckpointSet(const std::string& dir, int64_t step, storage::Env* e
   return env->WriteFileAtomic(GlobalLedgerPath(dir), LedgerText(LedgerOf(live, last_sequence)));
 }
 
-}  // namespace strata::train
+}  // namespace strata::checkpoint

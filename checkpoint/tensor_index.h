@@ -24,7 +24,10 @@ namespace rocksdb {
 class DB;
 }
 
-namespace strata::storage {
+namespace strata::checkpoint {
+
+using storage::CheckpointManifest;
+using storage::TensorRef;
 
 // What to do about a checkpoint list that cannot be trusted, for every message that reports one.
 inline constexpr char kDamagedIndexRemedy[] =
@@ -69,4 +72,4 @@ class TensorIndex {
   std::unique_ptr<rocksdb::DB> db_;
 };
 
-}  // namespace strata::storage
+}  // namespace strata::checkpoint

@@ -16,7 +16,7 @@
 #include "core/common/status.h"
 #include "proto/storage.pb.h"
 
-namespace strata::train {
+namespace strata::checkpoint {
 
 std::string LedgerText(const storage::CheckpointLedger& ledger);
 
@@ -34,4 +34,4 @@ StatusOr<LedgerReads> ParseLedgerReads(
     const std::optional<std::string>& before, const std::optional<std::string>& after,
     const std::function<StatusOr<storage::CheckpointLedger>(const std::string&)>& parse);
 
-}  // namespace strata::train
+}  // namespace strata::checkpoint

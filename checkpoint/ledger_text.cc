@@ -1,4 +1,4 @@
-#include "train/ledger_text.h"
+#include "checkpoint/ledger_text.h"
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -6,7 +6,7 @@
 #include "google/protobuf/text_format.h"
 #include "storage/crc32c.h"
 
-namespace strata::train {
+namespace strata::checkpoint {
 
 std::string LedgerText(const storage::CheckpointLedger& ledger) {
   std::string text;
@@ -44,4 +44,4 @@ StatusOr<LedgerReads> ParseLedgerReads(
   return out;
 }
 
-}  // namespace strata::train
+}  // namespace strata::checkpoint

@@ -52,7 +52,7 @@
 #include "proto/storage.pb.h"
 #include "storage/env.h"
 
-namespace strata::train {
+namespace strata::checkpoint {
 
 using storage::CheckpointSet;
 
@@ -126,4 +126,4 @@ using LocalManifestReader =
 [[nodiscard]] Status RemoveCheckpointSet(const std::string& dir, int64_t step,
                                          storage::Env* env = storage::Env::Default());
 
-}  // namespace strata::train
+}  // namespace strata::checkpoint

@@ -4,7 +4,7 @@
 // right after an interrupted removal of its step), a remover SIGKILLed between its ledger and its
 // delete, file operations failed through the Env, listings beside a committer, and the shard names
 // of worker ids.
-#include "train/checkpoint_set.h"
+#include "checkpoint/checkpoint_set.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -17,13 +17,13 @@
 #include <optional>
 #include <thread>
 
+#include "checkpoint/ledger_text.h"
 #include "core/common/fault_point.h"
 #include "google/protobuf/text_format.h"
 #include "storage/crc32c.h"
 #include "tests/test_util.h"
-#include "train/ledger_text.h"
 
-namespace strata::train {
+namespace strata::checkpoint {
 namespace {
 
 using strata::testing::ReadFile;
@@ -877,4 +877,4 @@ TEST_F(CheckpointSetTest, ListingBesideACommitterIsNeverAnError) {
 }
 
 }  // namespace
-}  // namespace strata::train
+}  // namespace strata::checkpoint

@@ -3,8 +3,8 @@
 // A checkpoint folder DIR holds sharded checkpoints (docs/sharded_checkpoints.md): each shard
 // DIR/shards/<name>/ is one writer's SSD tier folder — data files of checksummed extents, a
 // RocksDB index, a local ledger and a lock — and a checkpoint exists once its global manifest
-// DIR/manifests/<step>.manifest commits (train/checkpoint_set.h), naming the local checkpoint each
-// shard holds for it. This manager is one process's view: it writes the shard options.shard
+// DIR/manifests/<step>.manifest commits (checkpoint/checkpoint_set.h), naming the local checkpoint
+// each shard holds for it. This manager is one process's view: it writes the shard options.shard
 // ("p0" for one process, "r<rank>" for a worker) holding the shard's LOCK. The committer (one
 // process, or rank 0) also holds DIR/LOCK and commits each checkpoint's set once every shard of it
 // reported prepared (the other workers report through DIR/prepared/); when it opens, it tidies the
@@ -41,9 +41,9 @@
 // ones (a damaged or cut write-ahead log that RocksDB took for a crash's torn tail) is refused,
 // naming them; only checkpoints committed after the ledger's last update, following its newest,
 // are accepted (a crash in between). The global manifests have their own ledger with the same
-// rules (train/checkpoint_set.h). A missing index beside data files is refused too: training would
-// overwrite them, unless `start_over` moves the folder's contents aside first. Folders written
-// before the ledger (manifests without sequence numbers) open as they are and get one.
+// rules (checkpoint/checkpoint_set.h). A missing index beside data files is refused too: training
+// would overwrite them, unless `start_over` moves the folder's contents aside first. Folders
+// written before the ledger (manifests without sequence numbers) open as they are and get one.
 //
 // Threads and ownership. A CheckpointManager runs one thread of its own, the writer, which
 // persists and commits the checkpoint Save snapshotted; it owns the folder's and the shard's locks
@@ -78,6 +78,8 @@
 #include <thread>
 #include <vector>
 
+#include "checkpoint/checkpoint_set.h"
+#include "checkpoint/tensor_index.h"
 #include "core/common/status.h"
 #include "core/common/trace.h"
 #include "proto/config.pb.h"
@@ -86,10 +88,8 @@
 #include "runtime/model/transformer.h"
 #include "scheduler/tiered_scheduler.h"
 #include "storage/ssd_tier.h"
-#include "storage/tensor_index.h"
-#include "train/checkpoint_set.h"
 
-namespace strata::train {
+namespace strata::checkpoint {
 
 struct CheckpointOptions {
   std::string dir;  // the checkpoint folder DIR
@@ -309,7 +309,7 @@ class CheckpointManager {
   int shard_lock_fd_ = -1;  // DIR/shards/<name>/LOCK
   std::string shard_name_, shard_dir_;
   std::shared_ptr<storage::SsdTier> ssd_;
-  std::unique_ptr<storage::TensorIndex> index_;
+  std::unique_ptr<TensorIndex> index_;
   // The shard's committed local checkpoints, by increasing step: those a committed set names, and
   // those of a folder written before sharding.
   std::vector<storage::CheckpointManifest> manifests_;
@@ -364,4 +364,4 @@ class CheckpointManager {
   bool writer_done_ = true;
 };
 
-}  // namespace strata::train
+}  // namespace strata::checkpoint

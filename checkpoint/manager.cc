@@ -1,4 +1,4 @@
-#include "train/checkpoint.h"
+#include "checkpoint/manager.h"
 
 #include <fcntl.h>
 #include <sys/file.h>
@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "checkpoint/ledger_text.h"
 #include "core/common/clock.h"
 #include "core/common/fault_point.h"
 #include "core/common/logging.h"
@@ -29,9 +30,8 @@
 #include "google/protobuf/text_format.h"
 #include "storage/crc32c.h"
 #include "storage/env.h"
-#include "train/ledger_text.h"
 
-namespace strata::train {
+namespace strata::checkpoint {
 namespace {
 
 using storage::CheckpointManifest;
@@ -182,8 +182,7 @@ std::string LedgerPath(const std::string& dir) { return dir + "/LEDGER"; }
 // A folder written before sharding has its one shard's index, data files or ledger directly in
 // it: it is the shard ".".
 bool IsFolderShard(const std::string& dir) {
-  return storage::TensorIndex::Exists(dir + "/index") ||
-         !storage::SsdTier::DataFiles(dir).empty() ||
+  return TensorIndex::Exists(dir + "/index") || !storage::SsdTier::DataFiles(dir).empty() ||
          storage::Env::Default()->FileExists(LedgerPath(dir));
 }
 
@@ -281,7 +280,7 @@ StatusOr<storage::CheckpointLedger> ParseLedger(const std::string& dir, const st
     return absl::DataLossError(absl::StrFormat(
         "the checkpoint ledger '%s' is damaged (its checksum or its contents are wrong), so "
         "the checkpoint list cannot be checked; %s",
-        LedgerPath(dir), storage::kDamagedIndexRemedy));
+        LedgerPath(dir), kDamagedIndexRemedy));
   }
   return *std::move(ledger);
 }
@@ -325,7 +324,7 @@ StatusOr<CheckedList> CheckList(const std::string& dir, const std::optional<std:
       return absl::DataLossError(absl::StrFormat(
           "the checkpoint ledger '%s' is missing, but the index in '%s/index' holds checkpoints "
           "written with one (%s), so the checkpoint list cannot be checked; %s",
-          LedgerPath(dir), dir, Steps(sequenced), storage::kDamagedIndexRemedy));
+          LedgerPath(dir), dir, Steps(sequenced), kDamagedIndexRemedy));
     }
     out.live = std::move(indexed);
     return out;
@@ -387,7 +386,7 @@ StatusOr<CheckedList> CheckList(const std::string& dir, const std::optional<std:
         "the checkpoint index in '%s/index' does not match the checkpoint ledger '%s' (%s): the "
         "index lost or regained entries, as a damaged or cut RocksDB write-ahead log does, and "
         "cannot be trusted; %s",
-        dir, LedgerPath(dir), absl::StrJoin(what, "; "), storage::kDamagedIndexRemedy));
+        dir, LedgerPath(dir), absl::StrJoin(what, "; "), kDamagedIndexRemedy));
   }
   std::sort(out.live.begin(), out.live.end(),
             [](const auto& a, const auto& b) { return a.step() < b.step(); });
@@ -608,15 +607,15 @@ StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
     }
   }
   const std::string& shard = m->shard_dir_;
-  const bool has_index = storage::TensorIndex::Exists(shard + "/index");
+  const bool has_index = TensorIndex::Exists(shard + "/index");
   if (!has_index) RETURN_IF_ERROR(CheckNoIndexIsNoLoss(shard));
   // Resuming opens the index read-only: nothing in the folder changes until the checkpoint has
   // passed every check (Resume reopens it for writing). A shard that is gone while sets name it
   // starts empty: those sets fail their checks, and older ones may still resume.
   if (must_exist && (has_index || m->sets_.empty())) {
-    ASSIGN_OR_RETURN(m->index_, storage::TensorIndex::OpenReadOnly(shard + "/index"));
+    ASSIGN_OR_RETURN(m->index_, TensorIndex::OpenReadOnly(shard + "/index"));
   } else {
-    ASSIGN_OR_RETURN(m->index_, storage::TensorIndex::Open(shard + "/index", true));
+    ASSIGN_OR_RETURN(m->index_, TensorIndex::Open(shard + "/index", true));
   }
   ASSIGN_OR_RETURN(m->ssd_, OpenSsd(options, shard));
   ASSIGN_OR_RETURN(std::vector<CheckpointManifest> indexed, m->index_->Checkpoints());
@@ -693,7 +692,7 @@ void CheckpointManager::ReclaimIdleShards() {
 
 Status CheckpointManager::ReopenWritable() {
   index_.reset();
-  ASSIGN_OR_RETURN(index_, storage::TensorIndex::Open(shard_dir_ + "/index", false));
+  ASSIGN_OR_RETURN(index_, TensorIndex::Open(shard_dir_ + "/index", false));
   return Tidy();
 }
 
@@ -1964,10 +1963,10 @@ Status CheckpointManager::PollError() {
 }
 
 StatusOr<std::vector<CheckpointManifest>> CheckpointManager::ReadList(const std::string& dir) {
-  if (!storage::TensorIndex::Exists(dir + "/index")) RETURN_IF_ERROR(CheckNoIndexIsNoLoss(dir));
+  if (!TensorIndex::Exists(dir + "/index")) RETURN_IF_ERROR(CheckNoIndexIsNoLoss(dir));
   // A training process may be changing the folder: the ledger is read before and after the index.
   ASSIGN_OR_RETURN(std::optional<std::string> before, ReadLedgerText(dir));
-  ASSIGN_OR_RETURN(auto index, storage::TensorIndex::OpenReadOnly(dir + "/index"));
+  ASSIGN_OR_RETURN(auto index, TensorIndex::OpenReadOnly(dir + "/index"));
   ASSIGN_OR_RETURN(auto indexed, index->Checkpoints());
   ASSIGN_OR_RETURN(std::optional<std::string> after, ReadLedgerText(dir));
   ASSIGN_OR_RETURN(CheckedList list, CheckList(dir, before, after, std::move(indexed)));
@@ -2203,4 +2202,4 @@ Status CheckpointManager::Remove(const std::string& dir, int64_t step) {
   return s;
 }
 
-}  // namespace strata::train
+}  // namespace strata::checkpoint

@@ -1,4 +1,4 @@
-#include "storage/tensor_index.h"
+#include "checkpoint/tensor_index.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -9,7 +9,7 @@
 #include "rocksdb/options.h"
 #include "rocksdb/write_batch.h"
 
-namespace strata::storage {
+namespace strata::checkpoint {
 namespace {
 
 void AppendBe32(std::string* s, int32_t v) {
@@ -207,4 +207,4 @@ StatusOr<std::vector<TensorRef>> TensorIndex::TensorVersions() const {
   return out;
 }
 
-}  // namespace strata::storage
+}  // namespace strata::checkpoint
