@@ -1,69 +1,56 @@
-// Checkpoints on the storage tiers, and resuming from them.
+// CheckpointManager: one process's shard of a sharded checkpoint folder — save, persist, resume,
+// verify and remove (docs/sharded_checkpoints.md)
 //
-// A checkpoint folder DIR holds sharded checkpoints (docs/sharded_checkpoints.md): each shard
-// DIR/shards/<name>/ is one writer's SSD tier folder — data files of checksummed extents, a
-// RocksDB index, a local ledger and a lock — and a checkpoint exists once its global manifest
-// DIR/manifests/<step>.manifest commits (checkpoint/checkpoint_set.h), naming the local checkpoint
-// each shard holds for it. This manager is one process's view: it writes the shard options.shard
-// ("p0" for one process, "r<rank>" for a worker) holding the shard's LOCK. The committer (one
-// process, or rank 0) also holds DIR/LOCK and commits each checkpoint's set once every shard of it
-// reported prepared (the other workers report through DIR/prepared/); when it opens, it tidies the
-// shards no process holds. A folder written before sharding (an index, data files or a ledger
-// directly in DIR) is itself the shard ".": one process writes on in place (its old checkpoints
-// stand alone, new ones get global manifests naming shard "."); workers read its checkpoints as
-// one-shard sets and never prune them (`strata ckpt rm` does).
+// The folder DIR:
+// - Each shard DIR/shards/<name>/ is one writer's SSD tier folder: data files of checksummed
+//   extents, a RocksDB index (tensor_index.h), a local ledger and a lock.
+// - A checkpoint exists once its global manifest DIR/manifests/<step>.manifest commits
+//   (checkpoint_set.h), naming the local checkpoint each shard holds for it.
+// - This manager writes the shard options.shard ("p0" for one process, "r<rank>" or "w<id>" for a
+//   worker) and holds its LOCK. The committer (one process, or rank 0) also holds DIR/LOCK, commits
+//   each set once every shard reported prepared (through DIR/prepared/), and on opening tidies the
+//   shards no process holds.
+// - A folder written before sharding (index, data files or ledger directly in DIR) is the shard
+//   ".": one process writes on in place; workers read its checkpoints as one-shard sets and never
+//   prune them (`strata ckpt rm` does).
 //
-// A local checkpoint is one version of every tensor — dense parameters with their Adam moments,
-// and every expert's weights and moments (as one blob per expert and kind, the tiered store's
-// format, so a checkpoint written in memory resumes in the tiered store and back) — plus a
-// manifest: step, model-config hash, seed, optimizer step count. Data order and gate randomness
-// are pure functions of (seed, step), so the step is the whole cursor.
+// A local checkpoint:
+// - One version of every tensor — dense parameters with their Adam moments, every expert's
+//   weights and moments as one blob per expert and kind (the tiered store's format, so IN_MEMORY
+//   and TIERED checkpoints resume in either mode) — plus a manifest: step, model-config hash,
+//   seed, optimizer step count. Data order and gate randomness are functions of (seed, step): the
+//   step is the whole cursor.
+// - Save snapshots into host memory what is not clean on the SSD tier already, returns, and the
+//   writer persists in the background: extents, fdatasync, the local manifest and index entries in
+//   one synced RocksDB batch (prepared), then the global manifest. A process killed before leaves
+//   extents and perhaps a prepared manifest nobody names, which the next open reclaims.
+// - The last `keep` checkpoints are kept; an extent is freed once no checkpoint and no live tensor
+//   uses it.
 //
-// Save snapshots what is not already on the SSD tier into host memory (tensors whose current SSD
-// version is clean are only referenced, never-written tensors only named), returns, and persists
-// in the background while training goes on: extents, fdatasync, then the local manifest and index
-// entries in one synced RocksDB batch (the shard is prepared), then the global manifest. Only then
-// does the checkpoint exist; a process killed before leaves extents and perhaps a prepared local
-// manifest that nobody refers to, which the next open reclaims. The last `keep` checkpoints are
-// kept; an extent is freed only when no checkpoint and no live tensor uses it.
+// Resume and its checks:
+// - Resume takes the newest checkpoint whose shard reference matches (the local manifest the
+//   global one names, with its CRC) and whose every extent passes its CRC check within the data
+//   files; it removes newer ones that fail (naming shard, tensor and file) and refuses another
+//   model's checkpoint before anything changes. `strata ckpt verify` applies the same checks.
+// - The list never lies: every local manifest carries a sequence number and its predecessor's,
+//   and the shard's LEDGER (replaced atomically after each commit and removal) records the live
+//   list. An index that lost or regained checkpoints is refused, naming them; only commits after
+//   the ledger's last update that follow its newest are accepted (a crash in between). A missing
+//   index beside data files is refused too, unless `start_over` moves the contents aside.
 //
-// Resume takes the newest checkpoint whose shard reference matches (the local manifest the global
-// one names, with its CRC) and whose every extent passes its CRC check and lies within the data
-// files, removes newer ones that do not (saying which shard, tensor and file failed), and refuses a
-// checkpoint of a different model before anything is changed. `strata ckpt verify` applies the
-// same checks and reports them per checkpoint and shard; `strata ckpt rm` removes any checkpoint,
-// damaged or not.
-//
-// The checkpoint list never lies. Every local manifest carries a sequence number and its
-// predecessor's step and number, and the shard's LEDGER (outside RocksDB, replaced atomically after
-// each commit and removal) records the live list and the highest number given. Opening the shard
-// compares the index with the ledger: an index that lost committed checkpoints or regained removed
-// ones (a damaged or cut write-ahead log that RocksDB took for a crash's torn tail) is refused,
-// naming them; only checkpoints committed after the ledger's last update, following its newest,
-// are accepted (a crash in between). The global manifests have their own ledger with the same
-// rules (checkpoint/checkpoint_set.h). A missing index beside data files is refused too: training
-// would overwrite them, unless `start_over` moves the folder's contents aside first. Folders
-// written before the ledger (manifests without sequence numbers) open as they are and get one.
-//
-// Threads and ownership. A CheckpointManager runs one thread of its own, the writer, which
-// persists and commits the checkpoint Save snapshotted; it owns the folder's and the shard's locks
-// and the shard's index and shares its SSD tier (ssd()). Its members are called from one thread at
-// a time (the trainer's), except NewestCommitted, PollError and Abandon, which any thread may call,
-// also while a persist runs. Steps() and CheckCompatible read the lists the writer appends to and
-// prunes without a lock: call them only while no persist runs (before the first Save, or after
-// Wait); on a worker that is not the committer they also hold the steps it prepared since it
-// opened, committed or not. Save
-// and Resume borrow the model, optimizer and context for the call; the TieredExpertScheduler given
-// to them and Save's ctx.tracer are kept (the writer updates the store's references to checkpoint
-// versions and records its span) and must stay alive until no persist runs (Wait); a later Save or
-// Continue given the scheduler that holds the same store now (a re-form hands it on) uses that
-// one from then on. The destructor
-// abandons a commit waiting for other shards (Abandon) and waits for the persist in flight; so does
-// Continue, which keeps the manager (its shard, SSD tier, index and writer) across membership
-// generations and takes or gives up the committer's role and lock. The
-// static List, Verify and Remove may run on any thread: List and Verify only read the folder (also
-// while a process trains in it); Remove takes the folder's lock, so it fails while a process trains
-// in it.
+// Threads and ownership:
+// - One thread of its own, the writer, persists and commits what Save snapshotted. The manager
+//   owns the folder's and the shard's locks and the shard's index, and shares its SSD tier
+//   (ssd()).
+// - Members are called from one thread at a time (the trainer's), except NewestCommitted,
+//   PollError and Abandon: any thread, also while a persist runs. Steps() and CheckCompatible read
+//   lists the writer changes without a lock: call them only while no persist runs.
+// - Save and Resume borrow model, optimizer and context for the call. The scheduler given to them
+//   and Save's ctx.tracer are kept until no persist runs (Wait); a later Save or Continue given
+//   the scheduler that now holds the same store (a re-form hands it on) uses that one.
+// - The destructor and Continue abandon a commit waiting for other shards and wait for the
+//   persist in flight. The static List, Verify and Remove run on any thread; List and Verify only
+//   read (also while a process trains in the folder), Remove takes DIR/LOCK.
 #pragma once
 
 #include <atomic>
@@ -273,6 +260,57 @@ class CheckpointManager {
   struct Pending;
 
   CheckpointManager() = default;
+  // Open's steps: the folder (its lock, start_over, the committed sets, this shard's folder and
+  // lock, old prepared reports, the sets of a folder written before sharding); the shard's index,
+  // checked against its ledger; the extents its checkpoints list, marked used.
+  [[nodiscard]] Status OpenFolder(bool must_exist);
+  [[nodiscard]] Status OpenIndex(bool must_exist);
+  [[nodiscard]] Status MarkListedExtents();
+  // Save's steps: the local and global manifests' headers and this shard's entry; the copies of
+  // the dense parameters and of the experts (a TIERED expert's from its store: a reference when
+  // its SSD copy is current); the writer thread started.
+  void DescribeCheckpoint(Pending& p, int64_t step, const config::JobConfig& config,
+                          model::MoeTransformer& model, model::AdamW& optimizer, bool tiered,
+                          const CheckpointShare& share);
+  // A copy of `bytes` into a snapshot buffer that `fill` writes: now when a source is off the
+  // host, else on the writer thread (TakeSnapshot).
+  void AddCopy(Pending& p, storage::TensorRef ref, uint64_t bytes,
+               const std::vector<Tensor>& sources, std::function<void(void*)> fill);
+  void SnapshotDense(Pending& p, model::MoeTransformer& model, model::AdamW& optimizer,
+                     const CheckpointShare& share);
+  [[nodiscard]] Status SnapshotExperts(Pending& p, model::MoeTransformer& model,
+                                       model::AdamW& optimizer,
+                                       scheduler::TieredExpertScheduler* tiered);
+  [[nodiscard]] Status SnapshotTieredExpert(Pending& p, storage::TensorRef r,
+                                            scheduler::TieredExpertScheduler& tiered);
+  void StartWriter(std::shared_ptr<Pending> p);
+  // Persist's steps, on the writer thread: the extents written and synced and the local manifest
+  // committed to the index (the shard is prepared); the global manifest committed (the committer)
+  // or the shard reported prepared; what a failed checkpoint held given back; a committed one
+  // recorded, the ledger written and the oldest pruned.
+  [[nodiscard]] Status CommitLocal(Pending& p, std::vector<storage::TensorRef>* new_versions,
+                                   bool* written);
+  [[nodiscard]] Status CommitGlobal(Pending& p,
+                                    const std::vector<storage::TensorRef>& new_versions);
+  void PersistFailed(Pending& p, const Status& s, bool written);
+  void PersistCommitted(Pending& p);
+  // Resume's steps: the newest checkpoint every worker found intact; older ones whose extents lie
+  // beyond their data files; a checkpoint of this shard read into the model (dense parameters,
+  // experts); the failed ones removed and the kept ones' versions given to the store.
+  struct ResumeChoice;
+  [[nodiscard]] StatusOr<ResumeChoice> ChooseCheckpoint(const model::MoeTransformer& model,
+                                                        const ResumeAgreement& agree);
+  void AddOlderOutsideFiles(int64_t step, std::vector<int64_t>* invalid) const;
+  [[nodiscard]] Status ReadExtent(const storage::TensorRef& r, int64_t step, void* dst,
+                                  uint64_t bytes) const;
+  [[nodiscard]] Status ReadLocalDense(const storage::CheckpointManifest& m,
+                                      model::MoeTransformer& model, model::AdamW& optimizer) const;
+  [[nodiscard]] Status ReadLocalExperts(const storage::CheckpointManifest& m,
+                                        const config::JobConfig& config,
+                                        model::MoeTransformer& model, model::AdamW& optimizer,
+                                        scheduler::TieredExpertScheduler* tiered) const;
+  [[nodiscard]] Status KeepResumed(const std::vector<int64_t>& invalid,
+                                   scheduler::TieredExpertScheduler* tiered);
   // The folder's checkpoints, the index read-only and checked against the ledger.
   [[nodiscard]] static StatusOr<std::vector<storage::CheckpointManifest>> ReadList(
       const std::string& dir);
