@@ -3,7 +3,41 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/common/json.h"
+
 namespace strata::train {
+
+namespace {
+
+// A TIERED step's tiers: each tier's traffic and occupancy, the SSD's transfer rates, and the
+// time the step waited for the store.
+void WriteTierFields(JsonWriter& j, const storage::StoreStats& s) {
+  auto tier = [&](const char* name, const storage::TierStats& t) {
+    j.Key(name).BeginObject();
+    j.Field("hits", t.hits)
+        .Field("misses", t.misses)
+        .Field("bytes_in", t.bytes_in)
+        .Field("bytes_out", t.bytes_out)
+        .Field("evictions", t.evictions)
+        .Field("used_bytes", t.used_bytes)
+        .Field("budget_bytes", t.budget_bytes);
+  };
+  j.Key("tiers").BeginObject();
+  tier("device", s.device);
+  j.EndObject();
+  tier("host", s.host);
+  j.EndObject();
+  tier("ssd", s.ssd);
+  j.Field("read_gbps", s.ssd_read_seconds > 0 ? s.ssd.bytes_out / s.ssd_read_seconds / 1e9 : 0.0)
+      .Field("write_gbps",
+             s.ssd_write_seconds > 0 ? s.ssd.bytes_in / s.ssd_write_seconds / 1e9 : 0.0);
+  j.EndObject();
+  j.EndObject();
+  j.Field("stall_ms", 1e3 * s.stall_seconds);
+  j.Field("optimizer_wait_ms", 1e3 * s.background_wait_seconds);
+}
+
+}  // namespace
 
 BalanceSummary SummarizeBalance(const model::MoeStats& stats) {
   BalanceSummary b;
@@ -25,6 +59,55 @@ BalanceSummary SummarizeBalance(const model::MoeStats& stats) {
   b.max_over_mean = peak / mean;
   b.cv = std::sqrt(var / n) / mean;
   return b;
+}
+
+std::string StepMetricsLine(const StepResult& r, const std::vector<int>& moe_blocks,
+                            bool sequence_aux_loss, const std::optional<WorkerStepFields>& worker,
+                            const EvalResult* eval) {
+  JsonWriter j;
+  j.BeginObject()
+      .Field("step", r.step)
+      .Field("loss", r.loss)
+      .Field("aux_loss", r.aux_loss)
+      .Field("z_loss", r.z_loss)
+      .Field("lr", r.lr)
+      .Field("grad_norm", r.grad_norm)
+      .Field("tokens", r.tokens)
+      .Field("tokens_per_s", r.tokens / r.seconds)
+      .Field("step_ms", 1e3 * r.seconds);
+  if (worker) {
+    j.Field("rank", worker->rank)
+        .Field("workers", worker->workers)
+        .Field("generation", worker->generation)
+        .Field("first_sample", worker->first_sample)
+        .Field("samples", worker->samples)
+        .Field("comm_ms", 1e3 * r.comm_seconds);
+  }
+  j.Key("moe").BeginArray();
+  for (size_t i = 0; i < r.moe.size(); ++i) {
+    const model::MoeStats& s = r.moe[i];
+    j.BeginObject().Field("layer", moe_blocks.at(i));
+    j.Key("load").IntArray(s.load);
+    j.Field("dropped", s.dropped)
+        .Field("dropped_tokens", s.dropped_tokens)
+        .Field("capacity", s.capacity)
+        .Field("aux_loss", s.aux_loss)
+        .Field("z_loss", s.z_loss);
+    if (sequence_aux_loss) j.Field("sequence_aux_loss", s.sequence_aux_loss);
+    // Balance over the whole batch: the busiest expert against the mean, the spread.
+    const BalanceSummary b = SummarizeBalance(s);
+    j.Field("max_over_mean", b.max_over_mean).Field("cv", b.cv);
+    if (b.has_bias) j.Field("bias_min", b.bias_min).Field("bias_max", b.bias_max);
+    j.EndObject();
+  }
+  j.EndArray();
+  if (r.tiered) WriteTierFields(j, r.store);
+  if (eval != nullptr) {
+    j.Field("eval_loss", eval->loss);
+    if (std::isfinite(eval->bits_per_byte)) j.Field("eval_bits_per_byte", eval->bits_per_byte);
+  }
+  j.EndObject();
+  return j.str();
 }
 
 StatusOr<std::unique_ptr<MetricsWriter>> MetricsWriter::Open(const std::string& path,

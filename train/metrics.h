@@ -1,16 +1,21 @@
-// MetricsWriter: the JSONL metrics file, one JSON object per line, flushed line by line so a
-// crash loses at most the line being written.
+// A training step's figures, and the JSONL metrics file they are written to
 //
-// The writer owns its open file; `env` is used only inside Open. Not synchronised: one thread at a
-// time calls Write (the trainer's).
+// - StepResult and EvalResult: what one step and one evaluation measured.
+// - StepMetricsLine: one step's line of the metrics file (docs/cli.md lists its fields).
+// - MetricsWriter: the file, one JSON object per line, flushed line by line so a crash loses at
+//   most the line being written. It owns its open file; `env` is used only inside Open. Not
+//   synchronised: one thread at a time calls Write (the trainer's).
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "core/common/status.h"
 #include "runtime/model/moe_layer.h"
 #include "storage/env.h"
+#include "storage/tiered_store.h"
 
 namespace strata::train {
 
@@ -25,6 +30,45 @@ struct BalanceSummary {
   double bias_min = 0, bias_max = 0;
 };
 BalanceSummary SummarizeBalance(const model::MoeStats& stats);
+
+struct StepResult {
+  int64_t step = 0;      // 1-based: steps completed after this one
+  double loss = 0;       // mean cross-entropy, nats per token
+  double aux_loss = 0;   // mean over MoE layers of the unweighted load-balancing loss
+  double z_loss = 0;     // mean over MoE layers of the unweighted router z-loss
+  double grad_norm = 0;  // before clipping
+  double lr = 0;
+  double seconds = 0;
+  int64_t tokens = 0;
+  double comm_seconds = 0;           // distributed: time the communication threads were busy
+  std::vector<model::MoeStats> moe;  // per MoE layer, in model.moe_layers() order
+  bool tiered = false;
+  storage::StoreStats store;  // TIERED: this step's tier figures
+};
+
+struct EvalResult {
+  double loss = 0;           // nats per token
+  double bits_per_byte = 0;  // loss / ln 2 for byte-level data, NaN otherwise
+  int64_t tokens = 0;
+};
+
+// A distributed worker's part in a step: who it is, and the step's global sample indices it
+// trained on, [first_sample, first_sample + samples).
+struct WorkerStepFields {
+  int rank = 0;
+  int workers = 1;
+  int64_t generation = 0;
+  int64_t first_sample = 0;
+  int64_t samples = 0;
+};
+
+// One line of the metrics file for step `r` (a JSON object, no newline): the step's figures, then
+// `worker`'s fields when given (a distributed or elastic job), each MoE layer's routing (its block
+// index from `moe_blocks`, in r.moe's order; sequence_aux_loss when that loss is on), the tiers of
+// a TIERED step, and `eval` when the step was evaluated.
+std::string StepMetricsLine(const StepResult& r, const std::vector<int>& moe_blocks,
+                            bool sequence_aux_loss, const std::optional<WorkerStepFields>& worker,
+                            const EvalResult* eval);
 
 class MetricsWriter {
  public:

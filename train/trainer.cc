@@ -792,56 +792,19 @@ Status Trainer::RunLoop() {
       last_eval_bpb_ = eval.bits_per_byte;
     }
     if (metrics_) {
-      JsonWriter j;
-      j.BeginObject()
-          .Field("step", r.step)
-          .Field("loss", r.loss)
-          .Field("aux_loss", r.aux_loss)
-          .Field("z_loss", r.z_loss)
-          .Field("lr", r.lr)
-          .Field("grad_norm", r.grad_norm)
-          .Field("tokens", r.tokens)
-          .Field("tokens_per_s", r.tokens / r.seconds)
-          .Field("step_ms", 1e3 * r.seconds);
+      std::optional<WorkerStepFields> worker;
       if (distributed() || options_.worker.elastic) {
-        // The samples this worker trained on: the step's global sample indices
-        // [first_sample, first_sample + samples).
-        j.Field("rank", options_.worker.rank)
-            .Field("workers", options_.worker.world_size)
-            .Field("generation", options_.worker.generation)
-            .Field("first_sample",
-                   data::TokenDataset::FirstSample(r.step - 1, cfg.train().global_batch()) +
-                       first_sequence_)
-            .Field("samples", local_batch_)
-            .Field("comm_ms", 1e3 * r.comm_seconds);
+        worker = WorkerStepFields{
+            options_.worker.rank, options_.worker.world_size, options_.worker.generation,
+            data::TokenDataset::FirstSample(r.step - 1, cfg.train().global_batch()) +
+                first_sequence_,
+            local_batch_};
       }
-      j.Key("moe").BeginArray();
-      for (size_t i = 0; i < r.moe.size(); ++i) {
-        const model::MoeStats& s = r.moe[i];
-        j.BeginObject().Field("layer", model_->moe_layers()[i].block);
-        j.Key("load").IntArray(s.load);
-        j.Field("dropped", s.dropped)
-            .Field("dropped_tokens", s.dropped_tokens)
-            .Field("capacity", s.capacity)
-            .Field("aux_loss", s.aux_loss)
-            .Field("z_loss", s.z_loss);
-        // Balance over the whole batch: the busiest expert against the mean, the spread.
-        if (cfg.model().moe().gate().sequence_aux_loss_coef() > 0) {
-          j.Field("sequence_aux_loss", s.sequence_aux_loss);
-        }
-        const BalanceSummary b = SummarizeBalance(s);
-        j.Field("max_over_mean", b.max_over_mean).Field("cv", b.cv);
-        if (b.has_bias) j.Field("bias_min", b.bias_min).Field("bias_max", b.bias_max);
-        j.EndObject();
-      }
-      j.EndArray();
-      if (r.tiered) WriteStepMetrics(j, r);
-      if (eval_due) {
-        j.Field("eval_loss", eval.loss);
-        if (std::isfinite(eval.bits_per_byte)) j.Field("eval_bits_per_byte", eval.bits_per_byte);
-      }
-      j.EndObject();
-      RETURN_IF_ERROR(metrics_->Write(j.str()));
+      std::vector<int> blocks;
+      for (const auto& ref : model_->moe_layers()) blocks.push_back(ref.block);
+      RETURN_IF_ERROR(metrics_->Write(
+          StepMetricsLine(r, blocks, cfg.model().moe().gate().sequence_aux_loss_coef() > 0, worker,
+                          eval_due ? &eval : nullptr)));
     }
     if (options_.progress) PrintProgress(r, eval_due ? &eval : nullptr, r.step == steps);
     if (options_.on_step) RETURN_IF_ERROR(options_.on_step(r));
@@ -885,33 +848,6 @@ checkpoint::CheckpointShare Trainer::CheckpointShareOfThisWorker() const {
   share.shards = shard_names_;
   share.workers = W;
   return share;
-}
-
-void Trainer::WriteStepMetrics(JsonWriter& j, const StepResult& r) const {
-  const storage::StoreStats& s = r.store;
-  auto tier = [&](const char* name, const storage::TierStats& t) {
-    j.Key(name).BeginObject();
-    j.Field("hits", t.hits)
-        .Field("misses", t.misses)
-        .Field("bytes_in", t.bytes_in)
-        .Field("bytes_out", t.bytes_out)
-        .Field("evictions", t.evictions)
-        .Field("used_bytes", t.used_bytes)
-        .Field("budget_bytes", t.budget_bytes);
-  };
-  j.Key("tiers").BeginObject();
-  tier("device", s.device);
-  j.EndObject();
-  tier("host", s.host);
-  j.EndObject();
-  tier("ssd", s.ssd);
-  j.Field("read_gbps", s.ssd_read_seconds > 0 ? s.ssd.bytes_out / s.ssd_read_seconds / 1e9 : 0.0)
-      .Field("write_gbps",
-             s.ssd_write_seconds > 0 ? s.ssd.bytes_in / s.ssd_write_seconds / 1e9 : 0.0);
-  j.EndObject();
-  j.EndObject();
-  j.Field("stall_ms", 1e3 * s.stall_seconds);
-  j.Field("optimizer_wait_ms", 1e3 * s.background_wait_seconds);
 }
 
 void Trainer::PrintProgress(const StepResult& r, const EvalResult* eval, bool final_line) {

@@ -87,8 +87,6 @@ struct WorkerOptions {
   std::function<bool()> superseded;
 };
 
-struct StepResult;
-
 // A worker's share of a step's global batch: its first sequence and how many. Every step's
 // samples are split over the workers from the step alone (rank r of W takes sequences
 // [B r / W, B (r + 1) / W)), so any membership sees each sample of a step exactly once.
@@ -126,27 +124,6 @@ struct TrainOptions {
   // tiered store — by the leader of their copies, the lowest rank; copy g of an expert, the one of
   // expert-parallel group g > 0, into DIR/copy<g>/<name>.f32). Empty: nothing is written.
   std::string export_params_dir;
-};
-
-struct StepResult {
-  int64_t step = 0;      // 1-based: steps completed after this one
-  double loss = 0;       // mean cross-entropy, nats per token
-  double aux_loss = 0;   // mean over MoE layers of the unweighted load-balancing loss
-  double z_loss = 0;     // mean over MoE layers of the unweighted router z-loss
-  double grad_norm = 0;  // before clipping
-  double lr = 0;
-  double seconds = 0;
-  int64_t tokens = 0;
-  double comm_seconds = 0;           // distributed: time the communication threads were busy
-  std::vector<model::MoeStats> moe;  // per MoE layer, in model.moe_layers() order
-  bool tiered = false;
-  storage::StoreStats store;  // TIERED: this step's tier figures
-};
-
-struct EvalResult {
-  double loss = 0;           // nats per token
-  double bits_per_byte = 0;  // loss / ln 2 for byte-level data, NaN otherwise
-  int64_t tokens = 0;
 };
 
 class Trainer {
@@ -323,7 +300,6 @@ class Trainer {
   [[nodiscard]] Status ExportParameters() const;
   bool distributed() const { return options_.worker.world_size > 1; }
   [[nodiscard]] Status RunLoop();
-  void WriteStepMetrics(JsonWriter& j, const StepResult& r) const;
 
   TrainOptions options_;
   std::unique_ptr<Tracer> tracer_;  // outlives every thread that records into it
