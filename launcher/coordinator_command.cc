@@ -7,7 +7,9 @@
 #include <cstdio>
 #include <fstream>
 #include <optional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -50,9 +52,21 @@ std::atomic<bool> g_stop{false};
 
 void OnSignal(int) { g_stop = true; }
 
-}  // namespace
+// What `strata coordinator` was asked to serve: the record's folder and token, the job's config
+// (the record's when it resumes one), and the coordinator's options.
+struct CoordinatorPlan {
+  Flags flags;
+  std::string dir, token;
+  std::optional<int64_t> workers, min_workers, max_workers;
+  config::JobConfig cfg;
+  bool resumed = false;                 // the folder holds a job's record
+  coordinator::CoordinatorRecord kept;  // that record (empty for a new job)
+  coordinator::CoordinatorOptions options;
+};
 
-int CoordinatorCommand(const std::vector<std::string>& args) {
+// Parse: the flags, the folder and the job token. Returns the exit code when the command ends
+// here (help, a usage error).
+std::optional<int> ParseCoordinator(const std::vector<std::string>& args, CoordinatorPlan* plan) {
   if (WantsHelp(args)) {
     std::printf(
         "usage: strata coordinator --dir DIR [--config FILE] [flags]\n"
@@ -66,124 +80,136 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
   }
   auto flags = Flags::Parse("coordinator", CoordinatorFlags(), args);
   if (!flags.ok()) return UsageError(flags.status(), "coordinator", CoordinatorFlags());
-  auto workers = flags->Int("workers", 1, 4096);
-  auto min_workers = flags->Int("min-workers", 1, 4096);
-  auto max_workers = flags->Int("max-workers", 1, 4096);
+  plan->flags = *std::move(flags);
+  const Flags& f = plan->flags;
+  auto workers = f.Int("workers", 1, 4096);
+  auto min_workers = f.Int("min-workers", 1, 4096);
+  auto max_workers = f.Int("max-workers", 1, 4096);
   for (const auto* v : {&workers, &min_workers, &max_workers}) {
     if (!v->ok()) return UsageError(v->status(), "coordinator", CoordinatorFlags());
   }
-  if (!flags->Has("dir")) {
+  plan->workers = *workers;
+  plan->min_workers = *min_workers;
+  plan->max_workers = *max_workers;
+  if (!f.Has("dir")) {
     return UsageError(absl::InvalidArgumentError("--dir DIR is required"), "coordinator",
                       CoordinatorFlags());
   }
-  const std::string dir = *flags->String("dir");
-  auto given_token = TokenFrom(*flags);
+  plan->dir = *f.String("dir");
+  auto given_token = TokenFrom(f);
   if (!given_token.ok()) return Fail(given_token.status());
-  std::string token = *given_token;
-  if (token.empty()) {
+  plan->token = *given_token;
+  if (plan->token.empty()) {
     // A restart finds the token beside the record.
-    std::ifstream in(dir + "/token");
-    if (in && std::getline(in, token)) token = std::string(absl::StripAsciiWhitespace(token));
+    std::ifstream in(plan->dir + "/token");
+    std::string line;
+    if (in && std::getline(in, line)) plan->token = std::string(absl::StripAsciiWhitespace(line));
   }
-  if (token.empty()) {
+  if (plan->token.empty()) {
     return UsageError(
         absl::InvalidArgumentError(absl::StrFormat(
             "give the job token with --token-file FILE or $STRATA_JOB_TOKEN (%s/token "
             "holds none)",
-            dir)),
+            plan->dir)),
         "coordinator", CoordinatorFlags());
   }
+  return std::nullopt;
+}
+
+// The job's config: the record's when resuming (a --config given too must agree with it), else
+// --config FILE with the job-level flags. Returns the exit code when the command ends here.
+std::optional<int> ReadJob(CoordinatorPlan* plan) {
+  const Flags& f = plan->flags;
+  const std::string& dir = plan->dir;
   auto record = coordinator::CoordinatorState::ReadRecord(dir);
   if (!record.ok()) return Fail(record.status());
-  const bool resumed = record->has_value() && !(*record)->job_config().empty();
-  // The job's config: the record's when resuming (a --config given too must agree with it),
-  // else --config FILE with the job-level flags.
-  config::JobConfig cfg;
-  if (resumed) {
-    auto parsed = config::ParseJobConfig(
-        (*record)->job_config(), absl::StrFormat("the job config recorded in '%s'", dir), "");
-    if (!parsed.ok()) return Fail(parsed.status());
-    cfg = *parsed;
-    if (!flags->Has("config")) {
-      for (const char* f : {"steps", "checkpoint-dir", "checkpoint-every"}) {
-        if (flags->Has(f)) {
-          return UsageError(absl::InvalidArgumentError(absl::StrFormat(
-                                "--%s applies to a new job; the job recorded in '%s' keeps its "
-                                "config",
-                                f, dir)),
-                            "coordinator", CoordinatorFlags());
-        }
-      }
-    }
-    if (flags->Has("config")) {
-      auto given = EffectiveJobConfig(*flags);
-      if (!given.ok()) return Fail(given.status());
-      const std::vector<std::string> diff = JobDifferences(cfg, *given);
-      if (!diff.empty()) {
-        return Fail(absl::FailedPreconditionError(absl::StrFormat(
-            "--config %s differs from the job recorded in '%s' (a running job keeps its "
-            "config):\n  %s\nDrop --config to resume the job, or give an empty --dir for a new "
-            "one",
-            *flags->String("config"), dir, absl::StrJoin(diff, "\n  "))));
-      }
-    }
-  } else {
-    if (!flags->Has("config")) {
+  if (record->has_value()) plan->kept = **record;
+  plan->resumed = record->has_value() && !plan->kept.job_config().empty();
+  if (!plan->resumed) {
+    if (!f.Has("config")) {
       return Fail(absl::InvalidArgumentError(
           absl::StrFormat("'%s' holds no job yet: give --config FILE for a new job", dir)));
     }
-    auto given = EffectiveJobConfig(*flags);
+    auto given = EffectiveJobConfig(f);
     if (!given.ok()) return Fail(given.status());
-    cfg = *given;
+    plan->cfg = *std::move(given);
+    return std::nullopt;
   }
-  if (Status t = KeepToken(dir, token); !t.ok()) return Fail(t);
-  coordinator::CoordinatorOptions o = CoordinatorOptionsFor(cfg, dir, token);
-  // Worker counts: the flags, else the record's, else the config's elastic section. A record
-  // that does not hold them counts the workers of its generation.
-  const config::ElasticConfig& el = cfg.elastic();
-  const coordinator::CoordinatorRecord kept =
-      record->has_value() ? **record : coordinator::CoordinatorRecord();
+  auto parsed = config::ParseJobConfig(plan->kept.job_config(),
+                                       absl::StrFormat("the job config recorded in '%s'", dir), "");
+  if (!parsed.ok()) return Fail(parsed.status());
+  plan->cfg = *std::move(parsed);
+  if (!f.Has("config")) {
+    for (const char* flag : {"steps", "checkpoint-dir", "checkpoint-every"}) {
+      if (f.Has(flag)) {
+        return UsageError(absl::InvalidArgumentError(absl::StrFormat(
+                              "--%s applies to a new job; the job recorded in '%s' keeps its "
+                              "config",
+                              flag, dir)),
+                          "coordinator", CoordinatorFlags());
+      }
+    }
+    return std::nullopt;
+  }
+  auto given = EffectiveJobConfig(f);
+  if (!given.ok()) return Fail(given.status());
+  const std::vector<std::string> diff = JobDifferences(plan->cfg, *given);
+  if (!diff.empty()) {
+    return Fail(absl::FailedPreconditionError(absl::StrFormat(
+        "--config %s differs from the job recorded in '%s' (a running job keeps its "
+        "config):\n  %s\nDrop --config to resume the job, or give an empty --dir for a new "
+        "one",
+        *f.String("config"), dir, absl::StrJoin(diff, "\n  "))));
+  }
+  return std::nullopt;
+}
+
+// Plan: the token kept beside the record, and the coordinator's options. Worker counts come from
+// the flags, else the record's, else the config's elastic section (a record that does not hold
+// them counts the workers of its generation); TLS from the flags, else the record's files.
+Status PlanCoordinator(CoordinatorPlan* plan) {
+  RETURN_IF_ERROR(KeepToken(plan->dir, plan->token));
+  coordinator::CoordinatorOptions& o = plan->options;
+  o = CoordinatorOptionsFor(plan->cfg, plan->dir, plan->token);
+  const config::ElasticConfig& el = plan->cfg.elastic();
+  const coordinator::CoordinatorRecord& kept = plan->kept;
   const int members = std::max(1, kept.generation().workers_size() + kept.pending_size());
-  o.initial_workers = static_cast<int>(workers->value_or(
-      kept.initial_workers() > 0 ? kept.initial_workers() : (resumed ? members : 1)));
-  o.min_workers = static_cast<int>(min_workers->value_or(
+  o.initial_workers = static_cast<int>(plan->workers.value_or(
+      kept.initial_workers() > 0 ? kept.initial_workers() : (plan->resumed ? members : 1)));
+  o.min_workers = static_cast<int>(plan->min_workers.value_or(
       kept.min_workers() > 0 ? kept.min_workers() : (el.min_workers() > 0 ? el.min_workers() : 1)));
-  o.max_workers = static_cast<int>(max_workers->value_or(
+  o.max_workers = static_cast<int>(plan->max_workers.value_or(
       kept.max_workers() > 0
           ? kept.max_workers()
           : std::max(el.max_workers() > 0 ? el.max_workers() : o.initial_workers, members)));
-  if (resumed && kept.generation().number() > 0) {
+  if (plan->resumed && kept.generation().number() > 0) {
     // The first generation formed long ago: its size only has to fit the other bounds.
     o.initial_workers =
         std::clamp(o.initial_workers, o.min_workers, std::max(o.min_workers, o.max_workers));
   }
-  // TLS: the flags, else the record's certificate files.
-  o.tls_cert = flags->String("tls-cert").value_or(kept.tls_cert());
-  o.tls_key = flags->String("tls-key").value_or(kept.tls_key());
-  if (Status range =
-          CheckWorkerRange(cfg, std::min(o.min_workers, o.initial_workers), o.max_workers);
-      !range.ok()) {
-    return Fail(range);
-  }
-  if (kept.finished() && !flags->Has("keep-serving")) {
-    std::printf(
-        "the job in %s finished at step %lld; nothing to serve (--keep-serving serves its "
-        "status anyway)\n",
-        dir.c_str(), static_cast<long long>(kept.step()));
-    return 0;
-  }
-  auto state =
-      coordinator::CoordinatorState::Open(o, config::ToText(cfg), std::chrono::steady_clock::now());
+  o.tls_cert = plan->flags.String("tls-cert").value_or(kept.tls_cert());
+  o.tls_key = plan->flags.String("tls-key").value_or(kept.tls_key());
+  return CheckWorkerRange(plan->cfg, std::min(o.min_workers, o.initial_workers), o.max_workers);
+}
+
+// Run: opens the record, serves it until the job is done and its workers are gone (a few more
+// seconds, so that a joiner still waiting learns the job finished), or until SIGINT/SIGTERM
+// (always, with --keep-serving).
+int RunCoordinator(const CoordinatorPlan& plan) {
+  const coordinator::CoordinatorOptions& o = plan.options;
+  auto state = coordinator::CoordinatorState::Open(o, config::ToText(plan.cfg),
+                                                   std::chrono::steady_clock::now());
   if (!state.ok()) return Fail(state.status());
   // Where to serve: --listen, else where this job's coordinator served before (so its workers
   // find it again), else the default.
-  if (resumed && kept.listen().empty() && !flags->Has("listen")) {
-    STRATA_LOG(WARNING) << "the record in " << dir
+  const std::optional<std::string> listen_flag = plan.flags.String("listen");
+  if (plan.resumed && plan.kept.listen().empty() && !listen_flag) {
+    STRATA_LOG(WARNING) << "the record in " << plan.dir
                         << " does not say where its coordinator served; serving on "
                            "127.0.0.1:7777 (give --listen HOST:PORT where its workers look)";
   }
-  std::string listen = flags->String("listen").value_or(
-      !kept.listen().empty() ? kept.listen() : std::string("127.0.0.1:7777"));
+  const std::string listen = listen_flag.value_or(
+      !plan.kept.listen().empty() ? plan.kept.listen() : std::string("127.0.0.1:7777"));
   coordinator::TlsFiles tls{o.tls_cert, o.tls_key, ""};
   auto server = coordinator::CoordinatorServer::Start(state->get(), listen, tls);
   if (!server.ok()) return Fail(server.status());
@@ -192,15 +218,13 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
   std::printf(
       "coordinator listening on %s (%s: generation %lld, step %lld, workers %d to %d, record in "
       "%s)\n",
-      (*server)->address().c_str(), resumed ? "resumed" : "new job",
+      (*server)->address().c_str(), plan.resumed ? "resumed" : "new job",
       static_cast<long long>(snapshot.generation().number()),
-      static_cast<long long>(snapshot.step()), o.min_workers, o.max_workers, dir.c_str());
+      static_cast<long long>(snapshot.step()), o.min_workers, o.max_workers, plan.dir.c_str());
   std::fflush(stdout);
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
-  const bool keep_serving = flags->Has("keep-serving");
-  // Once the job is done, a few more seconds of service: a joiner still waiting for a place
-  // learns that the job finished instead of finding nobody there.
+  const bool keep_serving = plan.flags.Has("keep-serving");
   std::optional<std::chrono::steady_clock::time_point> done_since;
   while (!g_stop.load()) {
     if (!keep_serving && (*state)->Done()) {
@@ -215,6 +239,23 @@ int CoordinatorCommand(const std::vector<std::string>& args) {
   }
   std::printf("coordinator stopping\n");
   return 0;
+}
+
+}  // namespace
+
+int CoordinatorCommand(const std::vector<std::string>& args) {
+  CoordinatorPlan plan;
+  if (std::optional<int> rc = ParseCoordinator(args, &plan)) return *rc;
+  if (std::optional<int> rc = ReadJob(&plan)) return *rc;
+  if (Status p = PlanCoordinator(&plan); !p.ok()) return Fail(p);
+  if (plan.kept.finished() && !plan.flags.Has("keep-serving")) {
+    std::printf(
+        "the job in %s finished at step %lld; nothing to serve (--keep-serving serves its "
+        "status anyway)\n",
+        plan.dir.c_str(), static_cast<long long>(plan.kept.step()));
+    return 0;
+  }
+  return RunCoordinator(plan);
 }
 
 }  // namespace strata::launcher

@@ -8,7 +8,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -56,9 +59,23 @@ const std::vector<FlagSpec>& LaunchFlags() {
   return specs;
 }
 
-}  // namespace
+// What `strata launch` was asked to do: the job, its workers, and the coordinator's options.
+struct LaunchPlan {
+  config::JobConfig cfg;
+  std::string config_path;
+  int workers = 0;
+  coordinator::CoordinatorOptions options;
+  std::optional<int64_t> threads;
+  std::optional<std::string> metrics_out;
+  std::string listen;
+  bool resume = false;
+  bool quiet = false;
+  bool temp_dir = false;  // options.dir is a temporary folder, removed at the end
+};
 
-int LaunchCommand(const std::vector<std::string>& args) {
+// Parse: the flags into a plan. Returns the exit code when the command ends here (help, a usage
+// error, a config that does not load or does not fit the worker counts).
+std::optional<int> ParseLaunch(const std::vector<std::string>& args, LaunchPlan* plan) {
   if (WantsHelp(args)) {
     std::printf("usage: strata launch --config FILE --workers N [flags]\n%s",
                 Flags::Usage(LaunchFlags()).c_str());
@@ -80,10 +97,13 @@ int LaunchCommand(const std::vector<std::string>& args) {
   }
   auto cfg = EffectiveJobConfig(*flags);
   if (!cfg.ok()) return Fail(cfg.status());
-  const int n = static_cast<int>(**workers);
-  coordinator::CoordinatorOptions o = CoordinatorOptionsFor(*cfg, "", RandomToken());
+  plan->cfg = *std::move(cfg);
+  plan->config_path = *flags->String("config");
+  const int n = plan->workers = static_cast<int>(**workers);
+  coordinator::CoordinatorOptions& o = plan->options;
+  o = CoordinatorOptionsFor(plan->cfg, "", RandomToken());
   o.initial_workers = n;
-  const config::ElasticConfig& el = cfg->elastic();
+  const config::ElasticConfig& el = plan->cfg.elastic();
   o.min_workers = static_cast<int>(min_w->value_or(el.min_workers() > 0 ? el.min_workers() : 1));
   o.max_workers = static_cast<int>(max_w->value_or(el.max_workers() > 0 ? el.max_workers() : n));
   if (o.max_workers < n) {
@@ -91,188 +111,246 @@ int LaunchCommand(const std::vector<std::string>& args) {
                           "--workers %d is above --max-workers %d", n, o.max_workers)),
                       "launch", LaunchFlags());
   }
-  if (Status range = CheckWorkerRange(*cfg, std::min(o.min_workers, n), o.max_workers);
+  if (Status range = CheckWorkerRange(plan->cfg, std::min(o.min_workers, n), o.max_workers);
       !range.ok()) {
     return Fail(range);
   }
-  // The n workers started here, together, against this machine's memory.
-  if (Status m = config::CheckMemory(*cfg, config::EstimateWorkerMemory(*cfg, n),
-                                     config::AvailableHostMemory(), *flags->String("config"), n);
-      !m.ok()) {
-    return Fail(m);
-  }
-  std::string temp_dir;
-  if (auto d = flags->String("coordinator-dir")) {
-    o.dir = *d;
+  plan->threads = *threads;
+  plan->metrics_out = flags->String("metrics-out");
+  plan->listen = flags->String("listen").value_or("127.0.0.1:0");
+  plan->resume = flags->Has("resume");
+  plan->quiet = flags->Has("quiet");
+  if (auto d = flags->String("coordinator-dir")) o.dir = *d;
+  return std::nullopt;
+}
+
+// Plan: the n workers fit this machine's memory together, and the coordinator has a folder — an
+// empty one given, or a temporary one.
+Status PlanLaunch(LaunchPlan* plan) {
+  RETURN_IF_ERROR(
+      config::CheckMemory(plan->cfg, config::EstimateWorkerMemory(plan->cfg, plan->workers),
+                          config::AvailableHostMemory(), plan->config_path, plan->workers));
+  coordinator::CoordinatorOptions& o = plan->options;
+  if (!o.dir.empty()) {
     // A folder with a job's record is that job's: its coordinator restarts from it alone.
-    auto kept = coordinator::CoordinatorState::ReadRecord(o.dir);
-    if (!kept.ok()) return Fail(kept.status());
-    if (kept->has_value()) {
-      return Fail(absl::FailedPreconditionError(absl::StrFormat(
+    ASSIGN_OR_RETURN(std::optional<coordinator::CoordinatorRecord> kept,
+                     coordinator::CoordinatorState::ReadRecord(o.dir));
+    if (kept.has_value()) {
+      return absl::FailedPreconditionError(absl::StrFormat(
           "--coordinator-dir '%s' holds the record of a job (generation %d, step %d); restart "
           "its coordinator with `strata coordinator --dir %s` (its workers reconnect to it), or "
           "give an empty folder for a new job",
-          o.dir, (*kept)->generation().number(), (*kept)->step(), o.dir)));
+          o.dir, kept->generation().number(), kept->step(), o.dir));
     }
-  } else {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/strata-coordinator-XXXXXX";
-    if (mkdtemp(tmpl.data()) == nullptr) {
-      return Fail(absl::PermissionDeniedError(
-          absl::StrFormat("cannot create a folder from '%s'; give --coordinator-dir", tmpl)));
-    }
-    temp_dir = o.dir = tmpl;
+    return absl::OkStatus();
   }
+  const char* base = std::getenv("TMPDIR");
+  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/strata-coordinator-XXXXXX";
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    return absl::PermissionDeniedError(
+        absl::StrFormat("cannot create a folder from '%s'; give --coordinator-dir", tmpl));
+  }
+  o.dir = tmpl;
+  plan->temp_dir = true;
+  return absl::OkStatus();
+}
+
+// The lines that tell the user how to add a worker and restart the coordinator.
+void PrintBanner(const LaunchPlan& plan, const std::string& address) {
+  const coordinator::CoordinatorOptions& o = plan.options;
+  const std::string token_file = o.dir + "/token";
+  std::error_code ec;
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+  // Workers get the job's config from the coordinator; only this machine's settings are flags.
+  const std::string machine_flags =
+      plan.threads ? absl::StrFormat(" --threads %d", *plan.threads) : std::string();
+  const char* name = plan.cfg.name().c_str();
+  std::printf(
+      "[%s] coordinator on %s; starting %d workers (%d to %d may train)\n"
+      "[%s] add a worker: STRATA_JOB_TOKEN=$(cat %s) %s worker --coordinator %s%s\n"
+      "[%s] restart the coordinator if this process dies: STRATA_JOB_TOKEN=$(cat %s) %s "
+      "coordinator --dir %s\n",
+      name, address.c_str(), plan.workers, o.min_workers, o.max_workers, name, token_file.c_str(),
+      self.c_str(), address.c_str(), machine_flags.c_str(), name, token_file.c_str(), self.c_str(),
+      std::filesystem::absolute(o.dir).string().c_str());
+  std::fflush(stdout);
+}
+
+// Starts the workers as `strata worker --coordinator` processes of this binary.
+std::vector<pid_t> StartWorkers(const LaunchPlan& plan, const std::string& address) {
+  std::vector<pid_t> pids;
+  for (int i = 0; i < plan.workers; ++i) {
+    std::vector<std::string> argv = {"strata", "worker", "--coordinator",
+                                     address,  "--id",   absl::StrCat("worker-", i),
+                                     "--quiet"};
+    if (plan.threads) argv.insert(argv.end(), {"--threads", absl::StrCat(*plan.threads)});
+    if (plan.metrics_out) {
+      argv.insert(argv.end(), {"--metrics-out", absl::StrCat(*plan.metrics_out, ".", i)});
+    }
+    if (plan.resume) argv.push_back("--resume");
+    pid_t pid = fork();
+    if (pid == 0) {
+      setenv("STRATA_JOB_TOKEN", plan.options.token.c_str(), 1);
+      std::vector<char*> cargv;
+      for (auto& a : argv) cargv.push_back(a.data());
+      cargv.push_back(nullptr);
+      execv("/proc/self/exe", cargv.data());
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  return pids;
+}
+
+// The status line from the coordinator's record: on a terminal one line kept up to date (a new
+// one per generation), otherwise a line every log_every steps and at every generation; tokens/s
+// smoothed over windows of at least a second with progress.
+class StatusLine {
+ public:
+  explicit StatusLine(const config::JobConfig& cfg)
+      : cfg_(cfg),
+        total_(cfg.train().steps()),
+        every_(std::max(1, cfg.train().log_every())),
+        tokens_per_step_(static_cast<double>(cfg.train().global_batch()) * cfg.model().seq_len()),
+        tty_(isatty(STDOUT_FILENO)) {}
+
+  void Show(const coordinator::CoordinatorRecord& r) {
+    const bool finished = shown_step_ >= total_;
+    UpdateRate(r.step());
+    const bool new_generation = r.generation().number() != shown_generation_;
+    const bool due =
+        tty_ ? r.step() != shown_step_
+             : r.step() != shown_step_ && (r.step() % every_ == 0 || r.step() == total_);
+    if (finished || !(new_generation || due)) return;
+    std::string line = absl::StrFormat("[%s] step %d/%d", cfg_.name(), r.step(), total_);
+    if (r.generation().workers_size() == 0) {
+      absl::StrAppend(&line, " | no workers training");
+    } else {
+      if (r.step() > 0) absl::StrAppendFormat(&line, " | loss %.4f", r.loss());
+      if (rate_ > 0) absl::StrAppendFormat(&line, " | %.0f tok/s", rate_);
+      absl::StrAppendFormat(&line, " | %d workers", r.generation().workers_size());
+    }
+    absl::StrAppendFormat(&line, " | generation %d (%s)", r.generation().number(),
+                          r.generation().reason());
+    if (tty_) {
+      std::printf("%s\r\033[K%s", new_generation && shown_generation_ >= 0 ? "\n" : "",
+                  line.c_str());
+    } else {
+      std::printf("%s\n", line.c_str());
+    }
+    std::fflush(stdout);
+    shown_step_ = r.step();
+    shown_generation_ = r.generation().number();
+  }
+  // Ends the terminal's line.
+  void End() {
+    if (tty_ && shown_generation_ >= 0) std::printf("\n");
+  }
+
+ private:
+  void UpdateRate(int64_t step) {
+    const double now = NowSeconds();
+    if (rate_at_ == 0 || step < rate_step_) {
+      rate_at_ = now;
+      rate_step_ = step;
+    } else if (now - rate_at_ >= 1.0 && step > rate_step_) {
+      // A step count in a window is coarse; an evaluation is a window without progress.
+      const double sample =
+          tokens_per_step_ * static_cast<double>(step - rate_step_) / (now - rate_at_);
+      rate_ = rate_ == 0 ? sample : 0.7 * rate_ + 0.3 * sample;
+      rate_at_ = now;
+      rate_step_ = step;
+    }
+  }
+
+  const config::JobConfig& cfg_;
+  const int64_t total_;
+  const int every_;
+  const double tokens_per_step_;
+  const bool tty_;
+  int64_t shown_step_ = -1, shown_generation_ = -1;
+  double rate_ = 0, rate_at_ = 0;
+  int64_t rate_step_ = 0;
+};
+
+// Waits for every worker to exit, showing the status line meanwhile; returns how many failed.
+// The others carry on without a failed one (nothing is restarted).
+int WatchWorkers(const LaunchPlan& plan, const std::vector<pid_t>& pids,
+                 const coordinator::CoordinatorState& state) {
+  StatusLine status(plan.cfg);
+  int failed = 0;
+  int alive = static_cast<int>(pids.size());
+  std::vector<bool> exited(pids.size(), false);
+  while (alive > 0) {
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (exited[i]) continue;
+      int st = 0;
+      if (waitpid(pids[i], &st, WNOHANG) != pids[i]) continue;
+      exited[i] = true;
+      --alive;
+      const int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+      if (code != 0) {
+        std::fprintf(stderr, "strata launch: worker-%zu exited with %s %d\n", i,
+                     WIFEXITED(st) ? "code" : "signal", WIFEXITED(st) ? code : WTERMSIG(st));
+        ++failed;
+      }
+    }
+    if (!plan.quiet) status.Show(state.Snapshot());
+    if (alive > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (!plan.quiet) status.End();
+  return failed;
+}
+
+// Run: the coordinator in this process, the workers, the status line until they are gone, and the
+// outcome; 0 when the job reached its last step (without the workers that failed, if any), 1
+// otherwise.
+int RunLaunch(const LaunchPlan& plan) {
+  auto state = coordinator::CoordinatorState::Open(plan.options, config::ToText(plan.cfg),
+                                                   std::chrono::steady_clock::now());
+  if (!state.ok()) return Fail(state.status());
+  auto server = coordinator::CoordinatorServer::Start(state->get(), plan.listen);
+  if (!server.ok()) return Fail(server.status());
+  const std::string address = (*server)->address();
+  if (Status l = (*state)->SetListenAddress(address); !l.ok()) return Fail(l);
+  // The token, for workers started by hand and a restarted coordinator.
+  if (Status t = KeepToken(plan.options.dir, plan.options.token); !t.ok()) return Fail(t);
+  if (!plan.quiet) PrintBanner(plan, address);
+  const int failed = WatchWorkers(plan, StartWorkers(plan, address), **state);
+  // A joiner still pending when the job finished learns so (it asks every second) before the
+  // coordinator goes away with this process.
+  if (const auto r = (*state)->Snapshot(); r.finished() && r.pending_size() > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  }
+  const auto last = (*state)->Snapshot();
+  const int64_t total = plan.cfg.train().steps();
   int rc = 0;
-  {
-    auto state = coordinator::CoordinatorState::Open(o, config::ToText(*cfg),
-                                                     std::chrono::steady_clock::now());
-    if (!state.ok()) return Fail(state.status());
-    auto server = coordinator::CoordinatorServer::Start(
-        state->get(), flags->String("listen").value_or("127.0.0.1:0"));
-    if (!server.ok()) return Fail(server.status());
-    const std::string address = (*server)->address();
-    if (Status l = (*state)->SetListenAddress(address); !l.ok()) return Fail(l);
-    const bool quiet = flags->Has("quiet");
-    // The token, for workers started by hand and a restarted coordinator.
-    const std::string token_file = o.dir + "/token";
-    if (Status t = KeepToken(o.dir, o.token); !t.ok()) return Fail(t);
-    std::error_code ec;
-    const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
-    // Workers get the job's config from the coordinator; only this machine's settings are flags.
-    const std::string machine_flags =
-        *threads ? absl::StrFormat(" --threads %d", **threads) : std::string();
-    if (!quiet) {
-      std::printf(
-          "[%s] coordinator on %s; starting %d workers (%d to %d may train)\n"
-          "[%s] add a worker: STRATA_JOB_TOKEN=$(cat %s) %s worker --coordinator %s%s\n"
-          "[%s] restart the coordinator if this process dies: STRATA_JOB_TOKEN=$(cat %s) %s "
-          "coordinator --dir %s\n",
-          cfg->name().c_str(), address.c_str(), n, o.min_workers, o.max_workers,
-          cfg->name().c_str(), token_file.c_str(), self.c_str(), address.c_str(),
-          machine_flags.c_str(), cfg->name().c_str(), token_file.c_str(), self.c_str(),
-          std::filesystem::absolute(o.dir).string().c_str());
-      std::fflush(stdout);
-    }
-    std::vector<pid_t> pids;
-    for (int i = 0; i < n; ++i) {
-      std::vector<std::string> argv = {"strata", "worker", "--coordinator",
-                                       address,  "--id",   absl::StrCat("worker-", i),
-                                       "--quiet"};
-      if (*threads) argv.insert(argv.end(), {"--threads", absl::StrCat(**threads)});
-      if (auto m = flags->String("metrics-out")) {
-        argv.insert(argv.end(), {"--metrics-out", absl::StrCat(*m, ".", i)});
-      }
-      if (flags->Has("resume")) argv.push_back("--resume");
-      pid_t pid = fork();
-      if (pid == 0) {
-        setenv("STRATA_JOB_TOKEN", o.token.c_str(), 1);
-        std::vector<char*> cargv;
-        for (auto& a : argv) cargv.push_back(a.data());
-        cargv.push_back(nullptr);
-        execv("/proc/self/exe", cargv.data());
-        _exit(127);
-      }
-      pids.push_back(pid);
-    }
-    // Status lines from the coordinator's record until every worker is gone.
-    const int64_t total = cfg->train().steps();
-    const int every = std::max(1, cfg->train().log_every());
-    int64_t shown_step = -1, shown_generation = -1;
-    const double tokens_per_step =
-        static_cast<double>(cfg->train().global_batch()) * cfg->model().seq_len();
-    const bool tty = isatty(STDOUT_FILENO);
-    double rate = 0, rate_at = 0;
-    int64_t rate_step = 0;
-    int failed = 0;
-    int alive = n;
-    std::vector<bool> exited(n, false);
-    while (alive > 0) {
-      for (int i = 0; i < n; ++i) {
-        if (exited[i]) continue;
-        int status = 0;
-        if (waitpid(pids[i], &status, WNOHANG) == pids[i]) {
-          exited[i] = true;
-          --alive;
-          const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-          if (code != 0) {
-            // The others carry on without it (nothing is restarted); the job fails only if it
-            // does not reach its last step.
-            std::fprintf(stderr, "strata launch: worker-%d exited with %s %d\n", i,
-                         WIFEXITED(status) ? "code" : "signal",
-                         WIFEXITED(status) ? code : WTERMSIG(status));
-            ++failed;
-          }
-        }
-      }
-      const auto r = (*state)->Snapshot();
-      const bool finished = shown_step >= total;
-      const double now = NowSeconds();
-      if (rate_at == 0 || r.step() < rate_step) {
-        rate_at = now;
-        rate_step = r.step();
-      } else if (now - rate_at >= 1.0 && r.step() > rate_step) {
-        // Smoothed over windows of at least a second with progress (a step count in a window is
-        // coarse; an evaluation is a window without progress).
-        const double sample =
-            tokens_per_step * static_cast<double>(r.step() - rate_step) / (now - rate_at);
-        rate = rate == 0 ? sample : 0.7 * rate + 0.3 * sample;
-        rate_at = now;
-        rate_step = r.step();
-      }
-      const bool new_generation = r.generation().number() != shown_generation;
-      // On a terminal one line is kept up to date (a new one per generation); otherwise a line
-      // every log_every steps and at every generation.
-      const bool due = tty ? r.step() != shown_step
-                           : r.step() != shown_step && (r.step() % every == 0 || r.step() == total);
-      if (!quiet && !finished && (new_generation || due)) {
-        std::string line = absl::StrFormat("[%s] step %d/%d", cfg->name(), r.step(), total);
-        if (r.generation().workers_size() == 0) {
-          absl::StrAppend(&line, " | no workers training");
-        } else {
-          if (r.step() > 0) absl::StrAppendFormat(&line, " | loss %.4f", r.loss());
-          if (rate > 0) absl::StrAppendFormat(&line, " | %.0f tok/s", rate);
-          absl::StrAppendFormat(&line, " | %d workers", r.generation().workers_size());
-        }
-        absl::StrAppendFormat(&line, " | generation %d (%s)", r.generation().number(),
-                              r.generation().reason());
-        if (tty) {
-          std::printf("%s\r\033[K%s", new_generation && shown_generation >= 0 ? "\n" : "",
-                      line.c_str());
-        } else {
-          std::printf("%s\n", line.c_str());
-        }
-        std::fflush(stdout);
-        shown_step = r.step();
-        shown_generation = r.generation().number();
-      }
-      if (alive > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    if (tty && !quiet && shown_generation >= 0) std::printf("\n");
-    // A joiner still pending when the job finished learns so (it asks every second) before the
-    // coordinator goes away with this process.
-    if (const auto r = (*state)->Snapshot(); r.finished() && r.pending_size() > 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2500));
-    }
-    const auto last = (*state)->Snapshot();
-    const int64_t reached = last.step();
-    if (reached < total && !last.finished()) {
-      std::fprintf(stderr, "strata launch: the job stopped at step %lld of %lld\n",
-                   static_cast<long long>(reached), static_cast<long long>(total));
-      rc = 1;
-    } else if (failed > 0 && !quiet) {
-      std::printf("strata launch: the job finished without the %d worker(s) that failed\n", failed);
-    }
+  if (last.step() < total && !last.finished()) {
+    std::fprintf(stderr, "strata launch: the job stopped at step %lld of %lld\n",
+                 static_cast<long long>(last.step()), static_cast<long long>(total));
+    rc = 1;
+  } else if (failed > 0 && !plan.quiet) {
+    std::printf("strata launch: the job finished without the %d worker(s) that failed\n", failed);
   }
-  if (!temp_dir.empty()) {
-    std::error_code ec;
-    std::filesystem::remove_all(temp_dir, ec);
-  }
-  if (!flags->Has("quiet")) {
+  if (!plan.quiet) {
     std::printf(rc == 0
                     ? "strata launch: the job finished (%d workers started)\n"
                     : "strata launch: the job failed (%d workers started); see the errors above\n",
-                static_cast<int>(**workers));
+                plan.workers);
+  }
+  return rc;
+}
+
+}  // namespace
+
+int LaunchCommand(const std::vector<std::string>& args) {
+  LaunchPlan plan;
+  if (std::optional<int> rc = ParseLaunch(args, &plan)) return *rc;
+  if (Status p = PlanLaunch(&plan); !p.ok()) return Fail(p);
+  const int rc = RunLaunch(plan);
+  if (plan.temp_dir) {
+    std::error_code ec;
+    std::filesystem::remove_all(plan.options.dir, ec);
   }
   return rc;
 }

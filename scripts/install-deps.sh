@@ -22,6 +22,7 @@ packages=(
   openssl               # the coordinator's TLS test makes its certificate with it
   python3
   patchelf xz-utils file  # scripts/package.sh: RUNPATH, the tarball, telling binaries apart
+  universal-ctags         # scripts/code-sizes.sh: where each function ends
 )
 
 for arg in "$@"; do
