@@ -64,10 +64,13 @@ StatusOr<std::unique_ptr<CheckpointManager>> CheckpointManager::Open(
     const CheckpointOptions& options, bool must_exist) {
   std::unique_ptr<CheckpointManager> m(new CheckpointManager);
   m->options_ = options;
-  RETURN_IF_ERROR(m->OpenFolder(must_exist));
-  RETURN_IF_ERROR(m->OpenIndex(must_exist));
-  RETURN_IF_ERROR(m->MarkListedExtents());
-  if (!must_exist) RETURN_IF_ERROR(m->Tidy());
+  {
+    absl::MutexLock lock(&m->mu_);  // no other thread has it yet: for the analysis
+    RETURN_IF_ERROR(m->OpenFolder(must_exist));
+    RETURN_IF_ERROR(m->OpenIndex(must_exist));
+    RETURN_IF_ERROR(m->MarkListedExtents());
+    if (!must_exist) RETURN_IF_ERROR(m->Tidy());
+  }
   if (options.committer) m->ReclaimIdleShards();
   return m;
 }
@@ -279,6 +282,11 @@ CheckpointManager::~CheckpointManager() {
 }
 
 std::vector<int64_t> CheckpointManager::Steps() const {
+  absl::MutexLock lock(&mu_);
+  return StepsLocked();
+}
+
+std::vector<int64_t> CheckpointManager::StepsLocked() const {
   std::set<int64_t> steps;
   for (const CheckpointSet& cs : sets_) steps.insert(cs.step());
   for (const CheckpointSet& cs : folder_sets_) steps.insert(cs.step());
@@ -295,6 +303,7 @@ Status CheckpointManager::CheckCompatible(const config::JobConfig& config) const
         "model it was trained with, or start a new run in another folder. Nothing was changed",
         m.step(), options_.dir, ConfigDiff(m.model_config(), ModelText(config.model()))));
   };
+  absl::MutexLock lock(&mu_);
   for (const CheckpointSet& cs : sets_) RETURN_IF_ERROR(check(cs));
   for (const CheckpointSet& cs : folder_sets_) RETURN_IF_ERROR(check(cs));
   for (const CheckpointManifest& m : manifests_) RETURN_IF_ERROR(check(m));
@@ -303,7 +312,7 @@ Status CheckpointManager::CheckCompatible(const config::JobConfig& config) const
 
 Status CheckpointManager::ReclaimUnnamed(bool every) {
   ASSIGN_OR_RETURN(std::vector<CheckpointSet> sets, ListCheckpointSets(options_.dir));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   sets_ = std::move(sets);
   if (sets_.empty() && !every) return absl::OkStatus();
   const int64_t below = every ? std::numeric_limits<int64_t>::max() : sets_.back().step();
@@ -349,7 +358,7 @@ Status CheckpointManager::Continue(int64_t generation, bool committer,
                         << "the previous generation left in flight: " << in_flight.message();
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     writer_status_ = absl::OkStatus();
     writer_done_ = true;
   }

@@ -55,7 +55,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
@@ -65,6 +64,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "checkpoint/checkpoint_set.h"
 #include "checkpoint/tensor_index.h"
 #include "core/common/status.h"
@@ -149,13 +150,14 @@ class CheckpointManager {
   std::shared_ptr<storage::SsdTier> ssd() const { return ssd_; }
   // The steps of the folder's checkpoints (committed sets, and those of a folder written before
   // sharding), increasing.
-  std::vector<int64_t> Steps() const;
+  std::vector<int64_t> Steps() const ABSL_LOCKS_EXCLUDED(mu_);
   // The shard this process writes ("." for a folder written before sharding) and its folder.
   const std::string& shard_name() const { return shard_name_; }
   const std::string& shard_dir() const { return shard_dir_; }
 
   // Fails, naming the differences, when a checkpoint in the folder was written for another model.
-  [[nodiscard]] Status CheckCompatible(const config::JobConfig& config) const;
+  [[nodiscard]] Status CheckCompatible(const config::JobConfig& config) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Restores the newest valid checkpoint into the model, optimizer and (TIERED) the store, and
   // returns its step. The model must have been built from `config`; it may hold some of the
@@ -166,16 +168,17 @@ class CheckpointManager {
   [[nodiscard]] StatusOr<int64_t> Resume(const config::JobConfig& config,
                                          model::MoeTransformer& model, model::AdamW& optimizer,
                                          scheduler::TieredExpertScheduler* tiered,
-                                         ops::Context& ctx, const ResumeAgreement& agree = nullptr);
+                                         ops::Context& ctx, const ResumeAgreement& agree = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // A store made while this shard already holds checkpoints, which no Resume read into it (a
   // worker that joins a running job under an id it had before, and takes its experts from the
   // other workers): the store takes references on the versions those checkpoints use and never
   // reuses their numbers, as Resume does. Call before the store writes anything, while no persist
   // runs; `tiered` is kept as Save keeps its scheduler.
-  void AdoptStore(scheduler::TieredExpertScheduler* tiered);
+  void AdoptStore(scheduler::TieredExpertScheduler* tiered) ABSL_LOCKS_EXCLUDED(mu_);
   // The store whose references this manager holds (Resume, AdoptStore, Save) has been handed to
   // `tiered` (a re-form): reach it through that scheduler from now on. While no persist runs.
-  void RebindStore(scheduler::TieredExpertScheduler* tiered);
+  void RebindStore(scheduler::TieredExpertScheduler* tiered) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Checkpoints the state after `step` steps: `share` of it, persisted in the background. Waits
   // for the previous checkpoint's persist first. Checkpoints of `step` and later steps (training
@@ -190,12 +193,13 @@ class CheckpointManager {
   [[nodiscard]] Status Save(int64_t step, const config::JobConfig& config,
                             model::MoeTransformer& model, model::AdamW& optimizer,
                             scheduler::TieredExpertScheduler* tiered, ops::Context& ctx,
-                            const CheckpointShare& share = {});
+                            const CheckpointShare& share = {}) ABSL_LOCKS_EXCLUDED(mu_);
   // Touches, on the writer thread, the host buffers a checkpoint of `share` will copy into
   // (`tiered`: the experts live in a TIERED store and are left out), so that the first checkpoint
   // does not fault them in while it overlaps a step; the first Save waits for it to finish. Call
   // once, before the first Save (later calls, and calls after a Save, do nothing).
-  void Reserve(const model::MoeTransformer& model, const CheckpointShare& share, bool tiered);
+  void Reserve(const model::MoeTransformer& model, const CheckpointShare& share, bool tiered)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Returns once the last Save's snapshot is taken: the tensors it copies may change from then
   // on. Immediate when it is (or there was no Save); a wait is traced as "checkpoint fence".
   void FinishSnapshot(Tracer* tracer = nullptr);
@@ -235,13 +239,13 @@ class CheckpointManager {
   // Continue has waited for the persist in flight.
   [[nodiscard]] Status Continue(int64_t generation, bool committer,
                                 std::shared_ptr<std::atomic<bool>> abandoned,
-                                scheduler::TieredExpertScheduler* tiered);
+                                scheduler::TieredExpertScheduler* tiered) ABSL_LOCKS_EXCLUDED(mu_);
   // The step of the newest committed checkpoint (0: none); safe while a persist runs.
-  int64_t NewestCommitted();
+  int64_t NewestCommitted() ABSL_LOCKS_EXCLUDED(mu_);
   // Waits for the persist in flight; returns its error, if any.
-  [[nodiscard]] Status Wait();
+  [[nodiscard]] Status Wait() ABSL_LOCKS_EXCLUDED(mu_);
   // The error of a persist that already finished (OK while one runs or none failed).
-  Status PollError();
+  Status PollError() ABSL_LOCKS_EXCLUDED(mu_);
 
   // `strata ckpt`: list, verify (every extent's CRC; step -1: all), remove.
   [[nodiscard]] static StatusOr<std::vector<CheckpointInfo>> List(const std::string& dir);
@@ -263,15 +267,15 @@ class CheckpointManager {
   // Open's steps: the folder (its lock, start_over, the committed sets, this shard's folder and
   // lock, old prepared reports, the sets of a folder written before sharding); the shard's index,
   // checked against its ledger; the extents its checkpoints list, marked used.
-  [[nodiscard]] Status OpenFolder(bool must_exist);
-  [[nodiscard]] Status OpenIndex(bool must_exist);
-  [[nodiscard]] Status MarkListedExtents();
+  [[nodiscard]] Status OpenFolder(bool must_exist) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  [[nodiscard]] Status OpenIndex(bool must_exist) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  [[nodiscard]] Status MarkListedExtents() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Save's steps: the local and global manifests' headers and this shard's entry; the copies of
   // the dense parameters and of the experts (a TIERED expert's from its store: a reference when
   // its SSD copy is current); the writer thread started.
   void DescribeCheckpoint(Pending& p, int64_t step, const config::JobConfig& config,
                           model::MoeTransformer& model, model::AdamW& optimizer, bool tiered,
-                          const CheckpointShare& share);
+                          const CheckpointShare& share) ABSL_LOCKS_EXCLUDED(mu_);
   // A copy of `bytes` into a snapshot buffer that `fill` writes: now when a source is off the
   // host, else on the writer thread (TakeSnapshot).
   void AddCopy(Pending& p, storage::TensorRef ref, uint64_t bytes,
@@ -283,24 +287,25 @@ class CheckpointManager {
                                        scheduler::TieredExpertScheduler* tiered);
   [[nodiscard]] Status SnapshotTieredExpert(Pending& p, storage::TensorRef r,
                                             scheduler::TieredExpertScheduler& tiered);
-  void StartWriter(std::shared_ptr<Pending> p);
+  void StartWriter(std::shared_ptr<Pending> p) ABSL_LOCKS_EXCLUDED(mu_);
   // Persist's steps, on the writer thread: the extents written and synced and the local manifest
   // committed to the index (the shard is prepared); the global manifest committed (the committer)
   // or the shard reported prepared; what a failed checkpoint held given back; a committed one
   // recorded, the ledger written and the oldest pruned.
   [[nodiscard]] Status CommitLocal(Pending& p, std::vector<storage::TensorRef>* new_versions,
-                                   bool* written);
-  [[nodiscard]] Status CommitGlobal(Pending& p,
-                                    const std::vector<storage::TensorRef>& new_versions);
-  void PersistFailed(Pending& p, const Status& s, bool written);
-  void PersistCommitted(Pending& p);
+                                   bool* written) ABSL_LOCKS_EXCLUDED(mu_);
+  [[nodiscard]] Status CommitGlobal(Pending& p, const std::vector<storage::TensorRef>& new_versions)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void PersistFailed(Pending& p, const Status& s, bool written) ABSL_LOCKS_EXCLUDED(mu_);
+  void PersistCommitted(Pending& p) ABSL_LOCKS_EXCLUDED(mu_);
   // Resume's steps: the newest checkpoint every worker found intact; older ones whose extents lie
   // beyond their data files; a checkpoint of this shard read into the model (dense parameters,
   // experts); the failed ones removed and the kept ones' versions given to the store.
   struct ResumeChoice;
   [[nodiscard]] StatusOr<ResumeChoice> ChooseCheckpoint(const model::MoeTransformer& model,
                                                         const ResumeAgreement& agree);
-  void AddOlderOutsideFiles(int64_t step, std::vector<int64_t>* invalid) const;
+  void AddOlderOutsideFiles(int64_t step, std::vector<int64_t>* invalid) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   [[nodiscard]] Status ReadExtent(const storage::TensorRef& r, int64_t step, void* dst,
                                   uint64_t bytes) const;
   [[nodiscard]] Status ReadLocalDense(const storage::CheckpointManifest& m,
@@ -310,7 +315,8 @@ class CheckpointManager {
                                         model::MoeTransformer& model, model::AdamW& optimizer,
                                         scheduler::TieredExpertScheduler* tiered) const;
   [[nodiscard]] Status KeepResumed(const std::vector<int64_t>& invalid,
-                                   scheduler::TieredExpertScheduler* tiered);
+                                   scheduler::TieredExpertScheduler* tiered)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The folder's checkpoints, the index read-only and checked against the ledger.
   [[nodiscard]] static StatusOr<std::vector<storage::CheckpointManifest>> ReadList(
       const std::string& dir);
@@ -321,26 +327,31 @@ class CheckpointManager {
   Status VerifyManifest(const storage::CheckpointManifest& m) const;
   // The checks of checkpoint `step` before it is resumed: its set names this shard's local
   // checkpoint with the CRC it has, and every extent of it reads back. Sets `local`.
-  Status CheckCheckpoint(int64_t step, const storage::CheckpointManifest** local) const;
+  Status CheckCheckpoint(int64_t step, const storage::CheckpointManifest** local) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops a checkpoint: its global manifest first, then the local one from the ledger and the
   // index, releasing the extents only it used.
-  [[nodiscard]] Status RemoveLocked(int64_t step);
+  [[nodiscard]] Status RemoveLocked(int64_t step) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the local checkpoint `local` (of manifests_) alone: the ledger records its removal, the
   // index forgets it, and each version only it listed is released (ReleaseVersion).
-  [[nodiscard]] Status RemoveLocalLocked(std::vector<storage::CheckpointManifest>::iterator local);
+  [[nodiscard]] Status RemoveLocalLocked(std::vector<storage::CheckpointManifest>::iterator local)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reopens the index for writing, then Tidy.
-  [[nodiscard]] Status ReopenWritable();
+  [[nodiscard]] Status ReopenWritable() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // With the index open for writing: finishes removals a killed process left half done and
   // brings the ledger up to date (a commit it missed, a folder that had none).
-  [[nodiscard]] Status Tidy();
+  [[nodiscard]] Status Tidy() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Replaces DIR/LEDGER with the live list (less `removing`, recorded as being removed).
-  [[nodiscard]] Status WriteLedger(const storage::CheckpointManifest* removing = nullptr);
+  [[nodiscard]] Status WriteLedger(const storage::CheckpointManifest* removing = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Persist(std::shared_ptr<Pending> p);
   // The writer: fills the copies Save deferred, then lets FinishSnapshot return.
   void TakeSnapshot(Pending& p);
   // Removes the checkpoints of `step` and later steps (see Save).
-  [[nodiscard]] Status ReplaceFrom(int64_t step);
-  void ReleaseVersion(const storage::TensorRef& r);
+  [[nodiscard]] Status ReplaceFrom(int64_t step) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReleaseVersion(const storage::TensorRef& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Steps() with mu_ held.
+  std::vector<int64_t> StepsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   CheckpointOptions options_;
   int lock_fd_ = -1;        // DIR/LOCK: the committer's (and a folder-shard's) lock
@@ -350,16 +361,18 @@ class CheckpointManager {
   std::unique_ptr<TensorIndex> index_;
   // The shard's committed local checkpoints, by increasing step: those a committed set names, and
   // those of a folder written before sharding.
-  std::vector<storage::CheckpointManifest> manifests_;
-  std::vector<storage::CheckpointSet> sets_;  // the folder's committed sets, by increasing step
+  std::vector<storage::CheckpointManifest> manifests_ ABSL_GUARDED_BY(mu_);
+  // The folder's committed sets, by increasing step.
+  std::vector<storage::CheckpointSet> sets_ ABSL_GUARDED_BY(mu_);
   // A worker's view of the checkpoints of a folder written before sharding (in the shard "."),
   // each as a one-shard set.
   std::vector<storage::CheckpointSet> folder_sets_;
   // Still in the index, but the ledger says they were being removed, or no committed set names
   // them (prepared, never committed): finished by Tidy.
-  std::vector<storage::CheckpointManifest> removing_;
-  uint64_t last_sequence_ = 0;        // the highest sequence given to a checkpoint
-  std::map<VersionKey, int> listed_;  // how many checkpoints list each stored version
+  std::vector<storage::CheckpointManifest> removing_ ABSL_GUARDED_BY(mu_);
+  uint64_t last_sequence_ ABSL_GUARDED_BY(mu_) = 0;  // the highest sequence given to a checkpoint
+  std::map<VersionKey, int> listed_
+      ABSL_GUARDED_BY(mu_);  // how many checkpoints list each stored version
   // Listed versions whose extents lie beyond the end of their data file (a file cut short): never
   // marked used, so never freed.
   std::set<VersionKey> outside_;
@@ -374,7 +387,7 @@ class CheckpointManager {
   // Reads the committed sets again and removes the local checkpoints of this shard that no
   // committed set names (the committer pruned or never committed them): those older than the
   // newest committed one (a worker at each save), or (`every`) all of them (Continue).
-  [[nodiscard]] Status ReclaimUnnamed(bool every);
+  [[nodiscard]] Status ReclaimUnnamed(bool every) ABSL_LOCKS_EXCLUDED(mu_);
   // The committer, when it opens: every other shard that no process holds lets go of the local
   // checkpoints no committed set names.
   void ReclaimIdleShards();
@@ -392,14 +405,16 @@ class CheckpointManager {
   std::unique_ptr<SnapshotArena> arena_;
 
   // Whether the last Save's snapshot is taken (the writer sets it; FinishSnapshot waits on it).
-  std::mutex snapshot_mu_;
-  std::condition_variable snapshot_cv_;
-  bool snapshot_done_ = true;
+  absl::Mutex snapshot_mu_;
+  absl::CondVar snapshot_cv_;
+  bool snapshot_done_ ABSL_GUARDED_BY(snapshot_mu_) = true;
 
-  std::mutex mu_;
+  // Guards what the writer thread and the trainer's thread share: the lists of checkpoints and
+  // sets, the versions they list, and the writer's outcome. Taken after snapshot_mu_ is let go.
+  mutable absl::Mutex mu_;
   std::thread writer_;
-  Status writer_status_;
-  bool writer_done_ = true;
+  Status writer_status_ ABSL_GUARDED_BY(mu_);
+  bool writer_done_ ABSL_GUARDED_BY(mu_) = true;
 };
 
 }  // namespace strata::checkpoint

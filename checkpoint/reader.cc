@@ -260,13 +260,15 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
   }
   RETURN_IF_ERROR(CheckCompatible(config));
   ASSIGN_OR_RETURN(ResumeChoice choice, ChooseCheckpoint(model, agree));
-  AddOlderOutsideFiles(choice.step, &choice.invalid);
-  // Version numbers stay reserved past every checkpoint of this shard, removed ones included (the
-  // store holds no checkpoint versions yet; an expert read from another shard takes a new one).
-  if (tiered != nullptr) {
+  {
+    absl::MutexLock lock(&mu_);
+    AddOlderOutsideFiles(choice.step, &choice.invalid);
+    // Version numbers stay reserved past every checkpoint of this shard, removed ones included
+    // (the store holds no checkpoint versions yet; an expert read from another shard takes a new
+    // one).
     for (const CheckpointManifest& cm : manifests_) {
       for (const TensorRef& r : cm.tensors()) {
-        if (r.expert() < 0) continue;
+        if (tiered == nullptr || r.expert() < 0) continue;
         tiered->store().ReserveVersions(
             storage::TensorKey{r.layer(), r.expert(), static_cast<storage::TensorKind>(r.kind())},
             r.version());
@@ -306,23 +308,28 @@ StatusOr<CheckpointManager::ResumeChoice> CheckpointManager::ChooseCheckpoint(
   ResumeChoice choice;
   Status first_error;
   for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
-    const CheckpointSet* set = nullptr;
-    for (const CheckpointSet& cs : folder_sets_) {
-      if (cs.step() == *step) set = &cs;
-    }
-    for (const CheckpointSet& cs : sets_) {
-      if (cs.step() == *step) set = &cs;
-    }
     Status s;
-    // A checkpoint wholly in this shard is read from it as it stands only by a model that holds
-    // all of it (a worker's shard may hold a checkpoint of a job it trained alone).
-    if (set == nullptr ||
-        (set->shards_size() == 1 && set->shards(0).name() == shard_name_ && holds_every_expert)) {
-      s = CheckCheckpoint(*step, &choice.local);
-    } else {
-      choice.reader = std::make_unique<SetReader>(options_, *set);
-      s = CheckSetParts(*choice.reader, model);
+    bool read_here = false;
+    {
+      absl::MutexLock lock(&mu_);
+      const CheckpointSet* set = nullptr;
+      for (const CheckpointSet& cs : folder_sets_) {
+        if (cs.step() == *step) set = &cs;
+      }
+      for (const CheckpointSet& cs : sets_) {
+        if (cs.step() == *step) set = &cs;
+      }
+      // A checkpoint wholly in this shard is read from it as it stands only by a model that holds
+      // all of it (a worker's shard may hold a checkpoint of a job it trained alone).
+      read_here = set == nullptr || (set->shards_size() == 1 &&
+                                     set->shards(0).name() == shard_name_ && holds_every_expert);
+      if (read_here) {
+        s = CheckCheckpoint(*step, &choice.local);
+      } else {
+        choice.reader = std::make_unique<SetReader>(options_, *set);
+      }
     }
+    if (!read_here) s = CheckSetParts(*choice.reader, model);
     bool ok = s.ok();
     if (agree) {
       ASSIGN_OR_RETURN(ok, agree(ok));
@@ -464,7 +471,7 @@ Status CheckpointManager::KeepResumed(const std::vector<int64_t>& invalid,
   // go, giving back the space only they used (the store holds no checkpoint versions yet); then
   // the store learns which versions the kept checkpoints use. Version numbers stay reserved past
   // every checkpoint read, removed ones included.
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(ReopenWritable());
   for (int64_t step : invalid) {
     STRATA_LOG(WARNING) << "removing checkpoint " << step << " (it failed its checks)";
@@ -485,12 +492,12 @@ Status CheckpointManager::KeepResumed(const std::vector<int64_t>& invalid,
 }
 
 void CheckpointManager::RebindStore(scheduler::TieredExpertScheduler* tiered) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (tiered_ != nullptr) tiered_ = tiered;
 }
 
 void CheckpointManager::AdoptStore(scheduler::TieredExpertScheduler* tiered) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   for (const CheckpointManifest& cm : manifests_) {
     for (const TensorRef& r : cm.tensors()) {
       if (r.expert() < 0) continue;

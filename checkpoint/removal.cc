@@ -80,8 +80,8 @@ Status CheckpointManager::RemoveLocalLocked(std::vector<CheckpointManifest>::ite
 Status CheckpointManager::ReplaceFrom(int64_t step) {
   std::vector<int64_t> later;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const int64_t s : Steps()) {
+    absl::MutexLock lock(&mu_);
+    for (const int64_t s : StepsLocked()) {
       if (s >= step) later.push_back(s);
     }
   }
@@ -94,7 +94,7 @@ Status CheckpointManager::ReplaceFrom(int64_t step) {
       ASSIGN_OR_RETURN(std::vector<CheckpointSet> sets, ListCheckpointSets(options_.dir));
       std::vector<int64_t> named;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        absl::MutexLock lock(&mu_);
         for (const CheckpointSet& cs : sets) {
           const storage::ShardEntry* e = FindShard(cs, shard_name_);
           if (cs.step() < step || e == nullptr) continue;
@@ -130,7 +130,7 @@ Status CheckpointManager::ReplaceFrom(int64_t step) {
         "checkpoint %d in '%s' (shard %s) is removed: training went back to step %d, and saves "
         "its checkpoints again from there",
         *it, options_.dir, shard_name_, step);
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(RemoveLocked(*it));
   }
   return absl::OkStatus();
@@ -160,7 +160,7 @@ Status CheckpointManager::Remove(const std::string& dir, int64_t step) {
     CheckpointOptions o;
     o.dir = dir;
     ASSIGN_OR_RETURN(auto m, Open(o, /*must_exist=*/true));
-    std::lock_guard<std::mutex> lock(m->mu_);
+    absl::MutexLock lock(&m->mu_);
     RETURN_IF_ERROR(m->ReopenWritable());
     return m->RemoveLocked(step);
   }

@@ -84,7 +84,7 @@ void CheckpointManager::DescribeCheckpoint(Pending& p, int64_t step,
   }
   p.layout = CheckpointSetLayoutOf(config.model(), dense_names);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     m.set_sequence(++last_sequence_);
     if (!manifests_.empty()) {
       m.set_previous_step(manifests_.back().step());
@@ -214,10 +214,10 @@ void CheckpointManager::StartWriter(std::shared_ptr<Pending> p) {
   const bool deferred = std::any_of(p->copies.begin(), p->copies.end(),
                                     [](const Pending::Copy& c) { return c.fill != nullptr; });
   {
-    std::lock_guard<std::mutex> lock(snapshot_mu_);
+    absl::MutexLock lock(&snapshot_mu_);
     snapshot_done_ = !deferred;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   writer_done_ = false;
   writer_status_ = absl::OkStatus();
   if (writer_.joinable()) writer_.join();
@@ -254,10 +254,10 @@ void CheckpointManager::Reserve(const model::MoeTransformer& model, const Checkp
 }
 
 void CheckpointManager::FinishSnapshot(Tracer* tracer) {
-  std::unique_lock<std::mutex> lock(snapshot_mu_);
+  absl::MutexLock lock(&snapshot_mu_);
   if (snapshot_done_) return;
   TraceScope span(tracer, "checkpoint fence", "checkpoint");
-  snapshot_cv_.wait(lock, [this] { return snapshot_done_; });
+  while (!snapshot_done_) snapshot_cv_.Wait(&snapshot_mu_);
 }
 
 void CheckpointManager::TakeSnapshot(Pending& p) {
@@ -272,14 +272,14 @@ void CheckpointManager::TakeSnapshot(Pending& p) {
                      absl::StrFormat("checkpoint snapshot %d", p.manifest.step()), "checkpoint",
                      started, NowSeconds());
   }
-  std::lock_guard<std::mutex> lock(snapshot_mu_);
+  absl::MutexLock lock(&snapshot_mu_);
   snapshot_done_ = true;
-  snapshot_cv_.notify_all();
+  snapshot_cv_.SignalAll();
 }
 
 int64_t CheckpointManager::NewestCommitted() {
-  std::lock_guard<std::mutex> lock(mu_);
-  const std::vector<int64_t> steps = Steps();
+  absl::MutexLock lock(&mu_);
+  const std::vector<int64_t> steps = StepsLocked();
   return steps.empty() ? 0 : steps.back();
 }
 
@@ -328,7 +328,7 @@ Status CheckpointManager::CommitLocal(Pending& p, std::vector<TensorRef>* new_ve
     new_versions->push_back(c.ref);
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     for (const TensorRef& r : p.refs) {
       *m.add_tensors() = r;
       if (r.has_extent() && !listed_.count(KeyOf(r))) new_versions->push_back(r);
@@ -369,6 +369,7 @@ Status CheckpointManager::CommitGlobal(Pending& p, const std::vector<TensorRef>&
       // rather than taking it for a removed checkpoint come back.
       STRATA_LOG(WARNING) << "the local checkpoint " << m.step() << " in " << shard_dir_
                           << " stays until the shard is next opened: " << undo.message();
+      absl::MutexLock lock(&mu_);
       removing_.push_back(m);
     }
   }
@@ -400,7 +401,7 @@ void CheckpointManager::PersistFailed(Pending& p, const Status& s, bool written)
     }
     if (!told.ok()) STRATA_LOG(WARNING) << "could not tell the committer: " << told.message();
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   writer_status_ = absl::Status(
       s.code(), absl::StrFormat("checkpoint of step %d in '%s' failed: %s; the previous "
                                 "checkpoints are intact",
@@ -422,7 +423,7 @@ void CheckpointManager::PersistCommitted(Pending& p) {
       tiered_->store().AdoptVersion(key, c.generation, c.ref.version(), c.stored);
     }
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   for (const TensorRef& r : m.tensors()) {
     if (r.has_extent()) listed_[KeyOf(r)]++;
   }
@@ -449,8 +450,8 @@ void CheckpointManager::PersistCommitted(Pending& p) {
         prune.code(),
         absl::StrFormat("checkpoint of step %d was committed, but %s", m.step(), prune.message()));
   }
-  for (std::vector<int64_t> steps = Steps();
-       prune.ok() && steps.size() > std::max<uint32_t>(1, options_.keep); steps = Steps()) {
+  for (std::vector<int64_t> steps = StepsLocked();
+       prune.ok() && steps.size() > std::max<uint32_t>(1, options_.keep); steps = StepsLocked()) {
     prune = RemoveLocked(steps.front());
   }
   writer_status_ = prune;
@@ -532,12 +533,12 @@ std::vector<std::set<std::string>> DealDenseParameters(const model::MoeTransform
 
 Status CheckpointManager::Wait() {
   if (writer_.joinable()) writer_.join();
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return writer_status_;
 }
 
 Status CheckpointManager::PollError() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return writer_done_ ? writer_status_ : absl::OkStatus();
 }
 

@@ -119,58 +119,10 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Open(
   ro.keep_log_file_num = 2;
   rocksdb::DB* db = nullptr;
   RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(ro, options.dir, &db), "opening", options.dir));
-  c->db_.reset(db);
-  std::string bytes;
-  rocksdb::Status s = db->Get(rocksdb::ReadOptions(), "state", &bytes);
-  if (s.ok()) {
-    if (!c->record_.ParseFromString(bytes)) {
-      return absl::DataLossError(absl::StrFormat(
-          "the coordinator's record in '%s' does not parse; restore the folder from a copy, or "
-          "start the job afresh with an empty folder",
-          options.dir));
-    }
-    // Resumed: members and pending workers get `restart_grace` from now to reconnect (a
-    // member that died while no coordinator ran is found when it is over), and a member's next
-    // step report is taken as it comes (it may have trained past the last boundary the record
-    // holds).
-    const Time grace = now + options.restart_grace - options.heartbeat_timeout;
-    for (const auto& w : c->record_.generation().workers()) {
-      c->last_seen_[w.id()] = grace;
-      c->in_grace_.insert(w.id());
-      c->reported_[w.id()] = kUnknownStep;
-    }
-    for (const auto& w : c->record_.pending()) {
-      c->last_seen_[w.id()] = grace;
-      c->in_grace_.insert(w.id());
-    }
-  } else if (s.IsNotFound()) {
-    c->record_.set_job_config(job_config);
-    c->record_.mutable_generation()->set_number(0);
-    c->record_.mutable_generation()->set_reason("waiting for workers");
-    c->record_.set_step(0);
-  } else {
-    return FromRocks(s, "reading", options.dir);
-  }
-  // A record whose job config was never given (a coordinator refused before) takes this one.
-  if (c->record_.job_config().empty()) c->record_.set_job_config(job_config);
-  c->record_.set_initial_workers(options.initial_workers);
-  c->record_.set_tls_cert(options.tls_cert);
-  c->record_.set_tls_key(options.tls_key);
-  c->record_.set_min_workers(options.min_workers);
-  c->record_.set_max_workers(options.max_workers);
-  c->record_.set_opened(c->record_.opened() + 1);
-  config::JobConfig job;
-  if (google::protobuf::TextFormat::ParseFromString(c->record_.job_config(), &job)) {
-    c->checkpoint_dir_ = job.checkpoint().dir();
-    c->copies_lag_ = config::CopiesLagSteps(job);
-  } else {
-    STRATA_LOG(WARNING) << "the job config in the coordinator's record in '" << options.dir
-                        << "' does not parse: its checkpoint catalog is not checked against the "
-                           "checkpoint folder";
-  }
   {
-    std::lock_guard<std::mutex> lock(c->mu_);
-    RETURN_IF_ERROR(c->PersistLocked());
+    absl::MutexLock lock(&c->mu_);
+    c->db_.reset(db);
+    RETURN_IF_ERROR(c->LoadLocked(job_config, now));
   }
   // A report lost with a coordinator that stopped (a commit it never heard of, a prepare whose
   // workers died) is read from the folder now. A folder it cannot read is logged, not fatal: the
@@ -179,10 +131,62 @@ StatusOr<std::unique_ptr<CoordinatorState>> CoordinatorState::Open(
   {
     // A restart's grace counts from when the coordinator can answer, not from before it opened
     // its record (which a busy disk can make take seconds).
-    std::lock_guard<std::mutex> lock(c->mu_);
+    absl::MutexLock lock(&c->mu_);
     c->CreditStallLocked(std::chrono::steady_clock::now() - opening, "opening its record");
   }
   return c;
+}
+
+Status CoordinatorState::LoadLocked(const std::string& job_config, Time now) {
+  std::string bytes;
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), "state", &bytes);
+  if (s.ok()) {
+    if (!record_.ParseFromString(bytes)) {
+      return absl::DataLossError(absl::StrFormat(
+          "the coordinator's record in '%s' does not parse; restore the folder from a copy, or "
+          "start the job afresh with an empty folder",
+          options_.dir));
+    }
+    // Resumed: members and pending workers get `restart_grace` from now to reconnect (a
+    // member that died while no coordinator ran is found when it is over), and a member's next
+    // step report is taken as it comes (it may have trained past the last boundary the record
+    // holds).
+    const Time grace = now + options_.restart_grace - options_.heartbeat_timeout;
+    for (const auto& w : record_.generation().workers()) {
+      last_seen_[w.id()] = grace;
+      in_grace_.insert(w.id());
+      reported_[w.id()] = kUnknownStep;
+    }
+    for (const auto& w : record_.pending()) {
+      last_seen_[w.id()] = grace;
+      in_grace_.insert(w.id());
+    }
+  } else if (s.IsNotFound()) {
+    record_.set_job_config(job_config);
+    record_.mutable_generation()->set_number(0);
+    record_.mutable_generation()->set_reason("waiting for workers");
+    record_.set_step(0);
+  } else {
+    return FromRocks(s, "reading", options_.dir);
+  }
+  // A record whose job config was never given (a coordinator refused before) takes this one.
+  if (record_.job_config().empty()) record_.set_job_config(job_config);
+  record_.set_initial_workers(options_.initial_workers);
+  record_.set_tls_cert(options_.tls_cert);
+  record_.set_tls_key(options_.tls_key);
+  record_.set_min_workers(options_.min_workers);
+  record_.set_max_workers(options_.max_workers);
+  record_.set_opened(record_.opened() + 1);
+  config::JobConfig job;
+  if (google::protobuf::TextFormat::ParseFromString(record_.job_config(), &job)) {
+    checkpoint_dir_ = job.checkpoint().dir();
+    copies_lag_ = config::CopiesLagSteps(job);
+  } else {
+    STRATA_LOG(WARNING) << "the job config in the coordinator's record in '" << options_.dir
+                        << "' does not parse: its checkpoint catalog is not checked against the "
+                           "checkpoint folder";
+  }
+  return PersistLocked();
 }
 
 StatusOr<std::optional<coordinator::CoordinatorRecord>> CoordinatorState::ReadRecord(
@@ -210,7 +214,7 @@ StatusOr<std::optional<coordinator::CoordinatorRecord>> CoordinatorState::ReadRe
 }
 
 Status CoordinatorState::SetListenAddress(const std::string& address) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (record_.listen() == address) return absl::OkStatus();
   coordinator::CoordinatorRecord before = record_;
   record_.set_listen(address);
@@ -220,7 +224,7 @@ Status CoordinatorState::SetListenAddress(const std::string& address) {
 }
 
 bool CoordinatorState::Done() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (!record_.finished()) return false;
   for (const auto& w : record_.generation().workers()) {
     if (last_seen_.count(w.id())) return false;
@@ -256,7 +260,7 @@ bool CoordinatorState::CatalogFollowsFolderLocked() const {
 }
 
 Status CoordinatorState::ReconcileCheckpoints() {
-  std::lock_guard<std::mutex> serial(catalog_mu_);
+  absl::MutexLock serial(&catalog_mu_);
   return ReconcileWithFolder();
 }
 
@@ -275,7 +279,7 @@ Status CoordinatorState::ReconcileWithFolder() {
   } else if (committed_here) {
     sets = checkpoint::ListCheckpointSets(checkpoint_dir_);
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   // Before its first checkpoint that is how a job's folder is; after it, such a folder is not the
   // one rank 0 writes (another machine's, not mounted here), and it says nothing of the catalog.
   const bool unseen = sets.ok() && !committed_here && CompleteCheckpoints(record_) > 0;
@@ -468,7 +472,7 @@ StatusOr<CoordinatorState::JoinReply> CoordinatorState::Join(const std::string& 
   if (info.id().empty()) {
     return absl::InvalidArgumentError("Join without a worker id; give each worker a unique id");
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (record_.finished()) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "the job finished at step %d; worker '%s' has nothing to join", record_.step(), info.id()));
@@ -517,7 +521,7 @@ StatusOr<CoordinatorState::JoinReply> CoordinatorState::Join(const std::string& 
 StatusOr<coordinator::Generation> CoordinatorState::Heartbeat(const std::string& token,
                                                               const std::string& id, Time now) {
   RETURN_IF_ERROR(CheckToken(token));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = last_seen_.find(id);
   if (it == last_seen_.end()) {
     return absl::NotFoundError(absl::StrFormat(
@@ -550,7 +554,7 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStep(
     double loss, double tokens_per_s,
     const std::vector<coordinator::MoeLayerBalance>& moe_balance) {
   RETURN_IF_ERROR(CheckToken(token));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   // A stale generation first: its worker re-forms, whatever else the report holds.
   RETURN_IF_ERROR(CheckReportLocked(id, generation, step, "reported step"));
   RETURN_IF_ERROR(CheckMoeBalance(moe_balance, id, step));
@@ -610,28 +614,30 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStep(
   return record_.generation();
 }
 
+bool CoordinatorState::FirstGenerationLocked() const {
+  return record_.generation().number() == 1 && record_.step() == 0;
+}
+
 StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
     const std::string& token, const std::string& id, int64_t generation, int64_t step,
     const std::vector<int64_t>& experts_per_worker, Time now) {
   RETURN_IF_ERROR(CheckToken(token));
-  // The job's first generation may start anywhere: its workers resumed from a checkpoint.
-  auto first_generation = [&] { return record_.generation().number() == 1 && record_.step() == 0; };
   bool going_back = false;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     const CatalogCheckpoint* e = FindInCatalog(record_, step);
-    going_back = step > 0 && !first_generation() &&
+    going_back = step > 0 && !FirstGenerationLocked() &&
                  (step < record_.step() - copies_lag_ || step > record_.step() + 1) &&
                  (e == nullptr || !e->complete());
   }
   // A generation going back to a checkpoint the catalog does not hold as complete: its commit
   // report may still be on its way (or lost with a re-form), so the folder is asked.
   if (going_back) (void)ReconcileCheckpoints();
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckReportLocked(id, generation, step, "started at step"));
   const int64_t current = record_.generation().number();
   auto it = reported_.find(id);
-  const bool first = first_generation();
+  const bool first = FirstGenerationLocked();
   // Step 0 counts as a checkpoint until one is committed: a job that lost state before its first
   // checkpoint starts over from its beginning, which every run shares. Otherwise only a complete
   // checkpoint does — or, while the catalog cannot follow the folder, the one rank 0 reported
@@ -685,7 +691,7 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
 Status CoordinatorState::Checkpoint(const std::string& token, const std::string& id,
                                     int64_t generation, int64_t step, bool commit) {
   RETURN_IF_ERROR(CheckToken(token));
-  std::lock_guard<std::mutex> serial(catalog_mu_);
+  absl::MutexLock serial(&catalog_mu_);
   Status s = RecordCheckpointReport(id, generation, step, commit);
   (void)ReconcileWithFolder();  // logged there; the report stands either way
   return s;
@@ -693,7 +699,7 @@ Status CoordinatorState::Checkpoint(const std::string& token, const std::string&
 
 Status CoordinatorState::RecordCheckpointReport(const std::string& id, int64_t generation,
                                                 int64_t step, bool commit) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   RETURN_IF_ERROR(CheckReportLocked(id, generation, step,
                                     commit ? "committed checkpoint" : "prepared checkpoint"));
   const auto& g = record_.generation();
@@ -746,7 +752,7 @@ Status CoordinatorState::RemoveLocked(const std::string& id, const char* reason,
 
 Status CoordinatorState::Leave(const std::string& token, const std::string& id, Time now) {
   RETURN_IF_ERROR(CheckToken(token));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (!last_seen_.count(id)) {
     return absl::NotFoundError(absl::StrFormat("worker '%s' is not part of the job", id));
   }
@@ -754,13 +760,13 @@ Status CoordinatorState::Leave(const std::string& token, const std::string& id, 
 }
 
 Status CoordinatorState::StreamBroken(const std::string& id, Time now) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (!last_seen_.count(id)) return absl::OkStatus();  // already gone
   return RemoveLocked(id, "failure", now);
 }
 
 void CoordinatorState::Finished(const std::string& id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   last_seen_.erase(id);
   in_grace_.erase(id);
   if (!IsMemberLocked(id) || record_.finished()) return;
@@ -773,7 +779,7 @@ void CoordinatorState::Finished(const std::string& id) {
 }
 
 StatusOr<int> CoordinatorState::Tick(Time now) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<std::string> late;
   for (const auto& [id, seen] : last_seen_) {
     if (now - seen > options_.heartbeat_timeout) late.push_back(id);
@@ -821,37 +827,46 @@ Status CoordinatorState::Set(const std::string& token, const std::string& key,
                              const std::string& value) {
   RETURN_IF_ERROR(CheckToken(token));
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     kv_[key] = value;
   }
-  kv_cv_.notify_all();
+  kv_cv_.SignalAll();
   return absl::OkStatus();
 }
 
 StatusOr<std::string> CoordinatorState::Get(const std::string& token, const std::string& key) {
   RETURN_IF_ERROR(CheckToken(token));
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = kv_.find(key);
   if (it == kv_.end()) return absl::NotFoundError(absl::StrCat("key '", key, "' is not set"));
   return it->second;
 }
 
+std::vector<std::string> CoordinatorState::MissingKeysLocked(
+    const std::vector<std::string>& keys) const {
+  std::vector<std::string> missing;
+  for (const auto& k : keys) {
+    if (!kv_.count(k)) missing.push_back(k);
+  }
+  return missing;
+}
+
 Status CoordinatorState::Wait(const std::string& token, const std::vector<std::string>& keys,
                               std::chrono::milliseconds timeout) {
   RETURN_IF_ERROR(CheckToken(token));
-  std::unique_lock<std::mutex> lock(mu_);
-  auto missing = [&] {
-    std::vector<std::string> m;
-    for (const auto& k : keys) {
-      if (!kv_.count(k)) m.push_back(k);
-    }
-    return m;
-  };
-  if (kv_cv_.wait_for(lock, timeout, [&] { return missing().empty(); })) return absl::OkStatus();
+  const absl::Time deadline = absl::Now() + absl::FromChrono(timeout);
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> missing = MissingKeysLocked(keys);
+  while (!missing.empty()) {
+    const bool timed_out = kv_cv_.WaitWithDeadline(&mu_, deadline);
+    missing = MissingKeysLocked(keys);
+    if (timed_out) break;
+  }
+  if (missing.empty()) return absl::OkStatus();
   return absl::DeadlineExceededError(absl::StrFormat(
       "waited %d ms for the rendezvous keys %s; a worker of this generation never published them "
       "(it died, or it is in another generation)",
-      timeout.count(), absl::StrJoin(missing(), ", ")));
+      timeout.count(), absl::StrJoin(missing, ", ")));
 }
 
 StatusOr<int64_t> CoordinatorState::Add(const std::string& token, const std::string& key,
@@ -859,7 +874,7 @@ StatusOr<int64_t> CoordinatorState::Add(const std::string& token, const std::str
   RETURN_IF_ERROR(CheckToken(token));
   int64_t value = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = kv_.find(key);
     if (it != kv_.end() && !absl::SimpleAtoi(it->second, &value)) {
       return absl::FailedPreconditionError(
@@ -868,12 +883,12 @@ StatusOr<int64_t> CoordinatorState::Add(const std::string& token, const std::str
     value += delta;
     kv_[key] = absl::StrCat(value);
   }
-  kv_cv_.notify_all();
+  kv_cv_.SignalAll();
   return value;
 }
 
 coordinator::CoordinatorRecord CoordinatorState::Snapshot() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return record_;
 }
 

@@ -44,18 +44,18 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "core/common/status.h"
 #include "proto/coordinator.pb.h"
 #include "proto/storage.pb.h"
@@ -174,48 +174,65 @@ class CoordinatorState {
   // OK for the job's token, UNAUTHENTICATED otherwise (for calls that carry no other check).
   [[nodiscard]] Status Authenticate(const std::string& token) const { return CheckToken(token); }
   coordinator::CoordinatorRecord Snapshot() const;
-  const std::string& job_config() const { return record_.job_config(); }
+  const std::string& job_config() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return record_.job_config();
+  }
 
  private:
   CoordinatorState() = default;
   Status CheckToken(const std::string& token) const;
   // Forms generation number + 1 from `workers`; persists. Locked.
   Status NewGenerationLocked(std::vector<coordinator::WorkerInfo> workers, const char* reason,
-                             Time now);
-  Status RemoveLocked(const std::string& id, const char* reason, Time now);
+                             Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status RemoveLocked(const std::string& id, const char* reason, Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A report (step or start) must come from a member of the current generation.
   Status CheckReportLocked(const std::string& id, int64_t generation, int64_t step,
-                           const char* what) const;
-  Status PersistLocked();
+                           const char* what) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves every member's last heartbeat `stalled` later when the coordinator itself stood still
   // that long (a slow synced write under mu_, opening its record): heartbeats waited meanwhile.
   // Stalls under a quarter of the heartbeat timeout are ignored. Locked.
   // Worker `id` was heard from at `now` (never moving its last heartbeat back).
   // from_member: a word from the worker itself (it ends a restart's grace), not a generation
   // that lists it.
-  void SeenLocked(const std::string& id, Time now, bool from_member = true);
-  void CreditStallLocked(std::chrono::steady_clock::duration stalled, const char* what);
-  bool IsMemberLocked(const std::string& id) const;
-  // Records rank 0's checkpoint report in the catalog. REQUIRES: catalog_mu_ held, mu_ not.
+  void SeenLocked(const std::string& id, Time now, bool from_member = true)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CreditStallLocked(std::chrono::steady_clock::duration stalled, const char* what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool IsMemberLocked(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records rank 0's checkpoint report in the catalog.
   Status RecordCheckpointReport(const std::string& id, int64_t generation, int64_t step,
-                                bool commit);
-  // ReconcileCheckpoints without taking catalog_mu_. REQUIRES: catalog_mu_ held, mu_ not.
-  Status ReconcileWithFolder();
+                                bool commit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(catalog_mu_)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // ReconcileCheckpoints without taking catalog_mu_.
+  Status ReconcileWithFolder() ABSL_EXCLUSIVE_LOCKS_REQUIRED(catalog_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  // Open's part under mu_: the record read from db_ (or a new one for `job_config`), resumed
+  // members given their restart grace from `now`, the options recorded, and all of it synced.
+  Status LoadLocked(const std::string& job_config, Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether the catalog follows the folder: the job has a checkpoint.dir and the last
   // reconciliation read it. Otherwise a checkpoint rank 0 reported prepared may also be one a
   // generation goes back to (its commit report may be on its way). Locked.
-  bool CatalogFollowsFolderLocked() const;
+  bool CatalogFollowsFolderLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the job is in its first generation, before any step: it may start anywhere (its
+  // workers resumed from a checkpoint).
+  bool FirstGenerationLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The rendezvous keys of `keys` not set yet.
+  std::vector<std::string> MissingKeysLocked(const std::vector<std::string>& keys) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   CoordinatorOptions options_;
   std::string checkpoint_dir_;  // the job config's checkpoint.dir, read at Open ("": none)
   int64_t copies_lag_ = 0;      // config::CopiesLagSteps of the job config, read at Open
-  std::unique_ptr<rocksdb::DB> db_;
-  std::mutex catalog_mu_;  // orders checkpoint reports and reads of the folder; before mu_
-  mutable std::mutex mu_;
-  std::condition_variable kv_cv_;
-  coordinator::CoordinatorRecord record_;
-  std::map<std::string, Time> last_seen_;  // members and pending workers
-  std::set<std::string> in_grace_;         // not heard from since a restart (last_seen_: grace)
+  std::unique_ptr<rocksdb::DB> db_ ABSL_PT_GUARDED_BY(mu_);  // written under mu_
+  // Orders checkpoint reports and reads of the folder; taken before mu_, never after.
+  absl::Mutex catalog_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  mutable absl::Mutex mu_;
+  absl::CondVar kv_cv_;  // kv_ changed
+  coordinator::CoordinatorRecord record_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Time> last_seen_ ABSL_GUARDED_BY(mu_);  // members and pending workers
+  // Not heard from since a restart (last_seen_: grace).
+  std::set<std::string> in_grace_ ABSL_GUARDED_BY(mu_);
   // The recent stalls CreditStallLocked credited (when each ended, how long it was), the oldest
   // first, kept for a few heartbeat timeouts: a call's time read before one of them ended is moved
   // on by the part of it the call waited through.
@@ -223,10 +240,10 @@ class CoordinatorState {
     Time ended;
     std::chrono::steady_clock::duration length;
   };
-  std::deque<Stall> stalls_;
-  std::map<std::string, int64_t> reported_;  // member -> last step reported
-  std::map<std::string, bool> started_;      // member -> sent its start report
-  std::map<std::string, std::string> kv_;
+  std::deque<Stall> stalls_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> reported_ ABSL_GUARDED_BY(mu_);  // member -> last step reported
+  std::map<std::string, bool> started_ ABSL_GUARDED_BY(mu_);      // member -> sent its start report
+  std::map<std::string, std::string> kv_ ABSL_GUARDED_BY(mu_);
 };
 
 // The most MoE layers a step report's balance may hold.

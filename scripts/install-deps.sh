@@ -23,6 +23,7 @@ packages=(
   python3
   patchelf xz-utils file  # scripts/package.sh: RUNPATH, the tarball, telling binaries apart
   universal-ctags         # scripts/code-sizes.sh: where each function ends
+  clang                   # scripts/check-locking.sh: the thread-safety analysis
 )
 
 for arg in "$@"; do

@@ -89,11 +89,11 @@ StatusOr<std::unique_ptr<TieredExpertStore>> TieredExpertStore::Create(
 
 TieredExpertStore::~TieredExpertStore() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stop_ = true;
   }
-  for (auto& cv : work_cv_) cv.notify_all();
-  cv_.notify_all();
+  for (auto& cv : work_cv_) cv.SignalAll();
+  cv_.SignalAll();
   for (auto& t : stages_) {
     if (t.joinable()) t.join();
   }
@@ -130,20 +130,20 @@ void TieredExpertStore::EnqueueLocked(int stage, Job job, bool demand) {
     job.demand = false;
     q.push_back(job);
   }
-  work_cv_[stage].notify_all();
+  work_cv_[stage].SignalAll();
 }
 
 void TieredExpertStore::Span(const char* name, int thread, double start, const TensorKey& key) {
   if (!record_spans_) return;
   if (t_track >= 0) thread = t_track;
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   spans_.push_back(StageSpan{name, thread, start, NowSeconds(), key});
 }
 
 // --- Compute-side access ----------------------------------------------------------------------
 
 StatusOr<float*> TieredExpertStore::AcquireDevice(const TensorKey& key, bool zero) {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   Entry& e = EntryLocked(key);
   e.hits += 1;
   e.next_use = 0;
@@ -162,7 +162,7 @@ StatusOr<float*> TieredExpertStore::AcquireDevice(const TensorKey& key, bool zer
         QueueDirtyWriteBackLocked();  // make room: move the oldest finished gradient down
       }
       const double t0 = NowSeconds();
-      cv_.wait(lock);
+      cv_.Wait(&mu_);
       stats_.stall_seconds += NowSeconds() - t0;
     }
     if (e.host_slot >= 0 && e.host == HostState::kReady && e.host_pins == 0) {
@@ -179,7 +179,7 @@ StatusOr<float*> TieredExpertStore::AcquireDevice(const TensorKey& key, bool zer
     e.materialized = true;
     e.generation++;
     float* p = device_->data(e.dev_slot);
-    lock.unlock();
+    lock.Release();
     ZeroBytes(options_.device, p, options_.tensor_bytes);
     return p;
   }
@@ -194,7 +194,7 @@ StatusOr<float*> TieredExpertStore::AcquireDevice(const TensorKey& key, bool zer
   }
   EnqueueLocked(kCopyStage, Job{key, Job::kLoadDevice}, /*demand=*/true);
   const double t0 = NowSeconds();
-  cv_.wait(lock, [&] { return e.dev == DevState::kReady || !e.error.ok(); });
+  while (!(e.dev == DevState::kReady || !e.error.ok())) cv_.Wait(&mu_);
   stats_.stall_seconds += NowSeconds() - t0;
   if (!e.error.ok()) {
     e.dev_pins--;
@@ -204,7 +204,7 @@ StatusOr<float*> TieredExpertStore::AcquireDevice(const TensorKey& key, bool zer
 }
 
 void TieredExpertStore::ReleaseDevice(const TensorKey& key, bool modified) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Entry& e = EntryLocked(key);
   CHECK_GT(e.dev_pins, 0) << key.ToString();
   e.dev_pins--;
@@ -220,11 +220,11 @@ void TieredExpertStore::ReleaseDevice(const TensorKey& key, bool modified) {
       e.host_dirty = false;
     }
   }
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 StatusOr<float*> TieredExpertStore::AcquireHost(const TensorKey& key, bool background) {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Entry& e = EntryLocked(key);
   e.hits += 1;
   e.host_last_use = ++clock_;
@@ -263,12 +263,12 @@ StatusOr<float*> TieredExpertStore::AcquireHost(const TensorKey& key, bool backg
       stats_.host.misses++;
       counted = true;
     }
-    cv_.wait(lock);
+    cv_.Wait(&mu_);
   }
 }
 
 void TieredExpertStore::ReleaseHost(const TensorKey& key, bool modified) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Entry& e = EntryLocked(key);
   CHECK_GT(e.host_pins, 0) << key.ToString();
   CHECK_GT(e.host_writers, 0) << key.ToString();
@@ -285,60 +285,62 @@ void TieredExpertStore::ReleaseHost(const TensorKey& key, bool modified) {
       if (e.dev == DevState::kReady) DropDeviceLocked(e);
     }
   }
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void TieredExpertStore::WriteBack(const TensorKey& key) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Entry& e = EntryLocked(key);
   if (!e.dev_dirty || e.write_back_queued) return;
   e.write_back_queued = true;
   EnqueueLocked(kCopyStage, Job{key, Job::kWriteBack}, true);
 }
 
+bool TieredExpertStore::WriteBacksPendingLocked(Status* error) {
+  for (auto& [k, e] : entries_) {
+    if (e.write_back_queued && e.error.ok()) return true;
+    if (!e.error.ok() && error->ok()) *error = e.error;
+  }
+  return false;
+}
+
 Status TieredExpertStore::DrainWriteBacks() {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   const double t0 = NowSeconds();
   Status error;
-  cv_.wait(lock, [&] {
-    for (auto& [k, e] : entries_) {
-      if (e.write_back_queued && e.error.ok()) return false;
-      if (!e.error.ok() && error.ok()) error = e.error;
-    }
-    return true;
-  });
+  while (WriteBacksPendingLocked(&error)) cv_.Wait(&mu_);
   stats_.stall_seconds += NowSeconds() - t0;
   return error;
 }
 
 void TieredExpertStore::WaitIdle() {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] {
-    return stop_ || (queue_[0].empty() && queue_[1].empty() && busy_[0] == 0 && busy_[1] == 0 &&
-                     !clean_wanted_);
-  });
+  absl::MutexLock lock(&mu_);
+  while (!(stop_ || (queue_[0].empty() && queue_[1].empty() && busy_[0] == 0 && busy_[1] == 0 &&
+                     !clean_wanted_))) {
+    cv_.Wait(&mu_);
+  }
 }
 
 void TieredExpertStore::Discard(const TensorKey& key) {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = entries_.find(key);
   if (it == entries_.end()) return;
   Entry& e = it->second;
-  cv_.wait(lock, [&] {
-    return e.host != HostState::kLoading && e.host != HostState::kEvicting &&
+  while (!(e.host != HostState::kLoading && e.host != HostState::kEvicting &&
            e.dev != DevState::kLoading && !e.write_back_queued && e.host_pins == 0 &&
-           e.dev_pins == 0;
-  });
+           e.dev_pins == 0)) {
+    cv_.Wait(&mu_);
+  }
   if (e.host_slot >= 0) host_->Free(e.host_slot);
   if (e.dev_slot >= 0) device_->Free(e.dev_slot);
   if (e.has_ssd) UnrefLocked(key, e.ssd_version);
   // By key: the wait let other threads insert entries, which may have rehashed the table.
   entries_.erase(key);
-  cv_.notify_all();
+  cv_.SignalAll();
 }
 
 void TieredExpertStore::set_initializer(std::function<void(const TensorKey&, float*)> initializer) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   CHECK(queue_[kSsdStage].empty() && queue_[kCopyStage].empty() && busy_[kSsdStage] == 0 &&
         busy_[kCopyStage] == 0)
       << "the initializer of a tiered store changed while its stages had work";
@@ -348,7 +350,7 @@ void TieredExpertStore::set_initializer(std::function<void(const TensorKey&, flo
 int TieredExpertStore::DiscardUnless(const std::function<bool(const TensorKey&)>& keep) {
   std::vector<TensorKey> gone;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     for (const auto& [k, e] : entries_) {
       if (!keep(k)) gone.push_back(k);
     }
@@ -358,13 +360,13 @@ int TieredExpertStore::DiscardUnless(const std::function<bool(const TensorKey&)>
 }
 
 bool TieredExpertStore::Materialized(const TensorKey& key) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = entries_.find(key);
   return it != entries_.end() && it->second.materialized;
 }
 
 bool TieredExpertStore::DeviceReady(const TensorKey& key) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = entries_.find(key);
   return it != entries_.end() && it->second.dev == DevState::kReady;
 }
@@ -372,7 +374,7 @@ bool TieredExpertStore::DeviceReady(const TensorKey& key) const {
 // --- Hints --------------------------------------------------------------------------------------
 
 void TieredExpertStore::PrefetchDevice(std::span<const TensorKey> keys) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   for (const TensorKey& k : keys) {
     Entry& e = EntryLocked(k);
     if (e.dev != DevState::kAbsent || e.dev_dirty) continue;
@@ -389,7 +391,7 @@ void TieredExpertStore::PrefetchDevice(std::span<const TensorKey> keys) {
 }
 
 int TieredExpertStore::PrefetchHost(std::span<const TensorKey> keys, uint64_t needed_at) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   int queued = 0;
   for (const TensorKey& k : keys) {
     Entry& e = EntryLocked(k);
@@ -409,16 +411,16 @@ void TieredExpertStore::WantCleanLocked() {
   // Only when the next evictions are near: fewer free slots than the entries it keeps clean.
   if (host_->capacity() - host_->in_use() > options_.ssd_threads) return;
   clean_wanted_ = true;
-  work_cv_[kSsdStage].notify_one();
+  work_cv_[kSsdStage].Signal();
 }
 
 void TieredExpertStore::ForgetNextUses() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   for (auto& [k, e] : entries_) e.next_use = 0;
 }
 
 void TieredExpertStore::SetNextUse(std::span<const TensorKey> keys, uint64_t when) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   for (const TensorKey& k : keys) {
     auto it = entries_.find(k);
     if (it != entries_.end()) it->second.next_use = when;
@@ -429,11 +431,11 @@ void TieredExpertStore::SetNextUse(std::span<const TensorKey> keys, uint64_t whe
 
 void TieredExpertStore::StageLoop(int stage, int track) {
   t_track = track;
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   while (true) {
-    work_cv_[stage].wait(lock, [&] {
-      return stop_ || !queue_[stage].empty() || (stage == kSsdStage && clean_wanted_);
-    });
+    while (!(stop_ || !queue_[stage].empty() || (stage == kSsdStage && clean_wanted_))) {
+      work_cv_[stage].Wait(&mu_);
+    }
     if (stop_) return;
     if (queue_[stage].empty()) {
       // Nothing asked for: write back the dirty entries the next evictions will take, so that
@@ -442,19 +444,19 @@ void TieredExpertStore::StageLoop(int stage, int track) {
       TensorKey key;
       if (!PickCleanLocked(&key)) {
         clean_wanted_ = false;
-        cv_.notify_all();  // WaitIdle
+        cv_.SignalAll();  // WaitIdle
         continue;
       }
       busy_[stage]++;
-      Clean(lock, key);
+      Clean(key);
       busy_[stage]--;
-      cv_.notify_all();
+      cv_.SignalAll();
       continue;
     }
     Job job = queue_[stage].front();
     queue_[stage].pop_front();
     busy_[stage]++;
-    lock.unlock();
+    mu_.Unlock();
     Status s;
     switch (job.type) {
       case Job::kLoadHost:
@@ -467,14 +469,14 @@ void TieredExpertStore::StageLoop(int stage, int track) {
         s = DoWriteBack(job.key);
         break;
     }
-    lock.lock();
+    mu_.Lock();
     busy_[stage]--;
     if (!s.ok()) {
       STRATA_LOG(ERROR) << "tiered store: " << s;
       Entry& e = EntryLocked(job.key);
       e.error = s;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
   }
 }
 
@@ -514,7 +516,7 @@ bool TieredExpertStore::PickCleanLocked(TensorKey* key) {
   return false;
 }
 
-void TieredExpertStore::Clean(std::unique_lock<std::mutex>& lock, const TensorKey& key) {
+void TieredExpertStore::Clean(const TensorKey& key) {
   Entry& e = EntryLocked(key);
   e.cleaning = true;
   e.host_pins++;
@@ -522,15 +524,15 @@ void TieredExpertStore::Clean(std::unique_lock<std::mutex>& lock, const TensorKe
   const uint64_t generation = e.generation;
   const uint64_t version = NextVersionLocked(key);
   const float* data = host_->data(e.host_slot);
-  lock.unlock();
+  mu_.Unlock();
   const double t0 = NowSeconds();
   auto stored = ssd_->Write(data, options_.tensor_bytes);
   Span("ssd_write", kSsdStage, t0, key);
-  lock.lock();
+  mu_.Lock();
   e.cleaning = false;
   e.host_pins--;
   e.host_readers--;
-  cv_.notify_all();
+  cv_.SignalAll();
   if (!stored.ok()) {
     // The value is still on the host, and an eviction writes it (and reports a failure) later.
     STRATA_LOG(WARNING) << "tiered store: writing back " << key.ToString()
@@ -554,8 +556,7 @@ void TieredExpertStore::Clean(std::unique_lock<std::mutex>& lock, const TensorKe
   e.host_dirty = false;
 }
 
-StatusOr<int> TieredExpertStore::HostSlotLocked(std::unique_lock<std::mutex>& lock,
-                                                uint64_t needed_at) {
+StatusOr<int> TieredExpertStore::HostSlotLocked(uint64_t needed_at) {
   while (true) {
     if (stop_) return absl::CancelledError("the store is shutting down");
     const int free_slot = host_->Allocate();
@@ -577,7 +578,7 @@ StatusOr<int> TieredExpertStore::HostSlotLocked(std::unique_lock<std::mutex>& lo
     }
     if (victim == nullptr || (victim->host_dirty && cleaning)) {
       // Everything is pinned or in flight, or a clean victim is about to appear: wait.
-      cv_.wait(lock);
+      cv_.Wait(&mu_);
       continue;
     }
     Entry& v = *victim;
@@ -586,14 +587,14 @@ StatusOr<int> TieredExpertStore::HostSlotLocked(std::unique_lock<std::mutex>& lo
       const uint64_t version = NextVersionLocked(v.key);
       const float* data = host_->data(v.host_slot);
       const TensorKey key = v.key;
-      lock.unlock();
+      mu_.Unlock();
       const double t0 = NowSeconds();
       auto stored = ssd_->Write(data, options_.tensor_bytes);
       Span("ssd_write", kSsdStage, t0, key);
-      lock.lock();
+      mu_.Lock();
       if (!stored.ok()) {
         v.host = HostState::kReady;  // keep it; the write failed
-        cv_.notify_all();
+        cv_.SignalAll();
         return absl::Status(stored.status().code(), absl::StrCat("writing back ", key.ToString(),
                                                                  ": ", stored.status().message()));
       }
@@ -611,7 +612,7 @@ StatusOr<int> TieredExpertStore::HostSlotLocked(std::unique_lock<std::mutex>& lo
     v.host_slot = -1;
     v.host = HostState::kAbsent;
     stats_.host.evictions++;
-    cv_.notify_all();
+    cv_.SignalAll();
     return slot;
   }
 }
@@ -655,7 +656,7 @@ void TieredExpertStore::DropDeviceLocked(Entry& e) {
 }
 
 Status TieredExpertStore::LoadHost(const TensorKey& key, bool hint) {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Entry& e = EntryLocked(key);
   // Another job for the same tensor (a hint promoted after it was taken) finds it in hand.
   if (e.host != HostState::kLoading || e.host_slot >= 0 || e.host_claimed) return absl::OkStatus();
@@ -666,11 +667,11 @@ Status TieredExpertStore::LoadHost(const TensorKey& key, bool hint) {
   e.host_claimed = true;
   const uint64_t needed_at = hint ? e.hint_needed_at : 0;
   e.hint_needed_at = 0;
-  auto slot = HostSlotLocked(lock, needed_at);
+  auto slot = HostSlotLocked(needed_at);
   if (!slot.ok() || *slot < 0) {
     e.host_claimed = false;
     e.host = HostState::kAbsent;
-    cv_.notify_all();
+    cv_.SignalAll();
     return slot.ok() ? absl::OkStatus()
                      : slot.status();  // a conditional hint with no room: dropped
   }
@@ -680,7 +681,7 @@ Status TieredExpertStore::LoadHost(const TensorKey& key, bool hint) {
   const bool generated = !e.materialized;
   const StoredExtent stored = e.ssd;
   const uint64_t version = e.ssd_version;
-  lock.unlock();
+  mu_.Unlock();
   Status s;
   const double t0 = NowSeconds();
   if (from_ssd) {
@@ -693,7 +694,7 @@ Status TieredExpertStore::LoadHost(const TensorKey& key, bool hint) {
   } else {
     s = absl::InternalError(absl::StrCat(key.ToString(), " has no readable copy"));
   }
-  lock.lock();
+  mu_.Lock();
   e.host_claimed = false;
   if (!s.ok()) {
     host_->Free(e.host_slot);
@@ -711,12 +712,12 @@ Status TieredExpertStore::LoadHost(const TensorKey& key, bool hint) {
   e.host_dirty = false;  // a generated value can be generated again; an SSD copy is current
   e.host_last_use = ++clock_;
   e.host_unused = hint;
-  cv_.notify_all();
+  cv_.SignalAll();
   return absl::OkStatus();
 }
 
 Status TieredExpertStore::LoadDevice(const TensorKey& key) {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Entry& e = EntryLocked(key);
   if (e.dev != DevState::kLoading) return absl::OkStatus();
   // The host copy first (the SSD stage brings it), and nobody writing it.
@@ -731,7 +732,7 @@ Status TieredExpertStore::LoadDevice(const TensorKey& key) {
     } else if (e.host == HostState::kLoading) {
       EnqueueLocked(kSsdStage, Job{key, Job::kLoadHost}, true);
     }
-    cv_.wait(lock);
+    cv_.Wait(&mu_);
     if (stop_) return absl::CancelledError("shutting down");
   }
   e.host_pins++;
@@ -746,27 +747,27 @@ Status TieredExpertStore::LoadDevice(const TensorKey& key) {
     if (wb != q.end()) {
       const TensorKey wkey = wb->key;
       q.erase(wb);
-      lock.unlock();
+      mu_.Unlock();
       Status s = DoWriteBack(wkey);
-      lock.lock();
+      mu_.Lock();
       if (!s.ok()) EntryLocked(wkey).error = s;
       continue;
     }
     if (QueueDirtyWriteBackLocked()) continue;
-    cv_.wait(lock);
+    cv_.Wait(&mu_);
     if (stop_) return absl::CancelledError("shutting down");
   }
   e.dev_slot = slot;
   float* dst = device_->data(slot);
   const float* src = host_->data(e.host_slot);
-  lock.unlock();
+  mu_.Unlock();
   const double t0 = NowSeconds();
   // After the kernels that last read this slot (h2d) or wrote this gradient (d2h).
   Status copied = copy_->WaitForDeviceWork();
   if (copied.ok()) copied = copy_->CopyAsync(dst, src, options_.tensor_bytes);
   if (copied.ok()) copied = copy_->Synchronize();
   Span("h2d_copy", kCopyStage, t0, key);
-  lock.lock();
+  mu_.Lock();
   if (!copied.ok()) {
     e.host_pins--;
     e.host_readers--;
@@ -774,7 +775,7 @@ Status TieredExpertStore::LoadDevice(const TensorKey& key) {
     e.dev_slot = -1;
     e.dev = DevState::kAbsent;
     e.error = copied;
-    cv_.notify_all();
+    cv_.SignalAll();
     return copied;
   }
   e.host_pins--;
@@ -783,22 +784,22 @@ Status TieredExpertStore::LoadDevice(const TensorKey& key) {
   e.dev_last_use = ++clock_;  // a fresh prefetch is not the next victim
   stats_.device.bytes_in += options_.tensor_bytes;
   stats_.host.bytes_out += options_.tensor_bytes;
-  cv_.notify_all();
+  cv_.SignalAll();
   return absl::OkStatus();
 }
 
 Status TieredExpertStore::DoWriteBack(const TensorKey& key) {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Entry& e = EntryLocked(key);
   if (!e.dev_dirty) {
     e.write_back_queued = false;
-    cv_.notify_all();
+    cv_.SignalAll();
     return absl::OkStatus();
   }
   // Also until no stage or snapshot reads a stale host copy it is about to replace.
-  cv_.wait(lock, [&] { return (e.dev_pins == 0 && e.host_readers == 0) || stop_; });
+  while (!((e.dev_pins == 0 && e.host_readers == 0) || stop_)) cv_.Wait(&mu_);
   if (stop_) return absl::CancelledError("shutting down");
-  auto slot = HostSlotLocked(lock);
+  auto slot = HostSlotLocked();
   if (!slot.ok()) {
     e.write_back_queued = false;
     return slot.status();
@@ -811,21 +812,21 @@ Status TieredExpertStore::DoWriteBack(const TensorKey& key) {
   e.dev_pins++;
   float* dst = host_->data(e.host_slot);
   const float* src = device_->data(e.dev_slot);
-  lock.unlock();
+  mu_.Unlock();
   const double t0 = NowSeconds();
   // After the kernels that last read this slot (h2d) or wrote this gradient (d2h).
   Status copied = copy_->WaitForDeviceWork();
   if (copied.ok()) copied = copy_->CopyAsync(dst, src, options_.tensor_bytes);
   if (copied.ok()) copied = copy_->Synchronize();
   Span("d2h_copy", kCopyStage, t0, key);
-  lock.lock();
+  mu_.Lock();
   e.dev_pins--;
   if (!copied.ok()) {  // the gradient is still on the device: keep it there, report the error
     host_->Free(e.host_slot);
     e.host_slot = -1;
     e.host = HostState::kAbsent;
     e.write_back_queued = false;
-    cv_.notify_all();
+    cv_.SignalAll();
     return copied;
   }
   DropDeviceLocked(e);
@@ -836,7 +837,7 @@ Status TieredExpertStore::DoWriteBack(const TensorKey& key) {
   e.write_back_queued = false;
   stats_.device.bytes_out += options_.tensor_bytes;
   stats_.host.bytes_in += options_.tensor_bytes;
-  cv_.notify_all();
+  cv_.SignalAll();
   return absl::OkStatus();
 }
 
@@ -845,13 +846,13 @@ Status TieredExpertStore::DoWriteBack(const TensorKey& key) {
 uint64_t TieredExpertStore::NextVersionLocked(const TensorKey& key) { return ++next_version_[key]; }
 
 void TieredExpertStore::ReserveVersions(const TensorKey& key, uint64_t version) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto& next = next_version_[key];
   next = std::max(next, version);
 }
 
 uint64_t TieredExpertStore::NextVersion(const TensorKey& key) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return NextVersionLocked(key);
 }
 
@@ -874,23 +875,23 @@ void TieredExpertStore::UnrefLocked(const TensorKey& key, uint64_t version) {
 
 void TieredExpertStore::RefVersion(const TensorKey& key, uint64_t version,
                                    const StoredExtent& stored) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   RefLocked(key, version, stored);
 }
 
 void TieredExpertStore::UnrefVersion(const TensorKey& key, uint64_t version) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   UnrefLocked(key, version);
 }
 
 Status TieredExpertStore::SnapshotTensor(const TensorKey& key, float* copy, Snapshot* out) {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   *out = Snapshot{};
   Entry& e = EntryLocked(key);
-  cv_.wait(lock, [&] {
-    return e.host != HostState::kLoading && e.host != HostState::kEvicting &&
-           !e.write_back_queued && e.host_writers == 0;
-  });
+  while (!(e.host != HostState::kLoading && e.host != HostState::kEvicting &&
+           !e.write_back_queued && e.host_writers == 0)) {
+    cv_.Wait(&mu_);
+  }
   if (e.dev_dirty) {
     return absl::FailedPreconditionError(
         absl::StrCat(key.ToString(), " is being computed; checkpoint between steps"));
@@ -911,18 +912,18 @@ Status TieredExpertStore::SnapshotTensor(const TensorKey& key, float* copy, Snap
   e.host_readers++;
   out->generation = e.generation;
   const float* src = host_->data(e.host_slot);
-  lock.unlock();
+  mu_.Unlock();
   std::memcpy(copy, src, options_.tensor_bytes);
-  lock.lock();
+  mu_.Lock();
   e.host_pins--;
   e.host_readers--;
-  cv_.notify_all();
+  cv_.SignalAll();
   return absl::OkStatus();
 }
 
 void TieredExpertStore::AdoptVersion(const TensorKey& key, uint64_t generation, uint64_t version,
                                      const StoredExtent& stored) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = entries_.find(key);
   if (it == entries_.end()) return;
   Entry& e = it->second;
@@ -938,7 +939,7 @@ void TieredExpertStore::AdoptVersion(const TensorKey& key, uint64_t generation, 
 
 void TieredExpertStore::SetStored(const TensorKey& key, uint64_t version,
                                   const StoredExtent& stored) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Entry& e = EntryLocked(key);
   CHECK(e.host == HostState::kAbsent && e.dev == DevState::kAbsent)
       << key.ToString() << ": resume into a store that already holds it";
@@ -956,7 +957,7 @@ void TieredExpertStore::SetStored(const TensorKey& key, uint64_t version,
 // --- Steps and statistics ---------------------------------------------------------------------
 
 void TieredExpertStore::EndStep() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   ++steps_;
   clean_failed_ = false;  // a full disk may have room again
   if (options_.lfu_decay_interval > 0 && steps_ % options_.lfu_decay_interval == 0) {
@@ -965,12 +966,12 @@ void TieredExpertStore::EndStep() {
 }
 
 void TieredExpertStore::AddStall(double seconds) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   stats_.stall_seconds += seconds;
 }
 
 StoreStats TieredExpertStore::TakeStats() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   StoreStats s = stats_;
   stats_ = StoreStats{};
   const SsdStats io = ssd_->stats();
@@ -987,7 +988,7 @@ StoreStats TieredExpertStore::TakeStats() {
 }
 
 std::vector<StageSpan> TieredExpertStore::TakeSpans() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<StageSpan> out;
   out.swap(spans_);
   return out;

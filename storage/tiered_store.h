@@ -44,13 +44,12 @@
 // inside a call then.
 #pragma once
 
-#include <condition_variable>
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -58,6 +57,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "core/common/status.h"
 #include "core/device/device.h"
 #include "storage/block_io.h"
@@ -320,40 +321,44 @@ class TieredExpertStore {
   };
 
   explicit TieredExpertStore(const StoreOptions& options);
-  Entry& EntryLocked(const TensorKey& key);
-  void EnqueueLocked(int stage, Job job, bool demand);
+  Entry& EntryLocked(const TensorKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EnqueueLocked(int stage, Job job, bool demand) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `track` names the thread in the trace: 0 and 2.. the ssd stage, 1 the copy stage.
-  void StageLoop(int stage, int track);
+  void StageLoop(int stage, int track) ABSL_LOCKS_EXCLUDED(mu_);
   // Stage work; called without the lock held, take it as needed.
-  Status LoadHost(const TensorKey& key, bool hint);
-  Status LoadDevice(const TensorKey& key);
-  Status DoWriteBack(const TensorKey& key);
+  Status LoadHost(const TensorKey& key, bool hint) ABSL_LOCKS_EXCLUDED(mu_);
+  Status LoadDevice(const TensorKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  Status DoWriteBack(const TensorKey& key) ABSL_LOCKS_EXCLUDED(mu_);
   // A free host slot, evicting the coldest unpinned entry if needed (may write it to SSD, which
   // releases and re-takes the lock); waits while everything is pinned. Fails when the write-back
   // of a dirty victim fails.
   // With `needed_at` > 0 (a conditional hint) it returns -1 instead of evicting an entry that is
   // not planned for later than that (see PrefetchHost). An entry being written back ahead is not
   // a candidate; while one is, a dirty victim waits for it rather than being written here.
-  StatusOr<int> HostSlotLocked(std::unique_lock<std::mutex>& lock, uint64_t needed_at = 0);
+  StatusOr<int> HostSlotLocked(uint64_t needed_at = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether eviction takes `a` before `b` (see the class comment).
   static bool EvictsBefore(const Entry& a, const Entry& b);
   // Cleaning ahead (ssd stage threads, when they have nothing queued): the first dirty entry
   // among the next ssd_threads + 1 slots evictions will take; false when they are all free or
   // clean. Clean writes it to the SSD tier and keeps it resident, now clean (unless it changed
   // meanwhile); releases and re-takes the lock.
-  bool PickCleanLocked(TensorKey* key);
-  void Clean(std::unique_lock<std::mutex>& lock, const TensorKey& key);
+  bool PickCleanLocked(TensorKey* key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Clean(const TensorKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Something may have become a dirty victim: wake an ssd stage thread to look.
-  void WantCleanLocked();
-  uint64_t NextVersionLocked(const TensorKey& key);
-  int DeviceSlotLocked();
+  void WantCleanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t NextVersionLocked(const TensorKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int DeviceSlotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Queues the write-back of the least recently used unpinned dirty device tensor (a finished
   // gradient left on the device until its room is needed); false when there is none.
-  bool QueueDirtyWriteBackLocked();
-  void DropDeviceLocked(Entry& e);
-  void UnrefLocked(const TensorKey& key, uint64_t version);
-  void RefLocked(const TensorKey& key, uint64_t version, const StoredExtent& stored);
-  void Span(const char* name, int thread, double start, const TensorKey& key);
+  bool QueueDirtyWriteBackLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropDeviceLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnrefLocked(const TensorKey& key, uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RefLocked(const TensorKey& key, uint64_t version, const StoredExtent& stored)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a queued write-back has not finished; the first error of one into *error.
+  bool WriteBacksPendingLocked(Status* error) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Span(const char* name, int thread, double start, const TensorKey& key)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   StoreOptions options_;
   std::shared_ptr<SsdTier> ssd_;
@@ -362,23 +367,25 @@ class TieredExpertStore {
   // the copy stage thread uses it.
   std::unique_ptr<CopyStream> copy_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;          // entries changed state
-  std::condition_variable work_cv_[2];  // per stage: it has work
-  std::unordered_map<TensorKey, Entry, TensorKeyHash> entries_;
-  std::map<std::pair<TensorKey, uint64_t>, VersionRef> versions_;
-  std::unordered_map<TensorKey, uint64_t, TensorKeyHash> next_version_;
-  std::deque<Job> queue_[2];  // per stage
-  int busy_[2] = {0, 0};
-  bool stop_ = false;
-  uint64_t clock_ = 0;  // device and host LRU clock
-  uint64_t steps_ = 0;
-  StoreStats stats_;
-  SsdStats last_ssd_;
-  bool record_spans_ = false;
-  bool clean_wanted_ = false;  // an ssd stage thread should look for entries to clean
-  bool clean_failed_ = false;  // a write ahead of eviction failed: no more of them
-  std::vector<StageSpan> spans_;
+  mutable absl::Mutex mu_;
+  absl::CondVar cv_;          // entries changed state
+  absl::CondVar work_cv_[2];  // per stage: it has work
+  std::unordered_map<TensorKey, Entry, TensorKeyHash> entries_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<TensorKey, uint64_t>, VersionRef> versions_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<TensorKey, uint64_t, TensorKeyHash> next_version_ ABSL_GUARDED_BY(mu_);
+  std::deque<Job> queue_[2] ABSL_GUARDED_BY(mu_);  // per stage
+  int busy_[2] ABSL_GUARDED_BY(mu_) = {0, 0};
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // device and host LRU clock
+  uint64_t steps_ ABSL_GUARDED_BY(mu_) = 0;
+  StoreStats stats_ ABSL_GUARDED_BY(mu_);
+  SsdStats last_ssd_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> record_spans_{false};  // read by the stage threads without the lock
+  // An ssd stage thread should look for entries to clean.
+  bool clean_wanted_ ABSL_GUARDED_BY(mu_) = false;
+  // A write ahead of eviction failed: no more of them.
+  bool clean_failed_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<StageSpan> spans_ ABSL_GUARDED_BY(mu_);
   // Stage threads: options_.ssd_threads on the ssd stage, then the copy stage.
   std::vector<std::thread> stages_;
 };

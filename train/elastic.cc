@@ -75,7 +75,7 @@ std::string Ranges(const std::vector<int64_t>& counts) {
 }  // namespace
 
 void Trainer::AbortCollectives(const std::string& why, int64_t newer_generation) {
-  std::lock_guard<std::mutex> lock(comm_mu_);
+  absl::MutexLock lock(&comm_mu_);
   if (newer_generation <= comm_generation_) return;  // late: that generation is this one
   aborted_why_ = why;
   // A committer waiting for the reports of a worker that is gone would wait past the re-form.
@@ -741,7 +741,7 @@ void Trainer::ResetParallel(int64_t generation) {
   keeping_.reset();
   exchange_.reset();
   data_parallel_.reset();
-  std::lock_guard<std::mutex> lock(comm_mu_);
+  absl::MutexLock lock(&comm_mu_);
   aborted_why_.reset();
   comm_generation_ = generation;
   replica_comm_.reset();
@@ -751,7 +751,7 @@ void Trainer::ResetParallel(int64_t generation) {
 
 void Trainer::AdoptCommunicator(std::unique_ptr<comm::Communicator> c,
                                 std::unique_ptr<comm::Communicator>* slot) {
-  std::lock_guard<std::mutex> lock(comm_mu_);
+  absl::MutexLock lock(&comm_mu_);
   // A newer generation that formed while this one connected aborts what is connected already;
   // a communicator that connects after that abort is born aborted.
   if (aborted_why_) c->Abort(*aborted_why_);
@@ -835,7 +835,7 @@ Status Trainer::ContinueCheckpoints() {
   std::shared_ptr<std::atomic<bool>> abandoned;
   {
     // A newer generation may have aborted this one's collectives already.
-    std::lock_guard<std::mutex> lock(comm_mu_);
+    absl::MutexLock lock(&comm_mu_);
     abandoned = std::make_shared<std::atomic<bool>>(aborted_why_.has_value());
     checkpoint_abandoned_ = abandoned;
   }

@@ -359,7 +359,7 @@ Status Trainer::OpenCheckpoints(bool continuing) {
   co.wrap_io = options_.wrap_io;
   co.start_over = options_.start_over && !continuing;
   {
-    std::lock_guard<std::mutex> lock(comm_mu_);
+    absl::MutexLock lock(&comm_mu_);
     // A newer generation may have aborted this one's collectives already.
     checkpoint_abandoned_ = std::make_shared<std::atomic<bool>>(aborted_why_.has_value());
     co.abandoned = checkpoint_abandoned_;
@@ -543,7 +543,10 @@ Status Trainer::SetUpExpertState(std::unique_ptr<storage::TieredExpertStore> sto
 StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   std::unique_ptr<Trainer> tr(new Trainer);
   tr->options_ = options;
-  tr->comm_generation_ = options.worker.generation;  // not yet shared with another thread
+  {
+    absl::MutexLock lock(&tr->comm_mu_);  // not shared with another thread yet
+    tr->comm_generation_ = options.worker.generation;
+  }
   const config::JobConfig& cfg = tr->options_.config;
   RETURN_IF_ERROR(config::ValidateJobConfig(cfg, "job config"));
   // This process's share of the job against this machine's memory, before anything is allocated.

@@ -25,12 +25,13 @@
 #include <functional>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "checkpoint/manager.h"
 #include "core/common/json.h"
 #include "core/common/status.h"
@@ -163,7 +164,8 @@ class Trainer {
   // With `newer_generation`, only when this trainer is in an older generation: a late call for the
   // generation it has already re-formed into does nothing.
   void AbortCollectives(const std::string& why,
-                        int64_t newer_generation = std::numeric_limits<int64_t>::max());
+                        int64_t newer_generation = std::numeric_limits<int64_t>::max())
+      ABSL_LOCKS_EXCLUDED(comm_mu_);
   // Re-forms this worker, in place, for a new generation: new communicators under w.store, the
   // state agreed on (see WorkerOptions::rejoin) or the newest checkpoint, the experts re-placed
   // by measured load (in groups re-planned for the new count, see GroupSize). On success Run goes
@@ -349,14 +351,16 @@ class Trainer {
   int64_t resumed_from_ = 0;
   int64_t reported_checkpoint_ = 0;  // the newest committed checkpoint told to on_checkpoint
   void ReportCommittedCheckpoint();
-  // Elastic state. comm_mu_ guards the communicators against AbortCollectives.
-  mutable std::mutex comm_mu_;
-  // Guarded by comm_mu_: why the collectives were aborted, until ResetParallel.
-  std::optional<std::string> aborted_why_;
-  int64_t comm_generation_ = 0;  // guarded by comm_mu_: the generation of the communicators
-  // Guarded by comm_mu_: set by AbortCollectives so that the checkpoint manager of this generation
-  // stops waiting for reports of a checkpoint that can no longer commit.
-  std::shared_ptr<std::atomic<bool>> checkpoint_abandoned_;
+  // Elastic state. comm_mu_ orders AbortCollectives (any thread) against the training thread's
+  // changes of the communicators: world_comm_, ep_comm_ and replica_comm_ are replaced only under
+  // it, and read by the training thread (their only writer) without it.
+  mutable absl::Mutex comm_mu_;
+  // Why the collectives were aborted, until ResetParallel.
+  std::optional<std::string> aborted_why_ ABSL_GUARDED_BY(comm_mu_);
+  int64_t comm_generation_ ABSL_GUARDED_BY(comm_mu_) = 0;  // the generation of the communicators
+  // Set by AbortCollectives so that the checkpoint manager of this generation stops waiting for
+  // reports of a checkpoint that can no longer commit.
+  std::shared_ptr<std::atomic<bool>> checkpoint_abandoned_ ABSL_GUARDED_BY(comm_mu_);
   std::vector<int64_t> experts_per_worker_;
   int64_t first_expert_ = 0, num_experts_ = 0;  // this worker's range
   Device device_;                               // where the model lives (train.device)
