@@ -43,8 +43,8 @@
 //   owns the folder's and the shard's locks and the shard's index, and shares its SSD tier
 //   (ssd()).
 // - Members are called from one thread at a time (the trainer's), except NewestCommitted,
-//   PollError and Abandon: any thread, also while a persist runs. Steps() and CheckCompatible read
-//   lists the writer changes without a lock: call them only while no persist runs.
+//   PollError and Abandon: any thread, also while a persist runs. Steps() and CheckCompatible take
+//   the lock the writer holds while it commits and prunes, so they may wait for that.
 // - Save and Resume borrow model, optimizer and context for the call. The scheduler given to them
 //   and Save's ctx.tracer are kept until no persist runs (Wait); a later Save or Continue given
 //   the scheduler that now holds the same store (a re-form hands it on) uses that one.
@@ -304,8 +304,7 @@ class CheckpointManager {
   struct ResumeChoice;
   [[nodiscard]] StatusOr<ResumeChoice> ChooseCheckpoint(const model::MoeTransformer& model,
                                                         const ResumeAgreement& agree);
-  void AddOlderOutsideFiles(int64_t step, std::vector<int64_t>* invalid) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddOlderOutsideFiles(int64_t step, std::vector<int64_t>* invalid) ABSL_LOCKS_EXCLUDED(mu_);
   [[nodiscard]] Status ReadExtent(const storage::TensorRef& r, int64_t step, void* dst,
                                   uint64_t bytes) const;
   [[nodiscard]] Status ReadLocalDense(const storage::CheckpointManifest& m,
@@ -325,9 +324,10 @@ class CheckpointManager {
   [[nodiscard]] static StatusOr<std::vector<FolderEntry>> ReadFolder(const std::string& dir);
   // Reads every stored extent of a checkpoint; the first failure.
   Status VerifyManifest(const storage::CheckpointManifest& m) const;
-  // The checks of checkpoint `step` before it is resumed: its set names this shard's local
-  // checkpoint with the CRC it has, and every extent of it reads back. Sets `local`.
-  Status CheckCheckpoint(int64_t step, const storage::CheckpointManifest** local) const
+  // The first checks of checkpoint `step` before it is resumed: its set names this shard's local
+  // checkpoint with the CRC it has. Returns a copy of that local manifest (VerifyManifest then
+  // reads every extent back, without the lock).
+  [[nodiscard]] StatusOr<storage::CheckpointManifest> LocalCheckpointLocked(int64_t step) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops a checkpoint: its global manifest first, then the local one from the ledger and the
   // index, releasing the extents only it used.

@@ -117,8 +117,8 @@ Status MoveAside(const std::string& dir);
 // Snapshot memory: chunks carved into 4 KiB-aligned buffers in the order Save asks for them. Kept
 // from one checkpoint to the next, which asks for the same sizes in the same order and so finds
 // its pages touched already: a fresh buffer's first-touch faults were most of a snapshot's time
-// (Reserve touches them before the first checkpoint). Huge pages (MADV_HUGEPAGE) were measured
-// slower to fault in on the 2-core VM (2.6 s against 0.58 s per GiB) and are not asked for.
+// (Reserve touches them before the first checkpoint). Huge pages (MADV_HUGEPAGE) are not asked
+// for: they faulted in slower (docs/storage.md, "Measurements behind the design").
 // Reset by Save once the writer is done with the last checkpoint's buffers.
 struct CheckpointManager::SnapshotArena {
   static constexpr uint64_t kAlign = 4096;

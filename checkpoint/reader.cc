@@ -1,5 +1,7 @@
 #include "checkpoint/manager_internal.h"
 
+#include <optional>
+
 #include <cstring>
 #include <filesystem>
 #include <utility>
@@ -241,7 +243,7 @@ Status CheckpointManager::ReadSetParts(SetReader& reader, const config::JobConfi
 // `reader`, from the shards of its set; and the newer ones that failed their checks (`invalid`).
 struct CheckpointManager::ResumeChoice {
   int64_t step = -1;
-  const CheckpointManifest* local = nullptr;
+  std::optional<CheckpointManifest> local;  // a copy: the lists may change after the choice
   std::unique_ptr<SetReader> reader;
   std::vector<int64_t> invalid;
 };
@@ -260,9 +262,9 @@ StatusOr<int64_t> CheckpointManager::Resume(const config::JobConfig& config,
   }
   RETURN_IF_ERROR(CheckCompatible(config));
   ASSIGN_OR_RETURN(ResumeChoice choice, ChooseCheckpoint(model, agree));
+  AddOlderOutsideFiles(choice.step, &choice.invalid);
   {
     absl::MutexLock lock(&mu_);
-    AddOlderOutsideFiles(choice.step, &choice.invalid);
     // Version numbers stay reserved past every checkpoint of this shard, removed ones included
     // (the store holds no checkpoint versions yet; an expert read from another shard takes a new
     // one).
@@ -324,11 +326,15 @@ StatusOr<CheckpointManager::ResumeChoice> CheckpointManager::ChooseCheckpoint(
       read_here = set == nullptr || (set->shards_size() == 1 &&
                                      set->shards(0).name() == shard_name_ && holds_every_expert);
       if (read_here) {
-        s = CheckCheckpoint(*step, &choice.local);
+        StatusOr<CheckpointManifest> local = LocalCheckpointLocked(*step);
+        s = local.status();
+        if (local.ok()) choice.local = *std::move(local);
       } else {
         choice.reader = std::make_unique<SetReader>(options_, *set);
       }
     }
+    // Every extent read back, without the lock: other threads may ask for the lists meanwhile.
+    if (read_here && s.ok()) s = VerifyManifest(*choice.local);
     if (!read_here) s = CheckSetParts(*choice.reader, model);
     bool ok = s.ok();
     if (agree) {
@@ -338,7 +344,7 @@ StatusOr<CheckpointManager::ResumeChoice> CheckpointManager::ChooseCheckpoint(
       choice.step = *step;
       break;
     }
-    choice.local = nullptr;
+    choice.local.reset();
     choice.reader.reset();
     if (s.ok()) {
       s = absl::DataLossError(absl::StrFormat(
@@ -358,19 +364,26 @@ StatusOr<CheckpointManager::ResumeChoice> CheckpointManager::ChooseCheckpoint(
   return choice;
 }
 
-void CheckpointManager::AddOlderOutsideFiles(int64_t step, std::vector<int64_t>* invalid) const {
+void CheckpointManager::AddOlderOutsideFiles(int64_t step, std::vector<int64_t>* invalid) {
   // Older checkpoints with extents beyond the end of their data file go too: that space was never
-  // marked used, so new data would overwrite what they list.
-  for (const CheckpointManifest& older : manifests_) {
-    if (older.step() >= step) break;
-    for (const TensorRef& r : older.tensors()) {
-      if (!r.has_extent() || !outside_.count(KeyOf(r))) continue;
-      Status s = ssd_->Verify(FromRecord(r.extent()), Describe(r, older.step(), shard_name_));
-      STRATA_LOG(ERROR) << "checkpoint " << older.step()
-                        << " cannot be used either: " << s.message();
-      invalid->push_back(older.step());
-      break;
+  // marked used, so new data would overwrite what they list. The first such extent of each, read
+  // back without the lock to say why.
+  std::vector<std::pair<int64_t, TensorRef>> outside;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const CheckpointManifest& older : manifests_) {
+      if (older.step() >= step) break;
+      for (const TensorRef& r : older.tensors()) {
+        if (!r.has_extent() || !outside_.count(KeyOf(r))) continue;
+        outside.emplace_back(older.step(), r);
+        break;
+      }
     }
+  }
+  for (const auto& [older, r] : outside) {
+    Status s = ssd_->Verify(FromRecord(r.extent()), Describe(r, older, shard_name_));
+    STRATA_LOG(ERROR) << "checkpoint " << older << " cannot be used either: " << s.message();
+    invalid->push_back(older);
   }
 }
 
@@ -521,28 +534,28 @@ Status CheckpointManager::VerifyManifest(const CheckpointManifest& m) const {
   return absl::OkStatus();
 }
 
-Status CheckpointManager::CheckCheckpoint(int64_t step, const CheckpointManifest** local) const {
-  *local = nullptr;
+StatusOr<CheckpointManifest> CheckpointManager::LocalCheckpointLocked(int64_t step) const {
+  const CheckpointManifest* local = nullptr;
   for (const CheckpointManifest& cm : manifests_) {
-    if (cm.step() == step) *local = &cm;
+    if (cm.step() == step) local = &cm;
   }
   // Resume calls this only for a checkpoint wholly in this shard (or of a folder written before
   // sharding); any other is read through a SetReader.
   for (const CheckpointSet& cs : sets_) {
     if (cs.step() != step) continue;
-    if (*local == nullptr) {
+    if (local == nullptr) {
       return absl::DataLossError(absl::StrFormat(
           "%s: the shard has no local checkpoint of that step (the global manifest names "
           "sequence %d in '%s'): the shard was deleted or rewritten",
           Where(step, shard_name_), FindShard(cs, shard_name_)->local_sequence(), shard_dir_));
     }
-    RETURN_IF_ERROR(MatchesSet(**local, cs, shard_name_));
+    RETURN_IF_ERROR(MatchesSet(*local, cs, shard_name_));
   }
-  if (*local == nullptr) {
+  if (local == nullptr) {
     return absl::NotFoundError(
         absl::StrFormat("no checkpoint of step %d in '%s'", step, options_.dir));
   }
-  return VerifyManifest(**local);
+  return *local;
 }
 
 }  // namespace strata::checkpoint

@@ -854,13 +854,15 @@ std::vector<std::string> CoordinatorState::MissingKeysLocked(
 Status CoordinatorState::Wait(const std::string& token, const std::vector<std::string>& keys,
                               std::chrono::milliseconds timeout) {
   RETURN_IF_ERROR(CheckToken(token));
-  const absl::Time deadline = absl::Now() + absl::FromChrono(timeout);
+  // On the steady clock: a wall clock stepped meanwhile neither cuts nor stretches the wait.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   absl::MutexLock lock(&mu_);
   std::vector<std::string> missing = MissingKeysLocked(keys);
-  while (!missing.empty()) {
-    const bool timed_out = kv_cv_.WaitWithDeadline(&mu_, deadline);
+  for (auto left = deadline - std::chrono::steady_clock::now();
+       !missing.empty() && left > std::chrono::steady_clock::duration::zero();
+       left = deadline - std::chrono::steady_clock::now()) {
+    kv_cv_.WaitWithTimeout(&mu_, absl::FromChrono(left));
     missing = MissingKeysLocked(keys);
-    if (timed_out) break;
   }
   if (missing.empty()) return absl::OkStatus();
   return absl::DeadlineExceededError(absl::StrFormat(

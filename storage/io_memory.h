@@ -2,10 +2,9 @@
 //
 // O_DIRECT needs 4 KiB alignment; on top of that, a buffer of 2 MiB or more is 2 MiB-aligned and
 // advised as transparent huge pages (MADV_HUGEPAGE). With 4 KiB pages every direct transfer maps
-// and unmaps one page per 4 KiB for the device; with huge pages a 32 MiB read touches 16 of them.
-// On the reference VM (virtio disk) this moved io_uring reads of 32 MiB extents from about 1.1 to
-// 1.8 GB/s, with or without registered buffers (bench_ssd_tier). Where the kernel has THP off,
-// the advice is ignored and the buffer is still correctly aligned.
+// and unmaps one page per 4 KiB for the device; with huge pages a 32 MiB read touches 16 of them
+// (docs/storage.md, "Measurements behind the design"). Where the kernel has THP off, the advice is
+// ignored and the buffer is still correctly aligned.
 //
 // The memory comes from mmap, zero-filled, and is returned to the system when the buffer dies.
 // An IoBuffer owns it alone (move-only): data() is valid until the buffer is destroyed or moved

@@ -38,8 +38,9 @@
 // else can: evicting it would waste the read and repeat it.
 //
 // Thread-safe: every method may be called from any thread (compute threads, the optimizer, the
-// checkpoint writer) except where it says otherwise. One mutex guards the entry table; transfers
-// run outside it. The store owns its stage threads, arenas and copy stream; it shares the SSD tier.
+// checkpoint writer) except where it says otherwise. One mutex (an absl::Mutex whose guarded
+// members clang checks) guards the entry table; transfers run outside it. The store owns its stage
+// threads, arenas and copy stream; it shares the SSD tier.
 // Destroying it stops the stages (queued work is dropped) and joins them; no other thread may be
 // inside a call then.
 #pragma once

@@ -110,8 +110,9 @@ class ElasticWorker {
   const std::string id_;
   const bool progress_;
   const std::chrono::milliseconds patience_, restart_grace_, heartbeat_timeout_;
-  Heartbeat heartbeat_;
   std::unique_ptr<Trainer> trainer_;
+  // Declared after trainer_, so destroyed (its thread stopped) before the trainer it aborts.
+  Heartbeat heartbeat_;
   coordinator::Generation next_;  // the generation kWaiting found, for kTraining
   int next_rank_ = -1;
   int64_t generation_ = 0;  // the generation trained in (0: none yet)

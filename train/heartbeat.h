@@ -11,7 +11,8 @@
 // Threads: Start and Stop from the owner's thread, which also owns the Membership (it must
 // outlive the Heartbeat). set_abort, set_training_generation and the accessors from any thread.
 // The abort callback runs on the heartbeat thread under the Heartbeat's lock: set_abort(nullptr)
-// returns only once no call of the old callback runs, so its target may go right after.
+// returns only once no call of the old callback runs, so its target may go right after; the
+// callback itself must not call set_abort (the analysis cannot see into it: it would deadlock).
 #pragma once
 
 #include <atomic>

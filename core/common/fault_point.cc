@@ -21,14 +21,15 @@ namespace {
 constexpr FaultPointInfo kKnownPoints[] = {
     {"checkpoint.before_commit", true,
      "in the checkpoint writer, between a checkpoint's synced extents and its commit; "
-     "checkpoint/manager.cc"},
+     "checkpoint/writer.cc"},
     {"checkpoint.after_commit", true,
      "in the checkpoint writer, once a checkpoint is committed and the ledger updated, holding "
      "the CheckpointManager's mutex: a callback must not call that CheckpointManager "
-     "(NewestCommitted, PollError, ...), it would deadlock; checkpoint/manager.cc"},
+     "(NewestCommitted, PollError, Steps, CheckCompatible, ...), it would deadlock; "
+     "checkpoint/writer.cc"},
     {"checkpoint.before_set_commit", true,
      "in the checkpoint writer, between a shard's local commit (the shard is prepared) and the "
-     "commit of the checkpoint's global manifest; checkpoint/manager.cc"},
+     "commit of the checkpoint's global manifest; checkpoint/writer.cc"},
     {"checkpoint_set.before_ledger", true,
      "in CommitCheckpointSet, between the rename of a global manifest and the global ledger's "
      "update; checkpoint/checkpoint_set.cc"},

@@ -133,9 +133,9 @@ class MoeLayer {
   bool grouped_gemm() const { return grouped_gemm_; }
   // Run the shared experts as one more task of the CPU expert groups (on the thread whose group
   // they join, with their GEMMs single-threaded) instead of as their own FFN split over the pool
-  // after the routed experts. Off by default: on the 2-core CPU it measured no faster either way
-  // (bench_moe_layer's "shared in groups" column). Applies only where the experts make their rows
-  // in their tasks (all local, on the CPU) and without a residency; elsewhere it is ignored.
+  // after the routed experts. Off by default: bench_moe_layer's "shared in groups" column shows
+  // whether it pays on a machine (docs/benchmarks.md). Applies only where the experts make their
+  // rows in their tasks (all local, on the CPU) and without a residency; elsewhere it is ignored.
   void set_shared_in_expert_groups(bool on) { shared_in_tasks_ = on; }
   Gate& gate() { return *gate_; }
   // The shared experts as one FFN; null without them.
