@@ -1,46 +1,52 @@
-// CoordinatorState: the coordinator's logic without sockets — membership generations, rank
-// assignment, admission of joins at step boundaries, failure detection, the rendezvous key-value
-// store, and the RocksDB record that lets a restarted coordinator resume the job.
+// CoordinatorState: the coordinator's logic without sockets — generations, failures, the
+// rendezvous store, the checkpoint catalog, and the RocksDB record a restart resumes from
 //
-// The gRPC service (and tests) call it; every call carries the job's token and is checked first
-// (UNAUTHENTICATED otherwise). A request that does not fit the state — a second Join of the same
-// worker, a report from an old generation or out of step order, a Wait past its timeout — gets a
-// status that says what and why, and changes nothing.
+// Calls:
+// - The gRPC service (and tests) call it. Every call carries the job's token, checked first
+//   (UNAUTHENTICATED otherwise).
+// - A request that does not fit the state (a second Join of the same worker, a report from an old
+//   generation or out of step order, a Wait past its timeout) gets a status that says what and
+//   why, and changes nothing.
 //
-// Generations. The first forms when `initial_workers` have joined (ranks in join order). A failure
-// (missed heartbeats, a broken stream) or a Leave forms the next one at once with the survivors,
-// keeping their order; a Join waits for the next step boundary — the step every member has
-// reported done — and is appended. Below `min_workers` no generation trains: the next one forms
-// as soon as enough workers are there. Every change is written (synced) to RocksDB before the
-// call returns: the record under "state", each generation under "log/<number>".
+// Generations:
+// - The first forms when `initial_workers` have joined, ranks in join order.
+// - A failure (missed heartbeats, a broken stream) or a Leave forms the next one at once with the
+//   survivors, in their order. A Join waits for the next step boundary (the step every member
+//   reported done) and is appended.
+// - Below `min_workers` no generation trains; the next forms as soon as enough workers are there.
+// - Every change is synced to RocksDB before the call returns: the record under "state", each
+//   generation under "log/<number>".
 //
-// The checkpoint catalog (record.catalog) says which checkpoints exist, for `strata status` and
-// for a generation that goes back to one. Rank 0 reports a checkpoint when it starts writing it
-// (prepare) and once it committed it, but a report can be lost (a coordinator killed in between,
-// a re-form), so the catalog is reconciled with the folder itself, the job config's
-// checkpoint.dir: when the record is opened and at every checkpoint report, the coordinator lists
-// the folder's committed sets (checkpoint::ListCheckpointSets: read-only, no lock a training
-// process holds, tolerant of commits and removals racing it) and records each as complete with its
-// shards; a checkpoint with no global manifest stays "not complete" until a newer one commits or
-// the workers re-form (the new generation abandons the commit in flight). The folder may lag rank
-// 0 (an NFS client lists manifests/ from a cache for tens of seconds; a coordinator host may see
-// another folder at that path), so a commit rank 0 reported that the folder does not list stays
-// complete, at rank 0's word, while it is newer than every checkpoint the folder lists, and goes
-// once a newer one is listed (it was pruned or removed). A folder that cannot be read leaves the
-// catalog as it was (plus rank 0's reports, taken at their word). Either way record.catalog_error
-// says why, naming the folder; it is logged at ERROR once when it appears or changes, and at INFO
-// once when it clears.
+// The checkpoint catalog (record.catalog; catalog.h), for `strata status` and for a generation
+// that goes back to a checkpoint:
+// - Rank 0 reports a checkpoint when it starts writing it (prepare) and once it committed it. A
+//   report can be lost (a coordinator killed in between, a re-form), so the catalog is reconciled
+//   with the folder itself (the job config's checkpoint.dir) when the record opens and at every
+//   checkpoint report: checkpoint::ListCheckpointSets, read-only, no lock a training process
+//   holds, tolerant of commits and removals racing it.
+// - A checkpoint with no global manifest stays "not complete" until a newer one commits or the
+//   workers re-form (the new generation abandons the commit in flight).
+// - The folder may lag rank 0 (an NFS client's cached listing; another folder at that path on the
+//   coordinator's host): a commit rank 0 reported that the folder does not list stays complete, at
+//   rank 0's word, while it is newer than every listed checkpoint, and goes once a newer one is
+//   listed (it was pruned or removed).
+// - A folder that cannot be read leaves the catalog as it was (plus rank 0's reports).
+//   record.catalog_error says why, naming the folder; it is logged at ERROR once when it appears
+//   or changes, at INFO once when it clears.
 //
-// Threads: safe for concurrent use — the gRPC server's threads and its failure detector (Tick)
-// call it at once. Every member that reads or changes the state takes one mutex, and the RocksDB
-// write happens under it; the checkpoint folder is read without it (a slow file system must not
-// hold up heartbeats), under a second mutex that keeps reconciliations and checkpoint reports in
-// order (taken before the first, never after); the token check reads only the options. Wait blocks
-// its caller up to the timeout without holding the mutex. check_config runs under the mutex on the
-// Join caller's thread, so it must not call back into the state. job_config() returns a reference
-// into the record, which other calls replace: use it only while no other thread calls in (Snapshot
-// returns a copy). The state owns its RocksDB handle, and with it the folder's lock, until it is
-// destroyed; nothing may call it then.
+// Threads:
+// - Safe for concurrent use: the gRPC server's threads and its failure detector (Tick) call it at
+//   once. The state is under one mutex (annotated: clang checks it), and the RocksDB write happens
+//   under it; the token check reads only the options.
+// - The checkpoint folder is read without that mutex (a slow file system must not hold up
+//   heartbeats), under a second one that keeps reconciliations and checkpoint reports in order,
+//   taken before the first, never after.
+// - Wait blocks its caller up to the timeout without holding the mutex. check_config runs under the
+//   mutex on the Join caller's thread: it must not call back into the state.
+// - job_config() returns a reference into the record, which other calls replace: use it only while
+//   no other thread calls in (Snapshot returns a copy).
+// - The state owns its RocksDB handle, and with it the folder's lock, until it is destroyed;
+//   nothing may call it then.
 #pragma once
 
 #include <chrono>

@@ -1,23 +1,27 @@
-// Trainer: one process training an MoE Transformer, step by step as in DESIGN.md.
+// Trainer: one process training an MoE Transformer, step by step as in DESIGN.md
 //
-// One step: fetch the step's samples (a pure function of seed, step and global batch), forward
-// with the loss, backward, gradient sync, global-norm clipping, AdamW with the scheduled learning
-// rate. What differs between one process, a worker, the tiered store and an elastic job is behind
-// the seams of step_seams.h, chosen when the trainer is built. On schedule it evaluates on the
-// held-out split. Each step appends one JSON object to the metrics file and refreshes the progress
-// line.
+// One step:
+// - Fetch the step's samples (a pure function of seed, step and global batch); forward with the
+//   loss; backward; gradient sync; global-norm clipping; AdamW at the scheduled learning rate.
+// - What differs between one process, a worker, the tiered store and an elastic job sits behind
+//   the seams of step_seams.h, chosen when the trainer is built.
+// - On schedule it evaluates on the held-out split. Each step appends its line to the metrics file
+//   (metrics.h) and refreshes the progress line.
 //
-// Ownership and threads: the Trainer owns its model, optimizer, store, checkpoint manager,
-// communicators and their threads (the pool's, the communication threads, the store's stages, the
-// expert optimizer thread, the checkpoint writer), and stops them when it is destroyed (all but a
-// connect left behind, see WorkerOptions::superseded). It is not thread-safe: one thread at a time
-// calls its members — in practice the thread that runs it — except AbortCollectives, which any
-// thread may call at any time. References and pointers it hands out live as long as the Trainer,
-// except that Reform may rebuild the model, its optimizer and its seams: model(),
-// optimizer_for_test() and what they lend are valid until the next Reform. The TrainOptions
-// callbacks run on the thread calling the Trainer: on_step in Run, on_checkpoint in Run and Reform,
-// after_rendezvous in Create or Reform, expert_factory wherever a model is built (also in Run, for
-// rank 0's checkpoints); `superseded` may also run elsewhere (see WorkerOptions).
+// Ownership and threads:
+// - The Trainer owns its model, optimizer, store, checkpoint manager and communicators, and their
+//   threads (the pool's, the communication threads, the store's stages, the expert optimizer
+//   thread, the checkpoint writer). It stops them when it is destroyed, all but a connect left
+//   behind (see WorkerOptions::superseded).
+// - It is not thread-safe: one thread at a time calls its members (in practice the thread that
+//   runs it), except AbortCollectives, which any thread may call at any time.
+// - What it hands out lives as long as the Trainer, except that Reform may rebuild the model, its
+//   optimizer and its seams: model(), optimizer_for_test() and what they lend are valid until the
+//   next Reform.
+// - The TrainOptions callbacks run on the thread calling the Trainer: on_step in Run,
+//   on_checkpoint in Run and Reform, after_rendezvous in Create or Reform, expert_factory wherever
+//   a model is built (also in Run, for rank 0's checkpoints). `superseded` may also run elsewhere
+//   (see WorkerOptions).
 #pragma once
 
 #include <atomic>
