@@ -2,8 +2,8 @@
 //
 // 1. Write bandwidth. A synthetic MoE model whose checkpoint is about 1 GiB (4 MoE layers x 44
 //    experts of 256x1024, each with its two Adam moments, plus the dense state) is checkpointed by
-//    N = 1, 2, 4 checkpoint::CheckpointManagers at once, N threads of this process: writer k holds a
-//    contiguous range of the experts (ModelOptions first/num_local_experts) and the dense share
+//    N = 1, 2, 4 checkpoint::CheckpointManagers at once, N threads of this process: writer k holds
+//    a contiguous range of the experts (ModelOptions first/num_local_experts) and the dense share
 //    DealDenseParameters deals it, writes the shard r<k>, and writer 0 commits the set r0..r{N-1}.
 //    The baseline, in the same run, is ONE manager writing the same bytes from one model holding
 //    every expert: what rank 0 wrote alone before checkpoints were sharded (it also paid a gather
