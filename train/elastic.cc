@@ -934,4 +934,33 @@ Status Trainer::ResumeDistributed() {
   return absl::OkStatus();
 }
 
+// The elastic worker's StepKeeping: the rollback copy before the update; the expert loads and
+// the buddy copies after it.
+Trainer::ElasticKeeping::ElasticKeeping(Trainer& trainer, bool copies)
+    : t_(trainer), copies_(copies) {}
+
+Status Trainer::ElasticKeeping::BeforeUpdate() {
+  if (!copies_) return absl::OkStatus();
+  // A TIERED worker's copies are of the state before the update, on its SSD, every
+  // elastic.replica_every steps; an IN_MEMORY worker's rollback copy is taken every step.
+  if (t_.scheduler_ != nullptr) return t_.RefreshStoredCopiesIfDue();
+  t_.TakeRollbackCopy();
+  return absl::OkStatus();
+}
+
+Status Trainer::ElasticKeeping::AfterUpdate(const std::vector<model::MoeStats>& moe) {
+  // Loads steer the placement of the next generation; every worker sees the batch-wide counts.
+  const int64_t E = t_.options_.config.model().moe().num_experts();
+  t_.expert_load_.resize(E, 0.0);
+  for (double& l : t_.expert_load_) l *= 0.9;
+  for (const model::MoeStats& m : moe) {
+    for (int64_t e = 0; e < E && e < static_cast<int64_t>(m.load.size()); ++e) {
+      t_.expert_load_[e] += static_cast<double>(m.load[e]);
+    }
+  }
+  if (!copies_ || t_.scheduler_ != nullptr) return absl::OkStatus();
+  TraceScope span(t_.ctx_.tracer, "buddy copies", "comm");
+  return t_.RefreshBuddies();
+}
+
 }  // namespace strata::train

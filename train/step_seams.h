@@ -14,7 +14,7 @@
 //     store's step figures).
 //   StepKeeping — what a step keeps around its update for a later membership generation:
 //     NoKeeping, or an elastic worker's measured expert loads, with its rollback and buddy copies
-//     when its layout keeps them (Trainer::ElasticKeeping).
+//     when its layout keeps them (Trainer::ElasticKeeping, in elastic.cc).
 //
 // The trainer chooses each once per model: the gradient sync and the keeping in BuildModel, for
 // the model and communicators it has just built, and the expert state once the store exists
