@@ -194,6 +194,9 @@ class StepKeeping {
   virtual ~StepKeeping() = default;
   // Just before the update (the model still holds the state of the step before).
   [[nodiscard]] virtual Status BeforeUpdate() = 0;
+  // Once the update has run: the model's state is now `version` (the step it is the result of);
+  // `experts_updated` is false when the experts' update failed (the step then fails).
+  virtual void Updated(int64_t version, bool experts_updated) = 0;
   // After the update, with the step's per-layer MoE figures.
   [[nodiscard]] virtual Status AfterUpdate(const std::vector<model::MoeStats>& moe) = 0;
 };
@@ -201,6 +204,7 @@ class StepKeeping {
 class NoKeeping final : public StepKeeping {
  public:
   Status BeforeUpdate() override { return absl::OkStatus(); }
+  void Updated(int64_t, bool) override {}
   Status AfterUpdate(const std::vector<model::MoeStats>&) override { return absl::OkStatus(); }
 };
 

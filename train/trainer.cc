@@ -108,29 +108,9 @@ Status Trainer::SetUpTiered(std::unique_ptr<storage::TieredExpertStore> store) {
   ASSIGN_OR_RETURN(scheduler_,
                    scheduler::TieredExpertScheduler::Create(*model_, to, std::move(store)));
   model_->AttachResidency(scheduler_.get());
-  store_whole_ = true;
   // The checkpoints' references to versions in the store are reached through this scheduler now.
   if (checkpoints_) checkpoints_->RebindStore(scheduler_.get());
   return absl::OkStatus();
-}
-
-StatusOr<std::unique_ptr<comm::Communicator>> Trainer::ConnectUnlessSuperseded(
-    std::function<StatusOr<std::unique_ptr<comm::Communicator>>()> connect) const {
-  const auto& superseded = options_.worker.superseded;
-  if (!superseded) return connect();
-  // Gloo's TCP connect to a peer that published its address and then died retries until the
-  // timeout, and nothing can interrupt it: connect on a thread of its own, and leave it behind
-  // (it ends at that timeout and drops what it made) when a newer generation makes it moot.
-  using Result = StatusOr<std::unique_ptr<comm::Communicator>>;
-  auto task = std::make_shared<std::packaged_task<Result()>>(std::move(connect));
-  std::future<Result> done = task->get_future();
-  std::thread([task] { (*task)(); }).detach();
-  while (done.wait_for(std::chrono::milliseconds(50)) != std::future_status::ready) {
-    if (superseded()) {
-      return absl::AbortedError("a newer generation formed while this one's workers connected");
-    }
-  }
-  return done.get();
 }
 
 Status Trainer::SetUpWorkers() {
@@ -143,7 +123,7 @@ Status Trainer::SetUpWorkers() {
   }
   if (w.store == nullptr) return absl::InvalidArgumentError("a distributed worker needs a store");
   const config::ParallelConfig& par = cfg.parallel();
-  ASSIGN_OR_RETURN(const int ep, GroupSize(W));
+  ASSIGN_OR_RETURN(const int ep, GroupSize(par, W, w.elastic));
   if (w.rank == 0 && par.expert_parallel() != 0 && ep != par.expert_parallel()) {
     STRATA_LOG(WARNING) << absl::StrFormat(
         "parallel.expert_parallel = %d does not divide this generation's %d workers: its "
@@ -178,52 +158,9 @@ Status Trainer::SetUpWorkers() {
   comm::CommOptions co;
   co.timeout = std::chrono::milliseconds(par.timeout_ms());
   co.hostname = w.hostname;
-  co.rank = w.rank;
-  co.world_size = W;
-  auto connect = [&](const std::string& prefix, int rank, int size,
-                     std::unique_ptr<comm::Communicator>* out) -> Status {
-    comm::CommOptions o = co;
-    o.rank = rank;
-    o.world_size = size;
-    auto c = ConnectUnlessSuperseded([store = comm::MakePrefixStore(w.store, prefix), o] {
-      return comm::ConnectGloo(store, o);
-    });
-    if (!c.ok()) {
-      return Status(c.status().code(),
-                    absl::StrCat("connecting the ", prefix, " group: ", c.status().message()));
-    }
-    AdoptCommunicator(std::move(*c), out);
-    return absl::OkStatus();
-  };
-  // Every worker connects the groups in the same order: all workers, its expert-parallel group,
-  // its expert replicas.
-  RETURN_IF_ERROR(connect("world/", w.rank, W, &world_comm_));
-  if (ep > 1) {
-    const std::string ep_prefix = absl::StrCat("ep/", w.rank / ep, "/");
-    if (par.local_size() > 0 && par.local_size() < ep) {
-      comm::CommOptions o = co;
-      o.rank = w.rank % ep;
-      o.world_size = ep;
-      auto c = ConnectUnlessSuperseded(
-          [store = comm::MakePrefixStore(w.store, ep_prefix), o, local = par.local_size()] {
-            return comm::ConnectHierarchicalGloo(store, o, local);
-          });
-      if (!c.ok()) {
-        return Status(c.status().code(),
-                      absl::StrCat("connecting the ", ep_prefix,
-                                   " group (two-level): ", c.status().message()));
-      }
-      AdoptCommunicator(std::move(*c), &ep_comm_);
-    } else {
-      RETURN_IF_ERROR(connect(ep_prefix, w.rank % ep, ep, &ep_comm_));
-    }
-    if (W / ep > 1) {
-      RETURN_IF_ERROR(connect(absl::StrCat("replicas/", w.rank % ep, "/"), w.rank / ep, W / ep,
-                              &replica_comm_));
-    }
-  }
+  RETURN_IF_ERROR(comms_.Connect(w.store, co, {w.rank, W, ep, par.local_size()}, w.superseded));
   // Every worker has connected every group once all pass this barrier.
-  Status b = world_comm_->Barrier();
+  Status b = comms_.world()->Barrier();
   if (!b.ok()) {
     return Status(b.code(), absl::StrCat("waiting for every worker to connect: ", b.message()));
   }
@@ -278,12 +215,64 @@ std::pair<int64_t, int64_t> BatchShare(int64_t global_batch, int workers, int ra
   return {first, global_batch * (rank + 1) / workers - first};
 }
 
+// The ElasticHost over this trainer: the model, store and communicators of its generation, and the
+// two things a TIERED re-form asks of it.
+class Trainer::Host final : public ElasticHost {
+ public:
+  explicit Host(Trainer& t) : t_(t) {}
+  int rank() const override { return t_.options_.worker.rank; }
+  int world_size() const override { return t_.options_.worker.world_size; }
+  ops::Context& context() override { return t_.ctx_; }
+  int64_t step() const override { return t_.step_; }
+  model::MoeTransformer* model() const override { return t_.model_.get(); }
+  model::AdamW* optimizer() const override { return t_.optimizer_.get(); }
+  scheduler::TieredExpertScheduler* scheduler() const override { return t_.scheduler_.get(); }
+  comm::Communicator* world() const override { return t_.comms_.world(); }
+  const std::vector<int64_t>& experts_per_worker() const override { return t_.experts_per_worker_; }
+  int64_t first_expert() const override { return t_.first_expert_; }
+  int64_t num_experts() const override { return t_.num_experts_; }
+
+  std::unique_ptr<storage::TieredExpertStore> ReleaseStore() override {
+    if (t_.model_) t_.model_->AttachResidency(nullptr);
+    t_.experts_.reset();
+    std::unique_ptr<storage::TieredExpertStore> store = t_.scheduler_->ReleaseStore();
+    t_.scheduler_.reset();
+    return store;
+  }
+
+  StatusOr<StoreMover> MakeStoreMover(std::unique_ptr<storage::TieredExpertStore> store) override {
+    const config::JobConfig& cfg = t_.options_.config;
+    model::ModelOptions mo;
+    mo.config = cfg.model();
+    mo.seed = cfg.seed();
+    mo.max_batch = 1;
+    mo.expert_factory = t_.options_.expert_factory;
+    mo.unbound_experts = true;
+    mo.first_local_expert = 0;
+    mo.num_local_experts = cfg.model().moe().num_experts();
+    mo.device = t_.device_;
+    StoreMover m;
+    ASSIGN_OR_RETURN(m.model, model::MoeTransformer::Create(t_.ctx_, mo));
+    RETURN_IF_ERROR(t_.EnsureBudgets(*m.model));
+    ASSIGN_OR_RETURN(const scheduler::TieredOptions to, t_.TieredOptionsOf());
+    const bool fresh = store == nullptr;
+    ASSIGN_OR_RETURN(m.scheduler,
+                     scheduler::TieredExpertScheduler::Create(*m.model, to, std::move(store)));
+    // A store made here may sit beside checkpoints of this worker's shard (an id it had before).
+    if (fresh && t_.checkpoints_) t_.checkpoints_->AdoptStore(m.scheduler.get());
+    return m;
+  }
+
+ private:
+  Trainer& t_;
+};
+
 Status Trainer::ExportParameters() const {
   const std::string& dir = options_.export_params_dir;
   // Rank 0 writes the dense parameters, the leader of each expert's copies the expert into DIR;
   // copy g of an expert (its g-th expert-parallel group) into DIR/copy<g>/, so that the copies
   // can be compared.
-  const int ep = ep_comm_ ? ep_comm_->world_size() : 1;
+  const int ep = comms_.ep() ? comms_.ep()->world_size() : 1;
   const int copy = distributed() ? options_.worker.rank / ep : 0;
   const std::string expert_dir = expert_replica_leader_ ? dir : absl::StrCat(dir, "/copy", copy);
   for (const std::string& d : {dir, expert_dir}) {
@@ -358,12 +347,7 @@ Status Trainer::OpenCheckpoints(bool continuing) {
   co.capacity_bytes = cfg.storage().ssd_capacity_bytes();
   co.wrap_io = options_.wrap_io;
   co.start_over = options_.start_over && !continuing;
-  {
-    absl::MutexLock lock(&comm_mu_);
-    // A newer generation may have aborted this one's collectives already.
-    checkpoint_abandoned_ = std::make_shared<std::atomic<bool>>(aborted_why_.has_value());
-    co.abandoned = checkpoint_abandoned_;
-  }
+  co.abandoned = comms_.CheckpointAbandonFlag();
   if (distributed()) {
     // Each worker writes its own shard; rank 0 also commits every checkpoint.
     co.shard = shard_names_.at(static_cast<size_t>(options_.worker.rank));
@@ -426,22 +410,13 @@ Status Trainer::OpenWorkerCheckpoints(bool continuing) {
   };
   const std::string folder =
       absl::StrFormat("the checkpoint folder '%s'", options_.config.checkpoint().dir());
-  RETURN_IF_ERROR(AllWorkersOk(was_committer && !first ? take() : Status(),
+  comm::Communicator& world = *comms_.world();
+  RETURN_IF_ERROR(AllWorkersOk(world, was_committer && !first ? take() : Status(),
                                "the previous committer could not give up " + folder));
-  RETURN_IF_ERROR(AllWorkersOk(first ? take() : Status(), "rank 0 could not open " + folder));
-  return AllWorkersOk(!first && !was_committer ? take() : Status(),
+  RETURN_IF_ERROR(
+      AllWorkersOk(world, first ? take() : Status(), "rank 0 could not open " + folder));
+  return AllWorkersOk(world, !first && !was_committer ? take() : Status(),
                       "another worker could not open " + folder);
-}
-
-Status Trainer::AllWorkersOk(Status mine, const std::string& others_failed) {
-  double failed = mine.ok() ? 0.0 : 1.0;
-  RETURN_IF_ERROR(world_comm_->AllReduce(&failed, 1));
-  if (!mine.ok()) return mine;
-  if (failed > 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(others_failed, " (its log says why); this worker stops with it"));
-  }
-  return absl::OkStatus();
 }
 
 Status Trainer::BuildModel(int64_t first, int64_t count) {
@@ -466,20 +441,20 @@ Status Trainer::BuildModel(int64_t first, int64_t count) {
   first_expert_ = first;
   num_experts_ = count < 0 ? E : count;
   if (distributed()) {
-    if (ep_comm_) {
+    if (comms_.ep()) {
       ASSIGN_OR_RETURN(scheduler::ExpertPlacement placement,
                        scheduler::ExpertPlacement::FromCounts(experts_per_worker_));
       scheduler::ExpertParallelOptions eo;
       // The tiered store already overlaps loading with compute by handing experts to threads as
       // they become resident; one pass per layer keeps its prefetch plan whole.
       eo.chunks = tiered ? 1 : cfg.parallel().dispatch_chunks();
-      exchange_ = std::make_unique<scheduler::ExpertParallel>(ep_comm_.get(), placement, eo);
+      exchange_ = std::make_unique<scheduler::ExpertParallel>(comms_.ep(), placement, eo);
     }
     scheduler::DataParallelOptions dpo;
     dpo.bucket_bytes = cfg.parallel().bucket_bytes();
-    comm::Communicator* replicas = ep_comm_ ? replica_comm_.get() : world_comm_.get();
+    comm::Communicator* replicas = comms_.ep() ? comms_.replicas() : comms_.world();
     data_parallel_ =
-        std::make_unique<scheduler::DataParallel>(*model_, world_comm_.get(), replicas, dpo);
+        std::make_unique<scheduler::DataParallel>(*model_, comms_.world(), replicas, dpo);
     model_->AttachParallel(exchange_.get(), data_parallel_.get(), data_parallel_.get());
     dense_slices_ = std::make_unique<model::ParameterSlices>(model_->DenseParameters());
     if (tracer_) {
@@ -510,8 +485,11 @@ Status Trainer::BuildModel(int64_t first, int64_t count) {
   } else {
     gradients_ = std::make_unique<LocalGradients>(&ctx_, optimizer_.get());
   }
-  if (options_.worker.elastic && distributed()) {
-    keeping_ = std::make_unique<ElasticKeeping>(*this, KeepsCopies());
+  if (elastic_) {
+    // A worker alone keeps only its live version; one of several its loads, and its copies when
+    // the layout keeps them.
+    keeping_ = std::make_unique<ElasticKeeping>(
+        elastic_.get(), ElasticKeeping::Options{distributed() && KeepsCopies(cfg), distributed()});
   } else {
     keeping_ = std::make_unique<NoKeeping>();
   }
@@ -533,7 +511,7 @@ Status Trainer::SetUpExpertState(std::unique_ptr<storage::TieredExpertStore> sto
   // parallelism) and the leader counts them in the norm.
   TieredExperts::Options to;
   to.workers = std::max(1, options_.worker.world_size);
-  if (distributed()) to.replicas = ep_comm_ ? replica_comm_.get() : world_comm_.get();
+  if (distributed()) to.replicas = comms_.ep() ? comms_.replicas() : comms_.world();
   to.counts_norm = expert_replica_leader_;
   experts_ =
       std::make_unique<TieredExperts>(scheduler_.get(), options_.config.train(), to, ctx_.tracer);
@@ -543,10 +521,7 @@ Status Trainer::SetUpExpertState(std::unique_ptr<storage::TieredExpertStore> sto
 StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
   std::unique_ptr<Trainer> tr(new Trainer);
   tr->options_ = options;
-  {
-    absl::MutexLock lock(&tr->comm_mu_);  // not shared with another thread yet
-    tr->comm_generation_ = options.worker.generation;
-  }
+  tr->comms_.Reset(options.worker.generation);
   const config::JobConfig& cfg = tr->options_.config;
   RETURN_IF_ERROR(config::ValidateJobConfig(cfg, "job config"));
   // This process's share of the job against this machine's memory, before anything is allocated.
@@ -563,7 +538,14 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
       config::EstimateDisk(cfg, std::max(1, options.worker.world_size), options.worker.elastic),
       "job config"));
   // An elastic job learns at its start what its layout needs to re-form, not at its first failure.
-  if (options.worker.elastic) RETURN_IF_ERROR(tr->CheckElastic());
+  if (options.worker.rejoin && !options.worker.elastic) {
+    return absl::InvalidArgumentError("joining a running job (rejoin) needs an elastic worker");
+  }
+  if (options.worker.elastic) {
+    RETURN_IF_ERROR(CheckElastic(cfg));
+    tr->host_ = std::make_unique<Host>(*tr);
+    tr->elastic_ = std::make_unique<ElasticState>(cfg, tr->host_.get());
+  }
   storage::Env* env = options.env ? options.env : storage::Env::Default();
   ASSIGN_OR_RETURN(tr->device_, Device::Parse(cfg.train().device()));
   if (!tr->device_.is_cpu() && (options.worker.world_size > 1 || options.worker.elastic)) {
@@ -596,12 +578,12 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     const int W = options.worker.world_size, rank = options.worker.rank;
     std::tie(tr->first_sequence_, tr->local_batch_) =
         BatchShare(cfg.train().global_batch(), W, rank);
-    const int ep = tr->ep_comm_ ? tr->ep_comm_->world_size() : 1;
+    const int ep = tr->comms_.ep() ? tr->comms_.ep()->world_size() : 1;
     const int64_t E = cfg.model().moe().num_experts();
     RETURN_IF_ERROR(tr->OpenWorkerCheckpoints(/*continuing=*/options.worker.rejoin));
     if (options.worker.rejoin) {
       // Joining a running job: the others hand over the state (or all go back to a checkpoint).
-      ASSIGN_OR_RETURN(synced, tr->SyncState());
+      ASSIGN_OR_RETURN(synced, tr->elastic_->SyncState());
       if (synced->from_checkpoint) RETURN_IF_ERROR(tr->ReopenForCheckpoint());
       tr->experts_per_worker_ = synced->counts;
     } else if (cfg.parallel().experts_per_worker_size() > 0 && ep > 1) {
@@ -618,7 +600,7 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     tr->expert_replica_leader_ = rank < ep;
   } else if (options.worker.rejoin) {
     // Joining a running job alone: its only source is the latest checkpoint.
-    ASSIGN_OR_RETURN(synced, tr->SyncState());
+    ASSIGN_OR_RETURN(synced, tr->elastic_->SyncState());
     tr->experts_per_worker_ = synced->counts;
   }
   RETURN_IF_ERROR(tr->BuildModel(first, count));
@@ -646,11 +628,13 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
                                                          tr->scheduler_.get(), tr->ctx_));
     tr->resumed_from_ = tr->step_;
   }
-  tr->live_version_ = tr->step_;
-  // An elastic TIERED worker's copies exist from the first step on (a failure during it goes on
-  // from them), and a shelf that cannot be made fails the job here, not at its first step.
-  if (options.worker.elastic && !synced && tr->scheduler_ && tr->KeepsCopies()) {
-    RETURN_IF_ERROR(tr->RefreshStoredCopies());
+  if (tr->elastic_) {
+    tr->elastic_->SetLive(tr->step_);
+    // An elastic TIERED worker's copies exist from the first step on (a failure during it goes on
+    // from them), and a shelf that cannot be made fails the job here, not at its first step.
+    if (!synced && tr->scheduler_ && KeepsCopies(cfg)) {
+      RETURN_IF_ERROR(tr->elastic_->RefreshStoredCopies());
+    }
   }
   tr->tty_ = isatty(STDERR_FILENO);
   return tr;
@@ -706,11 +690,9 @@ StatusOr<StepResult> Trainer::Step() {
     // Loss-free balancing: each selection bias moves by the step's batch-wide loads.
     for (const auto& ref : model_->moe_layers()) ref.layer->gate().UpdateBias(ctx_);
   }
-  live_version_ = step_ + 1;
-  if (Status u = experts_->Update(r.lr, scale, optimizer_->steps()); !u.ok()) {
-    store_whole_ = false;  // the experts may not have taken the update the dense state took
-    return u;
-  }
+  const Status updated = experts_->Update(r.lr, scale, optimizer_->steps());
+  keeping_->Updated(step_ + 1, updated.ok());
+  RETURN_IF_ERROR(updated);
   r.tiered = experts_->TakeStats(&r.store);
   // 6. Step boundary: the step's figures.
   RecordMoeStats(*model_, batch.z_loss, &r);
@@ -876,6 +858,174 @@ void Trainer::PrintProgress(const StepResult& r, const EvalResult* eval, bool fi
     std::fprintf(stderr, "%s\n", line.c_str());
   }
   std::fflush(stderr);
+}
+
+void Trainer::ResetParallel(int64_t generation) {
+  if (model_) model_->AttachParallel(nullptr, nullptr, nullptr);
+  // The seams built over this generation's reducers go with them; BuildModel makes new ones.
+  gradients_.reset();
+  keeping_.reset();
+  exchange_.reset();
+  data_parallel_.reset();
+  comms_.Reset(generation);
+}
+
+Status Trainer::Reform(const WorkerOptions& w) {
+  if (!elastic_) {
+    return absl::FailedPreconditionError("Reform needs a trainer created with worker.elastic");
+  }
+  RETURN_IF_ERROR(CheckElastic(options_.config));
+  // The previous generation's communicators are finished (aborted or failed); their threads stop.
+  AbortCollectives("a new generation forms");
+  // A TIERED worker whose last re-form failed after handing its store on has none left.
+  const bool tiered = scheduler_ != nullptr;
+  if (tiered) {
+    // A TIERED worker's store shares its checkpoint shard's SSD tier, so the shard stays open
+    // (ContinueCheckpoints). The old generation's checkpoint in flight ends first: its writer
+    // reads the scheduler that is about to hand its store on. The expert update in flight needs
+    // no collective; once it is done the store holds the state of live_version_ — unless it
+    // failed, and then no whole state.
+    if (checkpoints_) {
+      checkpoints_->Abandon();
+      if (Status c = checkpoints_->Wait(); !c.ok()) {
+        STRATA_LOG(WARNING) << "the checkpoint in flight when generation " << w.generation
+                            << " formed is given up: " << c.message();
+      }
+    }
+    if (!scheduler_->FinishExpertStep().ok()) elastic_->StoreUpdateFailed();
+  } else {
+    // Each worker writes the shard of its rank, which may change: the shards are opened again once
+    // every worker has let go of its old one (a checkpoint being written is abandoned: the new
+    // generation saves again at its own schedule).
+    checkpoints_.reset();
+  }
+  ResetParallel(w.generation);
+  options_.worker = w;
+  options_.worker.rejoin = true;
+  if (distributed()) RETURN_IF_ERROR(SetUpWorkers());
+  RETURN_IF_ERROR(OpenCheckpointsOfGeneration());
+  // A TIERED worker whose store was handed on and then lost (a move or the new model failed)
+  // lets go of its shard too: its manager's references were the store's.
+  auto lost_store = [&](Status s) {
+    if (tiered && scheduler_ == nullptr) checkpoints_.reset();
+    return s;
+  };
+  StatusOr<SyncedState> synced = elastic_->SyncState();
+  if (!synced.ok()) return lost_store(synced.status());
+  SyncedState& s = *synced;
+  if (s.from_checkpoint) RETURN_IF_ERROR(ReopenForCheckpoint());
+  std::tie(first_sequence_, local_batch_) =
+      BatchShare(options_.config.train().global_batch(), w.world_size, w.rank);
+  if (Status a = AdoptState(s); !a.ok()) return lost_store(a);
+  // A checkpoint whose commit the previous generation never got to report (its step was cut
+  // short) may be the one this generation went back to: the coordinator hears of it before the
+  // generation says where it starts (again, if a report to the previous generation was refused).
+  reported_checkpoint_ = 0;
+  ReportCommittedCheckpoint();
+  return absl::OkStatus();
+}
+
+Status Trainer::OpenCheckpointsOfGeneration() {
+  // The lowest surviving rank becomes rank 0, the committer (the folder's lock went with the
+  // process that held it, or the previous committer gives it up).
+  if (distributed()) return OpenWorkerCheckpoints(/*continuing=*/true);
+  if (checkpoints_) return ContinueCheckpoints();
+  if (options_.config.checkpoint().dir().empty()) return absl::OkStatus();
+  return OpenCheckpoints(/*continuing=*/true);
+}
+
+Status Trainer::ReopenForCheckpoint() {
+  if (options_.config.storage().mode() != config::StorageConfig::TIERED) return absl::OkStatus();
+  // The shard's space that no checkpoint lists (the live store's) is free again once it is opened
+  // afresh; the store goes first.
+  if (model_ && scheduler_) model_->AttachResidency(nullptr);
+  experts_.reset();
+  scheduler_.reset();
+  checkpoints_.reset();
+  if (distributed()) RETURN_IF_ERROR(comms_.world()->Barrier());
+  return OpenCheckpointsOfGeneration();
+}
+
+Status Trainer::ContinueCheckpoints() {
+  return checkpoints_->Continue(options_.worker.generation, options_.worker.rank == 0,
+                                comms_.CheckpointAbandonFlag(), scheduler_.get());
+}
+
+Status Trainer::AdoptState(SyncedState& s) {
+  // Until the state is in, this worker holds none (a failure below leaves it holding nothing).
+  elastic_->HoldNothing();
+  experts_per_worker_ = s.counts;
+  ASSIGN_OR_RETURN(scheduler::ExpertPlacement placement,
+                   scheduler::ExpertPlacement::FromCounts(experts_per_worker_));
+  const int rank = options_.worker.rank, G = static_cast<int>(s.counts.size());
+  expert_replica_leader_ = rank < G;
+  // The seams point into what goes next; BuildModel chooses new ones.
+  gradients_.reset();
+  keeping_.reset();
+  optimizer_.reset();
+  dense_slices_.reset();
+  if (model_) model_->AttachParallel(nullptr, nullptr, nullptr);
+  if (model_ && scheduler_) model_->AttachResidency(nullptr);
+  experts_.reset();
+  scheduler_.reset();
+  exchange_.reset();
+  data_parallel_.reset();
+  model_.reset();
+  RETURN_IF_ERROR(BuildModel(placement.first(rank % G), placement.count(rank % G)));
+  RETURN_IF_ERROR(SetUpExpertState(std::move(s.store)));
+  return StartFrom(s);
+}
+
+Status Trainer::GoBackToCheckpoint() {
+  // Every worker decides alike: all resume, or all start over (no checkpoint committed yet).
+  const std::string& dir = options_.config.checkpoint().dir();
+  RETURN_IF_ERROR(checkpoints_->Wait());  // a checkpoint being written counts once committed
+  double empty = checkpoints_->Steps().empty() ? 1.0 : 0.0;
+  if (distributed()) RETURN_IF_ERROR(comms_.world()->AllReduce(&empty, 1));
+  if (empty == options_.worker.world_size) {
+    // No checkpoint yet: the job goes back to its beginning, which every run shares — the model
+    // as the seed initialises it (just built), with fresh optimizer state.
+    if (options_.worker.rank == 0) {
+      STRATA_LOG(WARNING) << "no checkpoint is committed in " << dir
+                          << " yet; the job goes back to step 0";
+    }
+    step_ = 0;
+    return absl::OkStatus();
+  }
+  if (empty > 0) {
+    return absl::InternalError(absl::StrFormat(
+        "the workers of generation %d do not see the same checkpoints in %s (%d see none)",
+        options_.worker.generation, dir, static_cast<int>(empty)));
+  }
+  if (distributed()) return ResumeDistributed();
+  ASSIGN_OR_RETURN(
+      step_, checkpoints_->Resume(options_.config, *model_, *optimizer_, scheduler_.get(), ctx_));
+  return absl::OkStatus();
+}
+
+Status Trainer::ResumeDistributed() {
+  // Every worker reads what it holds from the shards that have it; all take the newest
+  // checkpoint that every worker found intact.
+  checkpoint::ResumeAgreement agree = [this](bool ok_here) -> StatusOr<bool> {
+    double ok = ok_here ? 1.0 : 0.0;
+    RETURN_IF_ERROR(comms_.world()->AllReduce(&ok, 1));
+    return ok == options_.worker.world_size;
+  };
+  ASSIGN_OR_RETURN(step_, checkpoints_->Resume(options_.config, *model_, *optimizer_,
+                                               scheduler_.get(), ctx_, agree));
+  resumed_from_ = step_;
+  return absl::OkStatus();
+}
+
+Status Trainer::StartFrom(const SyncedState& s) {
+  if (s.from_checkpoint) {
+    RETURN_IF_ERROR(GoBackToCheckpoint());
+  } else {
+    RETURN_IF_ERROR(elastic_->ImportState(s));
+    step_ = s.step;
+  }
+  while (!history_.empty() && history_.back().step > step_) history_.pop_back();
+  return elastic_->StartGeneration(step_);
 }
 
 }  // namespace strata::train

@@ -34,8 +34,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "checkpoint/manager.h"
 #include "core/common/json.h"
 #include "core/common/status.h"
@@ -52,9 +50,10 @@
 #include "scheduler/tiered_scheduler.h"
 #include "storage/copy_shelf.h"
 #include "storage/private_folder.h"
+#include "train/elastic/elastic_state.h"
 #include "train/metrics.h"
-#include "train/state_sync.h"
 #include "train/step_seams.h"
+#include "train/worker_comms.h"
 
 namespace strata::train {
 
@@ -168,18 +167,21 @@ class Trainer {
   // With `newer_generation`, only when this trainer is in an older generation: a late call for the
   // generation it has already re-formed into does nothing.
   void AbortCollectives(const std::string& why,
-                        int64_t newer_generation = std::numeric_limits<int64_t>::max())
-      ABSL_LOCKS_EXCLUDED(comm_mu_);
+                        int64_t newer_generation = std::numeric_limits<int64_t>::max()) {
+    comms_.Abort(why, newer_generation);
+  }
   // Re-forms this worker, in place, for a new generation: new communicators under w.store, the
   // state agreed on (see WorkerOptions::rejoin) or the newest checkpoint, the experts re-placed
   // by measured load (in groups re-planned for the new count, see GroupSize). On success Run goes
-  // on from step(), which may be behind the step that was cut short. On
-  // failure the trainer holds no generation: only another Reform (or the destructor) may follow.
+  // on from step(), which may be behind the step that was cut short. On failure the trainer holds
+  // no generation: only another Reform (or the destructor) may follow.
   [[nodiscard]] Status Reform(const WorkerOptions& w);
   // Experts each rank of the current generation holds (contiguous ranges in rank order).
   const std::vector<int64_t>& experts_per_worker() const { return experts_per_worker_; }
 
  private:
+  class Host;  // the ElasticHost over this trainer (trainer.cc)
+
   Trainer() = default;
   void PrintProgress(const StepResult& r, const EvalResult* eval, bool final_line);
 
@@ -194,118 +196,44 @@ class Trainer {
   [[nodiscard]] Status EnsureTempSsdFolder();
   [[nodiscard]] Status SetUpTiered(std::unique_ptr<storage::TieredExpertStore> store = nullptr);
   [[nodiscard]] Status SetUpWorkers();
-  // Runs `connect` (a Connect*Gloo call) so that WorkerOptions::superseded can abandon it.
-  // Stores a newly connected communicator in *slot under comm_mu_ (aborting it at once when
-  // AbortCollectives ran since the generation's ResetParallel).
-  void AdoptCommunicator(std::unique_ptr<comm::Communicator> c,
-                         std::unique_ptr<comm::Communicator>* slot);
-  [[nodiscard]] StatusOr<std::unique_ptr<comm::Communicator>> ConnectUnlessSuperseded(
-      std::function<StatusOr<std::unique_ptr<comm::Communicator>>()> connect) const;
   // Builds model_ (with this worker's `first`, `count` experts when distributed), the exchange and
-  // the data-parallel reducer around it, and the optimizer.
+  // the data-parallel reducer around it, the optimizer, and the step's gradient sync and keeping.
   [[nodiscard]] Status BuildModel(int64_t first, int64_t count);
   // The expert state seam for the model just built: the tiered store (TIERED; `store` as in
   // SetUpTiered) or the model itself.
   [[nodiscard]] Status SetUpExpertState(
       std::unique_ptr<storage::TieredExpertStore> store = nullptr);
-  // Elastic (elastic.cc): what a generation starts from — the state its workers hold (placement
-  // and blobs), or the newest checkpoint (the placement only; every worker reads its own share).
-  struct SyncedState {
-    int64_t step = 0;
-    std::vector<int64_t> counts;  // experts per rank of an expert-parallel group
-    std::vector<float> dense;     // this worker's dense parameters with moments
-    std::vector<float> experts;   // its experts' blobs, in expert order (IN_MEMORY)
-    // TIERED: the store holding this worker's experts of the new placement (and, until the new
-    // scheduler adopts it, the ones it gave away).
-    std::unique_ptr<storage::TieredExpertStore> store;
-    bool from_checkpoint = false;
-  };
-  [[nodiscard]] StatusOr<SyncedState> SyncState();
-  // Whether this job's steps keep rollback and buddy copies: one expert-parallel group, IN_MEMORY,
-  // or TIERED with elastic.replicas. Every other job needs a checkpoint folder to fall back on.
-  bool KeepsCopies() const;
-  // Whether a generation can go on from the state its workers hold (every layout but
-  // experts_per_worker: with one expert-parallel group, IN_MEMORY with its copies and TIERED with
-  // its stores and copies; with several, from each expert's copies in the other groups).
-  bool MovesLiveState() const;
-  // TIERED, phase 6: for each group of the new generation (owners[g], sources[g]), moves every
-  // expert whose source is not its owner from the source's store or shelf to the owner's store in
-  // bounded rounds (state_sync.h, MoveExpertsInChunks), through a scheduler over a model of every
-  // expert; returns this worker's store for the new placement (collective).
-  [[nodiscard]] StatusOr<std::unique_ptr<storage::TieredExpertStore>> MoveStoredExperts(
-      comm::Communicator* comm, int64_t step, const std::vector<std::vector<int>>& owners,
-      const std::vector<CopySources>& sources, int64_t blob_floats, int64_t* moved);
-  // The checkpoint folder of a new generation: opened again (IN_MEMORY, or a TIERED generation
-  // that goes back to a checkpoint), or kept open across it by a worker that still has its
-  // manager (a TIERED worker's store shares its shard's SSD tier): ContinueCheckpoints, in the
-  // order the committer's role needs (OpenWorkerCheckpoints).
-  [[nodiscard]] Status OpenCheckpointsOfGeneration();
-  [[nodiscard]] Status ContinueCheckpoints();
-  // Whether every worker's `mine` is OK (collective): this worker's error, or `others_failed`
-  // ("rank 0 could not open ...") when another one failed.
-  [[nodiscard]] Status AllWorkersOk(Status mine, const std::string& others_failed);
-  // A TIERED generation that goes back to a checkpoint: the live store goes and the shard is
-  // opened afresh, for a store the checkpoint fills (collective for every worker of a TIERED job,
-  // survivors and joiners alike; nothing for IN_MEMORY).
-  [[nodiscard]] Status ReopenForCheckpoint();
-  // The expert-parallel group size of a generation of `workers` (see GroupSize in elastic.cc).
-  [[nodiscard]] StatusOr<int> GroupSize(int workers) const;
-  // The placement of a generation that goes back to the newest checkpoint (collective).
-  [[nodiscard]] StatusOr<SyncedState> PlanFromCheckpoint();
-  // Every worker reads its share of the newest checkpoint all of them find intact — or, with none
-  // committed, all start over from step 0 (collective).
-  [[nodiscard]] Status GoBackToCheckpoint();
-  // What this worker can supply to SyncState, and its copy of item `i` at `step` (one it holds).
-  Holdings HoldingsOfThisWorker() const;
-  void ReadHeldItem(size_t i, int64_t step, const Holdings& all, float* dst) const;
-  // The values of a synced state, into the model just built for its placement.
-  [[nodiscard]] Status ImportState(const SyncedState& s);
-  // The synced state's values (or the checkpoint's), and the copies kept from then on.
-  [[nodiscard]] Status StartFrom(const SyncedState& s);
-  [[nodiscard]] Status CheckElastic() const;
   // Opens config.checkpoint.dir (`continuing`: a worker that became rank 0 of a running job).
   [[nodiscard]] Status OpenCheckpoints(bool continuing);
   // Every worker opens its own shard of config.checkpoint.dir (or continues in it, when it kept
   // its manager across a re-form), rank 0 (the committer) first.
   [[nodiscard]] Status OpenWorkerCheckpoints(bool continuing);
+  // The checkpoint folder of a new generation: opened again (IN_MEMORY, or a TIERED generation
+  // that goes back to a checkpoint), or kept open across it by a worker that still has its
+  // manager (a TIERED worker's store shares its shard's SSD tier): ContinueCheckpoints.
+  [[nodiscard]] Status OpenCheckpointsOfGeneration();
+  [[nodiscard]] Status ContinueCheckpoints();
+  // A TIERED generation that goes back to a checkpoint: the live store goes and the shard is
+  // opened afresh, for a store the checkpoint fills (collective for every worker of a TIERED job).
+  [[nodiscard]] Status ReopenForCheckpoint();
   // What this worker's shard of a checkpoint holds.
   checkpoint::CheckpointShare CheckpointShareOfThisWorker() const;
-  // The checkpoint shard of every rank of this generation (set by OpenWorkerCheckpoints).
-  std::vector<std::string> shard_names_;
-  // Distributed checkpoints: every worker writes its own shard (CheckpointShareOfThisWorker) and
-  // rank 0 commits; resuming, every worker reads what it now holds from the shards that have it,
-  // whatever the number of workers that wrote them.
+  // Distributed checkpoints: every worker reads what it now holds from the shards that have it,
+  // whatever the number of workers that wrote them (collective).
   [[nodiscard]] Status ResumeDistributed();
+  // Every worker reads its share of the newest checkpoint all of them find intact — or, with none
+  // committed, all start over from step 0 (collective).
+  [[nodiscard]] Status GoBackToCheckpoint();
   // Rebuilds the model, its seams and expert state for a synced state's placement, and starts
-  // from it.
+  // from it: its values (or the checkpoint's), and the copies kept from then on.
   [[nodiscard]] Status AdoptState(SyncedState& s);
-  // Blobs: every dense parameter's value, first and second moment, in DenseParameters() order;
-  // an expert's: for each MoE layer in order, each parameter's value and moments.
-  size_t DenseBlobFloats() const;
-  size_t ExpertBlobFloats() const;
-  void ReadDense(float* out) const;
-  void ReadExpert(int64_t e, float* out) const;
-  void TakeRollbackCopy();
-  [[nodiscard]] Status RefreshBuddies();
-  // TIERED with copies: the state before this step's update — the dense part in memory, this
-  // worker's experts and the buddy copies of the previous elastic.replicas ranks' experts on its
-  // shelf — when elastic.replica_every steps have passed since the last copies (collective).
-  [[nodiscard]] Status RefreshStoredCopiesIfDue();
-  [[nodiscard]] Status RefreshStoredCopies();
-  // This worker's experts, out of its store onto its shelf as `version`.
-  [[nodiscard]] Status CopyOwnExperts(int64_t version);
-  // Floats [offset, offset + n) of expert e's blob at `version` on the shelf, into `read` or from
-  // `write` (whole tensors only).
-  [[nodiscard]] Status ShelfPieces(int64_t version, int64_t e, int64_t offset, int64_t n,
-                                   float* read, const float* write);
-  // The shelf, made on first use: an expert's blob is 3 pieces per MoE layer, its weights and
-  // Adam moments, in the order of the blobs the state sync moves.
-  [[nodiscard]] Status EnsureShelf();
-  // Drops this generation's reducers and communicators; `generation` is the one to come.
+  [[nodiscard]] Status StartFrom(const SyncedState& s);
+  // Drops this generation's seams, reducers and communicators; `generation` is the one to come.
   void ResetParallel(int64_t generation);
   [[nodiscard]] Status ExportParameters() const;
   bool distributed() const { return options_.worker.world_size > 1; }
   [[nodiscard]] Status RunLoop();
+  void ReportCommittedCheckpoint();
 
   TrainOptions options_;
   std::unique_ptr<Tracer> tracer_;  // outlives every thread that records into it
@@ -323,70 +251,31 @@ class Trainer {
       checkpoints_;  // uses the budgets' SSD tier; goes last
   std::unique_ptr<scheduler::TieredExpertScheduler> scheduler_;
   // Distributed (declared so that the exchanges go before the communicators they use).
-  std::unique_ptr<comm::Communicator> world_comm_, ep_comm_, replica_comm_;
+  WorkerComms comms_;
   std::unique_ptr<scheduler::ExpertParallel> exchange_;
   std::unique_ptr<scheduler::DataParallel> data_parallel_;
   int64_t local_batch_ = 0;            // sequences per step on this worker
   int64_t first_sequence_ = 0;         // this worker's first sequence within the step's batch
   bool expert_replica_leader_ = true;  // counts its experts in the global gradient norm
   std::unique_ptr<model::ParameterSlices> dense_slices_;  // for the dense gradient norm
+  std::vector<std::string> shard_names_;  // the checkpoint shard of every rank (distributed)
   // The step's seams (step_seams.h). BuildModel chooses the gradient sync and the keeping for the
-  // model and communicators it builds; Create chooses the expert state once the store exists.
+  // model and communicators it builds; SetUpExpertState the expert state once the store exists.
   std::unique_ptr<GradientSync> gradients_;
   std::unique_ptr<ExpertState> experts_;
   std::unique_ptr<StepKeeping> keeping_;  // NoKeeping, or ElasticKeeping for an elastic worker
-  // The rollback copy before the update; the expert loads and the buddy copies after it
-  // (elastic.cc says why).
-  class ElasticKeeping final : public StepKeeping {
-   public:
-    // `copies`: keep the rollback and buddy copies (KeepsCopies); else only the expert loads.
-    ElasticKeeping(Trainer& trainer, bool copies);
-    [[nodiscard]] Status BeforeUpdate() override;
-    [[nodiscard]] Status AfterUpdate(const std::vector<model::MoeStats>& moe) override;
-
-   private:
-    Trainer& t_;
-    bool copies_;
-  };
+  // An elastic worker's copies, loads and live version, and its view of this trainer.
+  std::unique_ptr<Host> host_;
+  std::unique_ptr<ElasticState> elastic_;
+  std::vector<int64_t> experts_per_worker_;
+  int64_t first_expert_ = 0, num_experts_ = 0;  // this worker's range
+  Device device_;                               // where the model lives (train.device)
 
   std::unique_ptr<MetricsWriter> metrics_;
   std::vector<int32_t> inputs_, targets_;
   int64_t step_ = 0;
   int64_t resumed_from_ = 0;
   int64_t reported_checkpoint_ = 0;  // the newest committed checkpoint told to on_checkpoint
-  void ReportCommittedCheckpoint();
-  // Elastic state. comm_mu_ orders AbortCollectives (any thread) against the training thread's
-  // changes of the communicators: world_comm_, ep_comm_ and replica_comm_ are replaced only under
-  // it, and read by the training thread (their only writer) without it.
-  mutable absl::Mutex comm_mu_;
-  // Why the collectives were aborted, until ResetParallel.
-  std::optional<std::string> aborted_why_ ABSL_GUARDED_BY(comm_mu_);
-  int64_t comm_generation_ ABSL_GUARDED_BY(comm_mu_) = 0;  // the generation of the communicators
-  // Set by AbortCollectives so that the checkpoint manager of this generation stops waiting for
-  // reports of a checkpoint that can no longer commit.
-  std::shared_ptr<std::atomic<bool>> checkpoint_abandoned_ ABSL_GUARDED_BY(comm_mu_);
-  std::vector<int64_t> experts_per_worker_;
-  int64_t first_expert_ = 0, num_experts_ = 0;  // this worker's range
-  Device device_;                               // where the model lives (train.device)
-  int64_t live_version_ = 0;                    // the step the model's state is the result of
-  bool store_whole_ = true;  // TIERED: the store holds live_version_'s experts (no failed update)
-  struct Copy {
-    int64_t version = -1;
-    int64_t first = 0, count = 0;  // experts held
-    std::vector<float> dense, experts;
-  };
-  Copy rollback_;  // this worker's state before the latest update
-  struct Buddy {
-    Copy cur, prev;  // the source's experts after its latest two updates
-  };
-  std::vector<Buddy> buddies_;  // [elastic.replicas], from ranks rank-1, rank-2, ...
-  // TIERED with copies: the dense state of the refresh before rollback_'s (rollback_ holds the
-  // latest one's; their experts are on the shelf), the shelf with this worker's experts and the
-  // buddy copies (two versions of each expert at most), and the version of the latest refresh.
-  Copy rollback_older_;
-  std::unique_ptr<storage::CopyShelf> shelf_;
-  int64_t copied_version_ = -1;
-  std::vector<double> expert_load_;  // rows routed to each expert, decayed over steps
   std::vector<StepResult> history_;
   std::vector<std::pair<int64_t, EvalResult>> evals_;
   double started_ = 0;

@@ -4,7 +4,7 @@
 // and which worker they are, so a blob that arrives says where it came from; each scenario
 // compares the agreed step, the placement, the sources and every moved blob (bitwise) with what
 // was worked out by hand for it.
-#include "train/state_sync.h"
+#include "train/elastic/state_sync.h"
 
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
 // The phases of a new generation's state sync (state_sync.h). Holdings travel as one row of
 // int64 per worker, so one all-gather tells every worker everything the pure phases need, and
 // each worker computes the same agreed step, placement and sources without further messages.
-#include "train/state_sync.h"
+#include "train/elastic/state_sync.h"
 
 #include <algorithm>
 #include <cstring>
