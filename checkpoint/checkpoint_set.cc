@@ -467,6 +467,24 @@ StatusOr<std::string> ShardNameOfWorker(const std::string& worker_id) {
   return name;
 }
 
+StatusOr<std::vector<std::string>> ShardNamesOf(const std::vector<std::string>& member_ids,
+                                                int world_size, int64_t generation) {
+  std::vector<std::string> names;
+  for (int r = 0; r < world_size; ++r) {
+    if (member_ids.empty()) {
+      names.push_back(absl::StrCat("r", r));
+      continue;
+    }
+    if (member_ids.size() != static_cast<size_t>(world_size)) {
+      return absl::InternalError(absl::StrFormat("generation %d lists %d worker ids for %d ranks",
+                                                 generation, member_ids.size(), world_size));
+    }
+    ASSIGN_OR_RETURN(std::string name, ShardNameOfWorker(member_ids[static_cast<size_t>(r)]));
+    names.push_back(std::move(name));
+  }
+  return names;
+}
+
 StatusOr<CheckpointSet> CommitCheckpointSet(const std::string& dir,
                                             const CheckpointSetLayout& layout, CheckpointSet set,
                                             storage::Env* env) {

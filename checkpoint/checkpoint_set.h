@@ -87,6 +87,10 @@ inline constexpr size_t kMaxWorkerShardIdChars = 254;
 // and for an id whose encoding is longer than kMaxWorkerShardIdChars (a shorter prefix or a hash
 // could name two workers alike, so such an id is refused, naming it, rather than shortened).
 [[nodiscard]] StatusOr<std::string> ShardNameOfWorker(const std::string& worker_id);
+// The shard of every rank of a generation of `world_size` workers: "r<rank>" without worker ids,
+// else ShardNameOfWorker of each (INTERNAL when there are ids but not one per rank).
+[[nodiscard]] StatusOr<std::vector<std::string>> ShardNamesOf(
+    const std::vector<std::string>& member_ids, int world_size, int64_t generation);
 
 // Commits `set` to the folder `dir` (created if need be): checks it is whole for `layout` (every
 // expert and every dense tensor of the layout in exactly one shard, no dense tensor the layout

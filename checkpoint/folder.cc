@@ -51,6 +51,17 @@ CheckpointSet FolderShardSet(const CheckpointManifest& cm) {
 
 }  // namespace
 
+CheckpointOptions CheckpointOptionsOf(const config::JobConfig& cfg) {
+  CheckpointOptions co;
+  co.dir = cfg.checkpoint().dir();
+  co.keep = cfg.checkpoint().keep();
+  co.io.queue_depth = cfg.storage().io_queue_depth();
+  co.io.block_bytes = cfg.storage().io_block_bytes();
+  co.file_bytes = cfg.storage().ssd_file_bytes();
+  co.capacity_bytes = cfg.storage().ssd_capacity_bytes();
+  return co;
+}
+
 uint64_t CheckpointManager::ConfigHash(const config::ModelConfig& model) {
   uint64_t h = 1469598103934665603ULL;
   for (unsigned char c : ModelText(model)) {
@@ -361,17 +372,17 @@ Status CheckpointManager::Continue(int64_t generation, bool committer,
     absl::MutexLock lock(&mu_);
     writer_status_ = absl::OkStatus();
     writer_done_ = true;
-  }
-  // A store that holds this shard's checkpoint versions is reached through its scheduler of now:
-  // a re-form may have handed it to another one.
-  if (tiered_ != nullptr) {
-    if (tiered == nullptr) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "shard %s of '%s' continues without the TIERED scheduler whose store holds its "
-          "checkpoints' versions; pass the scheduler that holds that store now",
-          shard_name_, options_.dir));
+    // A store that holds this shard's checkpoint versions is reached through its scheduler of
+    // now: a re-form may have handed it to another one.
+    if (tiered_ != nullptr) {
+      if (tiered == nullptr) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "shard %s of '%s' continues without the TIERED scheduler whose store holds its "
+            "checkpoints' versions; pass the scheduler that holds that store now",
+            shard_name_, options_.dir));
+      }
+      tiered_ = tiered;
     }
-    tiered_ = tiered;
   }
   if (committer && lock_fd_ < 0) {
     ASSIGN_OR_RETURN(lock_fd_, LockFolder(options_.dir + "/LOCK", options_.dir));

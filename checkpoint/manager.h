@@ -105,6 +105,10 @@ struct CheckpointOptions {
   std::shared_ptr<const std::atomic<bool>> abandoned;
 };
 
+// The options a job's config gives: checkpoint.dir and keep, the storage section's I/O settings and
+// file sizes (the rest at their defaults).
+CheckpointOptions CheckpointOptionsOf(const config::JobConfig& config);
+
 // What this process's shard of a checkpoint holds, and which shards make the checkpoint.
 struct CheckpointShare {
   bool experts = true;  // this process's experts (false: a replica that is not its group's writer)
@@ -352,6 +356,9 @@ class CheckpointManager {
   void ReleaseVersion(const storage::TensorRef& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Steps() with mu_ held.
   std::vector<int64_t> StepsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // tiered_, read under mu_: the store it leads to is safe to use without the lock (the trainer
+  // rebinds it only while no checkpoint is in flight, see Continue).
+  scheduler::TieredExpertScheduler* Tiered() ABSL_LOCKS_EXCLUDED(mu_);
 
   CheckpointOptions options_;
   int lock_fd_ = -1;        // DIR/LOCK: the committer's (and a folder-shard's) lock
@@ -366,7 +373,7 @@ class CheckpointManager {
   std::vector<storage::CheckpointSet> sets_ ABSL_GUARDED_BY(mu_);
   // A worker's view of the checkpoints of a folder written before sharding (in the shard "."),
   // each as a one-shard set.
-  std::vector<storage::CheckpointSet> folder_sets_;
+  std::vector<storage::CheckpointSet> folder_sets_ ABSL_GUARDED_BY(mu_);
   // Still in the index, but the ledger says they were being removed, or no committed set names
   // them (prepared, never committed): finished by Tidy.
   std::vector<storage::CheckpointManifest> removing_ ABSL_GUARDED_BY(mu_);
@@ -375,9 +382,10 @@ class CheckpointManager {
       ABSL_GUARDED_BY(mu_);  // how many checkpoints list each stored version
   // Listed versions whose extents lie beyond the end of their data file (a file cut short): never
   // marked used, so never freed.
-  std::set<VersionKey> outside_;
+  std::set<VersionKey> outside_ ABSL_GUARDED_BY(mu_);
   std::map<std::tuple<int32_t, int32_t, int32_t>, uint64_t> next_version_;  // in-memory mode
-  scheduler::TieredExpertScheduler* tiered_ = nullptr;  // owner of live extent references
+  // The scheduler whose store holds the live extent references (null: none yet).
+  scheduler::TieredExpertScheduler* tiered_ ABSL_GUARDED_BY(mu_) = nullptr;
 
   // The committer: waits for the other shards' prepared reports of `p`'s step and adds their
   // entries to its set.

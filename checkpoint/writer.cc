@@ -23,7 +23,10 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
   RETURN_IF_ERROR(Wait());
   // The store holding this shard's checkpoint versions may have been handed to another scheduler
   // (a re-form): the removals below give versions back through the one that holds it now.
-  if (tiered_ != nullptr && tiered != nullptr) tiered_ = tiered;
+  {
+    absl::MutexLock lock(&mu_);
+    if (tiered_ != nullptr && tiered != nullptr) tiered_ = tiered;
+  }
   // The writer is done with the last checkpoint's buffers: this one takes them again.
   if (!arena_) arena_ = std::make_unique<SnapshotArena>();
   arena_->Reset();
@@ -32,7 +35,10 @@ Status CheckpointManager::Save(int64_t step, const config::JobConfig& config,
   // The experts' update of the last step runs behind the caller: snapshot what it wrote.
   if (tiered) RETURN_IF_ERROR(tiered->FinishExpertStep());
   TraceScope span(ctx.tracer, "checkpoint save", "checkpoint", static_cast<int>(step));
-  tiered_ = tiered;
+  {
+    absl::MutexLock lock(&mu_);
+    tiered_ = tiered;
+  }
   auto p = std::make_shared<Pending>();
   p->tracer = ctx.tracer;
   DescribeCheckpoint(*p, step, config, model, optimizer, tiered != nullptr, share);
@@ -376,16 +382,21 @@ Status CheckpointManager::CommitGlobal(Pending& p, const std::vector<TensorRef>&
   return s;
 }
 
+scheduler::TieredExpertScheduler* CheckpointManager::Tiered() {
+  absl::MutexLock lock(&mu_);
+  return tiered_;
+}
+
 void CheckpointManager::PersistFailed(Pending& p, const Status& s, bool written) {
   const CheckpointManifest& m = p.manifest;
   // Nothing was committed: give back what this checkpoint held.
   if (written) {
     for (auto& c : p.copies) ssd_->Free(c.stored.extent);
   }
-  if (tiered_ != nullptr) {
+  if (scheduler::TieredExpertScheduler* tiered = Tiered()) {
     for (const TensorRef& r : p.refs) {
       if (!r.has_extent()) continue;
-      tiered_->store().UnrefVersion(
+      tiered->store().UnrefVersion(
           storage::TensorKey{r.layer(), r.expert(), static_cast<storage::TensorKind>(r.kind())},
           r.version());
     }
@@ -414,13 +425,13 @@ void CheckpointManager::PersistCommitted(Pending& p) {
   [[maybe_unused]] int64_t step = m.step();
   // Committed. Copied expert tensors: the checkpoint holds a reference, and the tensor adopts the
   // version as its SSD copy if it has not changed since the snapshot.
-  if (tiered_ != nullptr) {
+  if (scheduler::TieredExpertScheduler* tiered = Tiered()) {
     for (auto& c : p.copies) {
       if (!c.tiered) continue;
       const storage::TensorKey key{c.ref.layer(), c.ref.expert(),
                                    static_cast<storage::TensorKind>(c.ref.kind())};
-      tiered_->store().RefVersion(key, c.ref.version(), c.stored);
-      tiered_->store().AdoptVersion(key, c.generation, c.ref.version(), c.stored);
+      tiered->store().RefVersion(key, c.ref.version(), c.stored);
+      tiered->store().AdoptVersion(key, c.generation, c.ref.version(), c.stored);
     }
   }
   absl::MutexLock lock(&mu_);

@@ -8,7 +8,9 @@
 # Reads every `#include "..."` in those folders and fails, printing file:line, the include and both
 # layers, on an include of a higher layer. It also fails when a file outside kernels/ includes a
 # backend (kernels/cpu/, kernels/cuda/): the rest of strata sees kernels through kernels/ops.h,
-# kernels/vocabulary.h and kernels/blas_kernel.h. tests/ and bench/ sit on top of everything (a
+# kernels/vocabulary.h and kernels/blas_kernel.h. Inside train/, the trainer sits above its parts:
+# only trainer.cc and the elastic worker (elastic_worker.*) include train/trainer.h, so the seams,
+# the elastic unit (train/elastic/) and the trainer's other units never reach back up into it. tests/ and bench/ sit on top of everything (a
 # backend's tests include its headers) and are not checked. Includes of other projects (absl/,
 # google/, ...) are ignored.
 #
@@ -30,6 +32,12 @@ awk -v order="${layers[*]}" '
     if (rank[to[1]] > rank[from[1]]) {
       printf "%s:%d: #include \"%s\": layer %s includes layer %s, which is above it\n",
              FILENAME, FNR, inc, from[1], to[1]
+      bad = 1
+    }
+    if (inc == "train/trainer.h" && from[1] == "train" && FILENAME != "train/trainer.cc" &&
+        FILENAME !~ /^train\/elastic_worker\.(h|cc)$/) {
+      printf "%s:%d: #include \"%s\": a part of the trainer includes the trainer; give it what it needs (see train/elastic/elastic_state.h, ElasticHost)\n",
+             FILENAME, FNR, inc
       bad = 1
     }
     if (from[1] != "kernels" && to[1] == "kernels" && (to[2] == "cpu" || to[2] == "cuda")) {

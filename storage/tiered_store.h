@@ -1,48 +1,43 @@
 // TieredExpertStore: expert weights, gradients and Adam moments in device / host / SSD tiers.
 //
-// Every tensor has a key (layer, expert, kind) and the same size. Its current value is in exactly
-// one place that counts, checked in this order:
-//   device  — a device copy marked dirty (a gradient just written by backward);
-//   host    — a resident host copy (dirty when newer than the SSD copy);
-//   SSD     — the latest stored version, when it is current;
-//   nowhere — never written: weights come from the initialiser, everything else is zero.
-// A device copy of weights is a clean copy: dropping it loses nothing. A dirty host copy is
-// written to the SSD tier before its slot is reused.
+// Where a tensor's value is:
+// - Every tensor has a key (layer, expert, kind) and the same size. Its current value is in
+//   exactly one place that counts, checked in this order: a dirty device copy (a gradient just
+//   written by backward); a resident host copy (dirty when newer than the SSD copy); the latest
+//   stored SSD version, when it is current; nowhere (never written: weights come from the
+//   initialiser, everything else is zero).
+// - A device copy of weights is a clean copy: dropping it loses nothing. A dirty host copy is
+//   written to the SSD tier before its slot is reused.
 //
-// Residency is moved by threads of two stages, so both links are busy at once (SE-MoE's vertical
-// prefetch):
-//   ssd stage   — SSD -> host: reads (or initialises) tensors into host slots, evicting the
-//                 coldest unpinned host entry by LFU-with-decay, writing it back first if dirty.
-//                 StoreOptions::ssd_threads (1-64, default 4) serve it, so one's read or write is
-//                 on the device while another takes the lock, picks a victim and checks a CRC:
-//                 the SSD never waits for the CPU between requests. With nothing queued, they
-//                 write back the next victims ahead of their eviction (StoreOptions::clean_ahead),
-//                 so the SSD also works while nobody waits for it;
-//   copy stage  — one thread, host -> device: copies resident host tensors into device slots
-//                 (evicting the least recently used unpinned clean device copy), and device ->
-//                 host write-backs of dirty device tensors (gradients).
-// Compute threads Acquire a tensor where they need it, which pins it and waits (the wait is
-// counted as stall time) until a stage has brought it; hints (Prefetch*) queue the same work
-// without pinning. Demand work goes ahead of hints.
+// How residency moves (two stages, so both links are busy at once: SE-MoE's vertical prefetch):
+// - ssd stage, SSD -> host: reads (or initialises) tensors into host slots, evicting the coldest
+//   unpinned host entry, written back first if dirty. StoreOptions::ssd_threads serve it, so one
+//   thread's I/O is on the device while another picks a victim and checks a CRC. With nothing
+//   queued they write back the next victims ahead of eviction (StoreOptions::clean_ahead).
+// - copy stage, one thread: host -> device copies into device slots (evicting the least recently
+//   used unpinned clean copy), and device -> host write-backs of dirty device tensors.
+// - Compute threads Acquire a tensor where they need it, which pins it and waits (counted as
+//   stall time) until a stage has brought it; hints (Prefetch*) queue the same work without
+//   pinning. Demand work goes ahead of hints.
 //
-// Budgets are hard: a limited tier never allocates past its budget. Progress needs a few free
-// slots (see StoreOptions::MinDeviceSlots / MinHostSlots); Create checks them.
+// Budgets and eviction:
+// - Budgets are hard: a limited tier never allocates past its budget. Progress needs a few free
+//   slots (StoreOptions::MinDeviceSlots / MinHostSlots); Create checks them.
+// - LFU with decay (SE-MoE): every Acquire adds a hit; every `lfu_decay_interval` steps (EndStep)
+//   all hits are multiplied by `lfu_decay`; eviction takes the fewest hits, then the least
+//   recently used (of a step's gradients the first ones backward wrote go first, and the last
+//   ones, which the optimizer takes first, stay).
+// - Where the caller knows when an entry is next used (SetNextUse: the optimizer's Adam moments),
+//   that plan comes first: such entries go before the others, the one needed latest first.
+// - A tensor a hint brought in and nobody has used yet goes only when nothing else can.
 //
-// LFU with decay (SE-MoE): every Acquire adds a hit; every `lfu_decay_interval` steps (EndStep)
-// all hits are multiplied by `lfu_decay`; eviction takes the entry with the fewest hits, and of
-// entries with as few, the least recently used (so of a step's gradients, which all have one hit,
-// the first ones backward wrote go first and the last ones — which the optimizer takes first —
-// stay). Where the caller knows when an entry is next used (SetNextUse: the optimizer's Adam
-// moments, used once a step), that plan comes first: such entries go before the others, the one
-// needed latest first. A tensor a hint brought in and nobody has used yet goes only when nothing
-// else can: evicting it would waste the read and repeat it.
-//
-// Thread-safe: every method may be called from any thread (compute threads, the optimizer, the
-// checkpoint writer) except where it says otherwise. One mutex (an absl::Mutex whose guarded
-// members clang checks) guards the entry table; transfers run outside it. The store owns its stage
-// threads, arenas and copy stream; it shares the SSD tier.
-// Destroying it stops the stages (queued work is dropped) and joins them; no other thread may be
-// inside a call then.
+// Ownership and threads:
+// - Every method may be called from any thread (compute threads, the optimizer, the checkpoint
+//   writer) except where it says otherwise. One absl::Mutex, whose guarded members clang checks,
+//   guards the entry table; transfers run outside it.
+// - The store owns its stage threads, arenas and copy stream; it shares the SSD tier.
+// - Destroying it stops the stages (queued work is dropped) and joins them; no other thread may be
+//   inside a call then.
 #pragma once
 
 #include <atomic>

@@ -1,15 +1,17 @@
 // The elastic worker: one worker of a job whose membership a coordinator owns
 // (`strata worker --coordinator`), for its whole life.
 //
-// RunElasticWorker joins the job, keeps a heartbeat beside training, and trains every membership
-// generation that holds this worker with one Trainer: created for the first, `Reform`ed for each
-// one after it. A newer generation seen by the heartbeat aborts the collectives in flight; a
-// failed step waits for the generation that explains it; a coordinator that restarts is retried
-// for elastic.coordinator_patience_ms and outwaited for its restart grace (docs/elastic.md).
-//
-// The coordinator is reached through `Membership`, plain calls in proto/coordinator.proto's
-// messages. coordinator/ implements it over gRPC (coordinator/membership_client.h); tests drive
-// the loop with a fake in the same process. Nothing here links gRPC.
+// - RunElasticWorker joins the job, keeps a heartbeat beside training, and trains every
+//   membership generation that holds this worker with one Trainer: created for the first,
+//   `Reform`ed for each one after it.
+// - It is a state machine (ElasticWorker): joining -> waiting for a generation -> training ->
+//   finishing, each state a method that returns the next.
+// - A newer generation seen by the heartbeat aborts the collectives in flight; a failed step waits
+//   for the generation that explains it; a coordinator that restarts is retried for
+//   elastic.coordinator_patience_ms and outwaited for its restart grace (docs/elastic.md).
+// - The coordinator is reached through `Membership`, plain calls in proto/coordinator.proto's
+//   messages: coordinator/ implements it over gRPC (coordinator/membership_client.h), tests with a
+//   fake in the same process. Nothing here links gRPC.
 #pragma once
 
 #include <atomic>

@@ -1,8 +1,14 @@
 #include "train/metrics.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <utility>
 
+#include "absl/strings/str_format.h"
+#include "core/common/clock.h"
 #include "core/common/json.h"
 
 namespace strata::train {
@@ -128,6 +134,60 @@ Status MetricsWriter::Write(const std::string& json) {
   RETURN_IF_ERROR(file_->Append(json));
   RETURN_IF_ERROR(file_->Append("\n"));
   return file_->Flush();
+}
+
+double ZLossSum(const model::MoeTransformer& model) {
+  double z = 0;
+  for (const auto& ref : model.moe_layers()) z += ref.layer->stats().z_loss;
+  return z;
+}
+
+void RecordMoeStats(const model::MoeTransformer& model, double z_loss, StepResult* r) {
+  for (const auto& ref : model.moe_layers()) {
+    r->moe.push_back(ref.layer->stats());
+    r->aux_loss += ref.layer->stats().aux_loss;
+  }
+  r->z_loss = z_loss;
+  if (!model.moe_layers().empty()) {
+    r->aux_loss /= static_cast<double>(model.moe_layers().size());
+    r->z_loss /= static_cast<double>(model.moe_layers().size());
+  }
+}
+
+ProgressLine::ProgressLine(std::string job_name, int64_t steps, int log_every)
+    : job_name_(std::move(job_name)),
+      steps_(steps),
+      log_every_(std::max(1, log_every)),
+      tty_(isatty(STDERR_FILENO)) {}
+
+void ProgressLine::Start() { started_ = NowSeconds(); }
+
+void ProgressLine::Print(const StepResult& r, const EvalResult* eval) {
+  if (eval != nullptr) {
+    last_eval_loss_ = eval->loss;
+    last_eval_bpb_ = eval->bits_per_byte;
+  }
+  const bool final_line = r.step == steps_;
+  smoothed_step_seconds_ =
+      smoothed_step_seconds_ == 0 ? r.seconds : 0.9 * smoothed_step_seconds_ + 0.1 * r.seconds;
+  const double eta = smoothed_step_seconds_ * static_cast<double>(steps_ - r.step);
+  std::string line =
+      absl::StrFormat("[%s] step %*d/%d | loss %.4f", job_name_,
+                      static_cast<int>(std::to_string(steps_).size()), r.step, steps_, r.loss);
+  if (last_eval_loss_ >= 0) {
+    absl::StrAppendFormat(&line, " | eval %.4f", last_eval_loss_);
+    if (std::isfinite(last_eval_bpb_)) absl::StrAppendFormat(&line, " (%.3f bpb)", last_eval_bpb_);
+  }
+  absl::StrAppendFormat(&line, " | %.0f tok/s | %s elapsed | ETA %s", r.tokens / r.seconds,
+                        FormatDuration(NowSeconds() - started_), FormatDuration(eta));
+  const bool periodic = r.step % log_every_ == 0;
+  if (tty_) {
+    // Overwrite in place; keep a permanent line at evaluations and at the end.
+    std::fprintf(stderr, "\r\033[K%s%s", line.c_str(), (eval || final_line) ? "\n" : "");
+  } else if (periodic || eval || final_line || r.step == 1) {
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+  std::fflush(stderr);
 }
 
 }  // namespace strata::train

@@ -5,6 +5,8 @@
 // - MetricsWriter: the file, one JSON object per line, flushed line by line so a crash loses at
 //   most the line being written. It owns its open file; `env` is used only inside Open. Not
 //   synchronised: one thread at a time calls Write (the trainer's).
+// - ProgressLine: the progress line on stderr. Not synchronised either: the trainer's thread
+//   calls it.
 #pragma once
 
 #include <memory>
@@ -14,6 +16,7 @@
 
 #include "core/common/status.h"
 #include "runtime/model/moe_layer.h"
+#include "runtime/model/transformer.h"
 #include "storage/env.h"
 #include "storage/tiered_store.h"
 
@@ -62,6 +65,12 @@ struct WorkerStepFields {
   int64_t samples = 0;
 };
 
+// The MoE layers' z-losses of the model's last forward, summed in layer order.
+double ZLossSum(const model::MoeTransformer& model);
+// The per-layer MoE figures of the model's last forward into r, with the means over the layers
+// of the auxiliary loss and of `z_loss` (the batch's sum over the layers).
+void RecordMoeStats(const model::MoeTransformer& model, double z_loss, StepResult* r);
+
 // One line of the metrics file for step `r` (a JSON object, no newline): the step's figures, then
 // `worker`'s fields when given (a distributed or elastic job), each MoE layer's routing (its block
 // index from `moe_blocks`, in r.moe's order; sequence_aux_loss when that loss is on), the tiers of
@@ -82,6 +91,29 @@ class MetricsWriter {
  private:
   std::string path_;
   std::unique_ptr<storage::WritableFile> file_;
+};
+
+// The progress line on stderr: step, loss, the latest evaluation, tokens/s, time elapsed and an
+// ETA from the smoothed step time. On a terminal it is rewritten in place, with a permanent line
+// at evaluations and at the end; elsewhere a line at step 1, every `log_every` steps, at
+// evaluations and at the end.
+class ProgressLine {
+ public:
+  ProgressLine(std::string job_name, int64_t steps, int log_every);
+  // Starts the clock of the time elapsed.
+  void Start();
+  // After step r (evaluated when `eval` is not null).
+  void Print(const StepResult& r, const EvalResult* eval);
+
+ private:
+  std::string job_name_;
+  int64_t steps_;
+  int log_every_;
+  bool tty_;
+  double started_ = 0;
+  double smoothed_step_seconds_ = 0;
+  double last_eval_loss_ = -1;
+  double last_eval_bpb_ = -1;
 };
 
 }  // namespace strata::train

@@ -1,29 +1,31 @@
 // The seams of one training step: what differs between the trainer's modes, so that
-// Trainer::Step reads as DESIGN.md's list — data, forward, backward, gradient sync, update, step
-// boundary — with no test of the mode inside it.
+// Trainer::Step reads as DESIGN.md's list (data, forward, backward, gradient sync, update, step
+// boundary) with no test of the mode inside it.
 //
-//   GradientSync — how the step's gradients and figures become the whole batch's:
-//     LocalGradients (one process: the batch is this process's; the norm is the dense AdamW's
-//     sum of squares plus the store's) or DataParallelGradients (a worker of a distributed job:
-//     the dense buckets finished, one sum over the workers of the loss, the z-loss and the
-//     experts' share of the norm, then the dense parameters' norm).
-//   ExpertState — where the experts' weights, gradients and Adam moments live: InMemoryExperts
-//     (the model's parameters, updated by the dense AdamW with everything else: nothing more to
-//     do) or TieredExperts (the tiered store: its status, the sum of each expert's gradient over
-//     the expert's copies, its gradients' norm, the experts' AdamW step on the host tier, the
-//     store's step figures).
-//   StepKeeping — what a step keeps around its update for a later membership generation:
-//     NoKeeping, or an elastic worker's measured expert loads, with its rollback and buddy copies
-//     when its layout keeps them (Trainer::ElasticKeeping, in elastic.cc).
+// The seams:
+// - GradientSync: how the step's gradients and figures become the whole batch's. LocalGradients
+//   (one process: the batch is this process's; the norm is the dense AdamW's sum of squares plus
+//   the store's) or DataParallelGradients (a worker: the dense buckets finished, one sum over the
+//   workers of the loss, the z-loss and the experts' share of the norm, then the dense norm).
+// - ExpertState: where the experts' weights, gradients and Adam moments live. InMemoryExperts
+//   (the model's parameters, updated by the dense AdamW) or TieredExperts (the tiered store: its
+//   status, each expert's gradient summed over its copies, its gradients' norm, the experts'
+//   AdamW step on the host tier, the store's step figures).
+// - StepKeeping: what a step keeps around its update for a later membership generation.
+//   NoKeeping, or ElasticKeeping (elastic/elastic_state.h): the live version, an elastic worker's
+//   measured expert loads, and its rollback and buddy copies when its layout keeps them.
 //
-// The trainer chooses each once per model: the gradient sync and the keeping in BuildModel, for
-// the model and communicators it has just built, and the expert state once the store exists
-// (SetUpExpertState). A new membership generation builds all three anew with the model (a TIERED
-// worker's store with them), so none outlives what it points to.
+// When they are chosen:
+// - The trainer chooses each once per model: the gradient sync and the keeping in BuildModel, for
+//   the model and communicators it has just built; the expert state once the store exists
+//   (SetUpExpertState).
+// - A new membership generation builds all three anew with the model (a TIERED worker's store
+//   with them), so none outlives what it points to.
 //
-// Ownership: the trainer owns the seams; a seam owns none of what it is given (model, optimizer,
-// reducers, store), all of which the trainer keeps alive longer. Threads: only the thread that
-// drives the step (the trainer's) calls a seam.
+// Ownership and threads:
+// - The trainer owns the seams; a seam owns none of what it is given (model, optimizer, reducers,
+//   store), all of which the trainer keeps alive longer.
+// - Only the thread that drives the step (the trainer's) calls a seam.
 #pragma once
 
 #include <cstdint>

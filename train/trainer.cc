@@ -1,13 +1,6 @@
 #include "train/trainer.h"
 
-#include <unistd.h>
-
-#include <cerrno>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
-#include <filesystem>
-#include <future>
 #include <optional>
 #include <set>
 #include <thread>
@@ -16,13 +9,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/common/clock.h"
-#include "core/common/json.h"
 #include "core/common/logging.h"
 #include "proto/config_io.h"
 #include "proto/memory_estimate.h"
-#include "runtime/comm/hierarchical.h"
+#include "train/export_params.h"
 
 namespace strata::train {
+
+Trainer::Trainer(const TrainOptions& options)
+    : options_(options),
+      progress_(options.config.name(), options.config.train().steps(),
+                options.config.train().log_every()) {}
 
 Trainer::~Trainer() {
   if (checkpoints_) {
@@ -36,74 +33,17 @@ Trainer::~Trainer() {
   experts_.reset();
   scheduler_.reset();  // closes the SSD tier's files before its temporary folder goes
   checkpoints_.reset();
-  temp_ssd_dir_.reset();
-}
-
-Status Trainer::EnsureBudgets(const model::MoeTransformer& model) {
-  if (device_budget_) return absl::OkStatus();  // a worker's budgets outlive its stores
-  const config::StorageConfig& st = options_.config.storage();
-  // Dense parameters with their gradients and Adam state live in the device tier for good.
-  const uint64_t dense_bytes =
-      static_cast<uint64_t>(model::CountScalars(model.DenseParameters())) * sizeof(float) * 4;
-  auto device = std::make_unique<MemoryBudget>("device", st.device_budget_bytes());
-  if (!device->Reserve(dense_bytes).ok()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "storage.device_budget_bytes = %d cannot hold the dense parameters with their "
-        "gradients and Adam state (%d bytes) and any expert; raise it",
-        st.device_budget_bytes(), dense_bytes));
-  }
-  device_budget_ = std::move(device);
-  host_budget_ = std::make_unique<MemoryBudget>("host", st.host_budget_bytes());
-  dense_state_bytes_ = dense_bytes;
-  return absl::OkStatus();
 }
 
 StatusOr<scheduler::TieredOptions> Trainer::TieredOptionsOf() {
-  const config::JobConfig& cfg = options_.config;
-  const config::StorageConfig& st = cfg.storage();
-  scheduler::TieredOptions to;
-  to.storage = st;
-  to.seed = cfg.seed();
-  to.threads = pool_->num_threads();
-  to.device_budget = device_budget_.get();
-  to.device_slot_bytes =
-      st.device_budget_bytes() == 0 ? 0 : st.device_budget_bytes() - dense_state_bytes_;
-  to.host_budget = host_budget_.get();
-  to.wrap_io = options_.wrap_io;
-  if (checkpoints_) {
-    to.ssd_dir = cfg.checkpoint().dir();
-    to.shared_ssd = checkpoints_->ssd();
-  } else if (!st.ssd_dir().empty()) {
-    // Workers on one machine keep their experts apart.
-    to.ssd_dir =
-        distributed() ? absl::StrCat(st.ssd_dir(), "/rank-", options_.worker.rank) : st.ssd_dir();
-  } else {
-    RETURN_IF_ERROR(EnsureTempSsdFolder());
-    to.ssd_dir = temp_ssd_dir_->path();
-  }
-  return to;
-}
-
-bool Trainer::NeedsTempSsdFolder() const {
-  const config::JobConfig& cfg = options_.config;
-  return cfg.storage().mode() == config::StorageConfig::TIERED && cfg.checkpoint().dir().empty() &&
-         cfg.storage().ssd_dir().empty();
-}
-
-Status Trainer::EnsureTempSsdFolder() {
-  if (temp_ssd_dir_) return absl::OkStatus();
-  // Made with its sweep of the folders of killed runs (storage/private_folder.h). Folders named
-  // strata-ssd-XXXXXX by releases before these took a process id and a lock stay: whether a
-  // process still has files open in one cannot be known cheaply (remove them by hand when no
-  // strata runs).
-  const char* base = std::getenv("TMPDIR");
-  ASSIGN_OR_RETURN(temp_ssd_dir_, storage::PrivateFolder::Create(base && *base ? base : "/tmp",
-                                                                 "strata-ssd-", "the SSD tier"));
-  return absl::OkStatus();
+  // Workers on one machine keep their experts apart.
+  return tiers_.OptionsFor(options_.config, pool_->num_threads(), options_.wrap_io,
+                           checkpoints_.get(),
+                           distributed() ? absl::StrCat("rank-", options_.worker.rank) : "");
 }
 
 Status Trainer::SetUpTiered(std::unique_ptr<storage::TieredExpertStore> store) {
-  RETURN_IF_ERROR(EnsureBudgets(*model_));
+  RETURN_IF_ERROR(tiers_.EnsureBudgets(options_.config.storage(), *model_));
   ASSIGN_OR_RETURN(const scheduler::TieredOptions to, TieredOptionsOf());
   ASSIGN_OR_RETURN(scheduler_,
                    scheduler::TieredExpertScheduler::Create(*model_, to, std::move(store)));
@@ -117,43 +57,14 @@ Status Trainer::SetUpWorkers() {
   const config::JobConfig& cfg = options_.config;
   const WorkerOptions& w = options_.worker;
   const int W = w.world_size;
-  if (w.rank < 0 || w.rank >= W) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("--rank %d is outside [0, %d) for --world-size %d", w.rank, W, W));
-  }
-  if (w.store == nullptr) return absl::InvalidArgumentError("a distributed worker needs a store");
   const config::ParallelConfig& par = cfg.parallel();
   ASSIGN_OR_RETURN(const int ep, GroupSize(par, W, w.elastic));
+  RETURN_IF_ERROR(CheckWorkerLayout(cfg, w, ep));
   if (w.rank == 0 && par.expert_parallel() != 0 && ep != par.expert_parallel()) {
     STRATA_LOG(WARNING) << absl::StrFormat(
         "parallel.expert_parallel = %d does not divide this generation's %d workers: its "
         "expert-parallel groups have %d workers",
         par.expert_parallel(), W, ep);
-  }
-  if (cfg.train().global_batch() < W) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "train.global_batch = %d gives %d workers less than one sequence each; raise it to at "
-        "least %d",
-        cfg.train().global_batch(), W, W));
-  }
-  // (A later generation of an elastic job whose groups changed size places experts anew.)
-  if (ep > 1 && !w.rejoin && par.experts_per_worker_size() > 0 &&
-      par.experts_per_worker_size() != ep) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "parallel.experts_per_worker has %d entries but expert-parallel groups have %d workers",
-        par.experts_per_worker_size(), ep));
-  }
-  if (ep > 1 && cfg.model().moe().num_experts() < ep && par.experts_per_worker_size() == 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "moe.num_experts = %d is fewer than the %d workers of an expert-parallel group; lower "
-        "parallel.expert_parallel or give parallel.experts_per_worker",
-        cfg.model().moe().num_experts(), ep));
-  }
-  if (par.local_size() > 0 && ep > 1 && ep % par.local_size() != 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "parallel.local_size = %d does not divide the %d workers of an expert-parallel group; "
-        "give the ranks per node (a divisor of %d) or 0 for a flat all-to-all",
-        par.local_size(), ep, ep));
   }
   comm::CommOptions co;
   co.timeout = std::chrono::milliseconds(par.timeout_ms());
@@ -187,33 +98,7 @@ Status CheckLossFinite(double loss, int64_t step, double lr) {
                       loss, step, lr));
 }
 
-// The MoE layers' z-losses of the last forward, summed in layer order.
-double ZLossSum(const model::MoeTransformer& model) {
-  double z = 0;
-  for (const auto& ref : model.moe_layers()) z += ref.layer->stats().z_loss;
-  return z;
-}
-
-// The per-layer MoE figures of the last forward into r, with the means over the layers of the
-// auxiliary loss and of `z_loss` (the batch's sum over the layers).
-void RecordMoeStats(const model::MoeTransformer& model, double z_loss, StepResult* r) {
-  for (const auto& ref : model.moe_layers()) {
-    r->moe.push_back(ref.layer->stats());
-    r->aux_loss += ref.layer->stats().aux_loss;
-  }
-  r->z_loss = z_loss;
-  if (!model.moe_layers().empty()) {
-    r->aux_loss /= static_cast<double>(model.moe_layers().size());
-    r->z_loss /= static_cast<double>(model.moe_layers().size());
-  }
-}
-
 }  // namespace
-
-std::pair<int64_t, int64_t> BatchShare(int64_t global_batch, int workers, int rank) {
-  const int64_t first = global_batch * rank / workers;
-  return {first, global_batch * (rank + 1) / workers - first};
-}
 
 // The ElasticHost over this trainer: the model, store and communicators of its generation, and the
 // two things a TIERED re-form asks of it.
@@ -241,19 +126,11 @@ class Trainer::Host final : public ElasticHost {
   }
 
   StatusOr<StoreMover> MakeStoreMover(std::unique_ptr<storage::TieredExpertStore> store) override {
-    const config::JobConfig& cfg = t_.options_.config;
-    model::ModelOptions mo;
-    mo.config = cfg.model();
-    mo.seed = cfg.seed();
-    mo.max_batch = 1;
-    mo.expert_factory = t_.options_.expert_factory;
-    mo.unbound_experts = true;
-    mo.first_local_expert = 0;
-    mo.num_local_experts = cfg.model().moe().num_experts();
-    mo.device = t_.device_;
     StoreMover m;
+    model::ModelOptions mo = t_.ModelOptionsOf(0, -1, /*unbound_experts=*/true);
+    mo.max_batch = 1;
     ASSIGN_OR_RETURN(m.model, model::MoeTransformer::Create(t_.ctx_, mo));
-    RETURN_IF_ERROR(t_.EnsureBudgets(*m.model));
+    RETURN_IF_ERROR(t_.tiers_.EnsureBudgets(t_.options_.config.storage(), *m.model));
     ASSIGN_OR_RETURN(const scheduler::TieredOptions to, t_.TieredOptionsOf());
     const bool fresh = store == nullptr;
     ASSIGN_OR_RETURN(m.scheduler,
@@ -266,64 +143,6 @@ class Trainer::Host final : public ElasticHost {
  private:
   Trainer& t_;
 };
-
-Status Trainer::ExportParameters() const {
-  const std::string& dir = options_.export_params_dir;
-  // Rank 0 writes the dense parameters, the leader of each expert's copies the expert into DIR;
-  // copy g of an expert (its g-th expert-parallel group) into DIR/copy<g>/, so that the copies
-  // can be compared.
-  const int ep = comms_.ep() ? comms_.ep()->world_size() : 1;
-  const int copy = distributed() ? options_.worker.rank / ep : 0;
-  const std::string expert_dir = expert_replica_leader_ ? dir : absl::StrCat(dir, "/copy", copy);
-  for (const std::string& d : {dir, expert_dir}) {
-    std::error_code ec;
-    std::filesystem::create_directories(d, ec);
-    if (ec) {
-      return absl::PermissionDeniedError(
-          absl::StrFormat("cannot create --export-params folder '%s': %s", d, ec.message()));
-    }
-  }
-  auto write = [](const std::string& path, const float* data, size_t n) -> Status {
-    std::FILE* f = std::fopen(path.c_str(), "wb");
-    if (f == nullptr) {
-      return absl::PermissionDeniedError(
-          absl::StrFormat("cannot write '%s': %s", path, std::strerror(errno)));
-    }
-    const bool ok = std::fwrite(data, sizeof(float), n, f) == n;
-    if (std::fclose(f) != 0 || !ok) {
-      return absl::DataLossError(absl::StrFormat("writing '%s' failed", path));
-    }
-    return absl::OkStatus();
-  };
-  const std::vector<model::Parameter*>& dense = model_->DenseParameters();
-  const std::set<const model::Parameter*> is_dense(dense.begin(), dense.end());
-  const bool rank0 = options_.worker.rank == 0;
-  for (const model::Parameter* p : model_->Parameters()) {
-    if (is_dense.count(p) && !rank0) continue;
-    if (!p->value.defined()) continue;               // tiered experts live in the store: below
-    const Tensor host = p->value.To(Device::Cpu());  // itself on the CPU
-    RETURN_IF_ERROR(write(absl::StrCat(is_dense.count(p) ? dir : expert_dir, "/", p->name, ".f32"),
-                          host.f32(), static_cast<size_t>(p->value.numel())));
-  }
-  if (scheduler_ == nullptr) return absl::OkStatus();
-  // The store's experts, one blob at a time, cut into their parameters by the blob's layout.
-  std::vector<float> blob(scheduler_->expert_floats());
-  for (int li = 0; li < scheduler_->moe_layers(); ++li) {
-    model::MoeLayer& layer = *model_->moe_layers()[static_cast<size_t>(li)].layer;
-    for (int e = 0; e < scheduler_->num_experts(li); ++e) {
-      RETURN_IF_ERROR(scheduler_->ReadExpert(li, e, storage::TensorKind::kWeights, blob.data()));
-      const std::vector<model::Parameter*> params =
-          layer.expert(scheduler_->first_expert() + e).Parameters();
-      const auto& segments = scheduler_->layout().segments;
-      for (size_t i = 0; i < params.size(); ++i) {
-        RETURN_IF_ERROR(write(absl::StrCat(expert_dir, "/", params[i]->name, ".f32"),
-                              blob.data() + segments[i].offset,
-                              static_cast<size_t>(segments[i].shape.numel())));
-      }
-    }
-  }
-  return absl::OkStatus();
-}
 
 double Trainer::LearningRate(const config::TrainConfig& t, int64_t s) {
   const double peak = t.lr();
@@ -338,13 +157,7 @@ double Trainer::LearningRate(const config::TrainConfig& t, int64_t s) {
 Status Trainer::OpenCheckpoints(bool continuing) {
   const config::JobConfig& cfg = options_.config;
   const bool resume = options_.resume;
-  checkpoint::CheckpointOptions co;
-  co.dir = cfg.checkpoint().dir();
-  co.keep = cfg.checkpoint().keep();
-  co.io.queue_depth = cfg.storage().io_queue_depth();
-  co.io.block_bytes = cfg.storage().io_block_bytes();
-  co.file_bytes = cfg.storage().ssd_file_bytes();
-  co.capacity_bytes = cfg.storage().ssd_capacity_bytes();
+  checkpoint::CheckpointOptions co = checkpoint::CheckpointOptionsOf(cfg);
   co.wrap_io = options_.wrap_io;
   co.start_over = options_.start_over && !continuing;
   co.abandoned = comms_.CheckpointAbandonFlag();
@@ -373,20 +186,8 @@ Status Trainer::OpenCheckpoints(bool continuing) {
 Status Trainer::OpenWorkerCheckpoints(bool continuing) {
   if (options_.config.checkpoint().dir().empty()) return absl::OkStatus();
   const WorkerOptions& w = options_.worker;
-  shard_names_.clear();
-  for (int r = 0; r < w.world_size; ++r) {
-    if (w.member_ids.empty()) {
-      shard_names_.push_back(absl::StrCat("r", r));
-      continue;
-    }
-    if (w.member_ids.size() != static_cast<size_t>(w.world_size)) {
-      return absl::InternalError(absl::StrFormat("generation %d lists %d worker ids for %d ranks",
-                                                 w.generation, w.member_ids.size(), w.world_size));
-    }
-    ASSIGN_OR_RETURN(std::string name,
-                     checkpoint::ShardNameOfWorker(w.member_ids[static_cast<size_t>(r)]));
-    shard_names_.push_back(std::move(name));
-  }
+  ASSIGN_OR_RETURN(shard_names_,
+                   checkpoint::ShardNamesOf(w.member_ids, w.world_size, w.generation));
   // Rank 0 (the committer) first: it moves a folder aside (--start-over) and clears reports of
   // checkpoints no longer in flight before any other worker opens its shard. Every worker learns
   // whether the others could open theirs, so that none waits on a collective for one that failed.
@@ -419,6 +220,22 @@ Status Trainer::OpenWorkerCheckpoints(bool continuing) {
                       "another worker could not open " + folder);
 }
 
+model::ModelOptions Trainer::ModelOptionsOf(int64_t first, int64_t count,
+                                            bool unbound_experts) const {
+  const config::JobConfig& cfg = options_.config;
+  model::ModelOptions mo;
+  mo.config = cfg.model();
+  mo.seed = cfg.seed();
+  mo.max_batch = local_batch_;
+  mo.batch_sequences = cfg.train().global_batch();
+  mo.expert_factory = options_.expert_factory;
+  mo.unbound_experts = unbound_experts;
+  mo.first_local_expert = first;
+  mo.num_local_experts = count;
+  mo.device = device_;
+  return mo;
+}
+
 Status Trainer::BuildModel(int64_t first, int64_t count) {
   // The seams point into the model, optimizer and reducers about to be replaced: they go first
   // and are chosen anew below.
@@ -426,17 +243,8 @@ Status Trainer::BuildModel(int64_t first, int64_t count) {
   keeping_.reset();
   const config::JobConfig& cfg = options_.config;
   const bool tiered = cfg.storage().mode() == config::StorageConfig::TIERED;
-  model::ModelOptions mo;
-  mo.config = cfg.model();
-  mo.seed = cfg.seed();
-  mo.max_batch = local_batch_;
-  mo.batch_sequences = cfg.train().global_batch();
-  mo.expert_factory = options_.expert_factory;
-  mo.unbound_experts = tiered;
-  mo.first_local_expert = first;
-  mo.num_local_experts = count;
-  mo.device = device_;
-  ASSIGN_OR_RETURN(model_, model::MoeTransformer::Create(ctx_, mo));
+  ASSIGN_OR_RETURN(model_,
+                   model::MoeTransformer::Create(ctx_, ModelOptionsOf(first, count, tiered)));
   const int64_t E = cfg.model().moe().num_experts();
   first_expert_ = first;
   num_experts_ = count < 0 ? E : count;
@@ -519,42 +327,23 @@ Status Trainer::SetUpExpertState(std::unique_ptr<storage::TieredExpertStore> sto
 }
 
 StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) {
-  std::unique_ptr<Trainer> tr(new Trainer);
-  tr->options_ = options;
+  std::unique_ptr<Trainer> tr(new Trainer(options));
   tr->comms_.Reset(options.worker.generation);
   const config::JobConfig& cfg = tr->options_.config;
-  RETURN_IF_ERROR(config::ValidateJobConfig(cfg, "job config"));
-  // This process's share of the job against this machine's memory, before anything is allocated.
-  RETURN_IF_ERROR(
-      config::CheckMemory(cfg,
-                          config::EstimateWorkerMemory(cfg, std::max(1, options.worker.world_size),
-                                                       options.worker.elastic),
-                          config::AvailableHostMemory(), "job config"));
+  RETURN_IF_ERROR(CheckTrainOptions(options));
   // The SSD tier's temporary folder, if it needs one, is made first: its sweep frees the room
   // that the folders of killed runs take, which the disk check would count against this job.
-  if (tr->NeedsTempSsdFolder()) RETURN_IF_ERROR(tr->EnsureTempSsdFolder());
+  if (TierResources::NeedsTempSsdFolder(cfg)) RETURN_IF_ERROR(tr->tiers_.EnsureTempSsdFolder());
   RETURN_IF_ERROR(config::CheckDiskHere(
       cfg,
       config::EstimateDisk(cfg, std::max(1, options.worker.world_size), options.worker.elastic),
       "job config"));
-  // An elastic job learns at its start what its layout needs to re-form, not at its first failure.
-  if (options.worker.rejoin && !options.worker.elastic) {
-    return absl::InvalidArgumentError("joining a running job (rejoin) needs an elastic worker");
-  }
   if (options.worker.elastic) {
-    RETURN_IF_ERROR(CheckElastic(cfg));
     tr->host_ = std::make_unique<Host>(*tr);
     tr->elastic_ = std::make_unique<ElasticState>(cfg, tr->host_.get());
   }
   storage::Env* env = options.env ? options.env : storage::Env::Default();
   ASSIGN_OR_RETURN(tr->device_, Device::Parse(cfg.train().device()));
-  if (!tr->device_.is_cpu() && (options.worker.world_size > 1 || options.worker.elastic)) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "train.device %s: a model on a GPU trains in one process (strata train) for now; "
-        "workers train on the CPU (train.device \"cpu\")",
-        cfg.train().device()));
-  }
-
   int threads = cfg.train().threads();
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
   tr->pool_ = std::make_unique<ThreadPool>(threads);
@@ -606,13 +395,12 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   RETURN_IF_ERROR(tr->BuildModel(first, count));
   // Workers opened their shards above; a worker joining a running job alone may have opened the
   // folder already, to go back to a checkpoint.
-  if (tr->checkpoints_ || (tr->distributed() && !cfg.checkpoint().dir().empty())) {
-    // Nothing (more) to open.
-  } else if (!cfg.checkpoint().dir().empty()) {
-    RETURN_IF_ERROR(tr->OpenCheckpoints(/*continuing=*/options.worker.rejoin));
-  } else if (options.resume) {
+  if (cfg.checkpoint().dir().empty() && options.resume) {
     return absl::InvalidArgumentError(
         "--resume needs a checkpoint folder: pass --checkpoint-dir or set checkpoint.dir");
+  }
+  if (!tr->checkpoints_ && !tr->distributed() && !cfg.checkpoint().dir().empty()) {
+    RETURN_IF_ERROR(tr->OpenCheckpoints(/*continuing=*/options.worker.rejoin));
   }
   RETURN_IF_ERROR(tr->SetUpExpertState(synced ? std::move(synced->store) : nullptr));
 
@@ -621,12 +409,8 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   }
   if (synced) {
     RETURN_IF_ERROR(tr->StartFrom(*synced));
-  } else if (options.resume && tr->distributed()) {
-    RETURN_IF_ERROR(tr->ResumeDistributed());
   } else if (options.resume) {
-    ASSIGN_OR_RETURN(tr->step_, tr->checkpoints_->Resume(cfg, *tr->model_, *tr->optimizer_,
-                                                         tr->scheduler_.get(), tr->ctx_));
-    tr->resumed_from_ = tr->step_;
+    RETURN_IF_ERROR(tr->Resume());
   }
   if (tr->elastic_) {
     tr->elastic_->SetLive(tr->step_);
@@ -636,7 +420,6 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
       RETURN_IF_ERROR(tr->elastic_->RefreshStoredCopies());
     }
   }
-  tr->tty_ = isatty(STDERR_FILENO);
   return tr;
 }
 
@@ -737,7 +520,16 @@ EvalResult Trainer::Evaluate() {
 
 Status Trainer::Run() {
   Status s = RunLoop();
-  if (s.ok() && !options_.export_params_dir.empty()) s = ExportParameters();
+  if (s.ok() && !options_.export_params_dir.empty()) {
+    // Rank 0 writes the dense parameters, the leader of each expert's copies the expert into DIR;
+    // copy g of an expert (its g-th expert-parallel group) into DIR/copy<g>/, to be compared.
+    const std::string& dir = options_.export_params_dir;
+    const int ep = comms_.ep() ? comms_.ep()->world_size() : 1;
+    const ParameterExport share{
+        options_.worker.rank == 0,
+        expert_replica_leader_ ? dir : absl::StrCat(dir, "/copy", options_.worker.rank / ep)};
+    s = ExportParameters(dir, share, *model_, scheduler_.get());
+  }
   experts_->Quiesce();
   if (tracer_) {
     // Also after a failure: the trace shows what led up to it.
@@ -755,7 +547,7 @@ Status Trainer::Run() {
 Status Trainer::RunLoop() {
   const config::JobConfig& cfg = options_.config;
   const int64_t steps = cfg.train().steps();
-  started_ = NowSeconds();
+  progress_.Start();
   STRATA_LOG(INFO) << absl::StrFormat(
       "%s: %d parameters (%d active per token), %d MoE layers, %d train / %d held-out windows "
       "of %d tokens, %d threads",
@@ -773,8 +565,6 @@ Status Trainer::RunLoop() {
     if (eval_due) {
       eval = Evaluate();
       evals_.emplace_back(r.step, eval);
-      last_eval_loss_ = eval.loss;
-      last_eval_bpb_ = eval.bits_per_byte;
     }
     if (metrics_) {
       std::optional<WorkerStepFields> worker;
@@ -791,7 +581,7 @@ Status Trainer::RunLoop() {
           StepMetricsLine(r, blocks, cfg.model().moe().gate().sequence_aux_loss_coef() > 0, worker,
                           eval_due ? &eval : nullptr)));
     }
-    if (options_.progress) PrintProgress(r, eval_due ? &eval : nullptr, r.step == steps);
+    if (options_.progress) progress_.Print(r, eval_due ? &eval : nullptr);
     if (options_.on_step) RETURN_IF_ERROR(options_.on_step(r));
     const int ckpt_every = static_cast<int>(cfg.checkpoint().every());
     const bool checkpoint_due =
@@ -833,31 +623,6 @@ checkpoint::CheckpointShare Trainer::CheckpointShareOfThisWorker() const {
   share.shards = shard_names_;
   share.workers = W;
   return share;
-}
-
-void Trainer::PrintProgress(const StepResult& r, const EvalResult* eval, bool final_line) {
-  const config::JobConfig& cfg = options_.config;
-  const int64_t steps = cfg.train().steps();
-  smoothed_step_seconds_ =
-      smoothed_step_seconds_ == 0 ? r.seconds : 0.9 * smoothed_step_seconds_ + 0.1 * r.seconds;
-  const double eta = smoothed_step_seconds_ * static_cast<double>(steps - r.step);
-  std::string line =
-      absl::StrFormat("[%s] step %*d/%d | loss %.4f", cfg.name(),
-                      static_cast<int>(std::to_string(steps).size()), r.step, steps, r.loss);
-  if (last_eval_loss_ >= 0) {
-    absl::StrAppendFormat(&line, " | eval %.4f", last_eval_loss_);
-    if (std::isfinite(last_eval_bpb_)) absl::StrAppendFormat(&line, " (%.3f bpb)", last_eval_bpb_);
-  }
-  absl::StrAppendFormat(&line, " | %.0f tok/s | %s elapsed | ETA %s", r.tokens / r.seconds,
-                        FormatDuration(NowSeconds() - started_), FormatDuration(eta));
-  const bool periodic = r.step % cfg.train().log_every() == 0;
-  if (tty_) {
-    // Overwrite in place; keep a permanent line at evaluations and at the end.
-    std::fprintf(stderr, "\r\033[K%s%s", line.c_str(), (eval || final_line) ? "\n" : "");
-  } else if (periodic || eval || final_line || r.step == 1) {
-    std::fprintf(stderr, "%s\n", line.c_str());
-  }
-  std::fflush(stderr);
 }
 
 void Trainer::ResetParallel(int64_t generation) {
@@ -997,20 +762,19 @@ Status Trainer::GoBackToCheckpoint() {
         "the workers of generation %d do not see the same checkpoints in %s (%d see none)",
         options_.worker.generation, dir, static_cast<int>(empty)));
   }
-  if (distributed()) return ResumeDistributed();
-  ASSIGN_OR_RETURN(
-      step_, checkpoints_->Resume(options_.config, *model_, *optimizer_, scheduler_.get(), ctx_));
-  return absl::OkStatus();
+  return Resume();
 }
 
-Status Trainer::ResumeDistributed() {
+Status Trainer::Resume() {
   // Every worker reads what it holds from the shards that have it; all take the newest
   // checkpoint that every worker found intact.
-  checkpoint::ResumeAgreement agree = [this](bool ok_here) -> StatusOr<bool> {
-    double ok = ok_here ? 1.0 : 0.0;
-    RETURN_IF_ERROR(comms_.world()->AllReduce(&ok, 1));
-    return ok == options_.worker.world_size;
-  };
+  checkpoint::ResumeAgreement agree;
+  if (distributed())
+    agree = [this](bool ok_here) -> StatusOr<bool> {
+      double ok = ok_here ? 1.0 : 0.0;
+      RETURN_IF_ERROR(comms_.world()->AllReduce(&ok, 1));
+      return ok == options_.worker.world_size;
+    };
   ASSIGN_OR_RETURN(step_, checkpoints_->Resume(options_.config, *model_, *optimizer_,
                                                scheduler_.get(), ctx_, agree));
   resumed_from_ = step_;

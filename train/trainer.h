@@ -51,84 +51,14 @@
 #include "storage/copy_shelf.h"
 #include "storage/private_folder.h"
 #include "train/elastic/elastic_state.h"
+#include "train/export_params.h"
 #include "train/metrics.h"
+#include "train/options.h"
 #include "train/step_seams.h"
+#include "train/tier_resources.h"
 #include "train/worker_comms.h"
 
 namespace strata::train {
-
-// This process as one of several workers (`strata worker`); world_size 1 is a single process.
-struct WorkerOptions {
-  int rank = 0;
-  int world_size = 1;
-  std::shared_ptr<comm::Store> store;  // rendezvous of the communicators
-  std::string hostname = "127.0.0.1";  // the address peers reach this worker at
-  // Called on rank 0, on the thread in Create or Reform, once every worker has connected all its
-  // communicators (the store is no longer needed): `strata worker` empties its rendezvous folder,
-  // so a later job can use it.
-  std::function<void()> after_rendezvous;
-  // A job whose membership may change (`strata worker --coordinator`): every step keeps what a
-  // later generation needs to go on without this worker or with more — with one expert-parallel
-  // group, a copy of this worker's state from before the update and buddy copies of other
-  // workers' experts (elastic.replicas; TIERED: on its SSD, every elastic.replica_every steps);
-  // with several, every group's copy of each expert. Where those cannot make up the state, and
-  // always with experts_per_worker, the job goes back to its newest checkpoint (which it must
-  // have unless it keeps buddy copies: Create refuses it without). See elastic.cc.
-  bool elastic = false;
-  // This generation is not the job's first: the workers agree on the newest step whose whole state
-  // they still hold, re-place the experts, and move state to where it now lives (a worker that
-  // just joined gets all of its state this way).
-  bool rejoin = false;
-  int64_t generation = 0;  // the membership generation, for metrics
-  // A coordinator's job: every worker's id, by rank. Their checkpoint shards are named by it
-  // (ShardNameOfWorker), stable across generations; empty: shards are named by rank (r<rank>).
-  std::vector<std::string> member_ids;
-  // True once a newer generation has formed: connecting this one's communicators gives up. The
-  // Trainer calls it on the thread in Create or Reform while each connect runs on a thread of its
-  // own, which it leaves behind when this turns true (a Gloo connect cannot be interrupted; the
-  // thread may outlive the Trainer). A `store` that consults it too (RunElasticWorker's) calls it
-  // from that thread, so it must be thread-safe and own what it reads (by value or shared_ptr).
-  std::function<bool()> superseded;
-};
-
-// A worker's share of a step's global batch: its first sequence and how many. Every step's
-// samples are split over the workers from the step alone (rank r of W takes sequences
-// [B r / W, B (r + 1) / W)), so any membership sees each sample of a step exactly once.
-std::pair<int64_t, int64_t> BatchShare(int64_t global_batch, int workers, int rank);
-
-struct TrainOptions {
-  config::JobConfig config;  // loaded with config::LoadJobConfig (validated, paths resolved)
-  std::string metrics_path;  // JSONL, one object per step; empty for none
-  bool progress = true;      // progress line on stderr
-  model::ExpertFactory expert_factory;  // null: FFN experts from the config
-  storage::Env* env = nullptr;          // null: storage::Env::Default(); must outlive the Trainer
-  // Tests wrap the SSD tier's block I/O to inject faults. Called when a tier is opened; the BlockIo
-  // it returns may be used from several threads at once (SSD stages, the checkpoint writer).
-  std::function<std::unique_ptr<storage::BlockIo>(std::unique_ptr<storage::BlockIo>)> wrap_io;
-  // Continue from the newest valid checkpoint in config.checkpoint.dir.
-  bool resume = false;
-  // Move what config.checkpoint.dir holds aside (to DIR.old-<time>) and train afresh.
-  bool start_over = false;
-  // Chrome trace-event JSON of compute, SSD I/O, copies, optimizer and checkpoint spans, written
-  // when Run returns; empty for none.
-  std::string trace_path;
-  // Distributed training: the step's batch is split over the workers (see ParallelConfig).
-  WorkerOptions worker;
-  // Called after every step (its metrics written), on the thread in Run; an error stops training
-  // with it.
-  std::function<Status(const StepResult&)> on_step;
-  // On rank 0 (the worker that writes checkpoints), called on the thread in Run (and in Reform, for
-  // a commit the previous generation did not report) — not on the checkpoint writer thread — when a
-  // checkpoint of `step` is about to be written (committed false), and once Run finds a checkpoint
-  // committed (true): after a later step or at the end of training, so the report may lag the
-  // commit.
-  std::function<void(int64_t step, bool committed)> on_checkpoint;
-  // When Run returns, every parameter this worker holds is written to DIR/<name>.f32 (raw
-  // little-endian float32; dense parameters by rank 0 only, experts — in memory or from the
-  // tiered store — by the leader of their copies, the lowest rank; copy g of an expert, the one of
-  // expert-parallel group g > 0, into DIR/copy<g>/<name>.f32). Empty: nothing is written.
-  std::string export_params_dir;
-};
 
 class Trainer {
  public:
@@ -181,21 +111,15 @@ class Trainer {
 
  private:
   class Host;  // the ElasticHost over this trainer (trainer.cc)
+  explicit Trainer(const TrainOptions& options);
 
-  Trainer() = default;
-  void PrintProgress(const StepResult& r, const EvalResult* eval, bool final_line);
-
-  // TIERED: the budgets (once per worker: the stores it makes in turn all charge them), the
-  // scheduler's options, and the scheduler over model_ — with a new store, or adopting `store`
+  // TIERED: a store's options, and the scheduler over model_ with a new store or adopting `store`
   // (one a re-form handed on, see TieredExpertScheduler::ReleaseStore).
-  [[nodiscard]] Status EnsureBudgets(const model::MoeTransformer& model);
   [[nodiscard]] StatusOr<scheduler::TieredOptions> TieredOptionsOf();
-  // A TIERED job without checkpoint.dir and storage.ssd_dir keeps its SSD tier in temp_ssd_dir_,
-  // a PrivateFolder under $TMPDIR (else /tmp), made on first need.
-  bool NeedsTempSsdFolder() const;
-  [[nodiscard]] Status EnsureTempSsdFolder();
   [[nodiscard]] Status SetUpTiered(std::unique_ptr<storage::TieredExpertStore> store = nullptr);
   [[nodiscard]] Status SetUpWorkers();
+  // A model of this job with experts [first, first + count) (count < 0: all of them).
+  model::ModelOptions ModelOptionsOf(int64_t first, int64_t count, bool unbound_experts) const;
   // Builds model_ (with this worker's `first`, `count` experts when distributed), the exchange and
   // the data-parallel reducer around it, the optimizer, and the step's gradient sync and keeping.
   [[nodiscard]] Status BuildModel(int64_t first, int64_t count);
@@ -218,9 +142,9 @@ class Trainer {
   [[nodiscard]] Status ReopenForCheckpoint();
   // What this worker's shard of a checkpoint holds.
   checkpoint::CheckpointShare CheckpointShareOfThisWorker() const;
-  // Distributed checkpoints: every worker reads what it now holds from the shards that have it,
-  // whatever the number of workers that wrote them (collective).
-  [[nodiscard]] Status ResumeDistributed();
+  // From the newest checkpoint (every worker of a distributed job reads what it now holds from
+  // the shards that have it, whatever the number of workers that wrote them: collective).
+  [[nodiscard]] Status Resume();
   // Every worker reads its share of the newest checkpoint all of them find intact — or, with none
   // committed, all start over from step 0 (collective).
   [[nodiscard]] Status GoBackToCheckpoint();
@@ -230,7 +154,6 @@ class Trainer {
   [[nodiscard]] Status StartFrom(const SyncedState& s);
   // Drops this generation's seams, reducers and communicators; `generation` is the one to come.
   void ResetParallel(int64_t generation);
-  [[nodiscard]] Status ExportParameters() const;
   bool distributed() const { return options_.worker.world_size > 1; }
   [[nodiscard]] Status RunLoop();
   void ReportCommittedCheckpoint();
@@ -242,13 +165,10 @@ class Trainer {
   std::unique_ptr<data::TokenDataset> dataset_;
   std::unique_ptr<model::MoeTransformer> model_;
   std::unique_ptr<model::AdamW> optimizer_;
-  // TIERED (declared in destruction order: the scheduler and its store go first, then the budgets
-  // they charge, then the temporary SSD folder).
-  std::unique_ptr<storage::PrivateFolder> temp_ssd_dir_;
-  std::unique_ptr<MemoryBudget> device_budget_, host_budget_;
-  uint64_t dense_state_bytes_ = 0;  // charged to device_budget_ for good
-  std::unique_ptr<checkpoint::CheckpointManager>
-      checkpoints_;  // uses the budgets' SSD tier; goes last
+  // TIERED, in destruction order: the scheduler and its store first, then the checkpoint manager
+  // (which shares their SSD tier), then the budgets they charge and the temporary SSD folder.
+  TierResources tiers_;
+  std::unique_ptr<checkpoint::CheckpointManager> checkpoints_;
   std::unique_ptr<scheduler::TieredExpertScheduler> scheduler_;
   // Distributed (declared so that the exchanges go before the communicators they use).
   WorkerComms comms_;
@@ -278,11 +198,7 @@ class Trainer {
   int64_t reported_checkpoint_ = 0;  // the newest committed checkpoint told to on_checkpoint
   std::vector<StepResult> history_;
   std::vector<std::pair<int64_t, EvalResult>> evals_;
-  double started_ = 0;
-  double smoothed_step_seconds_ = 0;
-  bool tty_ = false;
-  double last_eval_loss_ = -1;
-  double last_eval_bpb_ = -1;
+  ProgressLine progress_;
 };
 
 }  // namespace strata::train

@@ -1,10 +1,11 @@
-// The phases of a new generation's state sync (train/state_sync.h), with the generation's
+// The phases of a new generation's state sync (train/elastic/state_sync.h), with the generation's
 // workers as threads of this process, each connecting a real Gloo communicator through an
 // in-memory store. Every worker holds hand-made blobs whose values say which item, which version
 // and which worker they are, so a blob that arrives says where it came from; each scenario
 // compares the agreed step, the placement, the sources and every moved blob (bitwise) with what
 // was worked out by hand for it.
 #include "train/elastic/state_sync.h"
+#include "tests/train/gloo_workers.h"
 
 #include <gtest/gtest.h>
 
@@ -84,7 +85,7 @@ struct Outcome {
   std::vector<size_t> read_not_held;  // items read that it does not hold at the agreed step
 };
 
-// The phases in the order Trainer::SyncState calls them, on one worker.
+// The phases in the order ElasticState::SyncState calls them, on one worker.
 Outcome SyncOne(comm::Communicator* comm, const Worker& me) {
   Outcome o;
   StatusOr<Holdings> all = GatherHoldings(comm, me.holdings);
@@ -127,27 +128,8 @@ Outcome SyncOne(comm::Communicator* comm, const Worker& me) {
   return o;
 }
 
-// Runs fn(comm, rank) on W threads, each with its own Gloo communicator (timeout `timeout`).
-void RunWorkers(int W, std::chrono::milliseconds timeout,
-                const std::function<void(comm::Communicator*, int)>& fn) {
-  std::shared_ptr<comm::Store> store = comm::MakeInMemoryStore();
-  std::vector<std::thread> threads;
-  for (int r = 0; r < W; ++r) {
-    threads.emplace_back([&, r] {
-      comm::CommOptions co;
-      co.rank = r;
-      co.world_size = W;
-      co.timeout = timeout;
-      StatusOr<std::unique_ptr<comm::Communicator>> c = comm::ConnectGloo(store, co);
-      ASSERT_TRUE(c.ok()) << c.status();
-      fn(c->get(), r);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-}
-
 // Every worker as a thread with its own Gloo communicator; a generation of one communicates
-// nothing (as Trainer::SyncState passes no communicator then).
+// nothing (as ElasticState::SyncState passes no communicator then).
 std::vector<Outcome> Sync(const std::vector<Worker>& workers) {
   const int W = static_cast<int>(workers.size());
   std::vector<Outcome> out(W);
@@ -155,7 +137,8 @@ std::vector<Outcome> Sync(const std::vector<Worker>& workers) {
     out[0] = SyncOne(nullptr, workers[0]);
     return out;
   }
-  RunWorkers(W, 30s, [&](comm::Communicator* c, int r) { out[r] = SyncOne(c, workers[r]); });
+  strata::testing::RunGlooWorkers(
+      W, 30s, [&](comm::Communicator* c, int r) { out[r] = SyncOne(c, workers[r]); });
   return out;
 }
 
@@ -542,7 +525,7 @@ TEST(StateSyncTest, MovesRandomPlansInChunksOfAnySize) {
         std::vector<ChunkedWorker> w(W);
         std::vector<std::unique_ptr<WatchedCommunicator>> watched(W);
         for (int r = 0; r < W; ++r) Seed(w[r], r, owner, sources, S);
-        RunWorkers(W, 30s, [&](comm::Communicator* c, int r) {
+        strata::testing::RunGlooWorkers(W, 30s, [&](comm::Communicator* c, int r) {
           watched[r] = std::make_unique<WatchedCommunicator>(c);
           ChunkedMoveOne(watched[r].get(), r, owner, sources, S, chunk, w[r]);
         });
@@ -603,7 +586,7 @@ TEST(StateSyncTest, ChunkedMovesEndAsMoveExpertsDoes) {
     std::vector<MovedExperts> whole(W);
     std::vector<ChunkedWorker> chunked(W);
     for (int r = 0; r < W; ++r) Seed(chunked[r], r, own, src, kExpertFloats);
-    RunWorkers(W, 30s, [&](comm::Communicator* c, int r) {
+    strata::testing::RunGlooWorkers(W, 30s, [&](comm::Communicator* c, int r) {
       const ReadItem read = [&](size_t item, float* dst) {
         const int64_t e = static_cast<int64_t>(item) - 1;
         for (int64_t i = 0; i < kExpertFloats; ++i) dst[i] = PieceValue(e, i);
@@ -677,7 +660,7 @@ TEST(StateSyncTest, AFailedReadOrWriteStopsEveryWorkerAfterTheSameRound) {
     std::vector<std::unique_ptr<WatchedCommunicator>> watched(W);
     for (int r = 0; r < W; ++r) Seed(w[r], r, owner, sources, S);
     const auto t0 = std::chrono::steady_clock::now();
-    RunWorkers(W, 60s, [&](comm::Communicator* comm, int r) {
+    strata::testing::RunGlooWorkers(W, 60s, [&](comm::Communicator* comm, int r) {
       watched[r] = std::make_unique<WatchedCommunicator>(comm);
       ChunkedMoveOne(watched[r].get(), r, owner, sources, S, chunk, w[r],
                      r == 1 ? c.fail_read : nullptr, r == 1 ? c.fail_write : nullptr);

@@ -1,31 +1,35 @@
 // How the workers of a new membership generation agree on a state and move it to where it now
-// lives, as six phases over the generation's communicator (Trainer::SyncState calls them in
-// order; see elastic.cc for the versions every step keeps).
+// lives: six phases over the generation's communicator, which ElasticState::SyncState calls in
+// order (elastic_state.h says which versions every step keeps).
 //
-// The job's state is items: item 0 (kDenseItem) is the dense parameters with their Adam moments,
-// item 1 + e (ExpertItem(e)) expert e's parameters with theirs; each a blob of floats. A worker
-// can supply some versions of some items (a version is the step the state is the result of): its
-// live model, its copy from before the latest update, and buddy copies of other workers' experts.
-//   1. GatherHoldings: every worker all-gathers what every worker holds.
-//   2. AgreeOnStep: the newest version whose every item some worker holds (pure).
-//   3. ReplanExperts: rank 0's measured expert loads are broadcast and the experts re-placed in
-//      contiguous ranges (scheduler::ReplanRanges).
-//   4. LocateCopies: where each item's copy at the agreed step comes from (pure).
-//   5. MoveDenseState: a broadcast from the dense root, when any worker lacks the dense state.
-//   6. MoveExperts: one all-to-all-v from each expert's source to its new owner, with every
-//      blob in memory at once (an IN_MEMORY job's experts are in memory anyway); or
-//      MoveExpertsInChunks: the same moves in rounds of at most chunk_floats floats out of and
-//      into each worker, read from and written to where the copies live (a TIERED job's stores),
-//      so that no worker ever buffers more than a chunk of the expert set.
+// The state:
+// - Items: item 0 (kDenseItem) is the dense parameters with their Adam moments, item 1 + e
+//   (ExpertItem(e)) expert e's parameters with theirs; each a blob of floats.
+// - A worker can supply some versions of some items (a version is the step the state is the
+//   result of): its live model, its copy from before the latest update, and buddy copies of other
+//   workers' experts.
 //
-// Threads and ownership. The collective phases (1, 3, 5, 6) must be called by every worker of the
-// generation, in the same order, each from the one thread that uses `comm` at the time (see
-// runtime/comm/communicator.h); `comm` is borrowed for the call, and null stands for a generation
-// of one worker (rank 0 of 1), which communicates nothing. The pure phases (2, 4) may be called
-// from any thread. Every worker gets the same GatherHoldings result, so the pure phases and
-// ReplanExperts compute the same answer everywhere. A phase reads this worker's copies only
-// through the ReadItem (ReadChunk, WriteChunk) it is given, during the call, on the calling thread,
-// and returns values its caller owns.
+// The phases:
+// 1. GatherHoldings: every worker all-gathers what every worker holds.
+// 2. AgreeOnStep: the newest version whose every item some worker holds (pure).
+// 3. ReplanExperts: rank 0's measured expert loads are broadcast and the experts re-placed in
+//    contiguous ranges (scheduler::ReplanRanges).
+// 4. LocateCopies: where each item's copy at the agreed step comes from (pure).
+// 5. MoveDenseState: a broadcast from the dense root, when any worker lacks the dense state.
+// 6. MoveExperts: one all-to-all-v from each expert's source to its new owner, every blob in
+//    memory at once (IN_MEMORY); or MoveExpertsInChunks: the same moves in rounds of at most
+//    chunk_floats floats out of and into each worker, read from and written to where the copies
+//    live (TIERED stores), so no worker buffers more than a chunk of the expert set.
+//
+// Threads and ownership:
+// - The collective phases (1, 3, 5, 6) are called by every worker of the generation, in the same
+//   order, each from the one thread that uses `comm` at the time (runtime/comm/communicator.h).
+//   `comm` is borrowed for the call; null stands for a generation of one worker (rank 0 of 1),
+//   which communicates nothing.
+// - The pure phases (2, 4) may be called from any thread. Every worker gets the same
+//   GatherHoldings result, so they and ReplanExperts compute the same answer everywhere.
+// - A phase reads this worker's copies only through the ReadItem (ReadChunk, WriteChunk) it is
+//   given, during the call, on the calling thread, and returns values its caller owns.
 #pragma once
 
 #include <cstdint>
@@ -47,7 +51,7 @@ enum class HoldingSlot : int {
   kRollback = 1,         // its copy from before the latest update
   kBuddyLatest = 2,      // a buddy copy after its source's latest update
   kBuddyPrevious = 3,    // a buddy copy after the update before
-  kRollbackPrevious = 4  // its copy from before the update before (TIERED, see elastic.cc)
+  kRollbackPrevious = 4  // its copy from before the update before (TIERED, see elastic_state.h)
 };
 inline constexpr int kHoldingSlots = 5;
 
