@@ -13,8 +13,7 @@
 // Figures are exact counts of what the model allocates (tests compare the parameter count with a
 // model built from the same config); the process itself (libraries, thread stacks) is a fixed
 // kProcessOverheadBytes on top, and the mapped data file is not counted (its pages can be
-// dropped). Measured against a real run: the example moe_lm config with global_batch 256 is
-// estimated at 805 MiB + 256 MiB and peaks at 982 MiB resident.
+// dropped). docs/storage.md ("Measurements behind the design") compares it with real runs.
 //
 // One of W workers holds less: its expert-parallel group's share of the experts and 1/W of the
 // batch — but in an elastic job with checkpoints rank 0 also keeps every expert with its Adam
@@ -94,8 +93,8 @@ std::string FormatBytes(uint64_t bytes);
 uint64_t AvailableHostMemory();
 
 // What a strata process holds whatever the config: code and data of its libraries (CUDA, gRPC,
-// RocksDB, OpenBLAS), thread stacks and pools. Measured: `strata train` of a model whose estimate
-// is 40 MiB peaks at 274 MiB resident.
+// RocksDB, OpenBLAS), thread stacks and pools (docs/storage.md, "Measurements behind the
+// design", says what it was measured from).
 inline constexpr uint64_t kProcessOverheadBytes = uint64_t{256} << 20;
 
 // RESOURCE_EXHAUSTED when `processes` processes of this estimate need more host memory than

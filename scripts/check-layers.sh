@@ -10,9 +10,9 @@
 # backend (kernels/cpu/, kernels/cuda/): the rest of strata sees kernels through kernels/ops.h,
 # kernels/vocabulary.h and kernels/blas_kernel.h. Inside train/, the trainer sits above its parts:
 # only trainer.cc and the elastic worker (elastic_worker.*) include train/trainer.h, so the seams,
-# the elastic unit (train/elastic/) and the trainer's other units never reach back up into it. tests/ and bench/ sit on top of everything (a
-# backend's tests include its headers) and are not checked. Includes of other projects (absl/,
-# google/, ...) are ignored.
+# the elastic unit (train/elastic/) and the trainer's other units never reach back up into it.
+# tests/ and bench/ sit on top of everything (a backend's tests include its headers) and are not
+# checked. Includes of other projects (absl/, google/, ...) are ignored.
 #
 #   scripts/check-layers.sh        (from anywhere; exits 0 when the tree is layered, 1 otherwise)
 set -euo pipefail
@@ -36,8 +36,8 @@ awk -v order="${layers[*]}" '
     }
     if (inc == "train/trainer.h" && from[1] == "train" && FILENAME != "train/trainer.cc" &&
         FILENAME !~ /^train\/elastic_worker\.(h|cc)$/) {
-      printf "%s:%d: #include \"%s\": a part of the trainer includes the trainer; give it what it needs (see train/elastic/elastic_state.h, ElasticHost)\n",
-             FILENAME, FNR, inc
+      printf "%s:%d: #include \"%s\": a part of the trainer includes the trainer; %s\n",
+             FILENAME, FNR, inc, "give it what it needs (see ElasticHost in train/elastic/)"
       bad = 1
     }
     if (from[1] != "kernels" && to[1] == "kernels" && (to[2] == "cpu" || to[2] == "cuda")) {

@@ -58,10 +58,10 @@ Status CheckTrainOptions(const TrainOptions& options) {
                           config::EstimateWorkerMemory(cfg, std::max(1, options.worker.world_size),
                                                        options.worker.elastic),
                           config::AvailableHostMemory(), "job config"));
-  // An elastic job learns at its start what its layout needs to re-form, not at its first failure.
   if (options.worker.rejoin && !options.worker.elastic) {
     return absl::InvalidArgumentError("joining a running job (rejoin) needs an elastic worker");
   }
+  // An elastic job learns at its start what its layout needs to re-form, not at its first failure.
   if (options.worker.elastic) RETURN_IF_ERROR(CheckElastic(cfg));
   ASSIGN_OR_RETURN(const Device device, Device::Parse(cfg.train().device()));
   if (!device.is_cpu() && (options.worker.world_size > 1 || options.worker.elastic)) {

@@ -16,6 +16,50 @@
 
 namespace strata::train {
 
+// The ElasticHost over this trainer: the model, store and communicators of its generation, and the
+// two things a TIERED re-form asks of it.
+class Trainer::Host final : public ElasticHost {
+ public:
+  explicit Host(Trainer& t) : t_(t) {}
+  int rank() const override { return t_.options_.worker.rank; }
+  int world_size() const override { return t_.options_.worker.world_size; }
+  ops::Context& context() override { return t_.ctx_; }
+  int64_t step() const override { return t_.step_; }
+  model::MoeTransformer* model() const override { return t_.model_.get(); }
+  model::AdamW* optimizer() const override { return t_.optimizer_.get(); }
+  scheduler::TieredExpertScheduler* scheduler() const override { return t_.scheduler_.get(); }
+  comm::Communicator* world() const override { return t_.comms_.world(); }
+  const std::vector<int64_t>& experts_per_worker() const override { return t_.experts_per_worker_; }
+  int64_t first_expert() const override { return t_.first_expert_; }
+  int64_t num_experts() const override { return t_.num_experts_; }
+
+  std::unique_ptr<storage::TieredExpertStore> ReleaseStore() override {
+    if (t_.model_) t_.model_->AttachResidency(nullptr);
+    t_.experts_.reset();
+    std::unique_ptr<storage::TieredExpertStore> store = t_.scheduler_->ReleaseStore();
+    t_.scheduler_.reset();
+    return store;
+  }
+
+  StatusOr<StoreMover> MakeStoreMover(std::unique_ptr<storage::TieredExpertStore> store) override {
+    StoreMover m;
+    model::ModelOptions mo = t_.ModelOptionsOf(0, -1, /*unbound_experts=*/true);
+    mo.max_batch = 1;
+    ASSIGN_OR_RETURN(m.model, model::MoeTransformer::Create(t_.ctx_, mo));
+    RETURN_IF_ERROR(t_.tiers_.EnsureBudgets(t_.options_.config.storage(), *m.model));
+    ASSIGN_OR_RETURN(const scheduler::TieredOptions to, t_.TieredOptionsOf());
+    const bool fresh = store == nullptr;
+    ASSIGN_OR_RETURN(m.scheduler,
+                     scheduler::TieredExpertScheduler::Create(*m.model, to, std::move(store)));
+    // A store made here may sit beside checkpoints of this worker's shard (an id it had before).
+    if (fresh && t_.checkpoints_) t_.checkpoints_->AdoptStore(m.scheduler.get());
+    return m;
+  }
+
+ private:
+  Trainer& t_;
+};
+
 Trainer::Trainer(const TrainOptions& options)
     : options_(options),
       progress_(options.config.name(), options.config.train().steps(),
@@ -99,50 +143,6 @@ Status CheckLossFinite(double loss, int64_t step, double lr) {
 }
 
 }  // namespace
-
-// The ElasticHost over this trainer: the model, store and communicators of its generation, and the
-// two things a TIERED re-form asks of it.
-class Trainer::Host final : public ElasticHost {
- public:
-  explicit Host(Trainer& t) : t_(t) {}
-  int rank() const override { return t_.options_.worker.rank; }
-  int world_size() const override { return t_.options_.worker.world_size; }
-  ops::Context& context() override { return t_.ctx_; }
-  int64_t step() const override { return t_.step_; }
-  model::MoeTransformer* model() const override { return t_.model_.get(); }
-  model::AdamW* optimizer() const override { return t_.optimizer_.get(); }
-  scheduler::TieredExpertScheduler* scheduler() const override { return t_.scheduler_.get(); }
-  comm::Communicator* world() const override { return t_.comms_.world(); }
-  const std::vector<int64_t>& experts_per_worker() const override { return t_.experts_per_worker_; }
-  int64_t first_expert() const override { return t_.first_expert_; }
-  int64_t num_experts() const override { return t_.num_experts_; }
-
-  std::unique_ptr<storage::TieredExpertStore> ReleaseStore() override {
-    if (t_.model_) t_.model_->AttachResidency(nullptr);
-    t_.experts_.reset();
-    std::unique_ptr<storage::TieredExpertStore> store = t_.scheduler_->ReleaseStore();
-    t_.scheduler_.reset();
-    return store;
-  }
-
-  StatusOr<StoreMover> MakeStoreMover(std::unique_ptr<storage::TieredExpertStore> store) override {
-    StoreMover m;
-    model::ModelOptions mo = t_.ModelOptionsOf(0, -1, /*unbound_experts=*/true);
-    mo.max_batch = 1;
-    ASSIGN_OR_RETURN(m.model, model::MoeTransformer::Create(t_.ctx_, mo));
-    RETURN_IF_ERROR(t_.tiers_.EnsureBudgets(t_.options_.config.storage(), *m.model));
-    ASSIGN_OR_RETURN(const scheduler::TieredOptions to, t_.TieredOptionsOf());
-    const bool fresh = store == nullptr;
-    ASSIGN_OR_RETURN(m.scheduler,
-                     scheduler::TieredExpertScheduler::Create(*m.model, to, std::move(store)));
-    // A store made here may sit beside checkpoints of this worker's shard (an id it had before).
-    if (fresh && t_.checkpoints_) t_.checkpoints_->AdoptStore(m.scheduler.get());
-    return m;
-  }
-
- private:
-  Trainer& t_;
-};
 
 double Trainer::LearningRate(const config::TrainConfig& t, int64_t s) {
   const double peak = t.lr();
@@ -248,6 +248,10 @@ Status Trainer::BuildModel(int64_t first, int64_t count) {
   const int64_t E = cfg.model().moe().num_experts();
   first_expert_ = first;
   num_experts_ = count < 0 ? E : count;
+  optimizer_ = std::make_unique<model::AdamW>(
+      tiered ? model_->DenseParameters() : model_->Parameters(), AdamWOptionsOf(cfg.train()));
+  // The step's seams for this model and these communicators: a worker's reducers around the
+  // model and its data-parallel gradient sync, or one process's.
   if (distributed()) {
     if (comms_.ep()) {
       ASSIGN_OR_RETURN(scheduler::ExpertPlacement placement,
@@ -269,11 +273,6 @@ Status Trainer::BuildModel(int64_t first, int64_t count) {
       data_parallel_->set_tracer(tracer_.get());
       if (exchange_) exchange_->set_tracer(tracer_.get());
     }
-  }
-  optimizer_ = std::make_unique<model::AdamW>(
-      tiered ? model_->DenseParameters() : model_->Parameters(), AdamWOptionsOf(cfg.train()));
-  // The step's seams for this model and these communicators.
-  if (distributed()) {
     DataParallelGradients::Options go;
     go.ctx = &ctx_;
     go.data_parallel = data_parallel_.get();
@@ -648,8 +647,8 @@ Status Trainer::Reform(const WorkerOptions& w) {
     // A TIERED worker's store shares its checkpoint shard's SSD tier, so the shard stays open
     // (ContinueCheckpoints). The old generation's checkpoint in flight ends first: its writer
     // reads the scheduler that is about to hand its store on. The expert update in flight needs
-    // no collective; once it is done the store holds the state of live_version_ — unless it
-    // failed, and then no whole state.
+    // no collective; once it is done the store holds the live state — unless it failed, and then
+    // no whole state.
     if (checkpoints_) {
       checkpoints_->Abandon();
       if (Status c = checkpoints_->Wait(); !c.ok()) {
@@ -657,7 +656,9 @@ Status Trainer::Reform(const WorkerOptions& w) {
                             << " formed is given up: " << c.message();
       }
     }
-    if (!scheduler_->FinishExpertStep().ok()) elastic_->StoreUpdateFailed();
+    if (elastic_->store_whole() && !scheduler_->FinishExpertStep().ok()) {
+      elastic_->StoreUpdateFailed();
+    }
   } else {
     // Each worker writes the shard of its rank, which may change: the shards are opened again once
     // every worker has let go of its old one (a checkpoint being written is abandoned: the new
@@ -707,7 +708,7 @@ Status Trainer::ReopenForCheckpoint() {
   experts_.reset();
   scheduler_.reset();
   checkpoints_.reset();
-  if (distributed()) RETURN_IF_ERROR(comms_.world()->Barrier());
+  RETURN_IF_ERROR(comms_.Barrier());
   return OpenCheckpointsOfGeneration();
 }
 
@@ -746,7 +747,7 @@ Status Trainer::GoBackToCheckpoint() {
   const std::string& dir = options_.config.checkpoint().dir();
   RETURN_IF_ERROR(checkpoints_->Wait());  // a checkpoint being written counts once committed
   double empty = checkpoints_->Steps().empty() ? 1.0 : 0.0;
-  if (distributed()) RETURN_IF_ERROR(comms_.world()->AllReduce(&empty, 1));
+  RETURN_IF_ERROR(comms_.SumOverWorkers(&empty, 1));
   if (empty == options_.worker.world_size) {
     // No checkpoint yet: the job goes back to its beginning, which every run shares — the model
     // as the seed initialises it (just built), with fresh optimizer state.
@@ -767,14 +768,12 @@ Status Trainer::GoBackToCheckpoint() {
 
 Status Trainer::Resume() {
   // Every worker reads what it holds from the shards that have it; all take the newest
-  // checkpoint that every worker found intact.
-  checkpoint::ResumeAgreement agree;
-  if (distributed())
-    agree = [this](bool ok_here) -> StatusOr<bool> {
-      double ok = ok_here ? 1.0 : 0.0;
-      RETURN_IF_ERROR(comms_.world()->AllReduce(&ok, 1));
-      return ok == options_.worker.world_size;
-    };
+  // checkpoint that every worker found intact (one process agrees with itself).
+  const checkpoint::ResumeAgreement agree = [this](bool ok_here) -> StatusOr<bool> {
+    double ok = ok_here ? 1.0 : 0.0;
+    RETURN_IF_ERROR(comms_.SumOverWorkers(&ok, 1));
+    return ok == options_.worker.world_size;
+  };
   ASSIGN_OR_RETURN(step_, checkpoints_->Resume(options_.config, *model_, *optimizer_,
                                                scheduler_.get(), ctx_, agree));
   resumed_from_ = step_;

@@ -24,34 +24,24 @@
 //   (see WorkerOptions).
 #pragma once
 
-#include <atomic>
-#include <cstdio>
-#include <functional>
 #include <limits>
 #include <memory>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "checkpoint/manager.h"
-#include "core/common/json.h"
 #include "core/common/status.h"
 #include "core/common/thread_pool.h"
 #include "core/common/trace.h"
 #include "proto/config.pb.h"
-#include "runtime/comm/communicator.h"
-#include "runtime/comm/store.h"
 #include "runtime/data/dataset.h"
 #include "runtime/model/adamw.h"
 #include "runtime/model/transformer.h"
 #include "scheduler/data_parallel.h"
 #include "scheduler/expert_parallel.h"
 #include "scheduler/tiered_scheduler.h"
-#include "storage/copy_shelf.h"
-#include "storage/private_folder.h"
 #include "train/elastic/elastic_state.h"
-#include "train/export_params.h"
 #include "train/metrics.h"
 #include "train/options.h"
 #include "train/step_seams.h"

@@ -118,6 +118,16 @@ std::shared_ptr<std::atomic<bool>> WorkerComms::CheckpointAbandonFlag() {
   return checkpoint_abandoned_;
 }
 
+Status WorkerComms::Barrier() const {
+  comm::Communicator* w = world();
+  return w == nullptr ? absl::OkStatus() : w->Barrier();
+}
+
+Status WorkerComms::SumOverWorkers(double* data, size_t n) const {
+  comm::Communicator* w = world();
+  return w == nullptr ? absl::OkStatus() : w->AllReduce(data, n);
+}
+
 comm::Communicator* WorkerComms::world() const {
   absl::ReaderMutexLock lock(&mu_);
   return world_.get();

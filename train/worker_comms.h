@@ -63,6 +63,12 @@ class WorkerComms {
   // last Reset).
   std::shared_ptr<std::atomic<bool>> CheckpointAbandonFlag() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Collectives over every worker of the generation that cost nothing in one process: with no
+  // world communicator (one process, never connected), Barrier returns at once and SumOverWorkers
+  // leaves the values as they are (they are the sums already). Training thread only.
+  [[nodiscard]] Status Barrier() const ABSL_LOCKS_EXCLUDED(mu_);
+  [[nodiscard]] Status SumOverWorkers(double* data, size_t n) const ABSL_LOCKS_EXCLUDED(mu_);
+
   // Null when not connected (and ep()/replicas() without groups or with one).
   comm::Communicator* world() const ABSL_LOCKS_EXCLUDED(mu_);
   comm::Communicator* ep() const ABSL_LOCKS_EXCLUDED(mu_);

@@ -10,9 +10,9 @@ namespace strata {
 // unmapped when freed, instead of coming from the heap. glibc's default raises that threshold up to
 // 32 MiB as such blocks are freed, after which blocks of several MiB (an MoE layer's dispatched
 // rows, activations) come from the heap; freed in another order than they were taken, they leave it
-// fragmented and resident, so a long run's memory grows far past what it uses (12.1 GiB against
-// a 6.0 GiB estimate on examples/larger_than_ram before this). Returns false where the C library
-// does not take the setting (then nothing changed).
+// fragmented and resident, so a long run's memory grows far past what it uses (docs/storage.md,
+// "Measurements behind the design"). Returns false where the C library does not take the setting
+// (then nothing changed).
 bool KeepLargeBlocksOffTheHeap(size_t bytes = size_t{8} << 20);
 
 }  // namespace strata

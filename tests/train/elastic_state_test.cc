@@ -172,6 +172,7 @@ TEST(ElasticStateTest, TheRollbackCopyIsTheStateBeforeTheUpdateAndTheGenerationG
   keeping.Updated(2, true);
   ASSERT_TRUE(keeping.AfterUpdate({}).ok());
   ASSERT_FALSE(SameBits(host.DenseBlob(), dense1));
+  ASSERT_FALSE(SameBits(host.ExpertBlob(2), expert2));
 
   const Holdings mine = state.HoldingsOfThisWorker();
   EXPECT_EQ(mine.version(0, kDenseItem, HoldingSlot::kLive), 2);

@@ -125,6 +125,25 @@ TEST_F(TrainerTest, MetricsFileHasOneObjectPerStepWithTheDocumentedKeys) {
   }
 }
 
+TEST_F(TrainerTest, AWorkerThatIsNotElasticCanNeitherJoinNorReform) {
+  TrainOptions o;
+  o.config = TinyJob(dir_.File("text.txt"), 1);
+  o.progress = false;
+  o.worker.rejoin = true;  // joining a running job without being elastic
+  auto refused = Trainer::Create(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("elastic"), std::string::npos) << refused.status();
+
+  auto t = Make(1);
+  ASSERT_TRUE(t);
+  const Status reform = t->Reform(WorkerOptions());
+  EXPECT_EQ(reform.code(), absl::StatusCode::kFailedPrecondition) << reform;
+  // Refused before anything changed: it still trains.
+  ASSERT_TRUE(t->Step().ok());
+  EXPECT_EQ(t->step(), 1);
+}
+
 TEST(LearningRateTest, WarmupThenCosine) {
   config::TrainConfig t;
   t.set_lr(1.0f);

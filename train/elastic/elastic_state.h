@@ -119,6 +119,7 @@ class ElasticState {
   void HoldNothing();
   // TIERED: the experts' update failed, so the store holds no whole version.
   void StoreUpdateFailed() { store_whole_ = false; }
+  bool store_whole() const { return store_whole_; }
   int64_t live_version() const { return live_version_; }
 
   // Before the update (copies): a TIERED worker's copies, every elastic.replica_every steps; an
