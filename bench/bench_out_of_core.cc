@@ -56,7 +56,7 @@
 #include "core/common/heap.h"
 #include "core/common/json.h"
 #include "proto/config_io.h"
-#include "proto/memory_estimate.h"
+#include "runtime/model/memory_estimate.h"
 #include "train/trainer.h"
 
 namespace strata::bench {

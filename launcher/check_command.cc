@@ -6,7 +6,7 @@
 #include "kernels/blas_kernel.h"
 #include "launcher/command_util.h"
 #include "proto/config_io.h"
-#include "proto/memory_estimate.h"
+#include "runtime/model/memory_estimate.h"
 #include "runtime/data/dataset.h"
 #include "storage/env.h"
 

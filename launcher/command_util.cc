@@ -18,6 +18,7 @@
 #include "kernels/blas_kernel.h"
 #include "launcher/job_config.h"
 #include "proto/config_io.h"
+#include "runtime/model/memory_estimate.h"
 
 namespace strata::launcher {
 namespace {
@@ -97,8 +98,14 @@ StatusOr<config::JobConfig> LoadWithOverrides(const Flags& flags, const Override
     cfg.mutable_checkpoint()->set_every(static_cast<uint32_t>(*o.checkpoint_every));
   }
   if (auto dir = flags.String("checkpoint-dir")) cfg.mutable_checkpoint()->set_dir(*dir);
-  RETURN_IF_ERROR(config::ValidateJobConfig(cfg, *flags.String("config") + " with flags"));
+  RETURN_IF_ERROR(ValidateJob(cfg, *flags.String("config") + " with flags"));
   return cfg;
+}
+
+Status ValidateJob(const config::JobConfig& cfg, const std::string& source) {
+  RETURN_IF_ERROR(config::ValidateJobConfig(cfg, source));
+  // No machine check: that is for whoever trains, with its share.
+  return config::CheckMemory(cfg, config::EstimateMemory(cfg), /*available_bytes=*/0, source);
 }
 
 void MakePathsAbsolute(config::JobConfig* cfg) {

@@ -43,8 +43,11 @@ struct Overrides {
 // The numeric flags, checked before anything is loaded so that a typo is a usage error.
 [[nodiscard]] StatusOr<Overrides> ParseOverrides(const Flags& flags, bool config_required = true);
 
-// Loads --config and applies --steps / --threads / --device.
+// Loads --config and applies --steps / --threads / --device (then ValidateJob).
 [[nodiscard]] StatusOr<config::JobConfig> LoadWithOverrides(const Flags& flags, const Overrides& o);
+// Every field of a job (config::ValidateJobConfig), and its TIERED budgets against the model's
+// dense state (config::CheckMemory with no machine check); errors name `source`.
+[[nodiscard]] Status ValidateJob(const config::JobConfig& config, const std::string& source);
 
 // The config's data and checkpoint paths made absolute (relative ones are relative to this
 // process's folder, where the loader left them), so that they name the same files for every

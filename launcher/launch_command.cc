@@ -20,7 +20,7 @@
 #include "core/common/clock.h"
 #include "launcher/command_util.h"
 #include "proto/config_io.h"
-#include "proto/memory_estimate.h"
+#include "runtime/model/memory_estimate.h"
 
 namespace strata::launcher {
 namespace {

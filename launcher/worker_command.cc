@@ -104,7 +104,7 @@ StatusOr<config::JobConfig> WorkerConfig(const Flags& flags, const Overrides& o,
     cfg.mutable_storage()->set_ssd_dir(mine.storage().ssd_dir());
   }
   if (auto d = flags.String("data")) cfg.mutable_data()->set_path(*d);
-  RETURN_IF_ERROR(config::ValidateJobConfig(cfg, source + " on this worker"));
+  RETURN_IF_ERROR(ValidateJob(cfg, source + " on this worker"));
   return cfg;
 }
 

@@ -20,7 +20,6 @@
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
-#include "proto/memory_estimate.h"
 
 namespace strata::config {
 namespace {
@@ -175,8 +174,8 @@ bool any_moe_layer(const ModelConfig& m) {
 
 // Largest accepted sizes (documented in config.proto). They keep every derived size — d_ff =
 // 4 * d_model, tokens per step times top_k (int32 row indices of the MoE dispatch), parameter
-// counts — far from overflow; whether a config within them fits the machine is the memory
-// estimate's call (proto/memory_estimate.h).
+// counts — far from overflow; whether a config within them fits the machine (and its TIERED budgets
+// the model's dense state) is the memory estimate's call (runtime/model/memory_estimate.h).
 constexpr int64_t kMaxDModel = 65536;
 constexpr int64_t kMaxLayers = 1024;
 constexpr int64_t kMaxHidden = 1 << 20;
@@ -627,9 +626,7 @@ Status ValidateJobConfig(const JobConfig& config, const std::string& source) {
   Validator v(config, source, nullptr);
   ValidateModel(config, v);
   ValidateDataAndTraining(config, v);
-  RETURN_IF_ERROR(v.Result());
-  // Budgets against the model (no machine check: that is for whoever trains, with its share).
-  return CheckMemory(config, EstimateMemory(config), /*available_bytes=*/0, source);
+  return v.Result();
 }
 
 Status ValidateModelConfig(const ModelConfig& model, const std::string& source) {

@@ -20,8 +20,8 @@ namespace strata::config {
 // (INVALID_ARGUMENT; NOT_FOUND for a missing or unopenable file, DATA_LOSS for a failed read) list
 // every problem found, one per line, as "FILE:LINE:COLUMN: field a.b.c: what is wrong; how to fix
 // it". FILE must be a regular text file: a folder, a FIFO, a device or binary content is refused
-// with a clear error. Checks neither the storage budgets against the model (ValidateJobConfig does)
-// nor the machine's memory (CheckMemory, proto/memory_estimate.h).
+// with a clear error. Checks neither the storage budgets against the model nor the machine's
+// memory: both are CheckMemory's (runtime/model/memory_estimate.h).
 [[nodiscard]] StatusOr<JobConfig> LoadJobConfig(const std::string& path);
 
 // The same from text already in memory; `source` names it in errors and `base_dir` resolves
@@ -29,12 +29,11 @@ namespace strata::config {
 [[nodiscard]] StatusOr<JobConfig> ParseJobConfig(const std::string& text, const std::string& source,
                                                  const std::string& base_dir);
 
-// Validates a config built or modified in code (e.g. after command-line overrides): every field,
-// and storage.device_budget_bytes against the dense state (CheckMemory with no machine check).
-// It does not compare the estimate with this machine's memory: that is for whoever trains, with
-// its share (CheckMemory against AvailableHostMemory, proto/memory_estimate.h). The subcommands
-// call it on the config with their flags applied, before anything is allocated. Errors name the
-// field but no line (INVALID_ARGUMENT). The config must already be normalised (see Normalize).
+// Validates every field of a config built or modified in code (e.g. after command-line overrides).
+// The storage budgets against the model's dense state and the job against this machine's memory
+// are CheckMemory's (runtime/model/memory_estimate.h), which the subcommands and the trainer call
+// after it, before anything is allocated. Errors name the field but no line (INVALID_ARGUMENT).
+// The config must already be normalised (see Normalize).
 [[nodiscard]] Status ValidateJobConfig(const JobConfig& config, const std::string& source);
 
 // Validates only the model part (for code that builds a model without a job).

@@ -16,8 +16,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "core/common/bytes.h"
 #include "core/common/logging.h"
-#include "proto/memory_estimate.h"
 
 namespace strata::storage {
 namespace {
@@ -89,7 +89,7 @@ std::vector<PrivateFolder::Swept> PrivateFolder::RemoveAbandoned(const std::stri
       continue;
     }
     STRATA_LOG(INFO) << "removed " << what << " of process " << pid << " (gone) in " << s.path
-                     << ", freeing " << config::FormatBytes(s.bytes);
+                     << ", freeing " << FormatBytes(s.bytes);
     swept.push_back(std::move(s));
   }
   return swept;

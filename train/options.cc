@@ -3,7 +3,7 @@
 #include "absl/strings/str_format.h"
 #include "core/device/device.h"
 #include "proto/config_io.h"
-#include "proto/memory_estimate.h"
+#include "runtime/model/memory_estimate.h"
 #include "train/elastic/elastic_state.h"
 
 namespace strata::train {

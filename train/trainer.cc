@@ -11,7 +11,7 @@
 #include "core/common/clock.h"
 #include "core/common/logging.h"
 #include "proto/config_io.h"
-#include "proto/memory_estimate.h"
+#include "runtime/model/memory_estimate.h"
 #include "train/export_params.h"
 
 namespace strata::train {
@@ -411,6 +411,10 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   } else if (options.resume) {
     RETURN_IF_ERROR(tr->Resume());
   }
+  if (tr->distributed() || options.worker.elastic) {
+    tr->worker_fields_ =
+        WorkerStepFields{options.worker.rank, options.worker.world_size, options.worker.generation};
+  }
   if (tr->elastic_) {
     tr->elastic_->SetLive(tr->step_);
     // An elastic TIERED worker's copies exist from the first step on (a failure during it goes on
@@ -566,13 +570,13 @@ Status Trainer::RunLoop() {
       evals_.emplace_back(r.step, eval);
     }
     if (metrics_) {
-      std::optional<WorkerStepFields> worker;
-      if (distributed() || options_.worker.elastic) {
-        worker = WorkerStepFields{
-            options_.worker.rank, options_.worker.world_size, options_.worker.generation,
+      // A worker's line names it and the samples it trained on.
+      std::optional<WorkerStepFields> worker = worker_fields_;
+      if (worker) {
+        worker->first_sample =
             data::TokenDataset::FirstSample(r.step - 1, cfg.train().global_batch()) +
-                first_sequence_,
-            local_batch_};
+            first_sequence_;
+        worker->samples = local_batch_;
       }
       std::vector<int> blocks;
       for (const auto& ref : model_->moe_layers()) blocks.push_back(ref.block);
@@ -668,6 +672,7 @@ Status Trainer::Reform(const WorkerOptions& w) {
   ResetParallel(w.generation);
   options_.worker = w;
   options_.worker.rejoin = true;
+  worker_fields_ = WorkerStepFields{w.rank, w.world_size, w.generation};
   if (distributed()) RETURN_IF_ERROR(SetUpWorkers());
   RETURN_IF_ERROR(OpenCheckpointsOfGeneration());
   // A TIERED worker whose store was handed on and then lost (a move or the new model failed)

@@ -26,6 +26,7 @@
 
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -182,6 +183,9 @@ class Trainer {
   Device device_;                               // where the model lives (train.device)
 
   std::unique_ptr<MetricsWriter> metrics_;
+  // A worker's (distributed or elastic) identity in its metrics lines, set for each generation;
+  // none for one process.
+  std::optional<WorkerStepFields> worker_fields_;
   std::vector<int32_t> inputs_, targets_;
   int64_t step_ = 0;
   int64_t resumed_from_ = 0;

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "proto/config_io.h"
-#include "proto/memory_estimate.h"
+#include "runtime/model/memory_estimate.h"
 #include "tests/test_util.h"
 
 namespace strata {

@@ -1,4 +1,4 @@
-#include "proto/memory_estimate.h"
+#include "runtime/model/memory_estimate.h"
 
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -156,15 +156,6 @@ uint64_t DataFileBytesUnder(const std::string& path) {
 }
 
 }  // namespace
-
-std::string FormatBytes(uint64_t b) {
-  if (b == kMax) return "more than 16 EiB";
-  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024 && u < 6) v /= 1024, ++u;
-  return u == 0 ? absl::StrCat(b, " B") : absl::StrFormat("%.1f %s", v, kUnits[u]);
-}
 
 int64_t MemoryEstimate::parameters() const {
   return ToInt64(Add(U(dense_parameters), U(expert_parameters)));

@@ -1,6 +1,6 @@
 // The memory and disk estimates: parameter counts against models built from the same config, the
 // byte figures against hand-computed ones, and the refusals of what cannot fit.
-#include "proto/memory_estimate.h"
+#include "runtime/model/memory_estimate.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

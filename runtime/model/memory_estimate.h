@@ -1,33 +1,37 @@
-// How much memory a job needs, from its config alone, and whether this machine has it.
+// How much memory and disk a job needs, from its config alone, and whether this machine has it.
 //
-// A config that passes field validation can still ask for terabytes (d_model 65536 with 1024
-// layers), and the allocation that fails then is deep inside model construction. The estimate
-// counts, before anything is allocated, what one `strata train` / `strata worker` process holds
-// for the whole run:
-//   - the parameters, their gradients and the two AdamW moments (4 floats per parameter); in
-//     storage.mode TIERED only the dense ones, since expert state lives in the tiered store;
-//   - the activations the model allocates once for a batch of global_batch sequences (every
-//     block's saved tensors, the attention matrices, the MoE dispatch buffers, the logits);
-//   - TIERED: the store's device and host tiers, which on a machine without a GPU are host
-//     memory: their budgets, or all expert state where a budget is 0 (unlimited).
-// Figures are exact counts of what the model allocates (tests compare the parameter count with a
-// model built from the same config); the process itself (libraries, thread stacks) is a fixed
-// kProcessOverheadBytes on top, and the mapped data file is not counted (its pages can be
-// dropped). docs/storage.md ("Measurements behind the design") compares it with real runs.
+// What it counts, before anything is allocated, for one `strata train` / `strata worker` process
+// over the whole run:
+// - the parameters, their gradients and the two AdamW moments (4 floats per parameter); in
+//   storage.mode TIERED only the dense ones, since expert state lives in the tiered store;
+// - the activations the model allocates once for a batch of global_batch sequences (every block's
+//   saved tensors, the attention matrices, the MoE dispatch buffers, the logits);
+// - TIERED: the store's device and host tiers, which on a machine without a GPU are host memory:
+//   their budgets, or all expert state where a budget is 0 (unlimited);
+// - the process itself (libraries, thread stacks): a fixed kProcessOverheadBytes on top; the
+//   mapped data file is not counted (its pages can be dropped).
 //
-// One of W workers holds less: its expert-parallel group's share of the experts and 1/W of the
-// batch — but in an elastic job with checkpoints rank 0 also keeps every expert with its Adam
-// moments, to restore state lost with failed workers from a checkpoint (EstimateWorkerMemory, an
-// upper bound per worker; checkpoints themselves are written and read shard by shard). The
-// machine check is the caller's: `strata check` and `strata train` for one process, a worker for
-// its share, `strata launch` for its N local workers together; a coordinator trains nothing.
+// Where it lives and why:
+// - Beside the model it counts (runtime/model), so that it follows what the model allocates:
+//   tests build the model from the configs it estimates and compare the parameter counts exactly.
+//   docs/storage.md ("Measurements behind the design") compares it with real runs.
+// - Its functions take a JobConfig and stay in namespace strata::config with the config's other
+//   functions (proto/config_io.h); field validation there does not call them: whether a config
+//   fits a machine is each caller's check.
 //
-// Disk: a TIERED job's SSD tier holds every expert's four tensors, the versions its checkpoints
-// pin and, for an elastic worker, its copy shelf (EstimateDisk). The trainer and `strata check`
-// compare that with the free space of the folders it goes to (CheckDisk), so a job that would fill
-// the disk is refused at its start, not after an hour of training.
+// Workers and disk:
+// - One of W workers holds less: its expert-parallel group's share of the experts and 1/W of the
+//   batch; in an elastic job with checkpoints rank 0 also keeps every expert with its Adam moments
+//   (EstimateWorkerMemory, an upper bound per worker).
+// - The machine check is the caller's: `strata check` and `strata train` for one process, a
+//   worker for its share, `strata launch` for its N local workers together; a coordinator trains
+//   nothing.
+// - Disk: a TIERED job's SSD tier holds every expert's four tensors, the versions its checkpoints
+//   pin and, for an elastic worker, its copy shelf (EstimateDisk); the trainer and `strata check`
+//   compare that with the free space where it goes (CheckDisk), so a job that would fill the disk
+//   is refused at its start.
 //
-// Pure functions of the config, except AvailableHostMemory, AvailableDiskBytes and
+// Threads: pure functions of the config, except AvailableHostMemory, AvailableDiskBytes and
 // CheckDiskHere, which read this machine. Safe to call from any thread.
 #pragma once
 
@@ -35,6 +39,7 @@
 #include <optional>
 #include <string>
 
+#include "core/common/bytes.h"
 #include "core/common/status.h"
 #include "proto/config.pb.h"
 
@@ -83,8 +88,8 @@ MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers, bool e
 // One line per figure, human-readable ("parameters  1.2 M (4.6 MiB) ..."), for `strata check`.
 std::string FormatMemoryEstimate(const MemoryEstimate& estimate);
 
-// "1.5 GiB", "512 B".
-std::string FormatBytes(uint64_t bytes);
+// "1.5 GiB", "512 B" (core/common/bytes.h).
+using ::strata::FormatBytes;
 
 // Bytes a new process can still allocate here without swapping: /proc/meminfo's MemAvailable
 // (sysconf's available pages where that is missing), lowered to the room left under a cgroup v2
