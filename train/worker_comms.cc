@@ -48,7 +48,8 @@ Status WorkerComms::Connect(std::shared_ptr<comm::Store> store, const comm::Comm
                             const Layout& layout, const std::function<bool()>& superseded) {
   const int W = layout.world_size, ep = layout.group_size;
   auto connect = [&](const std::string& prefix, int rank, int size, bool two_level,
-                     std::unique_ptr<comm::Communicator>* slot) -> Status {
+                     std::unique_ptr<comm::Communicator>* slot,
+                     std::atomic<comm::Communicator*>* ptr) -> Status {
     comm::CommOptions o = options;
     o.rank = rank;
     o.world_size = size;
@@ -64,31 +65,33 @@ Status WorkerComms::Connect(std::shared_ptr<comm::Store> store, const comm::Comm
                     absl::StrCat("connecting the ", prefix, " group",
                                  two_level ? " (two-level)" : "", ": ", c.status().message()));
     }
-    Adopt(std::move(*c), slot);
+    Adopt(std::move(*c), slot, ptr);
     return absl::OkStatus();
   };
   // Every worker connects the groups in the same order: all workers, its expert-parallel group,
   // its expert replicas.
-  RETURN_IF_ERROR(connect("world/", layout.rank, W, false, &world_));
+  RETURN_IF_ERROR(connect("world/", layout.rank, W, false, &world_, &world_ptr_));
   if (ep > 1) {
     const bool two_level = layout.local_size > 0 && layout.local_size < ep;
-    RETURN_IF_ERROR(
-        connect(absl::StrCat("ep/", layout.rank / ep, "/"), layout.rank % ep, ep, two_level, &ep_));
+    RETURN_IF_ERROR(connect(absl::StrCat("ep/", layout.rank / ep, "/"), layout.rank % ep, ep,
+                            two_level, &ep_, &ep_ptr_));
     if (W / ep > 1) {
       RETURN_IF_ERROR(connect(absl::StrCat("replicas/", layout.rank % ep, "/"), layout.rank / ep,
-                              W / ep, false, &replicas_));
+                              W / ep, false, &replicas_, &replicas_ptr_));
     }
   }
   return absl::OkStatus();
 }
 
 void WorkerComms::Adopt(std::unique_ptr<comm::Communicator> c,
-                        std::unique_ptr<comm::Communicator>* slot) {
+                        std::unique_ptr<comm::Communicator>* slot,
+                        std::atomic<comm::Communicator*>* ptr) {
   absl::MutexLock lock(&mu_);
   // A newer generation that formed while this one connected aborts what is connected already;
   // a communicator that connects after that abort is born aborted.
   if (aborted_why_) c->Abort(*aborted_why_);
   *slot = std::move(c);
+  ptr->store(slot->get(), std::memory_order_release);
 }
 
 void WorkerComms::Abort(const std::string& why, int64_t newer_generation) {
@@ -106,6 +109,8 @@ void WorkerComms::Reset(int64_t generation) {
   absl::MutexLock lock(&mu_);
   aborted_why_.reset();
   generation_ = generation;
+  for (auto* p : {&world_ptr_, &ep_ptr_, &replicas_ptr_})
+    p->store(nullptr, std::memory_order_release);
   replicas_.reset();
   ep_.reset();
   world_.reset();
@@ -126,21 +131,6 @@ Status WorkerComms::Barrier() const {
 Status WorkerComms::SumOverWorkers(double* data, size_t n) const {
   comm::Communicator* w = world();
   return w == nullptr ? absl::OkStatus() : w->AllReduce(data, n);
-}
-
-comm::Communicator* WorkerComms::world() const {
-  absl::ReaderMutexLock lock(&mu_);
-  return world_.get();
-}
-
-comm::Communicator* WorkerComms::ep() const {
-  absl::ReaderMutexLock lock(&mu_);
-  return ep_.get();
-}
-
-comm::Communicator* WorkerComms::replicas() const {
-  absl::ReaderMutexLock lock(&mu_);
-  return replicas_.get();
 }
 
 }  // namespace strata::train

@@ -13,6 +13,8 @@
 // - Connect and Reset run on the training thread; it alone replaces the communicators, under mu_.
 // - Abort may run on any thread at any time; world(), ep() and replicas() on any thread, though
 //   only the training thread may use what they return (communicator.h: one caller at a time).
+//   They read atomics, not the lock: an Abort holds the lock while it unblocks the calls in flight,
+//   and the training thread must not queue behind it.
 #pragma once
 
 #include <atomic>
@@ -70,15 +72,15 @@ class WorkerComms {
   [[nodiscard]] Status SumOverWorkers(double* data, size_t n) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Null when not connected (and ep()/replicas() without groups or with one).
-  comm::Communicator* world() const ABSL_LOCKS_EXCLUDED(mu_);
-  comm::Communicator* ep() const ABSL_LOCKS_EXCLUDED(mu_);
-  comm::Communicator* replicas() const ABSL_LOCKS_EXCLUDED(mu_);
+  comm::Communicator* world() const { return world_ptr_.load(std::memory_order_acquire); }
+  comm::Communicator* ep() const { return ep_ptr_.load(std::memory_order_acquire); }
+  comm::Communicator* replicas() const { return replicas_ptr_.load(std::memory_order_acquire); }
 
  private:
   // Stores a newly connected communicator in *slot, aborting it at once when Abort ran since the
   // last Reset.
-  void Adopt(std::unique_ptr<comm::Communicator> c, std::unique_ptr<comm::Communicator>* slot)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  void Adopt(std::unique_ptr<comm::Communicator> c, std::unique_ptr<comm::Communicator>* slot,
+             std::atomic<comm::Communicator*>* ptr) ABSL_LOCKS_EXCLUDED(mu_);
 
   mutable absl::Mutex mu_;
   std::unique_ptr<comm::Communicator> world_ ABSL_GUARDED_BY(mu_);
@@ -87,6 +89,9 @@ class WorkerComms {
   std::optional<std::string> aborted_why_ ABSL_GUARDED_BY(mu_);  // until Reset
   int64_t generation_ ABSL_GUARDED_BY(mu_) = 0;                  // of the communicators
   std::shared_ptr<std::atomic<bool>> checkpoint_abandoned_ ABSL_GUARDED_BY(mu_);
+  // The communicators' addresses for world(), ep() and replicas(), written under mu_ with them, so
+  // that the training thread never waits for the lock an Abort holds while it unblocks a call.
+  std::atomic<comm::Communicator*> world_ptr_{nullptr}, ep_ptr_{nullptr}, replicas_ptr_{nullptr};
 };
 
 }  // namespace strata::train
