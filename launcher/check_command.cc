@@ -6,8 +6,8 @@
 #include "kernels/blas_kernel.h"
 #include "launcher/command_util.h"
 #include "proto/config_io.h"
-#include "runtime/model/memory_estimate.h"
 #include "runtime/data/dataset.h"
+#include "runtime/model/memory_estimate.h"
 #include "storage/env.h"
 
 namespace strata::launcher {
