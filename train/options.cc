@@ -59,7 +59,9 @@ Status CheckTrainOptions(const TrainOptions& options) {
                                                        options.worker.elastic),
                           config::AvailableHostMemory(), "job config"));
   if (options.worker.rejoin && !options.worker.elastic) {
-    return absl::InvalidArgumentError("joining a running job (rejoin) needs an elastic worker");
+    return absl::InvalidArgumentError(
+        "WorkerOptions: rejoin (joining a running job) is set but elastic is not; a worker joins a "
+        "running job only through its coordinator (strata worker --coordinator), which sets both");
   }
   // An elastic job learns at its start what its layout needs to re-form, not at its first failure.
   if (options.worker.elastic) RETURN_IF_ERROR(CheckElastic(cfg));

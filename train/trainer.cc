@@ -640,7 +640,9 @@ void Trainer::ResetParallel(int64_t generation) {
 
 Status Trainer::Reform(const WorkerOptions& w) {
   if (!elastic_) {
-    return absl::FailedPreconditionError("Reform needs a trainer created with worker.elastic");
+    return absl::FailedPreconditionError(
+        "Reform re-forms elastic workers only; create the trainer with "
+        "TrainOptions::worker.elastic set (strata worker --coordinator does)");
   }
   RETURN_IF_ERROR(CheckElastic(options_.config));
   // The previous generation's communicators are finished (aborted or failed); their threads stop.
