@@ -365,9 +365,6 @@ void ValidateDataAndTraining(const JobConfig& c, Validator& v) {
   const bool gpu = dev == "cuda" || cuda_n;
   v.Require(dev == "cpu" || gpu, {"train", "device"},
             absl::StrCat("unknown device '", dev, "'; use \"cpu\", \"cuda\" or \"cuda:N\""));
-  v.Require(!gpu || c.storage().mode() != StorageConfig::TIERED, {"train", "device"},
-            "a model on a GPU trains with storage.mode IN_MEMORY for now; set train.device "
-            "\"cpu\" for the tiered store");
 
   const StorageConfig& s = c.storage();
   const bool tiered = s.mode() == StorageConfig::TIERED;

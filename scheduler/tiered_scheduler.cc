@@ -29,6 +29,7 @@ StatusOr<std::unique_ptr<TieredExpertScheduler>> TieredExpertScheduler::Create(
   // Every layer holds the same range of experts (the placement is per worker, not per layer).
   const model::MoeLayer& first_layer = *model.moe_layers()[0].layer;
   s->first_expert_ = first_layer.first_local_expert();
+  s->device_ = first_layer.device();
   for (const auto& ref : model.moe_layers()) {
     if (ref.layer->first_local_expert() != s->first_expert_ ||
         ref.layer->num_local_experts() != first_layer.num_local_experts() ||
@@ -92,6 +93,12 @@ Status TieredExpertScheduler::SetUpStore(std::unique_ptr<storage::TieredExpertSt
           "experts are %d bytes; a store can only go to a model of the same configuration",
           store->tensor_bytes(), bytes));
     }
+    if (store->device() != device_) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "the tiered store handed over has its device tier on %s, but this model runs on %s; "
+          "a store can only go to a model on the same device",
+          store->device().ToString(), device_.ToString()));
+    }
     if (store->compute_threads() < options_.threads) {
       return absl::InvalidArgumentError(absl::StrFormat(
           "the tiered store handed over has slots for %d compute threads, but this scheduler "
@@ -113,6 +120,7 @@ Status TieredExpertScheduler::SetUpStore(std::unique_ptr<storage::TieredExpertSt
     return absl::OkStatus();
   }
   storage::StoreOptions so;
+  so.device = device_;
   so.tensor_bytes = expert_floats() * sizeof(float);
   so.device_budget_bytes = options_.device_slot_bytes;
   so.host_budget_bytes = options_.storage.host_budget_bytes();
@@ -197,7 +205,7 @@ int TieredExpertScheduler::MoeIndex(int block) const {
 Tensor TieredExpertScheduler::Blob(float* data) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& b = blobs_[data];
-  if (!b) b = Buffer::Wrap(Device::Cpu(), data, expert_floats() * sizeof(float));
+  if (!b) b = Buffer::Wrap(device_, data, expert_floats() * sizeof(float));
   return Tensor::FromBuffer(b, {layout_.floats});
 }
 
@@ -357,9 +365,15 @@ void TieredExpertScheduler::Done(int layer, Pass pass, const model::ResidentExpe
   const int li = MoeIndex(layer);
   const int e = static_cast<int>(expert.expert - first_expert_);
   if (pass == Pass::kBackward) {
-    const float* g = expert.grad.f32();
     double sq = 0;
-    for (int64_t i = 0; i < layout_.floats; ++i) sq += static_cast<double>(g[i]) * g[i];
+    if (device_.is_cpu()) {
+      const float* g = expert.grad.f32();
+      for (int64_t i = 0; i < layout_.floats; ++i) sq += static_cast<double>(g[i]) * g[i];
+    } else {
+      // On the compute stream, after the expert's backward; waits for that stream only.
+      ops::Context ctx;
+      sq = ops::SumSquares(ctx, expert.grad);
+    }
     layers_[li].grad_sq[e] = sq;
   }
   if (tracer_) {

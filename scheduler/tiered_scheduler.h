@@ -211,6 +211,8 @@ class TieredExpertScheduler : public model::ExpertResidency {
 
  private:
   int64_t first_expert_ = 0;
+  // The model's device: the store's device tier is there, and the blobs handed out are its memory.
+  Device device_ = Device::Cpu();
   struct Layer {
     int block;
     // [expert][param]: read for their initial values only (the layer binds them).

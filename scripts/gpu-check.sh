@@ -124,6 +124,7 @@ run() {
 
 # Every GPU test: the gpu-labelled suites and NCCL's.
 for t in cuda_ops_test moe_layer_gpu_test model_gpu_test train_gpu_test tiered_store_gpu_test \
+         tiered_training_gpu_test \
          nccl_test; do
   if [ -x "$tests/$t" ]; then
     run "$t" 180 "$tests/$t"

@@ -55,6 +55,7 @@ mkdir -p "$stage/bin" "$stage/lib" "$stage/share/strata/examples/moe_lm/data"
 # The binaries: strata, every GPU test (what gpu-check.sh runs), the GPU benchmarks.
 cp "$build/bin/strata" "$stage/bin/"
 for t in cuda_ops_test moe_layer_gpu_test model_gpu_test train_gpu_test tiered_store_gpu_test \
+         tiered_training_gpu_test \
          nccl_test; do
   [ -x "$build/tests/$t" ] && cp "$build/tests/$t" "$stage/bin/"
 done

@@ -164,6 +164,8 @@ class TieredExpertStore {
   ~TieredExpertStore();
 
   uint64_t tensor_bytes() const { return options_.tensor_bytes; }
+  // Where its device tier lives (StoreOptions::device): AcquireDevice's pointers are there.
+  Device device() const { return options_.device; }
   // The compute threads its minimum slot counts were checked for (StoreOptions).
   int compute_threads() const { return options_.compute_threads; }
 

@@ -80,9 +80,10 @@ Trainer::~Trainer() {
 }
 
 StatusOr<scheduler::TieredOptions> Trainer::TieredOptionsOf() {
-  // Workers on one machine keep their experts apart.
-  return tiers_.OptionsFor(options_.config, pool_->num_threads(), options_.wrap_io,
-                           checkpoints_.get(),
+  // Workers on one machine keep their experts apart. On a GPU the MoE layer runs the store's
+  // experts from one thread (one stream), so the store needs slots for that one thread only.
+  const int expert_threads = device_.is_cpu() ? pool_->num_threads() : 1;
+  return tiers_.OptionsFor(options_.config, expert_threads, options_.wrap_io, checkpoints_.get(),
                            distributed() ? absl::StrCat("rank-", options_.worker.rank) : "");
 }
 

@@ -139,10 +139,9 @@ void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
   CHECK(tasks == num_local_experts() ||
         (tasks == num_local_experts() + 1 && residency_ == nullptr && device_.is_cpu()))
       << tasks << " expert tasks for " << num_local_experts() << " local experts";
-  if (!device_.is_cpu()) {
+  if (!device_.is_cpu() && residency_ == nullptr) {
     // One stream orders the experts after the permutation and before the combine; fanning them
     // out to pool threads would put them on other threads' streams, unordered.
-    CHECK(residency_ == nullptr) << "the tiered store's experts run on the CPU device only";
     for (int64_t e = 0; e < num_local_experts(); ++e) {
       if (offsets[e + 1] > offsets[e]) fn(e, 0);
     }
@@ -160,7 +159,7 @@ void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
     if (offsets[e + 1] > offsets[e]) needed_.push_back(static_cast<int>(first_local_ + e));
   }
   residency_->BeginPass(layer_, pass, needed_);
-  ctx.pool->Run([&](int tid, int) {
+  auto run_resident = [&](int tid) {
     while (true) {
       const ResidentExpert r = residency_->NextReady(layer_, pass);
       if (r.expert < 0) break;
@@ -170,9 +169,17 @@ void MoeLayer::RunExperts(ops::Context& ctx, ExpertResidency::Pass pass,
       expert_layout_.Bind(expert_params_[e], r.weights, r.grad);
       fn(e, tid);
       for (Parameter* p : expert_params_[e]) Unbind(*p);
+      // On a GPU the expert's kernels are only queued: the residency's copies out of (or into)
+      // these slots wait for the compute stream's work, so handing them back now is safe.
       residency_->Done(layer_, pass, r);
     }
-  });
+  };
+  if (!device_.is_cpu()) {
+    // Experts in the order they become resident, each on this thread's stream (as above).
+    run_resident(0);
+    return;
+  }
+  ctx.pool->Run([&](int tid, int) { run_resident(tid); });
 }
 
 void MoeLayer::EnsureTaskRows(int threads) {

@@ -123,6 +123,8 @@ class MoeLayer {
   // Floats of saved storage per row (the most any local expert keeps).
   int64_t saved_stride() const { return saved_stride_; }
   int64_t d_model() const { return C_; }
+  // Where its buffers live and its experts run.
+  Device device() const { return device_; }
 
   // Whether the last Forward ran the experts in per-thread groups (see the file comment).
   bool last_run_grouped() const { return !group_begin_.empty(); }

@@ -229,10 +229,10 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
           "model on %s, but %s; train on the CPU device or on a machine with an NVIDIA GPU",
           options.device.ToString(), CudaDeviceDescription(options.device.index)));
     }
-    if (options.unbound_experts || options.expert_factory || options.num_local_experts >= 0) {
+    if (options.expert_factory || options.num_local_experts >= 0) {
       return absl::UnimplementedError(absl::StrFormat(
-          "a model on %s runs every expert itself from the config: the tiered store, expert "
-          "parallelism and custom experts need the CPU device for now",
+          "a model on %s builds every expert itself from the config: expert parallelism and "
+          "custom experts need the CPU device",
           options.device.ToString()));
     }
   }

@@ -50,8 +50,9 @@ struct ModelOptions {
   // reached through an ExpertExchange (AttachParallel).
   int64_t first_local_expert = 0;
   int64_t num_local_experts = -1;
-  // Where parameters, gradients and activations live. On a GPU every op runs there; the tiered
-  // store, expert parallelism and custom experts are CPU-only for now (Create says so).
+  // Where parameters, gradients and activations live. On a GPU every op runs there (with
+  // unbound_experts the residency's blobs are device memory too); expert parallelism and custom
+  // experts need the CPU (Create says so).
   Device device = Device::Cpu();
 };
 

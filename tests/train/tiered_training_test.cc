@@ -8,6 +8,7 @@
 
 #include "proto/config_io.h"
 #include "tests/test_util.h"
+#include "tests/train/tiered_job.h"
 #include "train/trainer.h"
 
 namespace strata::train {
@@ -19,33 +20,7 @@ using strata::testing::WriteFile;
 constexpr int kThreads = 2;
 
 config::JobConfig TieredJob(const std::string& data, uint64_t device_budget, uint64_t host_budget) {
-  auto cfg = config::ParseJobConfig(
-      R"pb(
-        name: "tiered"
-        seed: 11
-        model {
-          seq_len: 16
-          d_model: 32
-          n_layers: 2
-          n_heads: 2
-          moe {
-            num_experts: 8
-            top_k: 2
-            d_expert: 32
-            gate { capacity_factor_train: 1.5 }
-          }
-        }
-        data { path: "x" eval_fraction: 0.1 }
-        train { steps: 12 global_batch: 8 lr: 0.004 warmup_steps: 2 eval_every: 6 eval_batches: 2 }
-        storage { mode: TIERED io_block_bytes: 8192 history_prefetch: 3 }
-      )pb",
-      "tiered.textproto", "");
-  EXPECT_TRUE(cfg.ok()) << cfg.status();
-  cfg->mutable_data()->set_path(data);
-  cfg->mutable_train()->set_threads(kThreads);
-  cfg->mutable_storage()->set_device_budget_bytes(device_budget);
-  cfg->mutable_storage()->set_host_budget_bytes(host_budget);
-  return *cfg;
+  return strata::testing::TieredJob(data, device_budget, host_budget, kThreads);
 }
 
 struct RunResult {
@@ -269,6 +244,22 @@ TEST_F(TieredTrainingTest, LazyUpdatesOnlyExpertsWithGradients) {
   const uint64_t dense_host = d.totals.host.hits + d.totals.host.misses;
   const uint64_t lazy_host = l.totals.host.hits + l.totals.host.misses;
   EXPECT_LT(lazy_host, dense_host);
+}
+
+TEST_F(TieredTrainingTest, AGpuConfigOnAMachineWithoutOneIsAClearError) {
+  if (CudaDeviceCount() > 0) GTEST_SKIP() << "this machine has a GPU: tiered_training_gpu_test";
+  config::JobConfig cfg = TieredJob(dir_.File("text.txt"), 0, 0);
+  cfg.mutable_train()->set_device("cuda:0");
+  TrainOptions o;
+  o.config = cfg;
+  o.progress = false;
+  auto t = Trainer::Create(o);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition) << t.status();
+  EXPECT_NE(t.status().message().find("model on cuda:0"), std::string::npos) << t.status();
+  EXPECT_NE(t.status().message().find("train on the CPU device or on a machine with an NVIDIA GPU"),
+            std::string::npos)
+      << t.status();
 }
 
 TEST_F(TieredTrainingTest, BudgetTooSmallForDenseStateIsAClearError) {
