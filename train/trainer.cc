@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/common/clock.h"
+#include "core/common/fault_point.h"
 #include "core/common/logging.h"
 #include "proto/config_io.h"
 #include "runtime/model/memory_estimate.h"
@@ -586,6 +587,7 @@ Status Trainer::RunLoop() {
                           eval_due ? &eval : nullptr)));
     }
     if (options_.progress) progress_.Print(r, eval_due ? &eval : nullptr);
+    STRATA_FAULT_POINT("train.after_step", &r.step);
     if (options_.on_step) RETURN_IF_ERROR(options_.on_step(r));
     const int ckpt_every = static_cast<int>(cfg.checkpoint().every());
     const bool checkpoint_due =

@@ -39,6 +39,9 @@ constexpr FaultPointInfo kKnownPoints[] = {
     {"checkpoint_set.before_delete", true,
      "in RemoveCheckpointSet and CommitCheckpointSet, between the global ledger's record of a "
      "removal and the delete of its manifest; checkpoint/checkpoint_set.cc"},
+    {"train.after_step", true,
+     "in the trainer, once a step's metrics line is written and before the step is reported "
+     "(to the coordinator, in an elastic worker) or checkpointed; train/trainer.cc"},
 };
 
 constexpr int64_t kMaxSleepMs = 3600000;
@@ -81,8 +84,9 @@ std::string ValidForms() {
         absl::StrFormat("%s (%s%s)", p.name, p.what, p.carries_step ? "; carries a step" : ""));
   }
   return absl::StrFormat(
-      "%s is a comma-separated list of POINT=sleep_ms:MILLISECONDS (0 to %d) or "
-      "POINT=hold_at_step:STEP (1 or more; only at a point that carries a step), e.g. "
+      "%s is a comma-separated list of POINT=sleep_ms:MILLISECONDS (0 to %d), "
+      "POINT=hold_at_step:STEP (1 or more; only at a point that carries a step) or "
+      "POINT=wait_for_file:PATH (a path without ','), e.g. "
       "%s=\"checkpoint.before_commit=sleep_ms:3000,checkpoint.after_commit=hold_at_step:30\"; "
       "the points: %s",
       kFaultsEnvVar, kMaxSleepMs, kFaultsEnvVar, absl::StrJoin(points, ", "));
@@ -122,6 +126,13 @@ StatusOr<std::vector<FaultAction>> ParseFaultSpec(std::string_view spec_text) {
     const absl::string_view value = action.substr(colon + 1);
     FaultAction a;
     a.point = std::string(point);
+    if (kind == "wait_for_file") {
+      a.kind = FaultAction::Kind::kWaitForFile;
+      a.path = std::string(value);
+      if (a.path.empty()) return BadEntry(index, entry, "wait_for_file needs a path");
+      actions.push_back(std::move(a));
+      continue;
+    }
     if (!absl::SimpleAtoi(value, &a.value)) {
       return BadEntry(index, entry, absl::StrFormat("'%s' is not a whole number", value));
     }
@@ -222,6 +233,17 @@ void FaultPoints::RunAction(const FaultAction& action, std::string_view name, vo
       STRATA_LOG(WARNING) << "fault point " << name << " at step " << action.value
                           << ": holding here (fault injection) until the process is killed";
       for (;;) pause();
+    }
+    case FaultAction::Kind::kWaitForFile: {
+      if (access(action.path.c_str(), F_OK) == 0) return;
+      const std::string at =
+          arg == nullptr ? "" : absl::StrFormat(" at step %d", *static_cast<const int64_t*>(arg));
+      STRATA_LOG(WARNING) << "fault point " << name << at << ": waiting (fault injection) until '"
+                          << action.path << "' exists";
+      while (access(action.path.c_str(), F_OK) != 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      return;
     }
   }
 }

@@ -22,6 +22,10 @@
 //     hold_at_step:N  when POINT is reached at step N (N >= 1), the thread logs
 //                     "...: holding here (fault injection) until the process is killed" and
 //                     never returns, so a kill lands right after that point.
+//     wait_for_file:PATH  while the file PATH does not exist, the thread that reaches POINT logs
+//                     "...: waiting (fault injection) until 'PATH' exists" and waits (polling
+//                     every 10 ms): a test pauses the processes of a job between two steps by
+//                     removing PATH and lets them go on by creating it again.
 //   POINT must be one of KnownFaultPoints(); hold_at_step only at a point that carries a step.
 //   A bad value is refused as a whole with a message naming STRATA_FAULTS, the entry and the valid
 //   forms; `strata` checks it before doing anything else (EnvironmentStatus).
@@ -72,10 +76,11 @@ using FaultCallback = std::function<void(void* arg)>;
 
 // One action STRATA_FAULTS arms at a point.
 struct FaultAction {
-  enum class Kind { kSleepMs, kHoldAtStep };
+  enum class Kind { kSleepMs, kHoldAtStep, kWaitForFile };
   std::string point;
   Kind kind = Kind::kSleepMs;
   int64_t value = 0;  // milliseconds, or the step
+  std::string path;   // kWaitForFile: the file to wait for
 };
 
 // Parses the text of STRATA_FAULTS (see the top of this file). Empty or all blank: no actions.

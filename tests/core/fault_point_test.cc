@@ -1,10 +1,12 @@
 // Fault-injection points: callbacks run at the point they are set for and nowhere else, from any
-// thread; STRATA_FAULTS's actions (sleep_ms, hold_at_step) do what they say, in a real process
-// where they hold; the parser accepts the documented forms and refuses every other with a message
-// naming the variable, the entry and the valid forms; and a point compiled out evaluates nothing
-// (fault_point_compiled_out.cc is this suite's translation unit built without the macro).
+// thread; STRATA_FAULTS's actions (sleep_ms, hold_at_step, wait_for_file) do what they say, in a
+// real process where they hold; the parser accepts the documented forms and refuses every other
+// with a message naming the variable, the entry and the valid forms; and a point compiled out
+// evaluates nothing (fault_point_compiled_out.cc is this suite's translation unit built without the
+// macro).
 #include "core/common/fault_point.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -115,6 +117,13 @@ TEST(FaultSpecTest, AcceptsTheDocumentedForms) {
   EXPECT_EQ((*two)[1].kind, FaultAction::Kind::kHoldAtStep);
   EXPECT_EQ((*two)[1].value, 30);
 
+  auto wait = ParseFaultSpec("train.after_step=wait_for_file:/tmp/a b/gate:1");
+  ASSERT_TRUE(wait.ok()) << wait.status();
+  ASSERT_EQ(wait->size(), 1u);
+  EXPECT_EQ((*wait)[0].point, "train.after_step");
+  EXPECT_EQ((*wait)[0].kind, FaultAction::Kind::kWaitForFile);
+  EXPECT_EQ((*wait)[0].path, "/tmp/a b/gate:1");
+
   auto bounds = ParseFaultSpec(
       "checkpoint.after_commit=sleep_ms:0,"
       "checkpoint.after_commit=sleep_ms:3600000,"
@@ -140,6 +149,7 @@ TEST(FaultSpecTest, RefusesEveryOtherFormNamingTheEntryAndTheValidForms) {
       {"checkpoint.before_commit=sleep_ms:3600001", "sleep_ms must be 0 to 3600000, not 3600001"},
       {"checkpoint.after_commit=hold_at_step:0", "hold_at_step must be 1 or more, not 0"},
       {"checkpoint.after_commit=hold_at_step:30,", "entry 2 '': no '='"},
+      {"train.after_step=wait_for_file:", "wait_for_file needs a path"},
       {"STRATA_FAULT_CHECKPOINT_HOLD_AFTER=30",
        "unknown point 'STRATA_FAULT_CHECKPOINT_HOLD_AFTER'"},
   };
@@ -151,6 +161,7 @@ TEST(FaultSpecTest, RefusesEveryOtherFormNamingTheEntryAndTheValidForms) {
     EXPECT_EQ(message.rfind("STRATA_FAULTS entry ", 0), 0u) << c.spec << "\n" << message;
     EXPECT_NE(message.find(c.says), std::string::npos) << c.spec << "\n" << message;
     for (const char* part : {"POINT=sleep_ms:MILLISECONDS", "POINT=hold_at_step:STEP",
+                             "POINT=wait_for_file:PATH", "train.after_step (in ",
                              "checkpoint.before_commit (in ", "checkpoint.after_commit (in "}) {
       EXPECT_NE(message.find(part), std::string::npos) << c.spec << ": no " << part << "\n"
                                                        << message;
@@ -215,6 +226,32 @@ TEST_F(FaultPointTest, HoldAtStepPassesOtherStepsAndHoldsAtItsStepUntilKilled) {
   ASSERT_EQ(kill(pid, SIGKILL), 0);
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << status;
+}
+
+TEST_F(FaultPointTest, WaitForFileWaitsWhileItsFileIsMissingAndGoesOnOnceItExists) {
+  char dir_template[] = "/tmp/strata_fault_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string gate = std::string(dir_template) + "/gate";
+  ASSERT_TRUE(FaultPoints::Instance().Arm("train.after_step=wait_for_file:" + gate).ok());
+  [[maybe_unused]] int64_t step = 7;
+  std::atomic<bool> passed{false};
+  std::thread t([&] {
+    STRATA_FAULT_POINT("train.after_step", &step);
+    passed = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(passed.load()) << "the point went on without its file";
+  auto t0 = Clock::now();
+  ASSERT_EQ(close(creat(gate.c_str(), 0644)), 0);
+  t.join();
+  EXPECT_LT(MillisecondsSince(t0), 2000.0);
+  // With the file there, the point goes straight on (and other points never waited).
+  t0 = Clock::now();
+  STRATA_FAULT_POINT("train.after_step", &step);
+  STRATA_FAULT_POINT("checkpoint.after_commit", &step);
+  EXPECT_LT(MillisecondsSince(t0), 150.0);
+  unlink(gate.c_str());
+  rmdir(dir_template);
 }
 
 // STRATA_FAULTS is read once, when the process first uses FaultPoints: each case runs in a fresh

@@ -303,6 +303,26 @@ class ElasticTest : public ::testing::Test {
                               " launch --config ", dir_.File("job.textproto"), " ", flags,
                               " --coordinator-dir coord --metrics-out m.jsonl > ", log, " 2>&1"));
   }
+  // The file every worker of a gated job waits for after each step (STRATA_FAULTS
+  // train.after_step=wait_for_file): removed, the workers stop between two steps; written again,
+  // they go on. The test's own actions (a status query, a kill, a joiner's start) then never race
+  // the steps of a job on a loaded machine.
+  std::string Gate() { return dir_.File("gate"); }
+  std::string GatedFaults() { return absl::StrCat("train.after_step=wait_for_file:", Gate()); }
+  void Pause() { std::remove(Gate().c_str()); }
+  void GoOn() { WriteFile(Gate(), ""); }
+  // Until `strata status` at `address` lists worker `id` (pending or a member).
+  void WaitUntilListed(const std::string& address, const std::string& token_file,
+                       const std::string& id, const std::string& log) {
+    WaitFor(
+        [&] {
+          auto r =
+              RunCommand(absl::StrCat(kStrata, " status ", address, " --token-file ", token_file));
+          return r.exit_code == 0 &&
+                 r.output.find(absl::StrCat("  ", id, "  ")) != std::string::npos;
+        },
+        absl::StrCat("worker '", id, "' in the job"), log);
+  }
   Trajectory KillWithoutBuddies(int steps, int every, int kill_at, std::string* out);
   Trajectory KillAndJoin(int steps, int kill_at, int on_three, const std::string& env);
   void TieredKillAndJoin(int expert_parallel, const std::string& env, GoesBackTo back);
@@ -337,7 +357,13 @@ class ElasticTest : public ::testing::Test {
 // the end. Returns the job's trajectory.
 Trajectory ElasticTest::KillAndJoin(int steps, int kill_at, int on_three, const std::string& env) {
   const std::string log = dir_.File("launch.log");
-  const pid_t launch = Launch("--workers 4 --min-workers 2 --max-workers 4", log, env);
+  // The workers wait at the gate while the joiner starts (see Gate()).
+  GoOn();
+  const std::string faults = "STRATA_FAULTS=";
+  const std::string gated = env.rfind(faults, 0) == 0
+                                ? absl::StrCat(env, ",", GatedFaults())
+                                : absl::StrCat(env, " ", faults, GatedFaults());
+  const pid_t launch = Launch("--workers 4 --min-workers 2 --max-workers 4", log, gated);
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.2")) >= kill_at; }, "the step to kill at", log);
   EXPECT_TRUE(KillWorker(2));
   const auto three = [&] {
@@ -350,7 +376,10 @@ Trajectory ElasticTest::KillAndJoin(int steps, int kill_at, int on_three, const 
   WaitFor(three, "steps on 3 workers", log);
   const std::string address = AddressIn(ReadFile(log));
   EXPECT_FALSE(address.empty()) << ReadFile(log);
+  Pause();
   const pid_t joiner = StartJoiner(address);
+  WaitUntilListed(address, dir_.File("coord/token"), "joiner", log);
+  GoOn();
   EXPECT_EQ(WaitExit(joiner), 0) << ReadFile(dir_.File("joiner.log"));
   EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
   const std::string launched = ReadFile(log);
@@ -495,12 +524,13 @@ TEST_F(ElasticTest, ASecondFailureWhileTheOthersReformIsRiddenThrough) {
 }
 
 TEST_F(ElasticTest, DownToOneWorkerAndBackToTwo) {
-  // One worker alone runs ~100 steps a second here (no collectives), so the job is long enough
-  // for a joiner to start up and get in before it ends.
+  // One worker alone runs ~100 steps a second here (no collectives): it waits at the gate (see
+  // Gate()) while the joiner starts up and gets in.
   constexpr int kSteps = 300;
   WriteFile(dir_.File("job.textproto"), Config(kSteps));
   const std::string log = dir_.File("launch.log");
-  const pid_t launch = Launch("--workers 2", log);
+  GoOn();
+  const pid_t launch = Launch("--workers 2", log, "STRATA_FAULTS=" + GatedFaults());
   WaitFor([&] { return LastStep(dir_.File("m.jsonl.1")) >= 30; }, "step 30", log);
   ASSERT_TRUE(KillWorker(1));
   // The survivor trains alone (no collectives at all); once it has, a joiner brings it back to
@@ -508,7 +538,10 @@ TEST_F(ElasticTest, DownToOneWorkerAndBackToTwo) {
   // job's maximum is the 2 workers it started with).
   WaitForAStepOnOneWorker(log);
   const std::string address = AddressIn(ReadFile(log));
+  Pause();
   const pid_t joiner = StartJoiner(address);
+  WaitUntilListed(address, dir_.File("coord/token"), "joiner", log);
+  GoOn();
   EXPECT_EQ(WaitExit(joiner), 0) << ReadFile(dir_.File("joiner.log"));
   EXPECT_EQ(WaitExit(launch), 0) << ReadFile(log);
   const Trajectory t =
@@ -801,14 +834,19 @@ Trajectory ElasticTest::CoordinatorRestartWithAWorkerLost(const std::string& con
     return {};
   }
   const std::string address = Between(ReadFile(clog), "listening on ", " ");
+  // The workers wait at the gate (see Gate()) while the test queries, kills and restarts, so the
+  // kill lands within a step of `kill_at`, and while the replacement starts.
+  GoOn();
   auto start_worker = [&](const std::string& id) {
-    return Spawn(absl::StrCat("cd ", dir_.path(), " && exec ", kStrata, " worker --coordinator ",
-                              address, " --token-file token.txt --id ", id, " --quiet ",
-                              "--metrics-out ", id, ".jsonl > ", id, ".log 2>&1"));
+    return Spawn(absl::StrCat("cd ", dir_.path(), " && STRATA_FAULTS=", GatedFaults(), " exec ",
+                              kStrata, " worker --coordinator ", address,
+                              " --token-file token.txt --id ", id, " --quiet ", "--metrics-out ",
+                              id, ".jsonl > ", id, ".log 2>&1"));
   };
   std::map<std::string, pid_t> workers;
   for (int i = 0; i < n; ++i) workers[id_of(i)] = start_worker(id_of(i));
   WaitFor([&] { return LastStep(dir_.File("w0.jsonl")) >= kill_at; }, "the step to kill at", clog);
+  Pause();
   auto status = RunCommand(
       absl::StrCat(kStrata, " status ", address, " --token-file ", dir_.File("token.txt")));
   EXPECT_EQ(status.exit_code, 0) << status.output;
@@ -827,6 +865,7 @@ Trajectory ElasticTest::CoordinatorRestartWithAWorkerLost(const std::string& con
   std::this_thread::sleep_for(std::chrono::seconds(1));
   coordinator = Spawn(absl::StrCat("cd ", dir_.path(), " && exec ", kStrata,
                                    " coordinator --dir record > ", clog, ".2 2>&1"));
+  GoOn();
   // The survivors train on, n - 1 of them, in a generation formed for the failure.
   WaitFor(
       [&] {
@@ -838,7 +877,10 @@ Trajectory ElasticTest::CoordinatorRestartWithAWorkerLost(const std::string& con
         return trained >= on_survivors;
       },
       "steps on the survivors", clog + ".2");
+  Pause();
   workers[id_of(n)] = start_worker(id_of(n));
+  WaitUntilListed(address, dir_.File("token.txt"), id_of(n), clog + ".2");
+  GoOn();
   workers.erase(id_of(n - 1));
   for (const auto& [id, pid] : workers) {
     EXPECT_EQ(WaitExit(pid), 0) << id << ":\n" << ReadFile(dir_.File(absl::StrCat(id, ".log")));
@@ -859,7 +901,9 @@ Trajectory ElasticTest::CoordinatorRestartWithAWorkerLost(const std::string& con
   if (last == t.generation.end()) {
     ADD_FAILURE() << "nobody trained step " << steps;
   } else {
-    EXPECT_EQ(t.workers.at(last->second), n) << "the replacement trained the last step";
+    EXPECT_EQ(t.workers.at(last->second), n) << "the replacement trained the last step\n"
+                                             << restarted << id_of(n) << ":\n"
+                                             << ReadFile(dir_.File(id_of(n) + ".log"));
   }
   ExpectEveryStepTiled(t, steps);
   return t;
