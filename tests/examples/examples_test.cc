@@ -1,8 +1,10 @@
 // The examples run: the custom-expert program trains with its own expert and its gradient check
-// passes; the shipped configs are valid; the larger-than-RAM example trains at a small scale
-// (--small) with its expert state spilled to the SSD tier, and its disk need is checked.
+// passes; the shipped configs are valid; the larger-than-RAM and larger-than-GPU examples train at
+// a small scale on the CPU with their expert state spilled to the SSD tier, their sizes are what
+// their comments say, and the larger-than-GPU scale knob scales what it says.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <vector>
 
@@ -34,8 +36,8 @@ TEST(ExamplesTest, CustomExpertTrains) {
 TEST(ExamplesTest, ShippedConfigsAreValid) {
   for (const char* f :
        {"examples/moe_lm/config.textproto", "examples/custom_expert/config.textproto",
-        "examples/larger_than_memory/config.textproto",
-        "examples/larger_than_ram/config.textproto"}) {
+        "examples/larger_than_memory/config.textproto", "examples/larger_than_ram/config.textproto",
+        "examples/larger_than_gpu/config.textproto"}) {
     auto c = config::LoadJobConfig(std::string(STRATA_SOURCE_DIR) + "/" + f);
     EXPECT_TRUE(c.ok()) << f << ": " << c.status();
   }
@@ -44,12 +46,18 @@ TEST(ExamplesTest, ShippedConfigsAreValid) {
 const std::string kLargerThanRam =
     std::string(STRATA_SOURCE_DIR) + "/examples/larger_than_ram/config.textproto";
 
-config::JobConfig LoadLargerThanRam(const std::string& data) {
-  auto c = config::LoadJobConfig(kLargerThanRam);
+// The shipped config at `path`, reading `data` (the example's fortunes.txt need not be prepared
+// here).
+config::JobConfig LoadConfig(const std::string& path, const std::string& data) {
+  auto c = config::LoadJobConfig(path);
   EXPECT_TRUE(c.ok()) << c.status();
   config::JobConfig cfg = c.ok() ? *c : config::JobConfig();
-  cfg.mutable_data()->set_path(data);  // the example's fortunes.txt need not be prepared here
+  cfg.mutable_data()->set_path(data);
   return cfg;
+}
+
+config::JobConfig LoadLargerThanRam(const std::string& data) {
+  return LoadConfig(kLargerThanRam, data);
 }
 
 // The numbers in the comment of the shipped config, counted again: 4 MoE layers x 80 experts, 4
@@ -139,42 +147,46 @@ double SsdSum(const std::string& jsonl, const std::string& key) {
   return sum;
 }
 
-// The larger-than-RAM example at a small scale (the same structure: 4 MoE layers, top-2 routing
-// of 1,024 tokens a step, DENSE updates, TIERED; experts of 64 x 128, 16 a layer), trained with
-// budgets far below its expert state and with unlimited ones: the losses and gradient norms agree
-// to the 8 digits the metrics print (tests/train/tiered_training_test.cc compares bits), and
-// the budgeted run moved state through the SSD tier.
-TEST(ExamplesTest, LargerThanRamSmallTrainsWithBudgetsBelowItsState) {
+// `config` at a small scale (its structure: MoE layers, top-k routing, batch, update rule; experts
+// of 64 x 128, 16 a layer, sequences of at most 128 tokens, on the CPU) trained 4 steps TIERED in
+// `dir`, with budgets far below its expert state (`budgets`) or unlimited ones. Returns the
+// metrics file's text.
+std::string TrainSmall(config::JobConfig cfg, const TempDir& dir, bool budgets) {
+  config::ModelConfig* m = cfg.mutable_model();
+  m->set_d_model(64);
+  m->set_n_heads(4);
+  m->set_seq_len(std::min<int>(m->seq_len(), 128));
+  m->mutable_moe()->set_num_experts(16);
+  m->mutable_moe()->set_d_expert(128);
+  cfg.mutable_train()->set_steps(4);
+  cfg.mutable_train()->set_threads(2);
+  cfg.mutable_train()->set_device("cpu");
+  config::StorageConfig* st = cfg.mutable_storage();
+  st->set_ssd_file_bytes(1 << 20);
+  const std::string name = budgets ? "budgets" : "unlimited";
+  st->set_ssd_dir(dir.File("ssd-" + name));
+  // 64 experts x 4 tensors of 66,304 bytes (69,632 on disk) = 17 MB of state, against 16 host
+  // slots and 6 device slots beside the dense state.
+  const uint64_t slot = 69632;
+  const uint64_t dense = config::EstimateMemory(cfg).dense_state_bytes;
+  st->set_device_budget_bytes(budgets ? dense + 6 * slot : 0);
+  st->set_host_budget_bytes(budgets ? 16 * slot : 0);
+  EXPECT_GT(config::EstimateMemory(cfg).expert_state_bytes, 15 * st->host_budget_bytes());
+  WriteFile(dir.File(name + ".textproto"), config::ToText(cfg));
+  const auto r =
+      RunCommand(std::string(STRATA_BIN_DIR) + "/strata train --quiet --config " +
+                 dir.File(name + ".textproto") + " --metrics-out " + dir.File(name + ".jsonl"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return strata::testing::ReadFile(dir.File(name + ".jsonl"));
+}
+
+// `cfg` at a small scale trained with budgets far below its expert state and with unlimited ones:
+// the losses and gradient norms agree to the 8 digits the metrics print
+// (tests/train/tiered_training_test.cc compares bits), and the budgeted run moved state through
+// the SSD tier.
+void ExpectSmallTrainsWithBudgetsBelowItsState(const config::JobConfig& cfg) {
   TempDir dir;
-  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(200000));
-  auto run = [&](bool budgets) {
-    config::JobConfig cfg = LoadLargerThanRam(dir.File("text.txt"));
-    config::ModelConfig* m = cfg.mutable_model();
-    m->set_d_model(64);
-    m->set_n_heads(4);
-    m->mutable_moe()->set_num_experts(16);
-    m->mutable_moe()->set_d_expert(128);
-    cfg.mutable_train()->set_steps(4);
-    cfg.mutable_train()->set_threads(2);
-    config::StorageConfig* st = cfg.mutable_storage();
-    st->set_ssd_file_bytes(1 << 20);
-    const std::string name = budgets ? "budgets" : "unlimited";
-    st->set_ssd_dir(dir.File("ssd-" + name));
-    // 64 experts x 4 tensors of 66,304 bytes (69,632 on disk) = 17 MB of state, against 16 host
-    // slots and 6 device slots beside the dense state.
-    const uint64_t slot = 69632;
-    const uint64_t dense = config::EstimateMemory(cfg).dense_state_bytes;
-    st->set_device_budget_bytes(budgets ? dense + 6 * slot : 0);
-    st->set_host_budget_bytes(budgets ? 16 * slot : 0);
-    EXPECT_GT(config::EstimateMemory(cfg).expert_state_bytes, 15 * st->host_budget_bytes());
-    WriteFile(dir.File(name + ".textproto"), config::ToText(cfg));
-    const auto r =
-        RunCommand(std::string(STRATA_BIN_DIR) + "/strata train --quiet --config " +
-                   dir.File(name + ".textproto") + " --metrics-out " + dir.File(name + ".jsonl"));
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    return strata::testing::ReadFile(dir.File(name + ".jsonl"));
-  };
-  const std::string small = run(true), unlimited = run(false);
+  const std::string small = TrainSmall(cfg, dir, true), unlimited = TrainSmall(cfg, dir, false);
   const std::vector<std::string> losses = Values(small, "loss");
   ASSERT_EQ(losses.size(), 4u) << small;
   EXPECT_EQ(losses, Values(unlimited, "loss"));
@@ -184,6 +196,80 @@ TEST(ExamplesTest, LargerThanRamSmallTrainsWithBudgetsBelowItsState) {
   EXPECT_GT(SsdSum(small, "bytes_out"), 0) << small;
   EXPECT_GT(SsdSum(small, "bytes_in"), 0) << small;
   EXPECT_EQ(SsdSum(unlimited, "bytes_out"), 0) << unlimited;
+}
+
+// The larger-than-RAM example at a small scale (4 MoE layers, top-2 routing of 1,024 tokens a
+// step, DENSE updates, TIERED).
+TEST(ExamplesTest, LargerThanRamSmallTrainsWithBudgetsBelowItsState) {
+  TempDir data;
+  WriteFile(data.File("text.txt"), strata::testing::SyntheticText(200000));
+  ExpectSmallTrainsWithBudgetsBelowItsState(LoadLargerThanRam(data.File("text.txt")));
+}
+
+const std::string kLargerThanGpu =
+    std::string(STRATA_SOURCE_DIR) + "/examples/larger_than_gpu/config.textproto";
+
+// The numbers in the comment of the shipped config, counted again: 4 MoE layers x 40 experts, 4
+// tensors of 2 x 2048 x 8192 + 8192 + 2048 floats each, more than an 80 GB GPU holds, on the
+// GPU, with budgets of 16 GiB of HBM and 32 GiB of host memory, and the SSD tier holding it all.
+TEST(ExamplesTest, LargerThanGpuHoldsMoreExpertStateThanAnEightyGigabyteGpu) {
+  TempDir dir;
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(20000));
+  const config::JobConfig cfg = LoadConfig(kLargerThanGpu, dir.File("text.txt"));
+  const uint64_t tensor = (2ull * 2048 * 8192 + 8192 + 2048) * 4;
+  EXPECT_EQ(tensor, 134258688u);
+  const uint64_t state = 4 * 40 * 4 * tensor;
+  EXPECT_GT(state, uint64_t{80} * 1000 * 1000 * 1000);
+  EXPECT_EQ(config::EstimateMemory(cfg).expert_state_bytes, state);
+  EXPECT_EQ(config::EstimateDisk(cfg).ssd_bytes, state);
+  EXPECT_EQ(cfg.storage().ssd_file_bytes(), 32 * tensor);
+  EXPECT_EQ(cfg.train().device(), "cuda");
+  EXPECT_EQ(cfg.storage().device_budget_bytes(), uint64_t{16} << 30);
+  EXPECT_EQ(cfg.storage().host_budget_bytes(), uint64_t{32} << 30);
+  EXPECT_LT(config::EstimateMemory(cfg).dense_state_bytes, uint64_t{2} << 30)
+      << "scale.py keeps 2 GiB of the device budget for the dense state";
+}
+
+// scale.py at 0.25: 10 experts a layer, a quarter of the expert state, the experts' share of the
+// device budget and the host budget scaled with them, the data path absolute; a factor outside
+// (0, 1] is refused naming it.
+TEST(ExamplesTest, LargerThanGpuScaleKnobScalesExpertsAndBudgets) {
+  TempDir dir;
+  const std::string script = std::string(STRATA_SOURCE_DIR) + "/examples/larger_than_gpu/scale.py";
+  const auto r = RunCommand("python3 " + script + " 0.25 > " + dir.File("q.textproto"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto q = config::LoadJobConfig(dir.File("q.textproto"));
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(q->data().path(),
+            std::string(STRATA_SOURCE_DIR) + "/examples/moe_lm/data/fortunes.txt");
+  q->mutable_data()->set_path(kLargerThanGpu);  // any file: the estimate does not read it
+  const config::JobConfig full = LoadConfig(kLargerThanGpu, kLargerThanGpu);
+  EXPECT_EQ(q->model().moe().num_experts(), 10);
+  EXPECT_EQ(config::EstimateMemory(*q).expert_state_bytes * 4,
+            config::EstimateMemory(full).expert_state_bytes);
+  EXPECT_EQ(q->storage().device_budget_bytes(), (uint64_t{2} << 30) + (uint64_t{14} << 30) / 4);
+  EXPECT_EQ(q->storage().host_budget_bytes(), uint64_t{8} << 30);
+  q->clear_name();
+  config::JobConfig unscaled = full;
+  unscaled.clear_name();
+  unscaled.mutable_model()->mutable_moe()->set_num_experts(10);
+  *unscaled.mutable_storage() = q->storage();
+  EXPECT_EQ(config::ToText(*q), config::ToText(unscaled)) << "scale.py changed something else";
+  for (const char* bad : {"0", "1.5", "x"}) {
+    const auto b = RunCommand("python3 " + script + " " + bad);
+    EXPECT_EQ(b.exit_code, 2) << b.output;
+    EXPECT_NE(b.output.find(std::string("FACTOR must be a number in (0, 1], not '") + bad + "'"),
+              std::string::npos)
+        << b.output;
+  }
+}
+
+// The larger-than-GPU example at a small scale on the CPU (4 MoE layers, top-2 routing of 16
+// sequences, DENSE updates, TIERED).
+TEST(ExamplesTest, LargerThanGpuSmallTrainsOnTheCpuWithBudgetsBelowItsState) {
+  TempDir data;
+  WriteFile(data.File("text.txt"), strata::testing::SyntheticText(200000));
+  ExpectSmallTrainsWithBudgetsBelowItsState(LoadConfig(kLargerThanGpu, data.File("text.txt")));
 }
 
 }  // namespace
