@@ -45,6 +45,7 @@ constexpr FaultPointInfo kKnownPoints[] = {
 };
 
 constexpr int64_t kMaxSleepMs = 3600000;
+constexpr std::chrono::minutes kWaitForFileLimit{10};
 
 // Variables earlier strata read in place of STRATA_FAULTS, and the entry that does what each did.
 // A drill still setting one would run without its fault: the environment check refuses them.
@@ -240,7 +241,14 @@ void FaultPoints::RunAction(const FaultAction& action, std::string_view name, vo
           arg == nullptr ? "" : absl::StrFormat(" at step %d", *static_cast<const int64_t*>(arg));
       STRATA_LOG(WARNING) << "fault point " << name << at << ": waiting (fault injection) until '"
                           << action.path << "' exists";
+      // A test that died before it wrote the file leaves no process waiting for ever.
+      const auto give_up = std::chrono::steady_clock::now() + kWaitForFileLimit;
       while (access(action.path.c_str(), F_OK) != 0) {
+        if (std::chrono::steady_clock::now() > give_up) {
+          STRATA_LOG(WARNING) << "fault point " << name << at << ": '" << action.path
+                              << "' did not appear in 10 minutes; going on";
+          return;
+        }
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
       return;

@@ -24,8 +24,9 @@
 //                     never returns, so a kill lands right after that point.
 //     wait_for_file:PATH  while the file PATH does not exist, the thread that reaches POINT logs
 //                     "...: waiting (fault injection) until 'PATH' exists" and waits (polling
-//                     every 10 ms): a test pauses the processes of a job between two steps by
-//                     removing PATH and lets them go on by creating it again.
+//                     every 10 ms, at most 10 minutes): a test pauses the processes of a job
+//                     between two steps by removing PATH and lets them go on by creating it
+//                     again.
 //   POINT must be one of KnownFaultPoints(); hold_at_step only at a point that carries a step.
 //   A bad value is refused as a whole with a message naming STRATA_FAULTS, the entry and the valid
 //   forms; `strata` checks it before doing anything else (EnvironmentStatus).

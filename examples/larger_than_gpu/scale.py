@@ -3,7 +3,7 @@
 
     python3 examples/larger_than_gpu/scale.py 0.25 > ltg-quarter.textproto
 
-FACTOR in (0, 1] scales the experts per MoE layer (40 at 1, at least 4), the host budget
+FACTOR in [0.1, 1] scales the experts per MoE layer (40 at 1, 4 at 0.1), the host budget
 (32 GiB at 1) and the experts' share of the device budget (14 GiB at 1, beside 2 GiB for the
 dense state), so the expert state keeps its ratio to the budgets: 80.0 GiB at 1, 20.0 GiB at
 0.25. The data path becomes absolute, so the scaled config may be written anywhere; the model's
@@ -23,7 +23,7 @@ HOST_BYTES = 32 * GIB
 
 def scaled(text, factor, config_dir):
     """The config `text` (read from `config_dir`) at `factor`."""
-    experts = max(4, round(EXPERTS * factor))
+    experts = round(EXPERTS * factor)
     device = DENSE_BYTES + int(DEVICE_EXPERT_BYTES * factor)
     host = int(HOST_BYTES * factor)
     replacements = [
@@ -47,14 +47,14 @@ def scaled(text, factor, config_dir):
 
 def main(argv):
     if len(argv) != 2:
-        sys.stderr.write("usage: scale.py FACTOR > config.textproto  (FACTOR in (0, 1])\n")
+        sys.stderr.write("usage: scale.py FACTOR > config.textproto  (FACTOR in [0.1, 1])\n")
         return 2
     try:
         factor = float(argv[1])
     except ValueError:
         factor = float("nan")
-    if not 0 < factor <= 1:
-        sys.stderr.write("scale.py: FACTOR must be a number in (0, 1], not '%s'\n" % argv[1])
+    if not 0.1 <= factor <= 1:
+        sys.stderr.write("scale.py: FACTOR must be a number in [0.1, 1], not '%s'\n" % argv[1])
         return 2
     here = os.path.dirname(os.path.abspath(__file__))
     with open(os.path.join(here, "config.textproto")) as f:

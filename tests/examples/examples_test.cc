@@ -231,8 +231,9 @@ TEST(ExamplesTest, LargerThanGpuHoldsMoreExpertStateThanAnEightyGigabyteGpu) {
 }
 
 // scale.py at 0.25: 10 experts a layer, a quarter of the expert state, the experts' share of the
-// device budget and the host budget scaled with them, the data path absolute; a factor outside
-// (0, 1] is refused naming it.
+// device budget and the host budget scaled with them, the data path absolute, nothing else
+// changed; a factor outside [0.1, 1] (below it the 4 experts a layer could not shrink with the
+// budgets) is refused naming it.
 TEST(ExamplesTest, LargerThanGpuScaleKnobScalesExpertsAndBudgets) {
   TempDir dir;
   const std::string script = std::string(STRATA_SOURCE_DIR) + "/examples/larger_than_gpu/scale.py";
@@ -253,12 +254,13 @@ TEST(ExamplesTest, LargerThanGpuScaleKnobScalesExpertsAndBudgets) {
   config::JobConfig unscaled = full;
   unscaled.clear_name();
   unscaled.mutable_model()->mutable_moe()->set_num_experts(10);
-  *unscaled.mutable_storage() = q->storage();
+  unscaled.mutable_storage()->set_device_budget_bytes(q->storage().device_budget_bytes());
+  unscaled.mutable_storage()->set_host_budget_bytes(q->storage().host_budget_bytes());
   EXPECT_EQ(config::ToText(*q), config::ToText(unscaled)) << "scale.py changed something else";
-  for (const char* bad : {"0", "1.5", "x"}) {
+  for (const char* bad : {"0", "0.05", "1.5", "x"}) {
     const auto b = RunCommand("python3 " + script + " " + bad);
     EXPECT_EQ(b.exit_code, 2) << b.output;
-    EXPECT_NE(b.output.find(std::string("FACTOR must be a number in (0, 1], not '") + bad + "'"),
+    EXPECT_NE(b.output.find(std::string("FACTOR must be a number in [0.1, 1], not '") + bad + "'"),
               std::string::npos)
         << b.output;
   }
