@@ -260,6 +260,23 @@ class CheckpointManager {
   // The hash that must match to resume: of the model config's text form.
   static uint64_t ConfigHash(const config::ModelConfig& model);
 
+  // Inference and evaluation (`strata eval`), read-only like List and Verify: the model of
+  // checkpoint `step` of DIR (-1: the newest), from its manifest.
+  struct ModelOfCheckpoint {
+    int64_t step = 0;
+    config::ModelConfig model;  // normalised, as the job built it
+    uint64_t seed = 0;
+    int workers = 1;  // how many processes wrote it
+  };
+  [[nodiscard]] static StatusOr<ModelOfCheckpoint> ReadModelConfig(const std::string& dir,
+                                                                   int64_t step);
+  // Reads the weights of checkpoint `step` (no Adam moments) into `model`, built from
+  // ReadModelConfig's config and seed with every expert in memory, from whichever shards hold
+  // them (a checkpoint written by any number of workers); every extent's CRC-32C is checked. A
+  // model of another config is refused naming the difference.
+  [[nodiscard]] static Status ReadWeights(const std::string& dir, int64_t step, uint64_t seed,
+                                          model::MoeTransformer& model);
+
  private:
   using VersionKey = std::tuple<int32_t, int32_t, int32_t, uint64_t>;  // layer, expert, kind, v
   static VersionKey KeyOf(const storage::TensorRef& r) {
@@ -326,6 +343,8 @@ class CheckpointManager {
   // The folder's checkpoints for `strata ckpt`, each with its shards' local manifests (read-only).
   struct FolderEntry;
   [[nodiscard]] static StatusOr<std::vector<FolderEntry>> ReadFolder(const std::string& dir);
+  // The folder's checkpoint `step` (-1: the newest), every part of it readable.
+  [[nodiscard]] static StatusOr<FolderEntry> ReadEntry(const std::string& dir, int64_t step);
   // Reads every stored extent of a checkpoint; the first failure.
   Status VerifyManifest(const storage::CheckpointManifest& m) const;
   // The first checks of checkpoint `step` before it is resumed: its set names this shard's local

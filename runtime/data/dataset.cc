@@ -33,6 +33,39 @@ uint64_t PermuteIndex(uint64_t i, uint64_t n, uint64_t key) {
 StatusOr<std::unique_ptr<TokenDataset>> TokenDataset::Open(const config::DataConfig& config,
                                                            int vocab_size, int seq_len,
                                                            storage::Env* env) {
+  ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> d, Map(config, vocab_size, seq_len, env));
+  const int64_t eval_tokens = static_cast<int64_t>(
+      std::floor(static_cast<double>(d->num_tokens_) * config.eval_fraction()));
+  d->train_tokens_ = d->num_tokens_ - eval_tokens;
+  d->train_windows_ = (d->train_tokens_ - 1) / seq_len;
+  d->eval_windows_ = (eval_tokens - 1) / seq_len;
+  if (d->train_windows_ < 1 || d->eval_windows_ < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "data file '%s' has %d tokens: too few for one training and one held-out window of "
+        "seq_len + 1 = %d tokens with eval_fraction %g; use more data, a shorter seq_len or a "
+        "larger eval_fraction",
+        config.path(), d->num_tokens_, seq_len + 1, config.eval_fraction()));
+  }
+  return d;
+}
+
+StatusOr<std::unique_ptr<TokenDataset>> TokenDataset::OpenAllHeldOut(
+    const config::DataConfig& config, int vocab_size, int seq_len, storage::Env* env) {
+  ASSIGN_OR_RETURN(std::unique_ptr<TokenDataset> d, Map(config, vocab_size, seq_len, env));
+  d->train_tokens_ = 0;
+  d->train_windows_ = 0;
+  d->eval_windows_ = (d->num_tokens_ - 1) / seq_len;
+  if (d->eval_windows_ < 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "data file '%s' has %d tokens: too few for one window of seq_len + 1 = %d tokens",
+        config.path(), d->num_tokens_, seq_len + 1));
+  }
+  return d;
+}
+
+StatusOr<std::unique_ptr<TokenDataset>> TokenDataset::Map(const config::DataConfig& config,
+                                                          int vocab_size, int seq_len,
+                                                          storage::Env* env) {
   auto region = env->MapReadOnly(config.path());
   if (!region.ok()) {
     return absl::Status(
@@ -63,18 +96,6 @@ StatusOr<std::unique_ptr<TokenDataset>> TokenDataset::Open(const config::DataCon
     }
   } else {
     d->num_tokens_ = static_cast<int64_t>(bytes);
-  }
-  const int64_t eval_tokens = static_cast<int64_t>(
-      std::floor(static_cast<double>(d->num_tokens_) * config.eval_fraction()));
-  d->train_tokens_ = d->num_tokens_ - eval_tokens;
-  d->train_windows_ = (d->train_tokens_ - 1) / seq_len;
-  d->eval_windows_ = (eval_tokens - 1) / seq_len;
-  if (d->train_windows_ < 1 || d->eval_windows_ < 1) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "data file '%s' has %d tokens: too few for one training and one held-out window of "
-        "seq_len + 1 = %d tokens with eval_fraction %g; use more data, a shorter seq_len or a "
-        "larger eval_fraction",
-        config.path(), d->num_tokens_, seq_len + 1, config.eval_fraction()));
   }
   return d;
 }

@@ -9,8 +9,8 @@
 // never which samples a step contains.
 //
 // Ownership and threads: a TokenDataset owns its mapping of the file (from the Env, which is used
-// only inside Open) and never changes after Open, so every method may be called from any number of
-// threads at once. The batch functions fill arrays the caller owns.
+// only inside Open and OpenAllHeldOut) and never changes after it is opened, so every method may
+// be called from any number of threads at once. The batch functions fill arrays the caller owns.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +35,10 @@ class TokenDataset {
   // checked against vocab_size: config validation requires vocab_size >= 256 for it.
   [[nodiscard]] static StatusOr<std::unique_ptr<TokenDataset>> Open(
       const config::DataConfig& config, int vocab_size, int seq_len, storage::Env* env);
+  // The whole file as held-out windows (`strata eval`): train_windows() is 0, and eval window w
+  // starts at token w * seq_len. The same checks of the file as Open, and at least one window.
+  [[nodiscard]] static StatusOr<std::unique_ptr<TokenDataset>> OpenAllHeldOut(
+      const config::DataConfig& config, int vocab_size, int seq_len, storage::Env* env);
 
   int64_t num_tokens() const { return num_tokens_; }
   int64_t train_tokens() const { return train_tokens_; }
@@ -42,7 +46,8 @@ class TokenDataset {
   int64_t eval_windows() const { return eval_windows_; }
   int seq_len() const { return seq_len_; }
 
-  // The training window of global sample g (see the file comment).
+  // The training window of global sample g (see the file comment). REQUIRES: train_windows() > 0
+  // (not a dataset of OpenAllHeldOut); so do TrainBatch's.
   int64_t TrainWindow(uint64_t seed, int64_t sample) const;
   // Global sample ids of step `step`: step * global_batch + [0, global_batch).
   static int64_t FirstSample(int64_t step, int64_t global_batch) { return step * global_batch; }
@@ -61,6 +66,10 @@ class TokenDataset {
 
  private:
   TokenDataset() = default;
+  // The file mapped and checked against its format and vocab_size; no split yet.
+  [[nodiscard]] static StatusOr<std::unique_ptr<TokenDataset>> Map(const config::DataConfig& config,
+                                                                   int vocab_size, int seq_len,
+                                                                   storage::Env* env);
   int32_t Token(int64_t i) const;
   void Window(int64_t start, int32_t* inputs, int32_t* targets) const;
 

@@ -70,6 +70,37 @@ TEST_F(DatasetTest, WindowsSplitAndTargetsAreShiftedInputs) {
   EXPECT_EQ(tgt[7], 75 + 3 * 4 + 4);
 }
 
+// `strata eval`'s view: the whole file held out. Its held-out tail opened that way has exactly the
+// windows Open gives the tail inside the whole file.
+TEST_F(DatasetTest, AllHeldOutServesEveryWindowOfTheFileAsTheTailsAreServed) {
+  std::string bytes;
+  for (int i = 0; i < 100; ++i) bytes.push_back(static_cast<char>(i));
+  auto whole = Open(bytes, 256, 4, 0.25f);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  const std::string tail_path = dir_.File("tail.bin");
+  WriteFile(tail_path, bytes.substr(static_cast<size_t>((*whole)->train_tokens())));
+  config::DataConfig cfg;
+  cfg.set_path(tail_path);
+  auto tail = TokenDataset::OpenAllHeldOut(cfg, 256, 4, storage::Env::Default());
+  ASSERT_TRUE(tail.ok()) << tail.status();
+  EXPECT_EQ((*tail)->train_windows(), 0);
+  EXPECT_EQ((*tail)->eval_windows(), 6);  // (25 - 1) / 4, as the whole file's held-out split
+  std::vector<int32_t> a(24), at(24), b(24), bt(24);
+  (*whole)->EvalBatch(0, 6, a.data(), at.data());
+  (*tail)->EvalBatch(0, 6, b.data(), bt.data());
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(at, bt);
+  EXPECT_EQ(b[0], 75);
+  // A file without one whole window is refused, naming it.
+  WriteFile(tail_path, "abcd");
+  auto shorter = TokenDataset::OpenAllHeldOut(cfg, 256, 4, storage::Env::Default());
+  ASSERT_FALSE(shorter.ok());
+  EXPECT_NE(shorter.status().message().find("too few for one window of seq_len + 1 = 5 tokens"),
+            std::string::npos)
+      << shorter.status();
+  EXPECT_NE(shorter.status().message().find(tail_path), std::string::npos) << shorter.status();
+}
+
 TEST_F(DatasetTest, EveryWindowOncePerEpochAndStepsArePureFunctions) {
   std::string bytes(4001, 'a');
   auto d = Open(bytes, 256, 8, 0.1f);
