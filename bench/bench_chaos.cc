@@ -11,7 +11,8 @@
 //     exchange, or its step failed after it (a buddy copy to the worker that died) and the next
 //     generation went on from that step instead of redoing it;
 //   - the last step's loss is finite;
-//   - a replacement worker started from the job's own "add a worker:" line exits 0.
+//   - a replacement worker started from the job's own "add a worker:" line exits 0, or finds no
+//     coordinator only because the job finished and its coordinator exited before it connected.
 //
 //   build/bin/bench_chaos [--trials 8] [--seed S] [--trial K] [--scenarios a,b,c,d] [--keep]
 //                         [--json] [--trial-limit 120] [--restart-with-flags] [--worker-config]
@@ -644,8 +645,27 @@ class Trial {
     }
   }
 
+  // Whether replacement `name` failed only because the job's coordinator (the launch's, or the
+  // restarted one) had exited 0, the job finished, before it could reach it.
+  bool CameAfterTheJobEnded(const std::string& name) {
+    if (ReadFile(dir_ + "/" + name + ".log").find("cannot reach the coordinator") ==
+        std::string::npos) {
+      return false;
+    }
+    const Proc& replacement = procs_.at(name);
+    for (const char* coordinator : {"launch", "coordinator.2"}) {
+      auto it = procs_.find(coordinator);
+      if (it != procs_.end() && !it->second.running && it->second.code == 0 &&
+          it->second.ended <= replacement.ended) {
+        return true;
+      }
+    }
+    return false;
+  }
+
   // Once the job's own processes are done: every replacement exits 0. One still running 5 s
-  // later never got into the job (it ended first): a note, and it is killed.
+  // later never got into the job (it ended first): a note, and it is killed. One that found no
+  // coordinator because the job had finished and its coordinator exited: a note too.
   void FinishReplacements() {
     const auto from = Clock::now();
     for (Replacement& r : replacements_) {
@@ -656,6 +676,13 @@ class Trial {
             "replacement %s was still running 5 s after the job ended (never got in?); killed:%s",
             r.current, Tail(log, 2)));
         KillGroup(r.current);
+      } else if (procs_.at(r.current).code != 0 && CameAfterTheJobEnded(r.current)) {
+        // A job that finished while the replacement started up has no coordinator left to
+        // reach: the same outcome as joining too late to train, not a failure.
+        notes_.push_back(absl::StrFormat(
+            "replacement %s found no coordinator: the job had finished and its coordinator exited "
+            "before it connected",
+            r.current));
       } else if (procs_.at(r.current).code != 0) {
         Fail(absl::StrFormat("%s exited %d (replacement, attempt %d):%s", r.current,
                              procs_.at(r.current).code, r.attempts, Tail(log)));

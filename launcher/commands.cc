@@ -25,6 +25,7 @@ void PrintTopUsage(std::FILE* out) {
                "  status   a running coordinator's generation, members and step: status HOST:PORT\n"
                "  ckpt     list, verify or remove checkpoints: strata ckpt ls|verify|rm DIR ...\n"
                "  eval     a checkpoint's loss on a token file: --checkpoint DIR --data FILE\n"
+               "  generate text from a checkpoint: --checkpoint DIR --prompt TEXT\n"
                "  version  print the version, the backends of this build, the BLAS kernel\n"
                "  help     this text\n\n"
                "flags of train:\n%s\nRun 'strata COMMAND --help' for a command's flags.\n",
@@ -46,6 +47,7 @@ int Main(int argc, char** argv) {
   if (cmd == "check") return CheckCommand(args);
   if (cmd == "ckpt") return CkptCommand(args);
   if (cmd == "eval") return EvalCommand(args);
+  if (cmd == "generate") return GenerateCommand(args);
   if (cmd == "coordinator") return CoordinatorCommand(args);
   if (cmd == "launch") return LaunchCommand(args);
   if (cmd == "status") return StatusCommand(args);

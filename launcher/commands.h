@@ -24,6 +24,9 @@ int CkptCommand(const std::vector<std::string>& args);
 // strata eval --checkpoint DIR --data FILE [--step N] [--batch B] [--device D] [--json]: the
 // loss (and bits per byte) of a checkpoint's model over every window of a token file.
 int EvalCommand(const std::vector<std::string>& args);
+// strata generate --checkpoint DIR --prompt TEXT | --prompt-file F [--max-tokens N]
+// [--temperature T] [--top-k K] [--top-p P] [--seed S]: text from a checkpoint's model.
+int GenerateCommand(const std::vector<std::string>& args);
 // strata coordinator --dir DIR [--config FILE] [--listen HOST:PORT] [--token-file F] [--workers N]
 // [--min-workers M] [--max-workers X] [--keep-serving] [--tls-cert F --tls-key F]: serves a job's
 // coordinator; a record already in DIR is resumed with everything it holds (config, worker counts,

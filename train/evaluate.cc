@@ -18,6 +18,27 @@
 
 namespace strata::train {
 
+StatusOr<std::unique_ptr<CheckpointModel>> LoadCheckpointModel(const std::string& dir, int64_t step,
+                                                               int64_t max_batch, int threads,
+                                                               const std::string& device_name) {
+  auto m = std::make_unique<CheckpointModel>();
+  ASSIGN_OR_RETURN(m->checkpoint, checkpoint::CheckpointManager::ReadModelConfig(dir, step));
+  ASSIGN_OR_RETURN(const Device device, Device::Parse(device_name));
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  m->pool = std::make_unique<ThreadPool>(threads);
+  m->ctx.pool = m->pool.get();
+  model::ModelOptions mo;
+  mo.config = m->checkpoint.model;
+  mo.seed = m->checkpoint.seed;
+  mo.max_batch = max_batch;
+  mo.batch_sequences = max_batch;
+  mo.device = device;
+  ASSIGN_OR_RETURN(m->model, model::MoeTransformer::Create(m->ctx, mo));
+  RETURN_IF_ERROR(checkpoint::CheckpointManager::ReadWeights(dir, m->checkpoint.step,
+                                                             m->checkpoint.seed, *m->model));
+  return m;
+}
+
 StatusOr<CheckpointEval> EvaluateCheckpoint(const CheckpointEvalOptions& o) {
   if (o.batch < 1) {
     return absl::InvalidArgumentError(
@@ -25,7 +46,6 @@ StatusOr<CheckpointEval> EvaluateCheckpoint(const CheckpointEvalOptions& o) {
   }
   ASSIGN_OR_RETURN(const checkpoint::CheckpointManager::ModelOfCheckpoint ckpt,
                    checkpoint::CheckpointManager::ReadModelConfig(o.checkpoint_dir, o.step));
-  ASSIGN_OR_RETURN(const Device device, Device::Parse(o.device));
   const int seq_len = ckpt.model.seq_len();
   if (!std::filesystem::exists(o.data.path())) {
     return absl::NotFoundError(absl::StrFormat("the data file '%s' does not exist", o.data.path()));
@@ -43,22 +63,10 @@ StatusOr<CheckpointEval> EvaluateCheckpoint(const CheckpointEvalOptions& o) {
       o.max_windows > 0 ? std::min(o.max_windows, file->eval_windows()) : file->eval_windows();
   const int64_t batch = std::min(o.batch, windows);
 
-  const int threads = o.threads > 0
-                          ? o.threads
-                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  ThreadPool pool(threads);
-  ops::Context ctx;
-  ctx.pool = &pool;
-  model::ModelOptions mo;
-  mo.config = ckpt.model;
-  mo.seed = ckpt.seed;
-  mo.max_batch = batch;
-  mo.batch_sequences = batch;
-  mo.device = device;
-  ASSIGN_OR_RETURN(std::unique_ptr<model::MoeTransformer> model,
-                   model::MoeTransformer::Create(ctx, mo));
-  RETURN_IF_ERROR(
-      checkpoint::CheckpointManager::ReadWeights(o.checkpoint_dir, ckpt.step, ckpt.seed, *model));
+  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointModel> loaded,
+                   LoadCheckpointModel(o.checkpoint_dir, ckpt.step, batch, o.threads, o.device));
+  model::MoeTransformer* model = loaded->model.get();
+  ops::Context& ctx = loaded->ctx;
 
   CheckpointEval out;
   out.step = ckpt.step;

@@ -21,10 +21,28 @@
 #include <limits>
 #include <string>
 
+#include <memory>
+
+#include "checkpoint/manager.h"
 #include "core/common/status.h"
+#include "core/common/thread_pool.h"
 #include "proto/config.pb.h"
+#include "runtime/model/transformer.h"
 
 namespace strata::train {
+
+// A checkpoint's model built for up to `max_batch` sequences a pass on `device`, every expert in
+// memory, its weights read (EvaluateCheckpoint, GenerateFromCheckpoint). It owns its pool, whose
+// threads run its ops; one thread at a time uses it.
+struct CheckpointModel {
+  checkpoint::CheckpointManager::ModelOfCheckpoint checkpoint;
+  std::unique_ptr<ThreadPool> pool;
+  ops::Context ctx;
+  std::unique_ptr<model::MoeTransformer> model;
+};
+[[nodiscard]] StatusOr<std::unique_ptr<CheckpointModel>> LoadCheckpointModel(
+    const std::string& dir, int64_t step, int64_t max_batch, int threads,
+    const std::string& device);
 
 struct CheckpointEvalOptions {
   std::string checkpoint_dir;

@@ -71,6 +71,10 @@ class MoeTransformer {
   // plus, for each MoE layer, aux_loss_coef * aux + z_loss_coef * z.
   void Backward(ops::Context& ctx);
 
+  // The logits [B * seq_len, vocab_size] of the last Forward without call.training (a training
+  // Forward replaces them by their gradient); valid until the next Forward.
+  Tensor logits() const { return logits_.Rows(0, last_B_ * cfg_.seq_len()); }
+
   void ZeroGrad();
   const std::vector<Parameter*>& Parameters() const { return params_; }
   // Every parameter that is not part of a routed expert (embeddings, attention, norms, gates,

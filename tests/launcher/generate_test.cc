@@ -1,0 +1,215 @@
+// `strata generate` and GenerateFromCheckpoint, on a checkpoint a real `strata train` wrote:
+// - greedy decoding is the argmax of the model's logits at the last position of the window,
+//   recomputed here pass by pass through the model API (a prompt longer than seq_len included:
+//   the window slides); top-k 1 is greedy whatever the temperature and seed;
+// - a seed gives the same text, another seed another, and a prompt gets the same text alone or in
+//   a batch with others (a dropless gate routes every token on its own);
+// - SampleToken keeps exactly the top-k / top-p tokens and draws them with their renormalised
+//   probabilities (frequencies over 20,000 draws);
+// - the command streams one prompt, prints a file of prompts, and refuses bad input clearly.
+#include "train/generate.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/common/rng.h"
+#include "proto/config_io.h"
+#include "tests/test_util.h"
+#include "tests/train/tiny_job.h"
+#include "train/evaluate.h"
+
+namespace strata {
+namespace {
+
+using strata::testing::RunCommand;
+using strata::testing::TempDir;
+using strata::testing::WriteFile;
+
+const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
+
+class GenerateTest : public ::testing::Test {
+ protected:
+  // One tiny job trained for the whole suite: 30 steps, a checkpoint at the last.
+  static void SetUpTestSuite() {
+    dir_ = new TempDir();
+    WriteFile(dir_->File("text.txt"), strata::testing::SyntheticText(30000));
+    config::JobConfig cfg = strata::testing::TinyMoeJob(
+        dir_->File("text.txt"), "train { steps: 30 global_batch: 8 eval_every: 0 threads: 2 }\n");
+    cfg.mutable_checkpoint()->set_every(30);
+    cfg.mutable_checkpoint()->set_dir(dir_->File("ckpt"));
+    WriteFile(dir_->File("job.textproto"), config::ToText(cfg));
+    auto train =
+        RunCommand(absl::StrCat(kStrata, " train --quiet --config ", dir_->File("job.textproto")));
+    ASSERT_EQ(train.exit_code, 0) << train.output;
+  }
+  static void TearDownTestSuite() { delete dir_; }
+  static std::string Ckpt() { return dir_->File("ckpt"); }
+
+  static train::GenerateOptions Options(std::vector<std::string> prompts) {
+    train::GenerateOptions o;
+    o.checkpoint_dir = Ckpt();
+    o.prompts = std::move(prompts);
+    o.max_tokens = 12;
+    o.threads = 2;
+    return o;
+  }
+  static std::vector<std::string> Generate(const train::GenerateOptions& o) {
+    auto g = train::GenerateFromCheckpoint(o);
+    EXPECT_TRUE(g.ok()) << g.status();
+    return g.ok() ? g->completions : std::vector<std::string>{};
+  }
+  static TempDir* dir_;
+};
+TempDir* GenerateTest::dir_ = nullptr;
+
+TEST_F(GenerateTest, GreedyIsTheArgmaxOfTheLastPositionsLogitsAndTopKOneIsGreedy) {
+  const std::string prompt = "The quick brown fox jumps over the lazy dog, again and";  // > 32
+  train::GenerateOptions o = Options({prompt});
+  o.temperature = 0;
+  const std::vector<std::string> greedy = Generate(o);
+  ASSERT_EQ(greedy.size(), 1u);
+  ASSERT_EQ(greedy[0].size(), 12u);
+
+  // The same, pass by pass through the model API.
+  auto m = train::LoadCheckpointModel(Ckpt(), -1, 1, 2, "cpu");
+  ASSERT_TRUE(m.ok()) << m.status();
+  const int64_t T = (*m)->checkpoint.model.seq_len(), V = (*m)->checkpoint.model.vocab_size();
+  std::string text = prompt;
+  for (int i = 0; i < 12; ++i) {
+    const std::string window =
+        text.substr(text.size() > static_cast<size_t>(T) ? text.size() - T : 0);
+    std::vector<int32_t> tokens(static_cast<size_t>(T), 0), targets(tokens.size(), 0);
+    for (size_t j = 0; j < window.size(); ++j) tokens[j] = static_cast<unsigned char>(window[j]);
+    model::GateCall call{false, static_cast<uint64_t>((*m)->checkpoint.step), 0};
+    (*m)->model->Forward((*m)->ctx, tokens.data(), targets.data(), 1, call);
+    std::vector<float> logits(static_cast<size_t>(T * V));
+    (*m)->model->logits().CopyToHost(logits.data());
+    const float* row = logits.data() + (window.size() - 1) * V;
+    int best = 0;
+    for (int v = 1; v < V; ++v) {
+      if (row[v] > row[best]) best = v;
+    }
+    text.push_back(static_cast<char>(best));
+  }
+  EXPECT_EQ(greedy[0], text.substr(prompt.size()));
+
+  for (uint64_t seed : {1u, 99u}) {
+    train::GenerateOptions k1 = Options({prompt});
+    k1.temperature = 1.7;
+    k1.top_k = 1;
+    k1.seed = seed;
+    EXPECT_EQ(Generate(k1), greedy) << "seed " << seed;
+  }
+}
+
+TEST_F(GenerateTest, ASeedGivesTheSameTextAndAPromptTheSameAloneOrInABatch) {
+  train::GenerateOptions o = Options({"Once upon a time", "A mixture of experts"});
+  o.seed = 5;
+  o.max_tokens = 20;
+  const std::vector<std::string> both = Generate(o);
+  ASSERT_EQ(both.size(), 2u);
+  EXPECT_EQ(Generate(o), both) << "the same seed";
+  for (size_t i = 0; i < 2; ++i) {
+    train::GenerateOptions alone = o;
+    alone.prompts = {o.prompts[i]};
+    EXPECT_EQ(Generate(alone), std::vector<std::string>{both[i]}) << o.prompts[i];
+  }
+  o.seed = 6;
+  EXPECT_NE(Generate(o), both) << "another seed, the same 40 draws";
+}
+
+TEST(SampleTokenTest, KeepsTheTopKAndTopPTokensAndDrawsThemByTheirProbabilities) {
+  // Probabilities 0.5, 0.25, 0.125, 0.125 at temperature 1.
+  const float logits[4] = {std::log(0.25f), std::log(0.5f), std::log(0.125f), std::log(0.125f)};
+  struct Case {
+    int64_t top_k;
+    double top_p;
+    std::map<int, double> want;  // token -> renormalised probability
+  };
+  const Case cases[] = {
+      {0, 1.0, {{1, 0.5}, {0, 0.25}, {2, 0.125}, {3, 0.125}}},
+      {2, 1.0, {{1, 2.0 / 3}, {0, 1.0 / 3}}},
+      {0, 0.7, {{1, 2.0 / 3}, {0, 1.0 / 3}}},  // 0.5 < 0.7 <= 0.75
+      {0, 0.5, {{1, 1.0}}},
+      {3, 0.9, {{1, 0.5 / 0.875}, {0, 0.25 / 0.875}, {2, 0.125 / 0.875}}},
+  };
+  constexpr int kDraws = 20000;
+  for (const Case& c : cases) {
+    std::map<int, int> seen;
+    for (int i = 0; i < kDraws; ++i) {
+      ++seen[train::SampleToken(logits, 4, 1.0, c.top_k, c.top_p, rng::Key(42), i)];
+    }
+    for (const auto& [token, count] : seen) {
+      EXPECT_TRUE(c.want.count(token))
+          << "top_k " << c.top_k << " top_p " << c.top_p << ": drew token " << token;
+    }
+    // A binomial frequency's standard deviation is at most 0.0036 at 20,000 draws: 0.02 is 5.6 of
+    // them.
+    for (const auto& [token, p] : c.want) {
+      EXPECT_NEAR(static_cast<double>(seen[token]) / kDraws, p, 0.02)
+          << "top_k " << c.top_k << " top_p " << c.top_p << " token " << token;
+    }
+  }
+  // Greedy, and the tie between the two least likely broken by the lower token.
+  EXPECT_EQ(train::SampleToken(logits, 4, 0.0, 0, 1.0, 0, 0), 1);
+  const float tied[3] = {1.0f, 3.0f, 3.0f};
+  EXPECT_EQ(train::SampleToken(tied, 3, 0.0, 0, 1.0, 0, 0), 1);
+  EXPECT_EQ(train::SampleToken(tied, 3, 1.0, 1, 1.0, rng::Key(1), 7), 1);
+}
+
+TEST_F(GenerateTest, TheCommandStreamsAPromptPrintsAFileOfThemAndRefusesBadInput) {
+  auto one = RunCommand(absl::StrCat(kStrata, " generate --checkpoint ", Ckpt(),
+                                     " --prompt 'Once upon a time' --max-tokens 8 --seed 5"));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  train::GenerateOptions o = Options({"Once upon a time"});
+  o.seed = 5;
+  o.max_tokens = 8;
+  const std::vector<std::string> want = Generate(o);
+  ASSERT_EQ(want.size(), 1u);
+  EXPECT_NE(one.output.find("Once upon a time" + want[0] + "\n"), std::string::npos) << one.output;
+  EXPECT_NE(one.output.find("generate: checkpoint 30, 8 tokens"), std::string::npos) << one.output;
+
+  WriteFile(dir_->File("prompts.txt"), "Once upon a time\nA mixture of experts\n");
+  auto file = RunCommand(absl::StrCat(kStrata, " generate --checkpoint ", Ckpt(), " --prompt-file ",
+                                      dir_->File("prompts.txt"), " --max-tokens 8 --seed 5"));
+  ASSERT_EQ(file.exit_code, 0) << file.output;
+  EXPECT_NE(file.output.find("Once upon a time" + want[0] + "\n"), std::string::npos)
+      << file.output;
+  EXPECT_NE(file.output.find("generate: checkpoint 30, 16 tokens"), std::string::npos)
+      << file.output;
+
+  WriteFile(dir_->File("empty.txt"), "\n\n");
+  struct Case {
+    std::string flags;
+    int code;
+    std::string says;
+  };
+  const std::string ck = "--checkpoint " + Ckpt();
+  const std::vector<Case> cases = {
+      {"--prompt x", 2, "--checkpoint is required"},
+      {ck, 2, "give one of --prompt TEXT and --prompt-file FILE"},
+      {ck + " --prompt x --prompt-file " + dir_->File("prompts.txt"), 2, "give one of"},
+      {ck + " --prompt-file " + dir_->File("empty.txt"), 1, "holds no prompt (one per line)"},
+      {ck + " --prompt-file " + dir_->File("missing.txt"), 1, "cannot read --prompt-file"},
+      {ck + " --prompt ''", 1, "prompt 1 is empty"},
+      {ck + " --prompt x --top-p 0", 1, "top_p must be in (0, 1], not 0"},
+      {ck + " --prompt x --temperature -1", 1, "the temperature must be 0 (greedy) or more"},
+      {ck + " --prompt x --temperature warm", 2, "--temperature warm is not a number"},
+      {ck + " --prompt x --max-tokens 0", 2, "--max-tokens"},
+      {ck + " --prompt x --step 7", 1, "no checkpoint of step 7"},
+  };
+  for (const Case& c : cases) {
+    auto r = RunCommand(absl::StrCat(kStrata, " generate ", c.flags));
+    EXPECT_EQ(r.exit_code, c.code) << c.flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << c.flags << "\n" << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace strata
