@@ -646,17 +646,23 @@ class Trial {
   }
 
   // Whether replacement `name` failed only because the job's coordinator (the launch's, or the
-  // restarted one) had exited 0, the job finished, before it could reach it.
+  // restarted one) had finished the job and exited 0 before it could reach it: its log names the
+  // address that coordinator served (a wrong address in the "add a worker:" line is a failure).
   bool CameAfterTheJobEnded(const std::string& name) {
-    if (ReadFile(dir_ + "/" + name + ".log").find("cannot reach the coordinator") ==
-        std::string::npos) {
-      return false;
-    }
+    const std::string log = ReadFile(dir_ + "/" + name + ".log");
+    const std::string key = "cannot reach the coordinator at ";
+    const size_t at = log.find(key);
+    if (at == std::string::npos) return false;
+    const std::string address =
+        log.substr(at + key.size(), log.find(' ', at + key.size()) - at - key.size());
     const Proc& replacement = procs_.at(name);
-    for (const char* coordinator : {"launch", "coordinator.2"}) {
+    for (const auto& [coordinator, served] :
+         {std::pair<std::string, std::string>{"launch", " coordinator on " + address + ";"},
+          {"coordinator.2", "coordinator listening on " + address + " "}}) {
       auto it = procs_.find(coordinator);
       if (it != procs_.end() && !it->second.running && it->second.code == 0 &&
-          it->second.ended <= replacement.ended) {
+          it->second.ended <= replacement.ended &&
+          ReadFile(dir_ + "/" + coordinator + ".log").find(served) != std::string::npos) {
         return true;
       }
     }

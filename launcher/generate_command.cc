@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "launcher/command_util.h"
 #include "launcher/commands.h"
 #include "train/generate.h"
@@ -27,6 +28,7 @@ const std::vector<FlagSpec>& GenerateFlags() {
       {"top-k", "sample among the K most likely tokens; 0: all (default 0)"},
       {"top-p", "sample among the most likely tokens holding this probability (default 1)"},
       {"seed", "seed of the draws (default 0): the same seed, the same text"},
+      {"batch", "prompts of a --prompt-file generated together (default 16)"},
       {"threads", "CPU threads (default: every core)"},
       {"device", "cpu (default), cuda or cuda:N"},
   };
@@ -73,7 +75,8 @@ int GenerateCommand(const std::vector<std::string>& args) {
       return Fail(absl::NotFoundError(absl::StrFormat("cannot read --prompt-file '%s'", path)));
     std::stringstream text;
     text << in.rdbuf();
-    for (const auto& line : absl::StrSplit(text.str(), '\n', absl::SkipEmpty())) {
+    for (absl::string_view line : absl::StrSplit(text.str(), '\n', absl::SkipEmpty())) {
+      if (absl::ConsumeSuffix(&line, "\r") && line.empty()) continue;  // a CRLF file's lines
       o.prompts.emplace_back(line);
     }
     if (o.prompts.empty()) {
@@ -91,6 +94,7 @@ int GenerateCommand(const std::vector<std::string>& args) {
                                                {"max-tokens", 1, 1 << 20, &o.max_tokens},
                                                {"top-k", 0, 1 << 20, &o.top_k},
                                                {"seed", 0, INT64_MAX, &seed},
+                                               {"batch", 1, 4096, &o.batch},
                                                {"threads", 1, 4096, &threads}}) {
     auto v = flags->Int(f.name, f.min, f.max);
     if (!v.ok()) return UsageError(v.status(), "generate", GenerateFlags());
@@ -128,8 +132,11 @@ int GenerateCommand(const std::vector<std::string>& args) {
   if (stream) {
     std::fputc('\n', stdout);
   } else {
+    // Raw bytes (a byte 0 included), each prompt's text on a line of its own.
     for (size_t i = 0; i < o.prompts.size(); ++i) {
-      std::printf("%s%s\n", o.prompts[i].c_str(), g->completions[i].c_str());
+      std::fwrite(o.prompts[i].data(), 1, o.prompts[i].size(), stdout);
+      std::fwrite(g->completions[i].data(), 1, g->completions[i].size(), stdout);
+      std::fputc('\n', stdout);
     }
   }
   std::fflush(stdout);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "checkpoint/manager.h"
 #include "core/common/clock.h"
 #include "core/common/rng.h"
 #include "train/evaluate.h"
@@ -24,10 +25,10 @@ int SampleToken(const float* logits, int vocab, double temperature, int64_t top_
   const size_t k =
       top_k > 0 ? std::min<size_t>(static_cast<size_t>(top_k), order.size()) : order.size();
   std::vector<double> p(k);
-  const double max = logits[order[0]] / temperature;
   double sum = 0;
   for (size_t i = 0; i < k; ++i) {
-    p[i] = std::exp(logits[order[i]] / temperature - max);
+    // Relative to the most likely first: a tiny temperature cannot make inf - inf.
+    p[i] = std::exp((static_cast<double>(logits[order[i]]) - logits[order[0]]) / temperature);
     sum += p[i];
   }
   // The smallest prefix whose probability reaches top_p.
@@ -86,60 +87,79 @@ StatusOr<Generation> GenerateFromCheckpoint(const GenerateOptions& o) {
   if (!(o.top_p > 0 && o.top_p <= 1)) {
     return absl::InvalidArgumentError(absl::StrFormat("top_p must be in (0, 1], not %g", o.top_p));
   }
-  const int64_t B = static_cast<int64_t>(o.prompts.size());
-  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointModel> m,
-                   LoadCheckpointModel(o.checkpoint_dir, o.step, B, o.threads, o.device));
-  const config::ModelConfig& cfg = m->checkpoint.model;
+  if (o.batch < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("the batch must be at least 1 prompt, not %d", o.batch));
+  }
+  // The model's kind first, before its weights are read.
+  ASSIGN_OR_RETURN(const checkpoint::CheckpointManager::ModelOfCheckpoint ckpt,
+                   checkpoint::CheckpointManager::ReadModelConfig(o.checkpoint_dir, o.step));
+  const config::ModelConfig& cfg = ckpt.model;
   if (cfg.vocab_size() != 256) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "checkpoint %d in '%s' is a model of %d tokens, not of bytes (vocab_size 256): its "
         "prompts and outputs are not text",
-        m->checkpoint.step, o.checkpoint_dir, cfg.vocab_size()));
+        ckpt.step, o.checkpoint_dir, cfg.vocab_size()));
   }
   const config::GateConfig& gate = cfg.moe().gate();
   if (gate.type() == config::GateConfig::EXPERT_CHOICE || gate.capacity_factor_eval() > 0) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "checkpoint %d in '%s' routes with %s: the tokens of a batch compete for experts, so the "
         "padding of a generation window would change what a prompt's tokens get",
-        m->checkpoint.step, o.checkpoint_dir,
+        ckpt.step, o.checkpoint_dir,
         gate.type() == config::GateConfig::EXPERT_CHOICE ? "expert choice"
                                                          : "capacity_factor_eval > 0"));
   }
+  const int64_t P = static_cast<int64_t>(o.prompts.size());
+  const int64_t batch = std::min(o.batch, P);
+  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointModel> m,
+                   LoadCheckpointModel(o.checkpoint_dir, ckpt.step, batch, o.threads, o.device));
 
   const int64_t T = cfg.seq_len(), V = cfg.vocab_size();
-  std::vector<std::vector<int32_t>> seqs(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    for (unsigned char c : o.prompts[static_cast<size_t>(b)]) seqs[b].push_back(c);
-  }
   Generation out;
-  out.step = m->checkpoint.step;
-  out.completions.resize(static_cast<size_t>(B));
-  std::vector<int32_t> tokens(static_cast<size_t>(B * T)), targets(tokens.size(), 0);
-  std::vector<float> logits(static_cast<size_t>(B * T * V));
+  out.step = ckpt.step;
+  out.completions.resize(static_cast<size_t>(P));
+  std::vector<int32_t> tokens(static_cast<size_t>(batch * T)), targets(tokens.size(), 0);
+  std::vector<float> logits(static_cast<size_t>(batch * T * V));
   const Stopwatch clock;
-  for (int64_t t = 0; t < o.max_tokens; ++t) {
-    // Each sequence's last T tokens at the start of its row, padding (token 0) after them.
-    std::vector<int64_t> last(static_cast<size_t>(B));
+  // The prompts in batches of `batch`: a prompt's text does not depend on its batch.
+  for (int64_t first = 0; first < P; first += batch) {
+    const int64_t B = std::min(batch, P - first);
+    std::vector<std::vector<int32_t>> seqs(static_cast<size_t>(B));
     for (int64_t b = 0; b < B; ++b) {
-      const std::vector<int32_t>& s = seqs[b];
-      const int64_t n = std::min<int64_t>(T, static_cast<int64_t>(s.size()));
-      std::fill(tokens.begin() + b * T, tokens.begin() + (b + 1) * T, 0);
-      std::copy(s.end() - n, s.end(), tokens.begin() + b * T);
-      last[b] = n - 1;
+      for (unsigned char c : o.prompts[first + b]) seqs[b].push_back(c);
     }
-    model::GateCall call{false, static_cast<uint64_t>(out.step), 0};
-    call.batch_tokens = B * T;
-    m->model->Forward(m->ctx, tokens.data(), targets.data(), B, call);
-    m->model->logits().CopyToHost(logits.data());
-    for (int64_t b = 0; b < B; ++b) {
-      const uint64_t position = seqs[b].size();
-      const int token = SampleToken(logits.data() + (b * T + last[b]) * V, static_cast<int>(V),
-                                    o.temperature, o.top_k, o.top_p,
-                                    rng::Key(o.seed, PromptHash(o.prompts[b]), 0x67656e), position);
-      seqs[b].push_back(token);
-      out.completions[b].push_back(static_cast<char>(token));
-      ++out.tokens;
-      if (o.on_token) o.on_token(static_cast<int>(b), static_cast<uint8_t>(token));
+    for (int64_t t = 0; t < o.max_tokens; ++t) {
+      // Each sequence's last T tokens at the start of its row, padding (token 0) after them.
+      std::vector<int64_t> last(static_cast<size_t>(B));
+      for (int64_t b = 0; b < B; ++b) {
+        const std::vector<int32_t>& s = seqs[b];
+        const int64_t n = std::min<int64_t>(T, static_cast<int64_t>(s.size()));
+        std::fill(tokens.begin() + b * T, tokens.begin() + (b + 1) * T, 0);
+        std::copy(s.end() - n, s.end(), tokens.begin() + b * T);
+        last[b] = n - 1;
+      }
+      model::GateCall call{false, static_cast<uint64_t>(out.step), 0};
+      call.batch_tokens = B * T;
+      m->model->Forward(m->ctx, tokens.data(), targets.data(), B, call);
+      m->model->logits().CopyToHost(logits.data());
+      for (int64_t b = 0; b < B; ++b) {
+        const float* row = logits.data() + (b * T + last[b]) * V;
+        if (!std::all_of(row, row + V, [](float x) { return std::isfinite(x); })) {
+          return absl::DataLossError(absl::StrFormat(
+              "checkpoint %d in '%s' gives logits that are not finite: its weights are damaged "
+              "or training diverged",
+              out.step, o.checkpoint_dir));
+        }
+        const int64_t prompt = first + b;
+        const int token =
+            SampleToken(row, static_cast<int>(V), o.temperature, o.top_k, o.top_p,
+                        rng::Key(o.seed, PromptHash(o.prompts[prompt]), 0x67656e), seqs[b].size());
+        seqs[b].push_back(token);
+        out.completions[prompt].push_back(static_cast<char>(token));
+        ++out.tokens;
+        if (o.on_token) o.on_token(static_cast<int>(prompt), static_cast<uint8_t>(token));
+      }
     }
   }
   out.seconds = clock.Seconds();

@@ -4,15 +4,17 @@
 // EvaluateCheckpoint
 //   (evaluate.h): a checkpoint of any number of workers, IN_MEMORY or TIERED.
 // - Every prompt (bytes; the model must be a bytes model, vocab_size 256) is continued by up to
-//   max_tokens tokens, all prompts in one batch. Each new token is predicted from the last
+//   max_tokens tokens, `batch` prompts at a time. Each new token is predicted from the last
 //   seq_len tokens of its sequence by a full forward pass over them (the sequence padded to
 //   seq_len at its end: causal attention keeps the padding out of the positions before it). Each
 //   new token costs a pass over the window, not one position: a KV cache is not used.
 // - Sampling: logits / temperature, then the top_k most likely (0: all), then the smallest set
 // whose
 //   probability reaches top_p (1: all), then a draw keyed by (seed, the prompt's bytes, position):
-//   a seed gives a prompt the same text wherever it sits in a batch. temperature 0 takes the
-//   most likely token (greedy).
+//   a seed gives a prompt the same text wherever it sits in a batch (on the CPU, bit for bit; a
+//   GPU's GEMMs may round a row differently with the batch's shape, which a near tie can show).
+//   Beyond seq_len tokens the window slides and its positions start again at 0. temperature 0 takes
+//   the most likely token (greedy).
 // - Routing of the padding: with a dropless gate every token's route is its own, so padding and
 //   batching change nothing; a gate with capacity at evaluation (capacity_factor_eval > 0) or
 //   expert-choice routing lets tokens compete, and is refused.
@@ -39,7 +41,8 @@ struct GenerateOptions {
   int64_t top_k = 0;         // 0: every token
   double top_p = 1.0;        // (0, 1]
   uint64_t seed = 0;
-  int threads = 0;  // CPU threads; 0: every core
+  int64_t batch = 16;  // prompts generated together, at least 1
+  int threads = 0;     // CPU threads; 0: every core
   std::string device = "cpu";
   // A token chosen for prompt `prompt` (its index), as it is chosen.
   std::function<void(int prompt, uint8_t token)> on_token;

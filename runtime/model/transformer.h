@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "core/common/logging.h"
 #include "core/common/status.h"
 #include "kernels/ops.h"
 #include "proto/config.pb.h"
@@ -73,7 +74,10 @@ class MoeTransformer {
 
   // The logits [B * seq_len, vocab_size] of the last Forward without call.training (a training
   // Forward replaces them by their gradient); valid until the next Forward.
-  Tensor logits() const { return logits_.Rows(0, last_B_ * cfg_.seq_len()); }
+  Tensor logits() const {
+    CHECK(!last_training_) << "logits() after a training Forward: they hold their gradient";
+    return logits_.Rows(0, last_B_ * cfg_.seq_len());
+  }
 
   void ZeroGrad();
   const std::vector<Parameter*>& Parameters() const { return params_; }

@@ -136,7 +136,7 @@ TEST(SampleTokenTest, KeepsTheTopKAndTopPTokensAndDrawsThemByTheirProbabilities)
       {0, 1.0, {{1, 0.5}, {0, 0.25}, {2, 0.125}, {3, 0.125}}},
       {2, 1.0, {{1, 2.0 / 3}, {0, 1.0 / 3}}},
       {0, 0.7, {{1, 2.0 / 3}, {0, 1.0 / 3}}},  // 0.5 < 0.7 <= 0.75
-      {0, 0.5, {{1, 1.0}}},
+      {0, 0.45, {{1, 1.0}}},
       {3, 0.9, {{1, 0.5 / 0.875}, {0, 0.25 / 0.875}, {2, 0.125 / 0.875}}},
   };
   constexpr int kDraws = 20000;
@@ -156,7 +156,7 @@ TEST(SampleTokenTest, KeepsTheTopKAndTopPTokensAndDrawsThemByTheirProbabilities)
           << "top_k " << c.top_k << " top_p " << c.top_p << " token " << token;
     }
   }
-  // Greedy, and the tie between the two least likely broken by the lower token.
+  // Greedy, and a tie for the most likely broken by the lower token, greedy or top-1.
   EXPECT_EQ(train::SampleToken(logits, 4, 0.0, 0, 1.0, 0, 0), 1);
   const float tied[3] = {1.0f, 3.0f, 3.0f};
   EXPECT_EQ(train::SampleToken(tied, 3, 0.0, 0, 1.0, 0, 0), 1);
@@ -175,9 +175,11 @@ TEST_F(GenerateTest, TheCommandStreamsAPromptPrintsAFileOfThemAndRefusesBadInput
   EXPECT_NE(one.output.find("Once upon a time" + want[0] + "\n"), std::string::npos) << one.output;
   EXPECT_NE(one.output.find("generate: checkpoint 30, 8 tokens"), std::string::npos) << one.output;
 
-  WriteFile(dir_->File("prompts.txt"), "Once upon a time\nA mixture of experts\n");
-  auto file = RunCommand(absl::StrCat(kStrata, " generate --checkpoint ", Ckpt(), " --prompt-file ",
-                                      dir_->File("prompts.txt"), " --max-tokens 8 --seed 5"));
+  // CRLF lines, generated one prompt at a time (--batch 1): the same text.
+  WriteFile(dir_->File("prompts.txt"), "Once upon a time\r\nA mixture of experts\r\n");
+  auto file =
+      RunCommand(absl::StrCat(kStrata, " generate --checkpoint ", Ckpt(), " --prompt-file ",
+                              dir_->File("prompts.txt"), " --max-tokens 8 --seed 5 --batch 1"));
   ASSERT_EQ(file.exit_code, 0) << file.output;
   EXPECT_NE(file.output.find("Once upon a time" + want[0] + "\n"), std::string::npos)
       << file.output;
@@ -209,6 +211,30 @@ TEST_F(GenerateTest, TheCommandStreamsAPromptPrintsAFileOfThemAndRefusesBadInput
     EXPECT_EQ(r.exit_code, c.code) << c.flags << "\n" << r.output;
     EXPECT_NE(r.output.find(c.says), std::string::npos) << c.flags << "\n" << r.output;
   }
+}
+
+// Expert-choice routing lets a batch's tokens compete, so the window's padding would change a
+// prompt's routing: refused before the weights are read.
+TEST(GenerateRefusalTest, AnExpertChoiceModelIsRefusedNamingWhy) {
+  TempDir dir;
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(20000));
+  config::JobConfig cfg = strata::testing::TinyMoeJob(
+      dir.File("text.txt"), "train { steps: 2 global_batch: 2 eval_every: 0 threads: 1 }\n");
+  cfg.mutable_model()->mutable_moe()->mutable_gate()->set_type(config::GateConfig::EXPERT_CHOICE);
+  cfg.mutable_checkpoint()->set_every(2);
+  cfg.mutable_checkpoint()->set_dir(dir.File("ckpt"));
+  WriteFile(dir.File("job.textproto"), config::ToText(cfg));
+  auto train =
+      RunCommand(absl::StrCat(kStrata, " train --quiet --config ", dir.File("job.textproto")));
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  train::GenerateOptions o;
+  o.checkpoint_dir = dir.File("ckpt");
+  o.prompts = {"abc"};
+  auto g = train::GenerateFromCheckpoint(o);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition) << g.status();
+  EXPECT_NE(g.status().message().find("routes with expert choice"), std::string::npos)
+      << g.status();
 }
 
 }  // namespace
