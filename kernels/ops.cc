@@ -85,6 +85,19 @@ void EmbeddingBackward(Context& ctx, const Tensor& dwte, const Tensor& dwpe, con
                                  C);
 }
 
+void EmbeddingForwardAt(Context& ctx, const Tensor& out, const Tensor& tokens,
+                        const Tensor& positions, const Tensor& wte, const Tensor& wpe) {
+  const int dev = DeviceOf({&out, &tokens, &positions, &wte, &wpe}, "EmbeddingForwardAt");
+  const int64_t C = wte.dim(1), N = tokens.numel();
+  CHECK(out.numel() == N * C && positions.numel() == N && wpe.dim(1) == C)
+      << out.ShapeString() << tokens.ShapeString() << positions.ShapeString() << wte.ShapeString()
+      << wpe.ShapeString();
+  ON_GPU(return cuda::EmbeddingForward(gpu, out.f32(), tokens.i32(), wte.f32(), wpe.f32(), 1, N, C,
+                                       positions.i32()));
+  cpu::embedding_forward<float>(Pool(ctx), out.f32(), tokens.i32(), wte.f32(), wpe.f32(), 1, N, C,
+                                positions.i32());
+}
+
 void NormForward(Context& ctx, NormKind kind, const Tensor& out, const Tensor& mean,
                  const Tensor& rstd, const Tensor& inp, const Tensor& weight, const Tensor& bias,
                  float eps) {
@@ -293,6 +306,23 @@ void AttentionBackward(Context& ctx, const Tensor& dqkv, const Tensor& dout, con
                                         NH));
   cpu::attention_backward<float>(Pool(ctx), dqkv.f32(), dout.f32(), qkv.f32(), att.f32(), B, T, C,
                                  NH);
+}
+
+void AttentionDecode(Context& ctx, const Tensor& out, const Tensor& qkv, const Tensor& k_cache,
+                     const Tensor& v_cache, const Tensor& slots, const Tensor& positions,
+                     int64_t NH) {
+  const int dev = DeviceOf({&out, &qkv, &k_cache, &v_cache, &slots, &positions}, "AttentionDecode");
+  const int64_t C = out.dim(-1), N = out.numel() / C;
+  CHECK(qkv.numel() == N * 3 * C && k_cache.rank() == 3 && k_cache.dim(2) == C &&
+        v_cache.numel() == k_cache.numel() && slots.numel() == N && positions.numel() == N &&
+        C % NH == 0)
+      << out.ShapeString() << qkv.ShapeString() << k_cache.ShapeString() << v_cache.ShapeString()
+      << slots.ShapeString() << positions.ShapeString();
+  const int64_t Tmax = k_cache.dim(1);
+  ON_GPU(return cuda::AttentionDecode(gpu, out.f32(), qkv.f32(), k_cache.f32(), v_cache.f32(),
+                                      slots.i32(), positions.i32(), N, Tmax, C, NH));
+  cpu::attention_decode<float>(Pool(ctx), out.f32(), qkv.f32(), k_cache.f32(), v_cache.f32(),
+                               slots.i32(), positions.i32(), N, Tmax, C, NH);
 }
 
 void ActivationForward(Context& ctx, Activation act, const Tensor& out, const Tensor& inp) {

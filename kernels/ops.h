@@ -57,6 +57,10 @@ void EmbeddingForward(Context& ctx, const Tensor& out, const Tensor& tokens, con
                       const Tensor& wpe, int64_t B, int64_t T);
 void EmbeddingBackward(Context& ctx, const Tensor& dwte, const Tensor& dwpe, const Tensor& dout,
                        const Tensor& tokens, int64_t B, int64_t T);
+// out [N, C] from tokens [N] and positions [N] (i32, each < wpe's rows): any rows at any
+// positions (incremental decoding).
+void EmbeddingForwardAt(Context& ctx, const Tensor& out, const Tensor& tokens,
+                        const Tensor& positions, const Tensor& wte, const Tensor& wpe);
 
 // out, inp [N, C]; weight [C]; bias [C] (undefined for RMSNorm or no bias); mean (LayerNorm only)
 // and rstd [N] are saved for backward.
@@ -81,6 +85,13 @@ void AttentionForward(Context& ctx, const Tensor& out, const Tensor& att, const 
                       int64_t B, int64_t T, int64_t NH);
 void AttentionBackward(Context& ctx, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv,
                        const Tensor& att, int64_t B, int64_t T, int64_t NH);
+// Incremental decoding: qkv [N, 3C] -> out [N, C] against k_cache and v_cache [S, Tmax, C]. Row i
+// is the token of cache slot slots[i] at position positions[i] (i32 [N]); its key and value enter
+// the cache there first, then it attends to positions [0, positions[i]] of its slot (which may
+// include earlier rows of the same call). See kernels/cpu/attention.h.
+void AttentionDecode(Context& ctx, const Tensor& out, const Tensor& qkv, const Tensor& k_cache,
+                     const Tensor& v_cache, const Tensor& slots, const Tensor& positions,
+                     int64_t NH);
 
 // out [N, H] from inp [N, ActivationInputWidth(act, H)]; backward may run in place.
 void ActivationForward(Context& ctx, Activation act, const Tensor& out, const Tensor& inp);

@@ -120,6 +120,33 @@ inline int WaitExit(pid_t pid) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+// Runs `workers` processes of `strata worker --rank R --world-size W FLAGS` in folder `dir`, each
+// one's output in dir/worker<R>.log, until all end. Empty when every one exited with 0, else each
+// failure's exit code and log.
+inline std::string RunWorkers(const std::string& dir, int workers, const std::string& flags) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < workers; ++r) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const std::string cmd = "cd " + dir + " && exec " + BinDir() + "/strata worker --rank " +
+                              std::to_string(r) + " --world-size " + std::to_string(workers) + " " +
+                              flags + " > worker" + std::to_string(r) + ".log 2>&1";
+      execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  std::string failures;
+  for (int r = 0; r < workers; ++r) {
+    const int code = WaitExit(pids[r]);
+    if (code != 0) {
+      failures += "worker " + std::to_string(r) + " exited with " + std::to_string(code) + ":\n" +
+                  ReadFile(dir + "/worker" + std::to_string(r) + ".log");
+    }
+  }
+  return failures;
+}
+
 // The steps `strata ckpt ls` printed, in order (the first word of each line that is a number).
 inline std::vector<int64_t> ListedSteps(const std::string& output) {
   std::vector<int64_t> steps;

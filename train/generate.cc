@@ -52,19 +52,16 @@ int SampleToken(const float* logits, int vocab, double temperature, int64_t top_
   return order[keep - 1];
 }
 
-namespace {
-
-// FNV-1a of a prompt's bytes: its draws' key, so a prompt draws the same wherever it sits in a
-// batch.
-uint64_t PromptHash(const std::string& prompt) {
+uint64_t PromptKey(uint64_t seed, const std::string& prompt) {
+  // FNV-1a of the prompt's bytes.
   uint64_t h = 0xcbf29ce484222325ULL;
   for (unsigned char c : prompt) h = (h ^ c) * 0x100000001b3ULL;
-  return h;
+  return rng::Key(seed, h, 0x67656e);
 }
 
-}  // namespace
+namespace {
 
-StatusOr<Generation> GenerateFromCheckpoint(const GenerateOptions& o) {
+Status CheckOptions(const GenerateOptions& o) {
   if (o.prompts.empty()) return absl::InvalidArgumentError("no prompt to continue");
   for (size_t i = 0; i < o.prompts.size(); ++i) {
     if (o.prompts[i].empty()) {
@@ -91,71 +88,116 @@ StatusOr<Generation> GenerateFromCheckpoint(const GenerateOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrFormat("the batch must be at least 1 prompt, not %d", o.batch));
   }
-  // The model's kind first, before its weights are read.
-  ASSIGN_OR_RETURN(const checkpoint::CheckpointManager::ModelOfCheckpoint ckpt,
-                   checkpoint::CheckpointManager::ReadModelConfig(o.checkpoint_dir, o.step));
-  const config::ModelConfig& cfg = ckpt.model;
+  return absl::OkStatus();
+}
+
+// A bytes model whose gate routes each token on its own; `what` names it ("checkpoint 30 in
+// 'ckpt'").
+Status CheckModel(const config::ModelConfig& cfg, const std::string& what) {
   if (cfg.vocab_size() != 256) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "checkpoint %d in '%s' is a model of %d tokens, not of bytes (vocab_size 256): its "
-        "prompts and outputs are not text",
-        ckpt.step, o.checkpoint_dir, cfg.vocab_size()));
+        "%s is a model of %d tokens, not of bytes (vocab_size 256): its prompts and outputs are "
+        "not text",
+        what, cfg.vocab_size()));
   }
   const config::GateConfig& gate = cfg.moe().gate();
   if (gate.type() == config::GateConfig::EXPERT_CHOICE || gate.capacity_factor_eval() > 0) {
     return absl::FailedPreconditionError(absl::StrFormat(
-        "checkpoint %d in '%s' routes with %s: the tokens of a batch compete for experts, so the "
-        "padding of a generation window would change what a prompt's tokens get",
-        ckpt.step, o.checkpoint_dir,
+        "%s routes with %s: the tokens of a batch compete for experts, so a token's route would "
+        "depend on what is decoded beside it; generation needs a gate that routes each token on "
+        "its own",
+        what,
         gate.type() == config::GateConfig::EXPERT_CHOICE ? "expert choice"
                                                          : "capacity_factor_eval > 0"));
   }
-  const int64_t P = static_cast<int64_t>(o.prompts.size());
-  const int64_t batch = std::min(o.batch, P);
+  return absl::OkStatus();
+}
+
+std::string CheckpointName(int64_t step, const std::string& dir) {
+  return absl::StrFormat("checkpoint %d in '%s'", step, dir);
+}
+
+}  // namespace
+
+StatusOr<Generation> GenerateFromCheckpoint(const GenerateOptions& o) {
+  RETURN_IF_ERROR(CheckOptions(o));
+  // The model's kind first, before its weights are read.
+  ASSIGN_OR_RETURN(const checkpoint::CheckpointManager::ModelOfCheckpoint ckpt,
+                   checkpoint::CheckpointManager::ReadModelConfig(o.checkpoint_dir, o.step));
+  RETURN_IF_ERROR(CheckModel(ckpt.model, CheckpointName(ckpt.step, o.checkpoint_dir)));
+  const int64_t batch = std::min<int64_t>(o.batch, static_cast<int64_t>(o.prompts.size()));
   ASSIGN_OR_RETURN(std::unique_ptr<CheckpointModel> m,
                    LoadCheckpointModel(o.checkpoint_dir, ckpt.step, batch, o.threads, o.device));
+  return Generate(m->ctx, *m->model, ckpt.step, CheckpointName(ckpt.step, o.checkpoint_dir), o);
+}
 
+StatusOr<Generation> Generate(ops::Context& ctx, model::MoeTransformer& model, int64_t step,
+                              const std::string& what, const GenerateOptions& o) {
+  RETURN_IF_ERROR(CheckOptions(o));
+  const config::ModelConfig& cfg = model.config();
+  RETURN_IF_ERROR(CheckModel(cfg, what));
+  const int64_t P = static_cast<int64_t>(o.prompts.size());
+  const int64_t batch = std::min({o.batch, P, model.max_batch()});
   const int64_t T = cfg.seq_len(), V = cfg.vocab_size();
+  const int64_t restart = std::max<int64_t>(1, T / 2);
   Generation out;
-  out.step = ckpt.step;
+  out.step = step;
   out.completions.resize(static_cast<size_t>(P));
-  std::vector<int32_t> tokens(static_cast<size_t>(batch * T)), targets(tokens.size(), 0);
-  std::vector<float> logits(static_cast<size_t>(batch * T * V));
+  std::vector<int32_t> tokens, slots, positions;
+  std::vector<float> logits;
   const Stopwatch clock;
-  // The prompts in batches of `batch`: a prompt's text does not depend on its batch.
+  // The prompts in batches of `batch`, prompt b of a batch in cache slot b: a prompt's text does
+  // not depend on its batch.
   for (int64_t first = 0; first < P; first += batch) {
     const int64_t B = std::min(batch, P - first);
-    std::vector<std::vector<int32_t>> seqs(static_cast<size_t>(B));
+    struct Sequence {
+      std::vector<int32_t> tokens;  // the prompt and what follows it
+      int64_t window = 0;           // index of the window's first token (at position 0)
+      int64_t decoded = 0;          // tokens of the sequence in the KV cache
+    };
+    std::vector<Sequence> seqs(static_cast<size_t>(B));
     for (int64_t b = 0; b < B; ++b) {
-      for (unsigned char c : o.prompts[first + b]) seqs[b].push_back(c);
+      for (unsigned char c : o.prompts[first + b]) seqs[b].tokens.push_back(c);
+      seqs[b].window = std::max<int64_t>(0, static_cast<int64_t>(seqs[b].tokens.size()) - T);
+      seqs[b].decoded = seqs[b].window;
     }
     for (int64_t t = 0; t < o.max_tokens; ++t) {
-      // Each sequence's last T tokens at the start of its row, padding (token 0) after them.
+      // Every sequence's tokens not yet in the cache, as rows of one Decode: a whole window
+      // (a prompt, or a restart) or one new token.
+      tokens.clear();
+      slots.clear();
+      positions.clear();
       std::vector<int64_t> last(static_cast<size_t>(B));
       for (int64_t b = 0; b < B; ++b) {
-        const std::vector<int32_t>& s = seqs[b];
-        const int64_t n = std::min<int64_t>(T, static_cast<int64_t>(s.size()));
-        std::fill(tokens.begin() + b * T, tokens.begin() + (b + 1) * T, 0);
-        std::copy(s.end() - n, s.end(), tokens.begin() + b * T);
-        last[b] = n - 1;
+        Sequence& s = seqs[b];
+        for (int64_t i = s.decoded; i < static_cast<int64_t>(s.tokens.size()); ++i) {
+          tokens.push_back(s.tokens[i]);
+          slots.push_back(static_cast<int32_t>(b));
+          positions.push_back(static_cast<int32_t>(i - s.window));
+        }
+        s.decoded = static_cast<int64_t>(s.tokens.size());
+        last[b] = static_cast<int64_t>(tokens.size()) - 1;
       }
-      model::GateCall call{false, static_cast<uint64_t>(out.step), 0};
-      call.batch_tokens = B * T;
-      m->model->Forward(m->ctx, tokens.data(), targets.data(), B, call);
-      m->model->logits().CopyToHost(logits.data());
+      const int64_t n = static_cast<int64_t>(tokens.size());
+      logits.resize(static_cast<size_t>(n * V));
+      model.Decode(ctx, tokens.data(), slots.data(), positions.data(), n).CopyToHost(logits.data());
       for (int64_t b = 0; b < B; ++b) {
-        const float* row = logits.data() + (b * T + last[b]) * V;
+        const float* row = logits.data() + last[b] * V;
         if (!std::all_of(row, row + V, [](float x) { return std::isfinite(x); })) {
           return absl::DataLossError(absl::StrFormat(
-              "checkpoint %d in '%s' gives logits that are not finite: its weights are damaged "
-              "or training diverged",
-              out.step, o.checkpoint_dir));
+              "%s gives logits that are not finite: its weights are damaged or training diverged",
+              what));
         }
         const int64_t prompt = first + b;
-        const int token =
-            SampleToken(row, static_cast<int>(V), o.temperature, o.top_k, o.top_p,
-                        rng::Key(o.seed, PromptHash(o.prompts[prompt]), 0x67656e), seqs[b].size());
-        seqs[b].push_back(token);
+        Sequence& s = seqs[b];
+        const int token = SampleToken(row, static_cast<int>(V), o.temperature, o.top_k, o.top_p,
+                                      PromptKey(o.seed, o.prompts[prompt]), s.tokens.size());
+        s.tokens.push_back(token);
+        // A full window restarts with its last T / 2 tokens, decoded again from position 0.
+        if (static_cast<int64_t>(s.tokens.size()) - s.window > T) {
+          s.window = static_cast<int64_t>(s.tokens.size()) - restart;
+          s.decoded = s.window;
+        }
         out.completions[prompt].push_back(static_cast<char>(token));
         ++out.tokens;
         if (o.on_token) o.on_token(static_cast<int>(prompt), static_cast<uint8_t>(token));

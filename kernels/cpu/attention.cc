@@ -82,11 +82,58 @@ void attention_backward(ThreadPool& pool, T* dqkv, const T* dout, const T* qkv, 
   });
 }
 
+template <typename T>
+void attention_decode(ThreadPool& pool, T* out, const T* qkv, T* k_cache, T* v_cache,
+                      const int32_t* slots, const int32_t* positions, int64_t N, int64_t Tmax,
+                      int64_t C, int64_t NH) {
+  const int64_t hs = C / NH;
+  const int64_t C3 = 3 * C;
+  const T scale = T(1) / std::sqrt(static_cast<T>(hs));
+  auto at = [&](int64_t i) { return (static_cast<int64_t>(slots[i]) * Tmax + positions[i]) * C; };
+  pool.ParallelFor(N, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const T* kv = qkv + i * C3 + C;
+      std::copy(kv, kv + C, k_cache + at(i));
+      std::copy(kv + C, kv + 2 * C, v_cache + at(i));
+    }
+  });
+  pool.ParallelFor(N * NH, 1, [&](int64_t t0, int64_t t1) {
+    T* p = internal::Scratch<T>(static_cast<size_t>(Tmax));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t / NH, h = t % NH;
+      const int64_t n = static_cast<int64_t>(positions[i]) + 1;
+      const T* q = qkv + i * C3 + h * hs;
+      const T* k = k_cache + static_cast<int64_t>(slots[i]) * Tmax * C + h * hs;
+      const T* v = v_cache + static_cast<int64_t>(slots[i]) * Tmax * C + h * hs;
+      T mx = -std::numeric_limits<T>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        p[j] = scale * internal::Dot(q, k + j * C, hs);
+        mx = std::max(mx, p[j]);
+      }
+      T sum = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        p[j] = Exp(p[j] - mx);
+        sum += p[j];
+      }
+      const T inv = T(1) / sum;
+      for (int64_t j = 0; j < n; ++j) p[j] *= inv;
+      T* o = out + i * C + h * hs;
+      std::fill(o, o + hs, T(0));
+      for (int64_t j = 0; j < n; ++j) {
+        const T* vj = v + j * C;
+        for (int64_t c = 0; c < hs; ++c) o[c] += p[j] * vj[c];
+      }
+    }
+  });
+}
+
 #define STRATA_INSTANTIATE(T)                                                                  \
   template void attention_forward<T>(ThreadPool&, T*, T*, const T*, int64_t, int64_t, int64_t, \
                                      int64_t);                                                 \
   template void attention_backward<T>(ThreadPool&, T*, const T*, const T*, const T*, int64_t,  \
-                                      int64_t, int64_t, int64_t);
+                                      int64_t, int64_t, int64_t);                              \
+  template void attention_decode<T>(ThreadPool&, T*, const T*, T*, T*, const int32_t*,         \
+                                    const int32_t*, int64_t, int64_t, int64_t, int64_t);
 STRATA_INSTANTIATE(float)
 STRATA_INSTANTIATE(double)
 

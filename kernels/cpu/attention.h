@@ -27,4 +27,17 @@ template <typename T>
 void attention_backward(ThreadPool& pool, T* dqkv, const T* dout, const T* qkv, const T* att,
                         int64_t B, int64_t Tn, int64_t C, int64_t NH);
 
+// Incremental decoding against a KV cache. k_cache and v_cache are [S, T_max, C]: slot s holds
+// the keys (values) of one sequence's positions 0, 1, ... Row i of qkv [N, 3C] is the token of
+// slot slots[i] at position positions[i] (< T_max). First every row's key and value enter the
+// cache at (slot, position); then row i attends to positions [0, positions[i]] of its slot, so a
+// row may see the rows of the same call at earlier positions (a prompt decoded in one call).
+// out [N, C]. Scores are scale * q.k, softmax over the positions, then the weighted values: the
+// arithmetic of attention_forward for the same positions, up to the order of the sums. Rows of one
+// call must not write the same (slot, position) twice.
+template <typename T>
+void attention_decode(ThreadPool& pool, T* out, const T* qkv, T* k_cache, T* v_cache,
+                      const int32_t* slots, const int32_t* positions, int64_t N, int64_t Tmax,
+                      int64_t C, int64_t NH);
+
 }  // namespace strata::cpu

@@ -9,6 +9,7 @@
 // offsets do not form a single stride. The causal softmax and its backward are one warp per row.
 // Tensors are row-major and cuBLAS column-major: each row-major product Y = A B is computed as the
 // column-major Y^T = B^T A^T.
+#include <algorithm>
 #include <climits>
 #include <cmath>
 
@@ -74,6 +75,60 @@ __global__ void CausalSoftmaxBackwardKernel(float* dp, const float* att, int64_t
   dot = WarpSum(dot);
   for (int64_t j = lane; j <= r; j += 32) d[j] = p[j] * (d[j] - dot) * scale;
   for (int64_t j = r + 1 + lane; j < T; j += 32) d[j] = 0.0f;
+}
+
+// Every row's key and value into its (slot, position) of the caches.
+__global__ void KvCacheWriteKernel(float* k_cache, float* v_cache, const float* qkv,
+                                   const int32_t* slots, const int32_t* positions, int64_t N,
+                                   int64_t Tmax, int64_t C) {
+  STRATA_GRID_STRIDE(i, N * C) {
+    const int64_t r = i / C, c = i % C;
+    const int64_t at = (static_cast<int64_t>(slots[r]) * Tmax + positions[r]) * C + c;
+    k_cache[at] = qkv[r * 3 * C + C + c];
+    v_cache[at] = qkv[r * 3 * C + 2 * C + c];
+  }
+}
+
+// One block per (row, head): a warp per key for the scores (scale * q.k, into `scores`, Tmax per
+// block), the softmax over positions [0, positions[row]] as CausalSoftmaxKernel's, then a thread
+// per channel for the weighted sum of the values.
+__global__ void AttentionDecodeKernel(float* out, float* scores, const float* qkv,
+                                      const float* k_cache, const float* v_cache,
+                                      const int32_t* slots, const int32_t* positions, int64_t NH,
+                                      int64_t Tmax, int64_t C, float scale) {
+  const int64_t task = blockIdx.x;
+  const int64_t r = task / NH, h = task % NH, hs = C / NH;
+  const int64_t n = static_cast<int64_t>(positions[r]) + 1;
+  const float* q = qkv + r * 3 * C + h * hs;
+  const int64_t base = static_cast<int64_t>(slots[r]) * Tmax * C + h * hs;
+  float* s = scores + task * Tmax;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int64_t j = warp; j < n; j += warps) {
+    const float* k = k_cache + base + j * C;
+    float d = 0.0f;
+    for (int64_t c = lane; c < hs; c += 32) d += q[c] * k[c];
+    d = WarpSum(d);
+    if (lane == 0) s[j] = scale * d;
+  }
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) mx = fmaxf(mx, s[j]);
+  mx = BlockMax(mx);
+  float sum = 0.0f;
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
+    const float e = expf(s[j] - mx);
+    s[j] = e;
+    sum += e;
+  }
+  const float inv = 1.0f / BlockSum(sum);
+  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) s[j] *= inv;
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < hs; c += blockDim.x) {
+    const float* v = v_cache + base + c;
+    float acc = 0.0f;
+    for (int64_t j = 0; j < n; ++j) acc += s[j] * v[j * C];
+    out[r * C + h * hs + c] = acc;
+  }
 }
 
 unsigned RowBlocks(int64_t rows) {
@@ -146,6 +201,27 @@ void AttentionBackward(Backend& b, float* dqkv, const float* dout, const float* 
     BatchedGemm(b, CUBLAS_OP_N, CUBLAS_OP_T, hs, T, T, 1.0f, q, C3, hs, dp, T, TT, 0.0f, dk, C3, hs,
                 NH);
   }
+}
+
+void AttentionDecode(Backend& b, float* out, const float* qkv, float* k_cache, float* v_cache,
+                     const int32_t* slots, const int32_t* positions, int64_t N, int64_t Tmax,
+                     int64_t C, int64_t NH) {
+  if (N == 0 || C == 0) return;
+  CHECK_GT(NH, 0);
+  CHECK_EQ(C % NH, 0) << "channels must split evenly into heads";
+  CHECK_LE(N * NH, static_cast<int64_t>(INT_MAX));
+  const float scale = 1.0f / sqrtf(static_cast<float>(C / NH));  // as the CPU, in float
+  const int64_t total = N * C;
+  const int64_t grid = std::min<int64_t>((total + kThreads - 1) / kThreads, 65535);
+  KvCacheWriteKernel<<<static_cast<unsigned>(grid), kThreads, 0, b.stream>>>(
+      k_cache, v_cache, qkv, slots, positions, N, Tmax, C);
+  STRATA_CUDA_LAUNCH_CHECK();
+  float* scores =
+      static_cast<float*>(b.DeviceScratch(static_cast<size_t>(N * NH * Tmax) * sizeof(float)));
+  constexpr int kDecodeThreads = 128;
+  AttentionDecodeKernel<<<static_cast<unsigned>(N * NH), kDecodeThreads, 0, b.stream>>>(
+      out, scores, qkv, k_cache, v_cache, slots, positions, NH, Tmax, C, scale);
+  STRATA_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace strata::cuda

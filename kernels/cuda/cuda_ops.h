@@ -43,8 +43,10 @@ Backend& ThreadBackend(int device);
 void Synchronize(Backend& b);
 
 // ---- Dense layers (see the kernels/cpu headers of the same names) ------------------------------
+// positions (may be null: row r % T) gives each row's position.
 void EmbeddingForward(Backend& b, float* out, const int32_t* tokens, const float* wte,
-                      const float* wpe, int64_t B, int64_t T, int64_t C);
+                      const float* wpe, int64_t B, int64_t T, int64_t C,
+                      const int32_t* positions = nullptr);
 // Accumulates into dwte and dwpe (deterministically: no atomics on floats).
 void EmbeddingBackward(Backend& b, float* dwte, float* dwpe, const float* dout,
                        const int32_t* tokens, int64_t B, int64_t T, int64_t C, int64_t V);
@@ -78,6 +80,11 @@ void AttentionForward(Backend& b, float* out, float* att, const float* qkv, int6
                       int64_t C, int64_t NH);
 void AttentionBackward(Backend& b, float* dqkv, const float* dout, const float* qkv,
                        const float* att, int64_t B, int64_t T, int64_t C, int64_t NH);
+// Incremental decoding against a KV cache [S, Tmax, C] (kernels/cpu/attention.h); slots and
+// positions [N] are device arrays.
+void AttentionDecode(Backend& b, float* out, const float* qkv, float* k_cache, float* v_cache,
+                     const int32_t* slots, const int32_t* positions, int64_t N, int64_t Tmax,
+                     int64_t C, int64_t NH);
 
 void ActivationForward(Backend& b, Activation act, float* out, const float* inp, int64_t N,
                        int64_t H);

@@ -111,10 +111,12 @@ void ColumnSums(Backend& b, float* out0, float* out1, int64_t N, int64_t C, Term
 // ---- Embedding ---------------------------------------------------------------------------------
 
 __global__ void EmbeddingForwardKernel(float* out, const int32_t* tokens, const float* wte,
-                                       const float* wpe, int64_t N, int64_t T, int64_t C) {
+                                       const float* wpe, int64_t N, int64_t T, int64_t C,
+                                       const int32_t* positions) {
   STRATA_GRID_STRIDE(i, N * C) {
     const int64_t r = i / C, c = i % C;
-    out[i] = wte[static_cast<int64_t>(tokens[r]) * C + c] + wpe[(r % T) * C + c];
+    const int64_t p = positions != nullptr ? static_cast<int64_t>(positions[r]) : r % T;
+    out[i] = wte[static_cast<int64_t>(tokens[r]) * C + c] + wpe[p * C + c];
   }
 }
 
@@ -415,10 +417,11 @@ __global__ void SumSquaresKernel(double* partial, const float* x, int64_t n) {
 // ---- Embedding ---------------------------------------------------------------------------------
 
 void EmbeddingForward(Backend& b, float* out, const int32_t* tokens, const float* wte,
-                      const float* wpe, int64_t B, int64_t T, int64_t C) {
+                      const float* wpe, int64_t B, int64_t T, int64_t C, const int32_t* positions) {
   const int64_t N = B * T;
   if (N == 0 || C == 0) return;
-  EmbeddingForwardKernel<<<GridFor(N * C), kThreads, 0, b.stream>>>(out, tokens, wte, wpe, N, T, C);
+  EmbeddingForwardKernel<<<GridFor(N * C), kThreads, 0, b.stream>>>(out, tokens, wte, wpe, N, T, C,
+                                                                    positions);
   STRATA_CUDA_LAUNCH_CHECK();
 }
 

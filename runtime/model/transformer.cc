@@ -141,24 +141,29 @@ class Block {
 
   void Forward(ops::Context& ctx, const Tensor& x_in, const Tensor& x_out, int64_t B,
                const GateCall& call) {
-    const int64_t N = B * T_;
-    Tensor ln1_out = ln1_out_.Rows(0, N), qkv = qkv_.Rows(0, N), att_out = att_out_.Rows(0, N);
-    Tensor x_mid = x_mid_.Rows(0, N), ln2_out = ln2_out_.Rows(0, N);
-    Tensor ffn_out = ffn_out_.Rows(0, N);
-    ops::NormForward(ctx, norm_, ln1_out, Rows(ln1_mean_, N), ln1_rstd_.Rows(0, N), x_in,
-                     ln1_w_->value, Value(ln1_b_), eps_);
-    ops::LinearForward(ctx, qkv, ln1_out, qkv_w_->value, qkv_b_->value);
-    ops::AttentionForward(ctx, att_out, att_, qkv, B, T_, NH_);
-    ops::LinearForward(ctx, x_mid, att_out, proj_w_->value, proj_b_->value);
-    ops::Accumulate(ctx, x_mid, x_in);
-    ops::NormForward(ctx, norm_, ln2_out, Rows(ln2_mean_, N), ln2_rstd_.Rows(0, N), x_mid,
-                     ln2_w_->value, Value(ln2_b_), eps_);
-    if (moe_) {
-      moe_->Forward(ctx, ln2_out, ffn_out, call);
-    } else {
-      ffn_->Forward(ctx, ln2_out, ffn_out, ffn_saved_.Rows(0, N));
+    Run(ctx, x_in, x_out, B * T_, call, [&](const Tensor& att_out, const Tensor& qkv) {
+      ops::AttentionForward(ctx, att_out, att_, qkv, B, T_, NH_);
+    });
+  }
+
+  // n rows of cache slots `slots` at `positions` (MoeTransformer::Decode), attending through the
+  // KV cache; saves nothing for a backward.
+  void Decode(ops::Context& ctx, const Tensor& x_in, const Tensor& x_out, int64_t n,
+              const Tensor& slots, const Tensor& positions, const GateCall& call) {
+    Run(ctx, x_in, x_out, n, call, [&](const Tensor& att_out, const Tensor& qkv) {
+      ops::AttentionDecode(ctx, att_out, qkv, k_cache_, v_cache_, slots, positions, NH_);
+    });
+  }
+
+  // Keys and values of `slots` sequences of up to seq_len positions; an undefined tensor frees
+  // them.
+  void AllocateKvCache(int64_t slots, Device device) {
+    if (slots == 0) {
+      k_cache_ = v_cache_ = Tensor();
+      return;
     }
-    ops::Add(ctx, x_out, x_mid, ffn_out);
+    k_cache_ = Tensor::Empty({slots, T_, C_}, DType::kF32, device);
+    v_cache_ = Tensor::Empty({slots, T_, C_}, DType::kF32, device);
   }
 
   // dres holds dLoss/dx_out on entry and dLoss/dx_in on return.
@@ -186,6 +191,30 @@ class Block {
   }
 
  private:
+  // One block over its first n rows: attention(att_out, qkv) is the only step that differs
+  // between a training or evaluation Forward and a Decode.
+  template <typename Attention>
+  void Run(ops::Context& ctx, const Tensor& x_in, const Tensor& x_out, int64_t N,
+           const GateCall& call, Attention attention) {
+    Tensor ln1_out = ln1_out_.Rows(0, N), qkv = qkv_.Rows(0, N), att_out = att_out_.Rows(0, N);
+    Tensor x_mid = x_mid_.Rows(0, N), ln2_out = ln2_out_.Rows(0, N);
+    Tensor ffn_out = ffn_out_.Rows(0, N);
+    ops::NormForward(ctx, norm_, ln1_out, Rows(ln1_mean_, N), ln1_rstd_.Rows(0, N), x_in,
+                     ln1_w_->value, Value(ln1_b_), eps_);
+    ops::LinearForward(ctx, qkv, ln1_out, qkv_w_->value, qkv_b_->value);
+    attention(att_out, qkv);
+    ops::LinearForward(ctx, x_mid, att_out, proj_w_->value, proj_b_->value);
+    ops::Accumulate(ctx, x_mid, x_in);
+    ops::NormForward(ctx, norm_, ln2_out, Rows(ln2_mean_, N), ln2_rstd_.Rows(0, N), x_mid,
+                     ln2_w_->value, Value(ln2_b_), eps_);
+    if (moe_) {
+      moe_->Forward(ctx, ln2_out, ffn_out, call);
+    } else {
+      ffn_->Forward(ctx, ln2_out, ffn_out, ffn_saved_.Rows(0, N));
+    }
+    ops::Add(ctx, x_out, x_mid, ffn_out);
+  }
+
   // RMSNorm keeps no mean; an undefined tensor stands for it.
   Tensor Rows(const Tensor& t, int64_t n) const {
     return norm_ == ops::NormKind::kLayerNorm ? t.Rows(0, n) : Tensor();
@@ -203,6 +232,7 @@ class Block {
   Tensor ffn_saved_;
   Tensor ln1_out_, ln1_mean_, ln1_rstd_, qkv_, att_, att_out_, x_mid_, ln2_out_, ln2_mean_,
       ln2_rstd_, ffn_out_;
+  Tensor k_cache_, v_cache_;  // [slots, seq_len, C] while decoding
 };
 
 MoeTransformer::~MoeTransformer() = default;
@@ -240,6 +270,7 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
   m->cfg_ = probe.model();
   const config::ModelConfig& cfg = m->cfg_;
   m->max_batch_ = options.max_batch;
+  m->device_ = options.device;
   m->norm_kind_ = cfg.norm() == config::ModelConfig::RMS_NORM ? ops::NormKind::kRmsNorm
                                                               : ops::NormKind::kLayerNorm;
   const int64_t C = cfg.d_model(), V = cfg.vocab_size(), T = cfg.seq_len();
@@ -344,6 +375,7 @@ double MoeTransformer::Forward(ops::Context& ctx, const int32_t* tokens, const i
   tok.CopyFromHost(tokens);
   tgt.CopyFromHost(targets);
   last_B_ = B;
+  last_rows_ = N;
   last_training_ = call.training;
 
   ops::EmbeddingForward(ctx, residual_[0].Rows(0, N), tok, wte_->value, wpe_->value, B, T);
@@ -362,6 +394,56 @@ double MoeTransformer::Forward(ops::Context& ctx, const int32_t* tokens, const i
   const float scale = static_cast<float>(call.loss_scale / static_cast<double>(N));
   double sum = ops::CrossEntropy(ctx, call.training ? logits : Tensor(), logits, tgt, scale);
   return sum / static_cast<double>(N);
+}
+
+Tensor MoeTransformer::Decode(ops::Context& ctx, const int32_t* tokens, const int32_t* slots,
+                              const int32_t* positions, int64_t n) {
+  const int64_t T = cfg_.seq_len();
+  CHECK(n >= 1 && n <= max_batch_ * T) << n << " rows, max_batch " << max_batch_;
+  const config::GateConfig& gate = cfg_.moe().gate();
+  CHECK(moe_layers_.empty() ||
+        (gate.type() != config::GateConfig::EXPERT_CHOICE && gate.capacity_factor_eval() <= 0))
+      << "Decode needs a gate that routes each token on its own";
+  for (int64_t r = 0; r < n; ++r) {
+    CHECK(slots[r] >= 0 && slots[r] < max_batch_ && positions[r] >= 0 && positions[r] < T &&
+          tokens[r] >= 0 && tokens[r] < cfg_.vocab_size())
+        << "row " << r << ": token " << tokens[r] << " of slot " << slots[r] << " at position "
+        << positions[r];
+  }
+  if (!decode_slots_.defined()) {
+    for (auto& b : blocks_) b->AllocateKvCache(max_batch_, device_);
+    decode_slots_ = Tensor::Empty({max_batch_ * T}, DType::kI32, device_);
+    decode_positions_ = Tensor::Empty({max_batch_ * T}, DType::kI32, device_);
+  }
+  Tensor tok = tokens_.Rows(0, n), slot = decode_slots_.Rows(0, n);
+  Tensor pos = decode_positions_.Rows(0, n);
+  tok.CopyFromHost(tokens);
+  slot.CopyFromHost(slots);
+  pos.CopyFromHost(positions);
+  last_B_ = 0;
+  last_rows_ = n;
+  last_training_ = false;
+  GateCall call{false, 0, 0};
+  call.batch_tokens = n;
+
+  ops::EmbeddingForwardAt(ctx, residual_[0].Rows(0, n), tok, pos, wte_->value, wpe_->value);
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    TraceScope span(ctx.tracer, "decode block", "compute", static_cast<int>(l));
+    blocks_[l]->Decode(ctx, residual_[l].Rows(0, n), residual_[l + 1].Rows(0, n), n, slot, pos,
+                       call);
+  }
+  Tensor lnf_out = lnf_out_.Rows(0, n), logits = logits_.Rows(0, n);
+  Tensor lnf_mean = norm_kind_ == ops::NormKind::kLayerNorm ? lnf_mean_.Rows(0, n) : Tensor();
+  ops::NormForward(ctx, norm_kind_, lnf_out, lnf_mean, lnf_rstd_.Rows(0, n),
+                   residual_.back().Rows(0, n), lnf_w_->value, lnf_b_ ? lnf_b_->value : Tensor(),
+                   cfg_.norm_eps());
+  ops::LinearForward(ctx, logits, lnf_out, lm_head_ ? lm_head_->value : wte_->value, Tensor());
+  return logits;
+}
+
+void MoeTransformer::ReleaseKvCache() {
+  for (auto& b : blocks_) b->AllocateKvCache(0, device_);
+  decode_slots_ = decode_positions_ = Tensor();
 }
 
 void MoeTransformer::Backward(ops::Context& ctx) {

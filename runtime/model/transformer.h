@@ -73,11 +73,31 @@ class MoeTransformer {
   void Backward(ops::Context& ctx);
 
   // The logits [B * seq_len, vocab_size] of the last Forward without call.training (a training
-  // Forward replaces them by their gradient); valid until the next Forward.
+  // Forward replaces them by their gradient), or [n, vocab_size] of the last Decode; valid until
+  // the next Forward or Decode.
   Tensor logits() const {
     CHECK(!last_training_) << "logits() after a training Forward: they hold their gradient";
-    return logits_.Rows(0, last_B_ * cfg_.seq_len());
+    return logits_.Rows(0, last_rows_);
   }
+
+  // ---- Incremental decoding (generation) ----
+  // A KV cache per block for max_batch sequences ("slots") of up to seq_len positions, allocated
+  // by the first Decode (2 * n_layers * max_batch * seq_len * d_model floats on the model's device)
+  // and kept until ReleaseKvCache.
+  //
+  // Decode runs n rows (1 <= n <= max_batch * seq_len) through the model: row r is token
+  // tokens[r] of slot slots[r] at position positions[r] < seq_len. Its key and value enter the
+  // slot's cache there, and it attends to the slot's positions [0, positions[r]]; those before
+  // it must hold the slot's earlier tokens, decoded by an earlier Decode or by an earlier row of
+  // this one (a prompt decoded in one call). Nothing past positions[r] is read, so a slot starts
+  // a new sequence by decoding from position 0. Each row costs one position: the cache is not
+  // recomputed. Returns the logits [n, vocab_size] of every row, valid until the next Forward or
+  // Decode: those a Forward over the slot's tokens 0..positions[r] gives at positions[r], up to
+  // float rounding, given a gate that routes each token on its own (Decode CHECKs that the gate
+  // is not expert choice and has no capacity at evaluation: with either, tokens compete).
+  Tensor Decode(ops::Context& ctx, const int32_t* tokens, const int32_t* slots,
+                const int32_t* positions, int64_t n);
+  void ReleaseKvCache();
 
   void ZeroGrad();
   const std::vector<Parameter*>& Parameters() const { return params_; }
@@ -103,6 +123,7 @@ class MoeTransformer {
   };
   const std::vector<MoeLayerRef>& moe_layers() const { return moe_layers_; }
   const config::ModelConfig& config() const { return cfg_; }
+  int64_t max_batch() const { return max_batch_; }
   // Parameters a token touches in one forward pass (dense, shared experts included, + k routed
   // experts per MoE layer).
   int64_t ActiveParametersPerToken() const;
@@ -126,7 +147,11 @@ class MoeTransformer {
   Tensor lnf_out_, lnf_mean_, lnf_rstd_, logits_;
   Tensor dres_, dln_, datt_, dqkv_;
   int64_t last_B_ = 0;
+  int64_t last_rows_ = 0;
   bool last_training_ = false;
+  Device device_;
+  // Decode's row descriptions (i32 [max_batch * seq_len]); defined while the KV cache is.
+  Tensor decode_slots_, decode_positions_;
 };
 
 }  // namespace strata::model

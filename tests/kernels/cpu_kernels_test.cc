@@ -239,6 +239,47 @@ TEST_F(CpuKernelsTest, AttentionForwardAndBackward) {
   ExpectClose(of, out, 1e-5, "float attention");
 }
 
+// Decoding through a KV cache, in double: every row of two sequences, fed in three calls (a
+// prefill of both that interleaves their rows, then one row at a time), gets the output of the
+// causal forward over the whole sequences at its position; the cache holds each row's key and
+// value. Slot 1's cache is filled with NaN first: nothing past a row's position may be read.
+TEST_F(CpuKernelsTest, AttentionDecodeEqualsTheCausalForwardRowByRow) {
+  const int B = 2, T = 7, C = 8, NH = 2, Tmax = 9;
+  Vec qkv = Random(B * T * 3 * C, 3);
+  Vec out(B * T * C), att(B * NH * T * T);
+  attention_forward<double>(pool, out.data(), att.data(), qkv.data(), B, T, C, NH);
+  Vec kc(B * Tmax * C, std::nan("")), vc(B * Tmax * C, std::nan(""));
+  // (slot, position) of the rows of each call.
+  const std::vector<std::vector<std::pair<int, int>>> calls = {
+      {{1, 0}, {0, 0}, {0, 1}, {1, 1}, {0, 2}, {1, 2}, {0, 3}},
+      {{0, 4}, {1, 3}},
+      {{1, 4}, {0, 5}, {1, 5}, {1, 6}, {0, 6}}};
+  for (const auto& rows : calls) {
+    const int64_t N = static_cast<int64_t>(rows.size());
+    Vec q(N * 3 * C), o(N * C);
+    std::vector<int32_t> slots, positions;
+    for (int64_t i = 0; i < N; ++i) {
+      const auto [b, t] = rows[i];
+      std::copy_n(qkv.begin() + (b * T + t) * 3 * C, 3 * C, q.begin() + i * 3 * C);
+      slots.push_back(b);
+      positions.push_back(t);
+    }
+    attention_decode<double>(pool, o.data(), q.data(), kc.data(), vc.data(), slots.data(),
+                             positions.data(), N, Tmax, C, NH);
+    for (int64_t i = 0; i < N; ++i) {
+      const auto [b, t] = rows[i];
+      for (int c = 0; c < C; ++c) {
+        EXPECT_NEAR(o[i * C + c], out[(b * T + t) * C + c], 1e-12)
+            << "slot " << b << " position " << t << " channel " << c;
+        EXPECT_EQ(kc[(b * Tmax + t) * C + c], qkv[(b * T + t) * 3 * C + C + c]);
+        EXPECT_EQ(vc[(b * Tmax + t) * C + c], qkv[(b * T + t) * 3 * C + 2 * C + c]);
+      }
+    }
+  }
+  // Positions past T were never written.
+  for (int b = 0; b < B; ++b) EXPECT_TRUE(std::isnan(kc[(b * Tmax + T) * C]));
+}
+
 TEST_F(CpuKernelsTest, ActivationsBackward) {
   const int N = 3, H = 5;
   for (Activation act : {Activation::kGelu, Activation::kRelu, Activation::kSwiglu}) {

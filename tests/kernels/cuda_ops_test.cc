@@ -509,6 +509,47 @@ TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
   }
 }
 
+TEST_F(CudaOpsTest, AttentionDecodeAndEmbeddingAtPositions) {
+  // A dot product per key, a softmax and a weighted sum per channel, like AttentionForward: 2e-5
+  // for out, and the cache rows are copies (bitwise). EmbeddingForwardAt is pointwise (1e-5).
+  struct Case {
+    int64_t S, Tmax, C, NH, N;
+  };
+  for (Case cs : {Case{3, 40, 64, 4, 50}, Case{2, 300, 384, 6, 7}, Case{4, 17, 96, 3, 4}}) {
+    const int64_t S = cs.S, Tmax = cs.Tmax, C = cs.C, NH = cs.NH, N = cs.N;
+    SCOPED_TRACE("S=" + std::to_string(S) + " Tmax=" + std::to_string(Tmax) +
+                 " C=" + std::to_string(C) + " N=" + std::to_string(N));
+    // A cache already holding positions [0, 10) of every slot (or Tmax - N / S, if fewer), then
+    // N rows: each slot's next positions, the slots' rows interleaved.
+    const int64_t held = std::min<int64_t>(10, Tmax - (N + S - 1) / S);
+    Tensor k_c = RandomF32({S, Tmax, C}, 70), v_c = RandomF32({S, Tmax, C}, 71);
+    Tensor k_g = Up(k_c), v_g = Up(v_c);
+    Tensor slots = Tensor::Empty({N}, DType::kI32), positions = Tensor::Empty({N}, DType::kI32);
+    std::vector<int64_t> next(static_cast<size_t>(S), held);
+    for (int64_t i = 0; i < N; ++i) {
+      slots.i32()[i] = static_cast<int32_t>(i % S);
+      positions.i32()[i] = static_cast<int32_t>(next[i % S]++);
+    }
+    Tensor qkv = RandomF32({N, 3 * C}, 72);
+    Tensor out_c = Tensor::Empty({N, C});
+    ops::AttentionDecode(ctx, out_c, qkv, k_c, v_c, slots, positions, NH);
+    Tensor out_g = GpuGarbage({N, C});
+    ops::AttentionDecode(ctx, out_g, Up(qkv), k_g, v_g, Up(slots), Up(positions), NH);
+    ExpectClose(out_g, out_c, kGemm, "decode out");
+    ExpectBitwiseEqual(k_g, Up(k_c), "k cache");
+    ExpectBitwiseEqual(v_g, Up(v_c), "v cache");
+
+    const int64_t V = 50;
+    Tensor tokens = RandomI32({N}, 0, V, 73);
+    Tensor wte = RandomF32({V, C}, 74), wpe = RandomF32({Tmax, C}, 75);
+    Tensor emb_c = Tensor::Empty({N, C});
+    ops::EmbeddingForwardAt(ctx, emb_c, tokens, positions, wte, wpe);
+    Tensor emb_g = GpuGarbage({N, C});
+    ops::EmbeddingForwardAt(ctx, emb_g, Up(tokens), Up(positions), Up(wte), Up(wpe));
+    ExpectClose(emb_g, emb_c, kPointwise, "embedding at positions");
+  }
+}
+
 const char* ActName(Activation act) {
   return act == Activation::kGelu ? "gelu" : act == Activation::kRelu ? "relu" : "swiglu";
 }

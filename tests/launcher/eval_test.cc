@@ -8,8 +8,6 @@
 //   finished;
 // - bad input (no checkpoint, a missing step, a short file, bad flags) is a clear error.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -123,30 +121,12 @@ TEST(EvalTest, TheHeldOutTailFromTheLastCheckpointGivesTheTrainersEvaluation) {
 TEST(EvalTest, WeightsOfATwoWorkerTieredCheckpointAreWhatTheWorkersExported) {
   TempDir dir;
   WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(30000));
-  config::JobConfig cfg =
-      strata::testing::TinyMoeJob("text.txt",
-                                  "train { steps: 4 global_batch: 4 threads: 1 eval_every: 0 }\n"
-                                  "parallel { expert_parallel: 0 }\n"
-                                  "storage { mode: TIERED io_block_bytes: 8192 }\n"
-                                  "checkpoint { every: 4 dir: \"ckpt\" }\n");
+  const config::JobConfig cfg = strata::testing::TieredShardedJob("text.txt", 4, 4);
   WriteFile(dir.File("job.textproto"), config::ToText(cfg));
-  std::vector<pid_t> pids;
-  for (int r = 0; r < 2; ++r) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      const std::string cmd = absl::StrCat(
-          "cd ", dir.path(), " && exec ", kStrata, " worker --config job.textproto --quiet --rank ",
-          r, " --world-size 2 --store store --export-params exported > worker", r, ".log 2>&1");
-      execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    pids.push_back(pid);
-  }
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(strata::testing::WaitExit(pids[r]), 0)
-        << ReadFile(dir.File(absl::StrCat("worker", r, ".log")));
-  }
-  if (HasFailure()) return;
+  ASSERT_EQ(
+      strata::testing::RunWorkers(
+          dir.path(), 2, "--config job.textproto --quiet --store store --export-params exported"),
+      "");
 
   auto ckpt = checkpoint::CheckpointManager::ReadModelConfig(dir.File("ckpt"), -1);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();

@@ -1,12 +1,15 @@
 // `strata generate` and GenerateFromCheckpoint, on a checkpoint a real `strata train` wrote:
-// - greedy decoding is the argmax of the model's logits at the last position of the window,
-//   recomputed here pass by pass through the model API (a prompt longer than seq_len included:
-//   the window slides); top-k 1 is greedy whatever the temperature and seed;
+// - decoding through the KV cache, greedy and sampled, draws what the logits of a full Forward
+//   over the window give at its last position, recomputed here for every token (a prompt longer
+//   than seq_len included, and three restarts of the window at seq_len / 2); top-k 1 is greedy
+//   whatever the temperature and seed;
 // - a seed gives the same text, another seed another, and a prompt gets the same text alone or in
 //   a batch with others (a dropless gate routes every token on its own);
 // - SampleToken keeps exactly the top-k / top-p tokens and draws them with their renormalised
 //   probabilities (frequencies over 20,000 draws);
-// - the command streams one prompt, prints a file of prompts, and refuses bad input clearly.
+// - the command streams one prompt, prints a file of prompts, and refuses bad input clearly;
+// - a checkpoint four TIERED expert-parallel workers wrote (four shards, one expert each) generates
+//   bit for bit what the parameters those workers exported generate in this process.
 #include "train/generate.h"
 
 #include <gtest/gtest.h>
@@ -14,10 +17,12 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "checkpoint/manager.h"
 #include "core/common/rng.h"
 #include "proto/config_io.h"
 #include "tests/test_util.h"
@@ -27,6 +32,7 @@
 namespace strata {
 namespace {
 
+using strata::testing::ReadFile;
 using strata::testing::RunCommand;
 using strata::testing::TempDir;
 using strata::testing::WriteFile;
@@ -68,43 +74,54 @@ class GenerateTest : public ::testing::Test {
 };
 TempDir* GenerateTest::dir_ = nullptr;
 
-TEST_F(GenerateTest, GreedyIsTheArgmaxOfTheLastPositionsLogitsAndTopKOneIsGreedy) {
+TEST_F(GenerateTest, DecodingSamplesWhatFullPassesOverTheWindowGiveAndTopKOneIsGreedy) {
   const std::string prompt = "The quick brown fox jumps over the lazy dog, again and";  // > 32
-  train::GenerateOptions o = Options({prompt});
-  o.temperature = 0;
-  const std::vector<std::string> greedy = Generate(o);
-  ASSERT_EQ(greedy.size(), 1u);
-  ASSERT_EQ(greedy[0].size(), 12u);
-
-  // The same, pass by pass through the model API.
   auto m = train::LoadCheckpointModel(Ckpt(), -1, 1, 2, "cpu");
   ASSERT_TRUE(m.ok()) << m.status();
   const int64_t T = (*m)->checkpoint.model.seq_len(), V = (*m)->checkpoint.model.vocab_size();
-  std::string text = prompt;
-  for (int i = 0; i < 12; ++i) {
-    const std::string window =
-        text.substr(text.size() > static_cast<size_t>(T) ? text.size() - T : 0);
-    std::vector<int32_t> tokens(static_cast<size_t>(T), 0), targets(tokens.size(), 0);
-    for (size_t j = 0; j < window.size(); ++j) tokens[j] = static_cast<unsigned char>(window[j]);
-    model::GateCall call{false, static_cast<uint64_t>((*m)->checkpoint.step), 0};
-    (*m)->model->Forward((*m)->ctx, tokens.data(), targets.data(), 1, call);
-    std::vector<float> logits(static_cast<size_t>(T * V));
-    (*m)->model->logits().CopyToHost(logits.data());
-    const float* row = logits.data() + (window.size() - 1) * V;
-    int best = 0;
-    for (int v = 1; v < V; ++v) {
-      if (row[v] > row[best]) best = v;
-    }
-    text.push_back(static_cast<char>(best));
-  }
-  EXPECT_EQ(greedy[0], text.substr(prompt.size()));
+  ASSERT_EQ(T, 32) << "40 tokens after a 54-byte prompt restart the window three times at 32";
+  for (double temperature : {0.0, 1.0}) {
+    SCOPED_TRACE(absl::StrCat("temperature ", temperature));
+    train::GenerateOptions o = Options({prompt});
+    o.temperature = temperature;
+    o.seed = 4;
+    o.max_tokens = 40;
+    const std::vector<std::string> got = Generate(o);
+    ASSERT_EQ(got.size(), 1u);
+    ASSERT_EQ(got[0].size(), 40u);
 
-  for (uint64_t seed : {1u, 99u}) {
-    train::GenerateOptions k1 = Options({prompt});
-    k1.temperature = 1.7;
-    k1.top_k = 1;
-    k1.seed = seed;
-    EXPECT_EQ(Generate(k1), greedy) << "seed " << seed;
+    // The same, by a full pass over the window for every token (generate.h's window rule: the
+    // prompt's last T tokens, restarting with the last T / 2 when it would pass T), the token
+    // drawn by SampleToken from the prompt's stream.
+    std::string text = prompt;
+    size_t start = text.size() - T;
+    for (int i = 0; i < 40; ++i) {
+      if (text.size() - start > static_cast<size_t>(T)) start = text.size() - T / 2;
+      const std::string window = text.substr(start);
+      std::vector<int32_t> tokens(static_cast<size_t>(T), 0), targets(tokens.size(), 0);
+      for (size_t j = 0; j < window.size(); ++j) tokens[j] = static_cast<unsigned char>(window[j]);
+      model::GateCall call{false, static_cast<uint64_t>((*m)->checkpoint.step), 0};
+      (*m)->model->Forward((*m)->ctx, tokens.data(), targets.data(), 1, call);
+      std::vector<float> logits(static_cast<size_t>(T * V));
+      (*m)->model->logits().CopyToHost(logits.data());
+      const float* row = logits.data() + (window.size() - 1) * V;
+      text.push_back(
+          static_cast<char>(train::SampleToken(row, static_cast<int>(V), temperature, 0, 1.0,
+                                               train::PromptKey(4, prompt), text.size())));
+    }
+    EXPECT_EQ(got[0], text.substr(prompt.size()));
+    if (temperature == 0) {
+      for (uint64_t seed : {1u, 99u}) {
+        train::GenerateOptions k1 = o;
+        k1.temperature = 1.7;
+        k1.top_k = 1;
+        k1.seed = seed;
+        EXPECT_EQ(Generate(k1), got) << "seed " << seed;
+      }
+    } else {
+      // Sampling, not a run of one byte: what the reference checks is the text of a distribution.
+      EXPECT_GT(std::set<char>(got[0].begin(), got[0].end()).size(), 4u) << got[0];
+    }
   }
 }
 
@@ -213,8 +230,8 @@ TEST_F(GenerateTest, TheCommandStreamsAPromptPrintsAFileOfThemAndRefusesBadInput
   }
 }
 
-// Expert-choice routing lets a batch's tokens compete, so the window's padding would change a
-// prompt's routing: refused before the weights are read.
+// Expert-choice routing lets a batch's tokens compete, so a token's route would depend on what is
+// decoded beside it: refused before the weights are read.
 TEST(GenerateRefusalTest, AnExpertChoiceModelIsRefusedNamingWhy) {
   TempDir dir;
   WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(20000));
@@ -235,6 +252,63 @@ TEST(GenerateRefusalTest, AnExpertChoiceModelIsRefusedNamingWhy) {
   EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition) << g.status();
   EXPECT_NE(g.status().message().find("routes with expert choice"), std::string::npos)
       << g.status();
+}
+
+// Four `strata worker` processes train a TIERED expert-parallel job (one expert of each layer per
+// worker, every expert on the workers' SSD tier) and checkpoint it as four shards; each exports
+// its parameters when training ends. Generation from the sharded checkpoint (one process reading
+// every shard) equals generation in this process from a model given the exported parameters,
+// greedy and sampled, text for text.
+TEST(GenerateShardedTest, AFourWorkerTieredCheckpointGeneratesWhatItsWorkersParametersDo) {
+  TempDir dir;
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(30000));
+  const config::JobConfig cfg = strata::testing::TieredShardedJob("text.txt", 6, 8);
+  WriteFile(dir.File("job.textproto"), config::ToText(cfg));
+  constexpr int kWorkers = 4;
+  ASSERT_EQ(strata::testing::RunWorkers(
+                dir.path(), kWorkers,
+                "--config job.textproto --quiet --store store --export-params exported"),
+            "");
+  auto list = checkpoint::CheckpointManager::List(dir.File("ckpt"));
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_FALSE(list->empty());
+  EXPECT_EQ(list->back().shards.size(), static_cast<size_t>(kWorkers));
+
+  // The same parameters in one process: the model built from the checkpoint's config, every
+  // parameter set from what the workers exported.
+  auto ckpt = checkpoint::CheckpointManager::ReadModelConfig(dir.File("ckpt"), -1);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  ASSERT_EQ(ckpt->workers, kWorkers);
+  ThreadPool pool(2);
+  ops::Context ctx;
+  ctx.pool = &pool;
+  model::ModelOptions mo;
+  mo.config = ckpt->model;
+  mo.seed = 12345;  // not the job's: every value comes from the export
+  mo.max_batch = 3;
+  auto model = model::MoeTransformer::Create(ctx, mo);
+  ASSERT_TRUE(model.ok()) << model.status();
+  for (model::Parameter* p : (*model)->Parameters()) {
+    const std::string exported = ReadFile(dir.File("exported/" + p->name + ".f32"));
+    ASSERT_EQ(exported.size(), static_cast<size_t>(p->value.numel()) * sizeof(float)) << p->name;
+    p->value.CopyFromHost(exported.data());
+  }
+
+  for (double temperature : {0.0, 0.9}) {
+    train::GenerateOptions o;
+    o.checkpoint_dir = dir.File("ckpt");
+    o.prompts = {"Once upon a time", "The quick brown fox jumps over the lazy dog, again", "A"};
+    o.max_tokens = 40;
+    o.temperature = temperature;
+    o.seed = 3;
+    o.threads = 2;
+    auto sharded = train::GenerateFromCheckpoint(o);
+    ASSERT_TRUE(sharded.ok()) << sharded.status();
+    auto one = train::Generate(ctx, **model, ckpt->step, "the exported parameters", o);
+    ASSERT_TRUE(one.ok()) << one.status();
+    EXPECT_EQ(sharded->completions, one->completions) << "temperature " << temperature;
+    EXPECT_EQ(sharded->tokens, 3 * 40);
+  }
 }
 
 }  // namespace

@@ -34,4 +34,18 @@ inline config::JobConfig TinyMoeJob(const std::string& data_path, const std::str
   return *cfg;
 }
 
+// TinyMoeJob trained TIERED and expert-parallel over every worker (`strata worker` processes,
+// one thread each) for `steps` steps of `global_batch` sequences, with one checkpoint, at the
+// last step, in "ckpt" of the folder the workers run in.
+inline config::JobConfig TieredShardedJob(const std::string& data_path, int steps,
+                                          int global_batch) {
+  return TinyMoeJob(data_path, "train { steps: " + std::to_string(steps) +
+                                   " global_batch: " + std::to_string(global_batch) +
+                                   " threads: 1 eval_every: 0 }\n"
+                                   "parallel { expert_parallel: 0 }\n"
+                                   "storage { mode: TIERED io_block_bytes: 8192 }\n"
+                                   "checkpoint { every: " +
+                                   std::to_string(steps) + " dir: \"ckpt\" }\n");
+}
+
 }  // namespace strata::testing
