@@ -271,11 +271,18 @@ class CheckpointManager {
   [[nodiscard]] static StatusOr<ModelOfCheckpoint> ReadModelConfig(const std::string& dir,
                                                                    int64_t step);
   // Reads the weights of checkpoint `step` (no Adam moments) into `model`, built from
-  // ReadModelConfig's config and seed with every expert in memory, from whichever shards hold
-  // them (a checkpoint written by any number of workers); every extent's CRC-32C is checked. A
-  // model of another config is refused naming the difference.
+  // ReadModelConfig's config and seed with every expert (bound or not), from whichever shards
+  // hold them (a checkpoint written by any number of workers); every extent's CRC-32C is checked.
+  // A model of another config is refused naming the difference. A model built with unbound
+  // experts (ModelOptions::unbound_experts: they live in a residency) needs `expert_sink`: each
+  // expert's weights blob (laid out by ExpertLayout), one expert at a time, goes to
+  // expert_sink(moe_layer, expert, blob) — except an expert the checkpoint holds at its
+  // initialisation, whose values the residency generates from the seed. The sink is called on the
+  // caller's thread; its error stops the read.
+  using ExpertSink = std::function<Status(int moe_layer, int expert, const float* blob)>;
   [[nodiscard]] static Status ReadWeights(const std::string& dir, int64_t step, uint64_t seed,
-                                          model::MoeTransformer& model);
+                                          model::MoeTransformer& model,
+                                          const ExpertSink& expert_sink = nullptr);
 
  private:
   using VersionKey = std::tuple<int32_t, int32_t, int32_t, uint64_t>;  // layer, expert, kind, v

@@ -73,7 +73,7 @@ StatusOr<CheckpointManager::ModelOfCheckpoint> CheckpointManager::ReadModelConfi
 }
 
 Status CheckpointManager::ReadWeights(const std::string& dir, int64_t step, uint64_t seed,
-                                      model::MoeTransformer& model) {
+                                      model::MoeTransformer& model, const ExpertSink& expert_sink) {
   for (const auto& ref : model.moe_layers()) {
     if (ref.layer->num_local_experts() != ref.layer->num_experts()) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -139,7 +139,9 @@ Status CheckpointManager::ReadWeights(const std::string& dir, int64_t step, uint
     }
     p->value.CopyFromHost(host.data());
   }
-  for (const auto& ref : model.moe_layers()) {
+  const std::vector<model::MoeTransformer::MoeLayerRef>& layers = model.moe_layers();
+  for (size_t li = 0; li < layers.size(); ++li) {
+    const auto& ref = layers[li];
     for (int64_t x = 0; x < ref.layer->num_experts(); ++x) {
       auto it = experts.find({ref.block, static_cast<int32_t>(x)});
       if (it == experts.end()) {
@@ -150,6 +152,13 @@ Status CheckpointManager::ReadWeights(const std::string& dir, int64_t step, uint
       std::vector<model::Parameter*> ps = ref.layer->expert(x).Parameters();
       const model::ExpertLayout layout = model::ExpertLayout::Of(ps);
       std::vector<float> blob(static_cast<size_t>(layout.floats), 0.0f);
+      if (!ps.front()->value.defined()) {  // unbound: the residency's
+        CHECK(expert_sink) << "ReadWeights: a model with unbound experts needs an expert sink";
+        if (it->second.ref.generated()) continue;
+        RETURN_IF_ERROR(read(it->second, blob.data(), layout.floats));
+        RETURN_IF_ERROR(expert_sink(static_cast<int>(li), static_cast<int>(x), blob.data()));
+        continue;
+      }
       if (it->second.ref.generated()) {
         for (size_t i = 0; i < ps.size(); ++i) {
           model::InitialValues(*ps[i], seed, blob.data() + layout.segments[i].offset);

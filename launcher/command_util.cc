@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "core/common/bytes.h"
 #include "core/common/logging.h"
 #include "core/device/device.h"
 #include "kernels/blas_kernel.h"
@@ -122,6 +123,48 @@ void MakePathsAbsolute(config::JobConfig* cfg) {
   if (cfg->has_checkpoint() && cfg->checkpoint().has_dir()) {
     absolute(cfg->mutable_checkpoint()->mutable_dir());
   }
+}
+
+const std::vector<FlagSpec>& OffloadFlags() {
+  static const std::vector<FlagSpec> specs = {
+      {"offload", "keep the experts in a tiered store (the next three flags imply it)", false},
+      {"offload-device", "device memory of its ring of expert slots, e.g. 2GiB (default: all)"},
+      {"offload-host", "host memory for experts, e.g. 8GiB (default: all)"},
+      {"offload-dir", "folder of its SSD tier (default: a private one under $TMPDIR)"},
+  };
+  return specs;
+}
+
+StatusOr<train::OffloadOptions> OffloadFrom(const Flags& flags) {
+  train::OffloadOptions o;
+  for (const FlagSpec& f : OffloadFlags()) o.enabled |= flags.Has(f.name);
+  for (auto [name, into] : {std::pair<const char*, uint64_t*>{"offload-device", &o.device_bytes},
+                            {"offload-host", &o.host_bytes}}) {
+    if (const std::optional<std::string> v = flags.String(name)) {
+      auto bytes = ParseBytes(*v);
+      if (!bytes.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("--%s: %s", name, bytes.status().message()));
+      }
+      *into = *bytes;
+    }
+  }
+  o.ssd_dir = flags.String("offload-dir").value_or("");
+  return o;
+}
+
+std::string OffloadSummary(const train::OffloadOptions& o, const train::OffloadReport& r,
+                           int64_t tokens, double seconds) {
+  auto budget = [](uint64_t b) { return b == 0 ? std::string("unlimited") : FormatBytes(b); };
+  return absl::StrFormat(
+      "offload: %s of experts through a ring of %s over %s of host memory (loaded in %.2f s); "
+      "%s read from SSD (%s a token), %s into the ring; prefetch guessed %d of %d routed experts "
+      "(%.0f%%); compute threads waited %.2f s in all, in %.2f s",
+      FormatBytes(r.expert_bytes), budget(o.device_bytes), budget(o.host_bytes), r.load_seconds,
+      FormatBytes(r.ssd_bytes_read), FormatBytes(r.ssd_bytes_read / std::max<int64_t>(tokens, 1)),
+      FormatBytes(r.device_bytes_in), r.guessed, r.routed,
+      100.0 * static_cast<double>(r.guessed) / std::max<double>(1.0, static_cast<double>(r.routed)),
+      r.stall_seconds, seconds);
 }
 
 bool WantsHelp(const std::vector<std::string>& args) {

@@ -18,6 +18,7 @@
 #include "core/common/status.h"
 #include "launcher/flags.h"
 #include "proto/config.pb.h"
+#include "train/evaluate.h"
 #include "train/trainer.h"
 
 namespace strata::launcher {
@@ -33,6 +34,17 @@ int Fail(const Status& s);
 
 // Whether the arguments ask for help (--help or -h).
 bool WantsHelp(const std::vector<std::string>& args);
+
+// The flags of a model whose experts are offloaded (`strata generate`, `strata eval`; see
+// train/evaluate.h): --offload, --offload-device, --offload-host, --offload-dir.
+const std::vector<FlagSpec>& OffloadFlags();
+// Their OffloadOptions (offloading is on when any of them is given); INVALID_ARGUMENT naming the
+// flag for a size that does not parse.
+[[nodiscard]] StatusOr<train::OffloadOptions> OffloadFrom(const Flags& flags);
+// What offloading did, as one line for stderr: the budgets, the SSD bytes a token, the history
+// prefetch's guesses and how long compute threads waited for experts.
+std::string OffloadSummary(const train::OffloadOptions& o, const train::OffloadReport& r,
+                           int64_t tokens, double seconds);
 
 // The flags that override fields of the job config.
 struct Overrides {

@@ -18,18 +18,22 @@ namespace strata::launcher {
 namespace {
 
 const std::vector<FlagSpec>& EvalFlags() {
-  static const std::vector<FlagSpec> specs = {
-      {"checkpoint", "checkpoint folder (a job's checkpoint.dir or --checkpoint-dir); required"},
-      {"step", "the checkpoint of this step (default: the newest)"},
-      {"data", "token file to evaluate on, every window of seq_len + 1 tokens; required"},
-      {"format", "the file's tokens: bytes (default) or uint16 (little-endian)"},
-      {"batch", "windows per forward pass (default 8)"},
-      {"max-windows", "evaluate only the first N windows (default: all)"},
-      {"threads", "CPU threads (default: every core)"},
-      {"device", "cpu (default), cuda or cuda:N"},
-      {"json", "print the result as one JSON object", false},
-      {"quiet", "no progress line", false},
-  };
+  static const std::vector<FlagSpec> specs = [] {
+    std::vector<FlagSpec> s = {
+        {"checkpoint", "checkpoint folder (a job's checkpoint.dir or --checkpoint-dir); required"},
+        {"step", "the checkpoint of this step (default: the newest)"},
+        {"data", "token file to evaluate on, every window of seq_len + 1 tokens; required"},
+        {"format", "the file's tokens: bytes (default) or uint16 (little-endian)"},
+        {"batch", "windows per forward pass (default 8)"},
+        {"max-windows", "evaluate only the first N windows (default: all)"},
+        {"threads", "CPU threads (default: every core)"},
+        {"device", "cpu (default), cuda or cuda:N"},
+        {"json", "print the result as one JSON object", false},
+        {"quiet", "no progress line", false},
+    };
+    s.insert(s.end(), OffloadFlags().begin(), OffloadFlags().end());
+    return s;
+  }();
   return specs;
 }
 
@@ -75,6 +79,9 @@ int EvalCommand(const std::vector<std::string>& args) {
     if (v->has_value()) f.set(**v);
   }
   o.device = flags->String("device").value_or("cpu");
+  auto offload = OffloadFrom(*flags);
+  if (!offload.ok()) return UsageError(offload.status(), "eval", EvalFlags());
+  o.offload = *offload;
   const bool json = flags->Has("json");
   const bool progress = !flags->Has("quiet") && !json;
   const bool tty = isatty(STDERR_FILENO);
@@ -104,7 +111,20 @@ int EvalCommand(const std::vector<std::string>& args) {
     // Every digit of a double: a script compares runs with it.
     j.Key("loss").Double(r->loss, 17);
     if (std::isfinite(r->bits_per_byte)) j.Key("bits_per_byte").Double(r->bits_per_byte, 17);
-    j.Field("seconds", r->seconds).EndObject();
+    j.Field("seconds", r->seconds);
+    if (o.offload.enabled) {
+      j.Key("offload")
+          .BeginObject()
+          .Field("expert_bytes", r->offload.expert_bytes)
+          .Field("ssd_bytes_read", r->offload.ssd_bytes_read)
+          .Field("device_bytes_in", r->offload.device_bytes_in)
+          .Field("routed", r->offload.routed)
+          .Field("guessed", r->offload.guessed)
+          .Field("stall_seconds", r->offload.stall_seconds)
+          .Field("load_seconds", r->offload.load_seconds)
+          .EndObject();
+    }
+    j.EndObject();
     std::printf("%s\n", j.str().c_str());
     return 0;
   }
@@ -116,6 +136,9 @@ int EvalCommand(const std::vector<std::string>& args) {
               static_cast<long long>(r->windows), static_cast<long long>(r->tokens), r->loss);
   if (std::isfinite(r->bits_per_byte)) std::printf(", %.4f bits per byte", r->bits_per_byte);
   std::printf(" (%.1f s, %.0f tokens/s)\n", r->seconds, r->tokens / std::max(r->seconds, 1e-9));
+  if (o.offload.enabled) {
+    std::printf("  %s\n", OffloadSummary(o.offload, r->offload, r->tokens, r->seconds).c_str());
+  }
   return 0;
 }
 

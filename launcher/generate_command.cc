@@ -18,20 +18,24 @@ namespace strata::launcher {
 namespace {
 
 const std::vector<FlagSpec>& GenerateFlags() {
-  static const std::vector<FlagSpec> specs = {
-      {"checkpoint", "checkpoint folder (a job's checkpoint.dir or --checkpoint-dir); required"},
-      {"step", "the checkpoint of this step (default: the newest)"},
-      {"prompt", "the text to continue"},
-      {"prompt-file", "prompts to continue together, one per line (instead of --prompt)"},
-      {"max-tokens", "tokens to generate per prompt (default 64)"},
-      {"temperature", "divides the logits; 0 takes the most likely token (default 1)"},
-      {"top-k", "sample among the K most likely tokens; 0: all (default 0)"},
-      {"top-p", "sample among the most likely tokens holding this probability (default 1)"},
-      {"seed", "seed of the draws (default 0): the same seed, the same text"},
-      {"batch", "prompts of a --prompt-file generated together (default 16)"},
-      {"threads", "CPU threads (default: every core)"},
-      {"device", "cpu (default), cuda or cuda:N"},
-  };
+  static const std::vector<FlagSpec> specs = [] {
+    std::vector<FlagSpec> s = {
+        {"checkpoint", "checkpoint folder (a job's checkpoint.dir or --checkpoint-dir); required"},
+        {"step", "the checkpoint of this step (default: the newest)"},
+        {"prompt", "the text to continue"},
+        {"prompt-file", "prompts to continue together, one per line (instead of --prompt)"},
+        {"max-tokens", "tokens to generate per prompt (default 64)"},
+        {"temperature", "divides the logits; 0 takes the most likely token (default 1)"},
+        {"top-k", "sample among the K most likely tokens; 0: all (default 0)"},
+        {"top-p", "sample among the most likely tokens holding this probability (default 1)"},
+        {"seed", "seed of the draws (default 0): the same seed, the same text"},
+        {"batch", "prompts of a --prompt-file generated together (default 16)"},
+        {"threads", "CPU threads (default: every core)"},
+        {"device", "cpu (default), cuda or cuda:N"},
+    };
+    s.insert(s.end(), OffloadFlags().begin(), OffloadFlags().end());
+    return s;
+  }();
   return specs;
 }
 
@@ -111,6 +115,9 @@ int GenerateCommand(const std::vector<std::string>& args) {
     *into = *v;
   }
   o.device = flags->String("device").value_or("cpu");
+  auto offload = OffloadFrom(*flags);
+  if (!offload.ok()) return UsageError(offload.status(), "generate", GenerateFlags());
+  o.offload = *offload;
   // One prompt streams its text as it comes; several print each prompt and its continuation once
   // all are done.
   const bool stream = o.prompts.size() == 1;
@@ -143,6 +150,10 @@ int GenerateCommand(const std::vector<std::string>& args) {
   std::fprintf(stderr, "generate: checkpoint %lld, %lld tokens in %.2f s (%.0f tokens/s)\n",
                static_cast<long long>(g->step), static_cast<long long>(g->tokens), g->seconds,
                g->tokens / std::max(g->seconds, 1e-9));
+  if (o.offload.enabled) {
+    std::fprintf(stderr, "%s\n",
+                 OffloadSummary(o.offload, g->offload, g->tokens, g->seconds).c_str());
+  }
   return 0;
 }
 

@@ -264,9 +264,12 @@ void TieredExpertScheduler::SlideWindowLocked() {
 void TieredExpertScheduler::BeginPass(int layer, Pass pass, std::span<const int> experts) {
   const int li = MoeIndex(layer);
   WaitUpdated(li);
+  // The layer whose experts this forward prefetches by history: the next one, or with a ring
+  // the first after the last (the next pass's).
+  const int next = li + 1 < moe_layers() ? li + 1 : options_.ring ? 0 : -1;
   // Fetch the next layer's usual experts only once their update is done (a copy made before
   // would be dropped by it).
-  const bool next_updated = li + 1 < moe_layers() && Updated(li + 1);
+  const bool next_updated = next >= 0 && Updated(next);
   std::lock_guard<std::mutex> lock(mu_);
   pass_li_ = li;
   pass_ = pass;
@@ -276,13 +279,23 @@ void TieredExpertScheduler::BeginPass(int layer, Pass pass, std::span<const int>
   Layer& L = layers_[li];
   if (pass == Pass::kForward) {
     L.routed = pending_;
-    for (int e : pending_) L.history[e] += 1.0;
+    for (int e : pending_) {
+      L.history[e] += 1.0;
+      const bool guessed = std::find(L.guessed.begin(), L.guessed.end(), e) != L.guessed.end();
+      ++prefetch_counts_.routed;
+      prefetch_counts_.guessed +=
+          guessed || store_->DeviceReady(Key(li, e, TensorKind::kWeights)) ? 1 : 0;
+    }
+    L.guessed.clear();
   }
   SlideWindowLocked();
   // Horizontal prefetch behind this layer's experts, if the device tier has room for more.
   const int spare = Window() - static_cast<int>(pending_.size());
   if (pass == Pass::kForward && next_updated && spare > 0) {
-    PrefetchWeights(li + 1, ByHistory(li + 1, spare));
+    const std::vector<int> guess = ByHistory(next, spare);
+    PrefetchWeights(next, guess);
+    std::vector<int>& g = layers_[next].guessed;
+    g.insert(g.end(), guess.begin(), guess.end());
   }
   if (pass == Pass::kBackward && li == 0 && !hinted_update_) {
     hinted_update_ = true;
@@ -703,6 +716,11 @@ Status TieredExpertScheduler::RunUpdate(const Update& u) {
     }
   }
   return absl::OkStatus();
+}
+
+ForwardPrefetchCounts TieredExpertScheduler::forward_prefetch() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return prefetch_counts_;
 }
 
 void TieredExpertScheduler::EndStep() {

@@ -103,6 +103,16 @@ struct TieredOptions {
   std::function<std::unique_ptr<storage::BlockIo>(std::unique_ptr<storage::BlockIo>)> wrap_io;
   // The SSD tier of the checkpoint folder, when there is one (else the store opens ssd_dir).
   std::shared_ptr<storage::SsdTier> shared_ssd;
+  // Inference (forward passes only, one after another): the last MoE layer's forward prefetches
+  // the first layer's experts by history too, for the next pass — the layers form a ring.
+  bool ring = false;
+};
+
+// How well the experts routed in forward passes had been guessed: `routed` experts (one count
+// per layer and pass), of which `guessed` were already on the device, or on their way there, when
+// their layer's gate routed (history prefetch, or still resident from before).
+struct ForwardPrefetchCounts {
+  uint64_t routed = 0, guessed = 0;
 };
 
 class TieredExpertScheduler : public model::ExpertResidency {
@@ -176,6 +186,8 @@ class TieredExpertScheduler : public model::ExpertResidency {
   [[nodiscard]] Status FinishExpertStep();
   // Ends the step: decays routing history and LFU hits.
   void EndStep();
+  // Since Create. Any thread.
+  ForwardPrefetchCounts forward_prefetch() const;
 
   // Records expert compute, stall and optimizer spans (and the store's stage spans) from now on.
   void set_tracer(Tracer* tracer);
@@ -221,6 +233,7 @@ class TieredExpertScheduler : public model::ExpertResidency {
     std::vector<int> routed;      // experts with rows in the last forward
     std::vector<double> grad_sq;  // this step's gradient sums of squares
     std::vector<double> started;  // trace: when each expert's work began
+    std::vector<int> guessed;     // history prefetches since the layer's last forward
   };
   struct Item {  // one expert's optimizer step
     int li, e;
@@ -291,6 +304,7 @@ class TieredExpertScheduler : public model::ExpertResidency {
   bool hinted_update_ = false;    // HintUpdateReads ran this step
   uint64_t backward_hinted_ = 0;
   std::unordered_map<float*, std::shared_ptr<Buffer>> blobs_;
+  ForwardPrefetchCounts prefetch_counts_;
 
   // The expert update (optimizer thread). updated_layers_: the leading MoE layers the update in
   // flight has finished (all of them when none is in flight).

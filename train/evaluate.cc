@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <thread>
@@ -15,14 +16,114 @@
 #include "runtime/data/dataset.h"
 #include "runtime/model/transformer.h"
 #include "storage/env.h"
+#include "storage/private_folder.h"
 
 namespace strata::train {
 
+// In destruction order: the scheduler (with its store), the budgets it charged, the folder.
+struct CheckpointModel::Offload {
+  std::unique_ptr<storage::PrivateFolder> folder;
+  std::unique_ptr<MemoryBudget> device_budget, host_budget;
+  std::unique_ptr<scheduler::TieredExpertScheduler> scheduler;
+  storage::StoreStats stats;  // summed over the passes so far
+  double load_seconds = 0;
+  uint64_t expert_bytes = 0;
+};
+
+CheckpointModel::CheckpointModel() = default;
+CheckpointModel::~CheckpointModel() = default;
+
+Status CheckpointModel::EndPass() {
+  if (!offload) return absl::OkStatus();
+  const Status s = offload->scheduler->status();
+  offload->scheduler->EndStep();
+  const storage::StoreStats st = offload->scheduler->store().TakeStats();
+  offload->stats.ssd.bytes_out += st.ssd.bytes_out;
+  offload->stats.device.bytes_in += st.device.bytes_in;
+  offload->stats.stall_seconds += st.stall_seconds;
+  if (!s.ok()) {
+    return Status(s.code(), absl::StrFormat("the offloaded experts of %s: %s", name, s.message()));
+  }
+  return absl::OkStatus();
+}
+
+OffloadReport CheckpointModel::offload_report() const {
+  OffloadReport r;
+  if (!offload) return r;
+  r.ssd_bytes_read = offload->stats.ssd.bytes_out;
+  r.device_bytes_in = offload->stats.device.bytes_in;
+  r.stall_seconds = offload->stats.stall_seconds;
+  const scheduler::ForwardPrefetchCounts c = offload->scheduler->forward_prefetch();
+  r.routed = c.routed;
+  r.guessed = c.guessed;
+  r.load_seconds = offload->load_seconds;
+  r.expert_bytes = offload->expert_bytes;
+  return r;
+}
+
+namespace {
+
+// The offloaded store of `m` (built with unbound experts), attached to its model.
+Status SetUpOffload(CheckpointModel& m, int threads, const OffloadOptions& o) {
+  if (m.model->moe_layers().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s has no MoE layer: there are no experts to offload", m.name));
+  }
+  auto off = std::make_unique<CheckpointModel::Offload>();
+  std::string ssd_dir = o.ssd_dir;
+  if (ssd_dir.empty()) {
+    const char* base = std::getenv("TMPDIR");
+    ASSIGN_OR_RETURN(off->folder,
+                     storage::PrivateFolder::Create(base && *base ? base : "/tmp",
+                                                    "strata-offload-", "the offloaded experts"));
+    ssd_dir = off->folder->path();
+  }
+  off->device_budget = std::make_unique<MemoryBudget>("offload device", o.device_bytes);
+  off->host_budget = std::make_unique<MemoryBudget>("offload host", o.host_bytes);
+  scheduler::TieredOptions to;
+  config::StorageConfig& st = to.storage;
+  st.set_mode(config::StorageConfig::TIERED);
+  st.set_device_budget_bytes(o.device_bytes);
+  st.set_host_budget_bytes(o.host_bytes);
+  st.set_ssd_dir(ssd_dir);
+  st.set_history_prefetch(o.history_prefetch);
+  st.set_io_block_bytes(o.io_block_bytes);
+  st.set_overlap_optimizer(false);
+  st.set_backward_prefetch(0);
+  to.ssd_dir = ssd_dir;
+  to.seed = m.checkpoint.seed;
+  to.threads = threads;
+  to.device_budget = off->device_budget.get();
+  to.device_slot_bytes = o.device_bytes;
+  to.host_budget = off->host_budget.get();
+  to.ring = true;
+  auto scheduler = scheduler::TieredExpertScheduler::Create(*m.model, to);
+  if (!scheduler.ok()) {
+    const Status& s = scheduler.status();
+    return Status(s.code(), absl::StrFormat(
+                                "cannot offload the experts of %s: %s (storage.device_budget_bytes "
+                                "and host_budget_bytes are the offload's device and host memory "
+                                "here)",
+                                m.name, s.message()));
+  }
+  off->scheduler = *std::move(scheduler);
+  off->expert_bytes = off->scheduler->expert_floats() * sizeof(float) *
+                      m.model->moe_layers().size() *
+                      static_cast<uint64_t>(m.model->moe_layers()[0].layer->num_experts());
+  m.model->AttachResidency(off->scheduler.get());
+  m.offload = std::move(off);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 StatusOr<std::unique_ptr<CheckpointModel>> LoadCheckpointModel(const std::string& dir, int64_t step,
                                                                int64_t max_batch, int threads,
-                                                               const std::string& device_name) {
+                                                               const std::string& device_name,
+                                                               const OffloadOptions& offload) {
   auto m = std::make_unique<CheckpointModel>();
   ASSIGN_OR_RETURN(m->checkpoint, checkpoint::CheckpointManager::ReadModelConfig(dir, step));
+  m->name = absl::StrFormat("checkpoint %d in '%s'", m->checkpoint.step, dir);
   ASSIGN_OR_RETURN(const Device device, Device::Parse(device_name));
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   m->pool = std::make_unique<ThreadPool>(threads);
@@ -33,9 +134,26 @@ StatusOr<std::unique_ptr<CheckpointModel>> LoadCheckpointModel(const std::string
   mo.max_batch = max_batch;
   mo.batch_sequences = max_batch;
   mo.device = device;
+  mo.unbound_experts = offload.enabled;
   ASSIGN_OR_RETURN(m->model, model::MoeTransformer::Create(m->ctx, mo));
-  RETURN_IF_ERROR(checkpoint::CheckpointManager::ReadWeights(dir, m->checkpoint.step,
-                                                             m->checkpoint.seed, *m->model));
+  if (!offload.enabled) {
+    RETURN_IF_ERROR(checkpoint::CheckpointManager::ReadWeights(dir, m->checkpoint.step,
+                                                               m->checkpoint.seed, *m->model));
+    return m;
+  }
+  RETURN_IF_ERROR(SetUpOffload(*m, threads, offload));
+  // The experts into the store one at a time (each through a host slot; the host tier spills to
+  // the SSD tier as it fills).
+  const Stopwatch clock;
+  scheduler::TieredExpertScheduler& s = *m->offload->scheduler;
+  RETURN_IF_ERROR(checkpoint::CheckpointManager::ReadWeights(
+      dir, m->checkpoint.step, m->checkpoint.seed, *m->model,
+      [&](int moe_layer, int expert, const float* blob) {
+        return s.WriteExpert(moe_layer, expert, storage::TensorKind::kWeights, blob);
+      }));
+  RETURN_IF_ERROR(s.store().DrainWriteBacks());
+  m->offload->load_seconds = clock.Seconds();
+  (void)s.store().TakeStats();  // the passes' figures start here
   return m;
 }
 
@@ -63,8 +181,9 @@ StatusOr<CheckpointEval> EvaluateCheckpoint(const CheckpointEvalOptions& o) {
       o.max_windows > 0 ? std::min(o.max_windows, file->eval_windows()) : file->eval_windows();
   const int64_t batch = std::min(o.batch, windows);
 
-  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointModel> loaded,
-                   LoadCheckpointModel(o.checkpoint_dir, ckpt.step, batch, o.threads, o.device));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<CheckpointModel> loaded,
+      LoadCheckpointModel(o.checkpoint_dir, ckpt.step, batch, o.threads, o.device, o.offload));
   model::MoeTransformer* model = loaded->model.get();
   ops::Context& ctx = loaded->ctx;
 
@@ -85,9 +204,11 @@ StatusOr<CheckpointEval> EvaluateCheckpoint(const CheckpointEvalOptions& o) {
     model::GateCall call{false, static_cast<uint64_t>(ckpt.step), 0};
     call.batch_tokens = n;
     sum += model->Forward(ctx, inputs.data(), targets.data(), count, call) * static_cast<double>(n);
+    RETURN_IF_ERROR(loaded->EndPass());
     if (o.progress) o.progress(b * batch + count, windows);
   }
   out.seconds = clock.Seconds();
+  out.offload = loaded->offload_report();
   out.loss = sum / static_cast<double>(out.tokens);
   if (!std::isfinite(out.loss)) {
     return absl::DataLossError(absl::StrFormat(

@@ -113,10 +113,6 @@ Status CheckModel(const config::ModelConfig& cfg, const std::string& what) {
   return absl::OkStatus();
 }
 
-std::string CheckpointName(int64_t step, const std::string& dir) {
-  return absl::StrFormat("checkpoint %d in '%s'", step, dir);
-}
-
 }  // namespace
 
 StatusOr<Generation> GenerateFromCheckpoint(const GenerateOptions& o) {
@@ -124,16 +120,20 @@ StatusOr<Generation> GenerateFromCheckpoint(const GenerateOptions& o) {
   // The model's kind first, before its weights are read.
   ASSIGN_OR_RETURN(const checkpoint::CheckpointManager::ModelOfCheckpoint ckpt,
                    checkpoint::CheckpointManager::ReadModelConfig(o.checkpoint_dir, o.step));
-  RETURN_IF_ERROR(CheckModel(ckpt.model, CheckpointName(ckpt.step, o.checkpoint_dir)));
+  RETURN_IF_ERROR(CheckModel(
+      ckpt.model, absl::StrFormat("checkpoint %d in '%s'", ckpt.step, o.checkpoint_dir)));
   const int64_t batch = std::min<int64_t>(o.batch, static_cast<int64_t>(o.prompts.size()));
-  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointModel> m,
-                   LoadCheckpointModel(o.checkpoint_dir, ckpt.step, batch, o.threads, o.device));
-  return Generate(m->ctx, *m->model, ckpt.step, CheckpointName(ckpt.step, o.checkpoint_dir), o);
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<CheckpointModel> m,
+      LoadCheckpointModel(o.checkpoint_dir, ckpt.step, batch, o.threads, o.device, o.offload));
+  return Generate(*m, o);
 }
 
-StatusOr<Generation> Generate(ops::Context& ctx, model::MoeTransformer& model, int64_t step,
-                              const std::string& what, const GenerateOptions& o) {
+StatusOr<Generation> Generate(CheckpointModel& m, const GenerateOptions& o) {
   RETURN_IF_ERROR(CheckOptions(o));
+  model::MoeTransformer& model = *m.model;
+  const std::string& what = m.name;
+  const int64_t step = m.checkpoint.step;
   const config::ModelConfig& cfg = model.config();
   RETURN_IF_ERROR(CheckModel(cfg, what));
   const int64_t P = static_cast<int64_t>(o.prompts.size());
@@ -180,7 +180,10 @@ StatusOr<Generation> Generate(ops::Context& ctx, model::MoeTransformer& model, i
       }
       const int64_t n = static_cast<int64_t>(tokens.size());
       logits.resize(static_cast<size_t>(n * V));
-      model.Decode(ctx, tokens.data(), slots.data(), positions.data(), n).CopyToHost(logits.data());
+      model.Decode(m.ctx, tokens.data(), slots.data(), positions.data(), n)
+          .CopyToHost(logits.data());
+      RETURN_IF_ERROR(m.EndPass());
+      ++out.passes;
       for (int64_t b = 0; b < B; ++b) {
         const float* row = logits.data() + last[b] * V;
         if (!std::all_of(row, row + V, [](float x) { return std::isfinite(x); })) {
@@ -205,6 +208,7 @@ StatusOr<Generation> Generate(ops::Context& ctx, model::MoeTransformer& model, i
     }
   }
   out.seconds = clock.Seconds();
+  out.offload = m.offload_report();
   return out;
 }
 

@@ -31,8 +31,7 @@
 #include <vector>
 
 #include "core/common/status.h"
-#include "kernels/ops.h"
-#include "runtime/model/transformer.h"
+#include "train/evaluate.h"
 
 namespace strata::train {
 
@@ -48,6 +47,7 @@ struct GenerateOptions {
   int64_t batch = 16;  // prompts generated together, at least 1
   int threads = 0;     // CPU threads; 0: every core
   std::string device = "cpu";
+  OffloadOptions offload;  // evaluate.h: the experts in a tiered store
   // A token chosen for prompt `prompt` (its index), as it is chosen.
   std::function<void(int prompt, uint8_t token)> on_token;
 };
@@ -56,18 +56,18 @@ struct Generation {
   int64_t step = 0;                      // of the checkpoint
   std::vector<std::string> completions;  // one per prompt, without the prompt
   int64_t tokens = 0;                    // tokens generated over all prompts
+  int64_t passes = 0;                    // Decode calls
   double seconds = 0;
+  OffloadReport offload;  // with options.offload
 };
 
 [[nodiscard]] StatusOr<Generation> GenerateFromCheckpoint(const GenerateOptions& options);
 
-// The same with a model already built, its weights in place (one a caller loaded itself, or a
-// CheckpointModel's): checkpoint_dir, step, threads and device of `options` are not read; prompts
-// go min(batch, model.max_batch()) at a time. `step` is reported as the Generation's; `what`
-// names the model in errors ("checkpoint 30 in 'ckpt'"). The model's KV cache stays allocated.
-[[nodiscard]] StatusOr<Generation> Generate(ops::Context& ctx, model::MoeTransformer& model,
-                                            int64_t step, const std::string& what,
-                                            const GenerateOptions& options);
+// The same with a model already loaded (LoadCheckpointModel's, or one a caller built and gave
+// its weights): checkpoint_dir, step, threads, device and offload of `options` are not read;
+// prompts go min(batch, model max_batch) at a time; model.checkpoint.step is reported as the
+// Generation's and model.name names it in errors. The model's KV cache stays allocated.
+[[nodiscard]] StatusOr<Generation> Generate(CheckpointModel& model, const GenerateOptions& options);
 
 // The sampling rule above, for one position: the token drawn from `logits` [vocab] with draw
 // counter `counter` of stream `key`. Pure.

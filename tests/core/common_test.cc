@@ -1,4 +1,5 @@
-// ThreadPool partitioning and reentrancy, counter-based RNG, JSON writer, Shape/Tensor views.
+// ThreadPool partitioning and reentrancy, counter-based RNG, JSON writer, byte sizes, Shape/Tensor
+// views.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/common/bytes.h"
 #include "core/common/clock.h"
 #include "core/common/json.h"
 #include "core/common/rng.h"
@@ -83,6 +85,34 @@ TEST(JsonWriterTest, NestedValuesAndEscapes) {
   j.Field("nan", std::nan("")).Field("x", 0.5).Key("o").BeginObject().Field("b", true).EndObject();
   j.EndObject();
   EXPECT_EQ(j.str(), R"({"a":1,"s":"q\"\n","arr":[1,2],"nan":null,"x":0.5,"o":{"b":true}})");
+}
+
+TEST(BytesTest, ParseBytesReadsWhatUsersTypeAndRefusesTheRest) {
+  const std::pair<const char*, uint64_t> good[] = {{"1048576", 1048576},
+                                                   {"0", 0},
+                                                   {"512KiB", 512 * 1024},
+                                                   {"512 kib", 512 * 1024},
+                                                   {"1.5 GiB", 3ull << 29},
+                                                   {"16G", 16ull << 30},
+                                                   {"100 B", 100},
+                                                   {" 2M ", 2ull << 20},
+                                                   {"1T", 1ull << 40},
+                                                   {"0.5K", 512},
+                                                   {"16777215 TiB", 18446742974197923840ull}};
+  for (const auto& [text, want] : good) {
+    auto v = ParseBytes(text);
+    ASSERT_TRUE(v.ok()) << text << ": " << v.status();
+    EXPECT_EQ(*v, want) << text;
+  }
+  for (const char* text :
+       {"", "GiB", "-1", "1.5", "0.3K", "12 MB", "1e30", "ten", "1 GiB x", "nan", "16777216 TiB"}) {
+    auto v = ParseBytes(text);
+    EXPECT_FALSE(v.ok()) << "'" << text << "' read as " << (v.ok() ? *v : 0);
+    if (!v.ok()) {
+      EXPECT_NE(v.status().message().find("is not a size"), std::string::npos) << v.status();
+    }
+  }
+  EXPECT_EQ(FormatBytes(3ull << 29), "1.5 GiB");
 }
 
 TEST(ClockTest, FormatDuration) {

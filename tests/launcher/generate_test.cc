@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <set>
 #include <string>
@@ -39,6 +40,17 @@ using strata::testing::WriteFile;
 
 const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
 
+// Trains `cfg` in one process (`strata train`) with one checkpoint, at its last step, in
+// dir/ckpt.
+void TrainWithACheckpoint(const TempDir& dir, config::JobConfig cfg) {
+  cfg.mutable_checkpoint()->set_every(cfg.train().steps());
+  cfg.mutable_checkpoint()->set_dir(dir.File("ckpt"));
+  WriteFile(dir.File("job.textproto"), config::ToText(cfg));
+  auto train =
+      RunCommand(absl::StrCat(kStrata, " train --quiet --config ", dir.File("job.textproto")));
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+}
+
 class GenerateTest : public ::testing::Test {
  protected:
   // One tiny job trained for the whole suite: 30 steps, a checkpoint at the last.
@@ -47,12 +59,7 @@ class GenerateTest : public ::testing::Test {
     WriteFile(dir_->File("text.txt"), strata::testing::SyntheticText(30000));
     config::JobConfig cfg = strata::testing::TinyMoeJob(
         dir_->File("text.txt"), "train { steps: 30 global_batch: 8 eval_every: 0 threads: 2 }\n");
-    cfg.mutable_checkpoint()->set_every(30);
-    cfg.mutable_checkpoint()->set_dir(dir_->File("ckpt"));
-    WriteFile(dir_->File("job.textproto"), config::ToText(cfg));
-    auto train =
-        RunCommand(absl::StrCat(kStrata, " train --quiet --config ", dir_->File("job.textproto")));
-    ASSERT_EQ(train.exit_code, 0) << train.output;
+    TrainWithACheckpoint(*dir_, cfg);
   }
   static void TearDownTestSuite() { delete dir_; }
   static std::string Ckpt() { return dir_->File("ckpt"); }
@@ -222,6 +229,8 @@ TEST_F(GenerateTest, TheCommandStreamsAPromptPrintsAFileOfThemAndRefusesBadInput
       {ck + " --prompt x --temperature warm", 2, "--temperature warm is not a number"},
       {ck + " --prompt x --max-tokens 0", 2, "--max-tokens"},
       {ck + " --prompt x --step 7", 1, "no checkpoint of step 7"},
+      {ck + " --prompt x --offload-device 12MB", 2, "--offload-device: '12MB' is not a size"},
+      {ck + " --prompt x --offload-host -1G", 2, "--offload-host: '-1G' is not a size"},
   };
   for (const Case& c : cases) {
     auto r = RunCommand(absl::StrCat(kStrata, " generate ", c.flags));
@@ -238,12 +247,8 @@ TEST(GenerateRefusalTest, AnExpertChoiceModelIsRefusedNamingWhy) {
   config::JobConfig cfg = strata::testing::TinyMoeJob(
       dir.File("text.txt"), "train { steps: 2 global_batch: 2 eval_every: 0 threads: 1 }\n");
   cfg.mutable_model()->mutable_moe()->mutable_gate()->set_type(config::GateConfig::EXPERT_CHOICE);
-  cfg.mutable_checkpoint()->set_every(2);
-  cfg.mutable_checkpoint()->set_dir(dir.File("ckpt"));
-  WriteFile(dir.File("job.textproto"), config::ToText(cfg));
-  auto train =
-      RunCommand(absl::StrCat(kStrata, " train --quiet --config ", dir.File("job.textproto")));
-  ASSERT_EQ(train.exit_code, 0) << train.output;
+  TrainWithACheckpoint(dir, cfg);
+  if (HasFatalFailure()) return;
   train::GenerateOptions o;
   o.checkpoint_dir = dir.File("ckpt");
   o.prompts = {"abc"};
@@ -279,16 +284,19 @@ TEST(GenerateShardedTest, AFourWorkerTieredCheckpointGeneratesWhatItsWorkersPara
   auto ckpt = checkpoint::CheckpointManager::ReadModelConfig(dir.File("ckpt"), -1);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   ASSERT_EQ(ckpt->workers, kWorkers);
-  ThreadPool pool(2);
-  ops::Context ctx;
-  ctx.pool = &pool;
+  train::CheckpointModel one;
+  one.checkpoint = *ckpt;
+  one.name = "the exported parameters";
+  one.pool = std::make_unique<ThreadPool>(2);
+  one.ctx.pool = one.pool.get();
   model::ModelOptions mo;
   mo.config = ckpt->model;
   mo.seed = 12345;  // not the job's: every value comes from the export
   mo.max_batch = 3;
-  auto model = model::MoeTransformer::Create(ctx, mo);
+  auto model = model::MoeTransformer::Create(one.ctx, mo);
   ASSERT_TRUE(model.ok()) << model.status();
-  for (model::Parameter* p : (*model)->Parameters()) {
+  one.model = *std::move(model);
+  for (model::Parameter* p : one.model->Parameters()) {
     const std::string exported = ReadFile(dir.File("exported/" + p->name + ".f32"));
     ASSERT_EQ(exported.size(), static_cast<size_t>(p->value.numel()) * sizeof(float)) << p->name;
     p->value.CopyFromHost(exported.data());
@@ -304,11 +312,98 @@ TEST(GenerateShardedTest, AFourWorkerTieredCheckpointGeneratesWhatItsWorkersPara
     o.threads = 2;
     auto sharded = train::GenerateFromCheckpoint(o);
     ASSERT_TRUE(sharded.ok()) << sharded.status();
-    auto one = train::Generate(ctx, **model, ckpt->step, "the exported parameters", o);
-    ASSERT_TRUE(one.ok()) << one.status();
-    EXPECT_EQ(sharded->completions, one->completions) << "temperature " << temperature;
+    auto in_one = train::Generate(one, o);
+    ASSERT_TRUE(in_one.ok()) << in_one.status();
+    EXPECT_EQ(sharded->completions, in_one->completions) << "temperature " << temperature;
     EXPECT_EQ(sharded->tokens, 3 * 40);
   }
+}
+
+// Offloaded inference (evaluate.h): a model of 2 MoE layers x 64 experts (8 KiB of weights each,
+// 1 MiB in all) generates and evaluates with its experts in a tiered store whose device ring and
+// host tier each hold an eighth of them (16 slots), the rest on the SSD tier: the text and the
+// loss are bit for bit those of the model in memory (on the CPU both run each expert as one task
+// with single-threaded kernels), the experts did come from the SSD, and the history prefetch
+// guessed some of the routed experts before their gate ran.
+TEST(GenerateOffloadTest, BudgetsEightTimesBelowTheExpertsGiveTheInMemoryTextBitForBit) {
+  TempDir dir;
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(40000));
+  config::JobConfig cfg = strata::testing::TinyMoeJob(
+      dir.File("text.txt"), "train { steps: 20 global_batch: 8 eval_every: 0 threads: 2 }\n");
+  config::MoeConfig* moe = cfg.mutable_model()->mutable_moe();
+  moe->set_num_experts(64);
+  moe->set_expert_bias(false);
+  TrainWithACheckpoint(dir, cfg);
+  if (HasFatalFailure()) return;
+
+  train::GenerateOptions o;
+  o.checkpoint_dir = dir.File("ckpt");
+  o.prompts = {"Once upon a time", "The quick brown fox", "A mixture of experts", "Z"};
+  o.max_tokens = 48;  // past seq_len 32: a window restart too
+  o.temperature = 0.8;
+  o.seed = 9;
+  o.threads = 2;
+  auto in_memory = train::GenerateFromCheckpoint(o);
+  ASSERT_TRUE(in_memory.ok()) << in_memory.status();
+  EXPECT_EQ(in_memory->offload.routed, 0u);
+
+  constexpr uint64_t kExpertBytes = 2 * 64 * 32 * 32 * 2 * sizeof(float);  // 1 MiB
+  o.offload.enabled = true;
+  o.offload.device_bytes = kExpertBytes / 8;
+  o.offload.host_bytes = kExpertBytes / 8;
+  o.offload.io_block_bytes = 8192;
+  o.offload.ssd_dir = dir.File("offload");
+  std::filesystem::create_directories(o.offload.ssd_dir);
+  auto offloaded = train::GenerateFromCheckpoint(o);
+  ASSERT_TRUE(offloaded.ok()) << offloaded.status();
+  EXPECT_EQ(offloaded->completions, in_memory->completions);
+  const train::OffloadReport& r = offloaded->offload;
+  EXPECT_EQ(r.expert_bytes, kExpertBytes);
+  EXPECT_GT(r.ssd_bytes_read, 0u) << "the experts came through the SSD tier";
+  EXPECT_GT(r.routed, 0u);
+  EXPECT_GT(r.guessed, 0u) << "history prefetch guessed some routed experts";
+  EXPECT_LE(r.guessed, r.routed);
+  std::printf("offloaded: %llu routed, %llu guessed, %.1f MiB from SSD, %.1f MiB to the ring\n",
+              static_cast<unsigned long long>(r.routed), static_cast<unsigned long long>(r.guessed),
+              r.ssd_bytes_read / 1048576.0, r.device_bytes_in / 1048576.0);
+
+  // Evaluation too: the same loss to the bit.
+  train::CheckpointEvalOptions e;
+  e.checkpoint_dir = dir.File("ckpt");
+  e.data.set_path(dir.File("text.txt"));
+  e.batch = 4;
+  e.max_windows = 12;
+  e.threads = 2;
+  auto eval_memory = train::EvaluateCheckpoint(e);
+  ASSERT_TRUE(eval_memory.ok()) << eval_memory.status();
+  e.offload = o.offload;
+  auto eval_offloaded = train::EvaluateCheckpoint(e);
+  ASSERT_TRUE(eval_offloaded.ok()) << eval_offloaded.status();
+  EXPECT_EQ(eval_offloaded->loss, eval_memory->loss);
+
+  // The command: the same text, and a line on what offloading did.
+  auto cli = RunCommand(absl::StrCat(
+      kStrata, " generate --checkpoint ", dir.File("ckpt"), " --prompt 'Once upon a time' ",
+      "--max-tokens 48 --temperature 0.8 --seed 9 --threads 2 --offload-device 128KiB ",
+      "--offload-host 128KiB --offload-dir ", o.offload.ssd_dir));
+  ASSERT_EQ(cli.exit_code, 0) << cli.output;
+  EXPECT_NE(cli.output.find("Once upon a time" + in_memory->completions[0] + "\n"),
+            std::string::npos)
+      << cli.output;
+  EXPECT_NE(cli.output.find("offload: 1.0 MiB of experts through a ring of 128.0 KiB over 128.0 "
+                            "KiB of host memory"),
+            std::string::npos)
+      << cli.output;
+
+  // A ring too small for the compute threads is refused, naming what to raise.
+  o.offload.device_bytes = 2 * 8192;
+  auto small = train::GenerateFromCheckpoint(o);
+  ASSERT_FALSE(small.ok());
+  EXPECT_NE(small.status().message().find("cannot offload the experts of checkpoint 20"),
+            std::string::npos)
+      << small.status();
+  EXPECT_NE(small.status().message().find("raise the device budget"), std::string::npos)
+      << small.status();
 }
 
 }  // namespace
