@@ -75,22 +75,6 @@ struct Options {
   bool batches_given = false;
 };
 
-// Words of English-like text, so the byte-level model sees realistic token statistics.
-void WriteSyntheticText(const std::string& path, size_t bytes) {
-  static const char* kWords[] = {
-      "the",    "of",  "and",  "a",     "to",  "in",    "expert", "is",      "that",
-      "memory", "for", "it",   "with",  "as",  "tier",  "on",     "storage", "be",
-      "at",     "by",  "this", "had",   "not", "are",   "but",    "from",    "or",
-      "have",   "an",  "they", "which", "one", "token", "you",    "were",    "all"};
-  std::mt19937 gen(42);
-  std::string text;
-  while (text.size() < bytes) {
-    text += kWords[gen() % (sizeof(kWords) / sizeof(kWords[0]))];
-    text += gen() % 9 == 0 ? ".\n" : " ";
-  }
-  std::ofstream(path) << text;
-}
-
 // The --config job at a small scale: its structure at d_model 64, d_expert 128, seq_len <= 32,
 // with 12 device slots beside its dense state and 48 host slots.
 void ScaleDown(config::JobConfig& cfg) {

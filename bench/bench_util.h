@@ -19,6 +19,22 @@
 
 namespace strata::bench {
 
+// Words of English-like text, so the byte-level model sees realistic token statistics.
+inline void WriteSyntheticText(const std::string& path, size_t bytes) {
+  static const char* kWords[] = {
+      "the",    "of",  "and",  "a",     "to",  "in",    "expert", "is",      "that",
+      "memory", "for", "it",   "with",  "as",  "tier",  "on",     "storage", "be",
+      "at",     "by",  "this", "had",   "not", "are",   "but",    "from",    "or",
+      "have",   "an",  "they", "which", "one", "token", "you",    "were",    "all"};
+  std::mt19937 gen(42);
+  std::string text;
+  while (text.size() < bytes) {
+    text += kWords[gen() % (sizeof(kWords) / sizeof(kWords[0]))];
+    text += gen() % 9 == 0 ? ".\n" : " ";
+  }
+  std::ofstream(path) << text;
+}
+
 // Peak resident memory of this process, in MiB.
 inline double PeakRssMb() {
   std::ifstream f("/proc/self/status");
@@ -133,13 +149,14 @@ inline double MedianOf(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
-// The value after the flag argv[*i] (advancing *i); exits with status 2 naming the flag when the
-// command line ends there.
 // Where a benchmark puts its scratch folders unless told (--dir): $TMPDIR, else /tmp.
 inline std::string ScratchDir() {
   const char* tmp = std::getenv("TMPDIR");
   return tmp != nullptr && *tmp ? tmp : "/tmp";
 }
+
+// The value after the flag argv[*i] (advancing *i); exits with status 2 naming the flag when the
+// command line ends there.
 
 inline std::string FlagValue(const char* bench, int argc, char** argv, int* i) {
   if (*i + 1 >= argc) {
