@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_join.h"
 #include "checkpoint/manager.h"
+#include "checkpoint/safetensors.h"
 #include "launcher/command_util.h"
 
 namespace strata::launcher {
@@ -16,7 +17,10 @@ int CkptCommand(const std::vector<std::string>& args) {
       "them\n"
       "       strata ckpt verify DIR [STEP] check every shard's part: its local manifest against\n"
       "                                     the global one, every extent's CRC-32C\n"
-      "       strata ckpt rm DIR STEP       remove a checkpoint (not while training into DIR)\n";
+      "       strata ckpt rm DIR STEP       remove a checkpoint (not while training into DIR)\n"
+      "       strata ckpt export DIR [--step N] --format safetensors -o FILE\n"
+      "                                     the weights as a safetensors file (and FILE's stem\n"
+      "                                     .json: the architecture); docs/inference.md\n";
   if (args.empty() || WantsHelp(args)) {
     std::fprintf(args.empty() ? stderr : stdout, "%s", kUsage);
     return args.empty() ? 2 : 0;
@@ -60,6 +64,43 @@ int CkptCommand(const std::vector<std::string>& args) {
     if (!s.ok()) return Fail(s);
     std::printf("removed checkpoint %lld from %s\n", static_cast<long long>(*step_arg(2)),
                 args[1].c_str());
+    return 0;
+  }
+  if (verb == "export" && args.size() >= 2) {
+    std::string format, out;
+    int64_t step = -1;
+    for (size_t i = 2; i < args.size(); ++i) {
+      const bool has_value = i + 1 < args.size();
+      if ((args[i] == "--format") && has_value) {
+        format = args[++i];
+      } else if ((args[i] == "-o" || args[i] == "--out") && has_value) {
+        out = args[++i];
+      } else if (args[i] == "--step" && has_value && step_arg(i + 1)) {
+        step = *step_arg(++i);
+      } else {
+        std::fprintf(stderr, "strata ckpt export: cannot understand '%s'\n\n%s", args[i].c_str(),
+                     kUsage);
+        return 2;
+      }
+    }
+    if (format != "safetensors") {
+      std::fprintf(stderr,
+                   "strata ckpt export: --format safetensors is the one format (got '%s')\n\n%s",
+                   format.c_str(), kUsage);
+      return 2;
+    }
+    if (out.empty()) {
+      std::fprintf(stderr, "strata ckpt export: -o FILE is required\n\n%s", kUsage);
+      return 2;
+    }
+    auto r = checkpoint::ExportSafetensors(args[1], step, out);
+    if (!r.ok()) return Fail(r.status());
+    std::printf(
+        "exported checkpoint %lld of %s (written by %d worker%s): %lld tensors, %.1f MiB "
+        "in %s; config in %s\n",
+        static_cast<long long>(r->step), args[1].c_str(), r->workers, r->workers == 1 ? "" : "s",
+        static_cast<long long>(r->tensors), r->bytes / 1048576.0, out.c_str(),
+        r->config_path.c_str());
     return 0;
   }
   std::fprintf(stderr, "strata ckpt: cannot understand '%s'\n\n%s",

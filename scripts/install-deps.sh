@@ -21,6 +21,7 @@ packages=(
   fortunes              # corpus of the default example (examples/moe_lm)
   openssl               # the coordinator's TLS test makes its certificate with it
   python3
+  python3-numpy           # tests/checkpoint/safetensors_forward.py: the export's independent reader
   patchelf xz-utils file  # scripts/package.sh: RUNPATH, the tarball, telling binaries apart
   universal-ctags         # scripts/code-sizes.sh: where each function ends
   clang                   # scripts/check-locking.sh: the thread-safety analysis
@@ -28,7 +29,7 @@ packages=(
 
 for arg in "$@"; do
   case "$arg" in
-    --with-torch) packages+=(python3-torch python3-numpy) ;;
+    --with-torch) packages+=(python3-torch) ;;
     --with-plots) packages+=(python3-matplotlib) ;;
     -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "install-deps.sh: unknown option '$arg' (known: --with-torch, --with-plots)" >&2; exit 2 ;;

@@ -141,6 +141,10 @@ class SoftmaxGate : public Gate {
   Parameter& router() { return *w_gate_; }
   Parameter* noise_router() { return w_noise_.get(); }
   Parameter* selection_bias() { return bias_.get(); }
+  // How the router turns logits into choices and weights, as it runs outside training (the
+  // training-only jitter, noise and random routing aside): scores, k, renormalisation, scaling,
+  // groups. An export describes the router with it.
+  ops::MoeRouterSpec Spec() const;
   // The last Forward's chosen experts [T, k] and sequence-wise balancing loss (for tests).
   Tensor last_experts() const { return expert_.Rows(0, last_tokens_); }
   double last_sequence_aux_loss() const { return last_sequence_aux_loss_; }
@@ -151,7 +155,6 @@ class SoftmaxGate : public Gate {
 
  private:
   bool renormalize() const;
-  ops::MoeRouterSpec Spec() const;
 
   config::GateConfig cfg_;
   int64_t C_, E_;

@@ -1,0 +1,64 @@
+// A checkpoint's weights as a safetensors file that other programs read (`strata ckpt export`).
+//
+// The file is the safetensors layout: an 8-byte little-endian header size N, N bytes of JSON (a
+// "__metadata__" object, then one entry per tensor: dtype "F32", shape, data_offsets [begin, end)
+// into the data), padded with spaces to a multiple of 8, then the tensors' little-endian float32
+// bytes back to back, in the order the header lists them: the model's parameters in
+// MoeTransformer::Parameters() order (dense and shared experts per block, then its experts).
+// Tensor names follow the common MoE layouts (SafetensorsName); beside the file, a JSON config
+// (ExportConfigPath) describes the architecture a reader needs: sizes, norm, activation, which
+// blocks are MoE, and the router as it runs at inference (scores, k, renormalisation, scaling,
+// groups, selection bias), plus the job's model config in strata's text format.
+//
+// Streaming: the model is built with unbound experts, so only its dense weights are in memory;
+// every expert streams from whichever shard holds it straight to its place in the file. A sharded
+// checkpoint exports from its folder alone, without its workers and without gathering its experts.
+// The file is written under a temporary name, synced and renamed: a failed export leaves no file.
+//
+// Threads: runs on the caller's thread; reads the checkpoint folder without a lock, as
+// CheckpointManager::ReadWeights does.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/common/status.h"
+
+namespace strata::checkpoint {
+
+struct ExportReport {
+  int64_t step = 0;
+  int workers = 1;      // how many processes wrote the checkpoint
+  int64_t tensors = 0;  // in the file
+  uint64_t bytes = 0;   // the file's size
+  std::string config_path;
+};
+
+// Exports checkpoint `step` of `dir` (-1: the newest) to `out_path` and its config to
+// ExportConfigPath(out_path).
+[[nodiscard]] StatusOr<ExportReport> ExportSafetensors(const std::string& dir, int64_t step,
+                                                       const std::string& out_path);
+
+// "model.safetensors" -> "model.json"; any other name gets ".json" appended.
+std::string ExportConfigPath(const std::string& out_path);
+
+// A strata parameter's name in the file:
+//   wte, wpe                      model.embed_tokens.weight, model.embed_positions.weight
+//   lnf.weight / .bias            model.norm.weight / .bias
+//   lm_head                       lm_head.weight (untied embeddings only)
+//   blocks.L.ln1.*, ln2.*         model.layers.L.input_layernorm.*, post_attention_layernorm.*
+//   blocks.L.attn.qkv.*           model.layers.L.self_attn.qkv_proj.* (rows: q, then k, then v)
+//   blocks.L.attn.proj.*          model.layers.L.self_attn.o_proj.*
+//   blocks.L.moe.gate.router      model.layers.L.mlp.gate.weight
+//   blocks.L.moe.gate.router_bias model.layers.L.mlp.gate.e_score_correction_bias
+//   blocks.L.moe.gate.noise_router model.layers.L.mlp.gate.noise.weight
+//   blocks.L.moe.experts.E.w1/b1  model.layers.L.mlp.experts.E.up_proj.weight/.bias
+//                                 (SwiGLU: gate_up_proj, rows [0, H) gate, [H, 2H) up)
+//   blocks.L.moe.experts.E.w2/b2  model.layers.L.mlp.experts.E.down_proj.weight/.bias
+//   blocks.L.moe.shared.*         model.layers.L.mlp.shared_experts.* (the same four)
+//   blocks.L.ffn.*                model.layers.L.mlp.* (the same four; a dense block)
+// Weights are [out, in], as strata and torch.nn.Linear keep them. Other names (custom experts)
+// keep their strata name under "strata.".
+std::string SafetensorsName(const std::string& name, bool swiglu);
+
+}  // namespace strata::checkpoint
