@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -14,11 +15,14 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "checkpoint/manager.h"
 #include "checkpoint/manager_internal.h"
 #include "core/common/json.h"
 #include "core/common/thread_pool.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 #include "proto/config_io.h"
 #include "runtime/model/gate.h"
 #include "runtime/model/transformer.h"
@@ -181,28 +185,17 @@ Status WriteAt(int fd, const void* data, uint64_t n, uint64_t offset, const std:
 
 }  // namespace
 
-StatusOr<ExportReport> ExportSafetensors(const std::string& dir, int64_t step,
-                                         const std::string& out_path) {
-  ASSIGN_OR_RETURN(const CheckpointManager::ModelOfCheckpoint ckpt,
-                   CheckpointManager::ReadModelConfig(dir, step));
-  ThreadPool pool(1);
-  ops::Context ctx;
-  ctx.pool = &pool;
-  model::ModelOptions mo;
-  mo.config = ckpt.model;
-  mo.seed = ckpt.seed;
-  mo.unbound_experts = true;  // the experts stream from the shards to the file
-  ASSIGN_OR_RETURN(std::unique_ptr<model::MoeTransformer> model,
-                   model::MoeTransformer::Create(ctx, mo));
-  const bool swiglu = ckpt.model.activation() == config::ModelConfig::SWIGLU;
-
+StatusOr<SafetensorsWritten> WriteSafetensors(
+    model::MoeTransformer& model, const std::string& out_path,
+    const std::function<Status(const CheckpointManager::ExpertSink&)>& stream_experts) {
+  const bool swiglu = model.config().activation() == config::ModelConfig::SWIGLU;
   // The header: every parameter's place in the data, in Parameters() order.
   std::map<const model::Parameter*, uint64_t> offset;
   JsonWriter h;
   h.BeginObject().Key("__metadata__").BeginObject();
   h.Field("format", "pt").Field("producer", "strata").EndObject();
   uint64_t data_bytes = 0;
-  for (const model::Parameter* p : model->Parameters()) {
+  for (const model::Parameter* p : model.Parameters()) {
     const uint64_t bytes = static_cast<uint64_t>(p->shape.numel()) * sizeof(float);
     offset[p] = data_bytes;
     std::vector<int64_t> shape;
@@ -236,14 +229,15 @@ StatusOr<ExportReport> ExportSafetensors(const std::string& dir, int64_t step,
   if (Status s = WriteAt(fd, size_le, 8, 0, tmp); !s.ok()) return fail(s);
   if (Status s = WriteAt(fd, header.data(), header.size(), 8, tmp); !s.ok()) return fail(s);
 
-  // Experts as they stream from the shards; then the ones the checkpoint holds at their
-  // initialisation, generated from the seed; then the dense weights ReadWeights left in the model.
-  const auto& layers = model->moe_layers();
+  // Unbound experts as they stream in; then every parameter the model holds.
+  const auto& layers = model.moe_layers();
   std::vector<std::vector<bool>> written(layers.size());
-  for (size_t li = 0; li < layers.size(); ++li)
-    written[li].assign(layers[li].layer->num_experts(), false);
+  for (size_t li = 0; li < layers.size(); ++li) {
+    written[li].assign(static_cast<size_t>(layers[li].layer->num_local_experts()), false);
+  }
   auto write_expert = [&](int li, int e, const float* blob) -> Status {
-    std::vector<model::Parameter*> ps = layers[li].layer->expert(e).Parameters();
+    model::MoeLayer& layer = *layers[li].layer;
+    std::vector<model::Parameter*> ps = layer.expert(layer.first_local_expert() + e).Parameters();
     const model::ExpertLayout layout = model::ExpertLayout::Of(ps);
     for (size_t i = 0; i < ps.size(); ++i) {
       RETURN_IF_ERROR(WriteAt(fd, blob + layout.segments[i].offset,
@@ -253,27 +247,12 @@ StatusOr<ExportReport> ExportSafetensors(const std::string& dir, int64_t step,
     written[li][e] = true;
     return absl::OkStatus();
   };
-  if (Status s = CheckpointManager::ReadWeights(dir, ckpt.step, ckpt.seed, *model, write_expert);
-      !s.ok()) {
-    return fail(s);
-  }
-  for (size_t li = 0; li < layers.size(); ++li) {
-    for (int64_t e = 0; e < layers[li].layer->num_experts(); ++e) {
-      if (written[li][e]) continue;
-      std::vector<model::Parameter*> ps = layers[li].layer->expert(e).Parameters();
-      const model::ExpertLayout layout = model::ExpertLayout::Of(ps);
-      std::vector<float> blob(static_cast<size_t>(layout.floats));
-      for (size_t i = 0; i < ps.size(); ++i) {
-        model::InitialValues(*ps[i], ckpt.seed, blob.data() + layout.segments[i].offset);
-      }
-      if (Status s = write_expert(static_cast<int>(li), static_cast<int>(e), blob.data());
-          !s.ok()) {
-        return fail(s);
-      }
-    }
+  if (stream_experts) {
+    if (Status s = stream_experts(write_expert); !s.ok()) return fail(s);
   }
   std::vector<float> host;
-  for (const model::Parameter* p : model->DenseParameters()) {
+  for (const model::Parameter* p : model.Parameters()) {
+    if (!p->value.defined()) continue;  // an unbound expert's: streamed
     host.resize(static_cast<size_t>(p->shape.numel()));
     p->value.CopyToHost(host.data());
     if (Status s =
@@ -282,29 +261,241 @@ StatusOr<ExportReport> ExportSafetensors(const std::string& dir, int64_t step,
       return fail(s);
     }
   }
+  for (size_t li = 0; li < layers.size(); ++li) {
+    model::MoeLayer& layer = *layers[li].layer;
+    for (size_t e = 0; e < written[li].size(); ++e) {
+      const bool unbound = !layer.expert(layer.first_local_expert() + static_cast<int64_t>(e))
+                                .Parameters()
+                                .front()
+                                ->value.defined();
+      if (unbound && !written[li][e]) {
+        return fail(absl::InternalError(absl::StrFormat(
+            "the weights of expert %d of block %d never reached the export",
+            layer.first_local_expert() + static_cast<int64_t>(e), layers[li].block)));
+      }
+    }
+  }
   if (fsync(fd) != 0) {
     return fail(absl::InternalError(
         absl::StrFormat("syncing '%s': %s (is the disk full?)", tmp, std::strerror(errno))));
   }
   close(fd);
-  ExportReport r;
-  r.step = ckpt.step;
-  r.workers = ckpt.workers;
-  r.tensors = static_cast<int64_t>(offset.size());
-  r.bytes = data_start + data_bytes;
-  r.config_path = ExportConfigPath(out_path);
-  if (Status s = storage::Env::Default()->WriteFileAtomic(r.config_path, ConfigJson(ckpt, *model));
-      !s.ok()) {
-    unlink(tmp.c_str());
-    return s;
-  }
   if (rename(tmp.c_str(), out_path.c_str()) != 0) {
     const Status s = absl::InternalError(
         absl::StrFormat("renaming '%s' to '%s': %s", tmp, out_path, std::strerror(errno)));
     unlink(tmp.c_str());
     return s;
   }
+  return SafetensorsWritten{static_cast<int64_t>(offset.size()), data_start + data_bytes};
+}
+
+StatusOr<ExportReport> ExportSafetensors(const std::string& dir, int64_t step,
+                                         const std::string& out_path) {
+  ASSIGN_OR_RETURN(const CheckpointManager::ModelOfCheckpoint ckpt,
+                   CheckpointManager::ReadModelConfig(dir, step));
+  ThreadPool pool(1);
+  ops::Context ctx;
+  ctx.pool = &pool;
+  model::ModelOptions mo;
+  mo.config = ckpt.model;
+  mo.seed = ckpt.seed;
+  mo.unbound_experts = true;  // the experts stream from the shards to the file
+  ASSIGN_OR_RETURN(std::unique_ptr<model::MoeTransformer> model,
+                   model::MoeTransformer::Create(ctx, mo));
+  // ReadWeights reads the dense weights into the model and streams every expert it stores; an
+  // expert the checkpoint holds at its initialisation is generated from the seed.
+  auto stream = [&](const CheckpointManager::ExpertSink& sink) -> Status {
+    const auto& layers = model->moe_layers();
+    std::vector<std::vector<bool>> seen(layers.size());
+    for (size_t li = 0; li < layers.size(); ++li) {
+      seen[li].assign(static_cast<size_t>(layers[li].layer->num_experts()), false);
+    }
+    RETURN_IF_ERROR(CheckpointManager::ReadWeights(dir, ckpt.step, ckpt.seed, *model,
+                                                   [&](int li, int e, const float* blob) {
+                                                     seen[li][e] = true;
+                                                     return sink(li, e, blob);
+                                                   }));
+    for (size_t li = 0; li < layers.size(); ++li) {
+      for (int64_t e = 0; e < layers[li].layer->num_experts(); ++e) {
+        if (seen[li][e]) continue;
+        std::vector<model::Parameter*> ps = layers[li].layer->expert(e).Parameters();
+        const model::ExpertLayout layout = model::ExpertLayout::Of(ps);
+        std::vector<float> blob(static_cast<size_t>(layout.floats));
+        for (size_t i = 0; i < ps.size(); ++i) {
+          model::InitialValues(*ps[i], ckpt.seed, blob.data() + layout.segments[i].offset);
+        }
+        RETURN_IF_ERROR(sink(static_cast<int>(li), static_cast<int>(e), blob.data()));
+      }
+    }
+    return absl::OkStatus();
+  };
+  ASSIGN_OR_RETURN(const SafetensorsWritten w, WriteSafetensors(*model, out_path, stream));
+  ExportReport r;
+  r.step = ckpt.step;
+  r.workers = ckpt.workers;
+  r.tensors = w.tensors;
+  r.bytes = w.bytes;
+  r.config_path = ExportConfigPath(out_path);
+  if (Status s = storage::Env::Default()->WriteFileAtomic(r.config_path, ConfigJson(ckpt, *model));
+      !s.ok()) {
+    unlink(out_path.c_str());
+    return s;
+  }
   return r;
+}
+
+Status ImportSafetensors(const std::string& path, model::MoeTransformer& model,
+                         const CheckpointManager::ExpertSink& expert_sink) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::NotFoundError(
+        absl::StrFormat("cannot open the safetensors file '%s': %s", path, std::strerror(errno)));
+  }
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{fd};
+  const off_t size = lseek(fd, 0, SEEK_END);
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("'%s' is not a safetensors file strata can read: %s", path, why));
+  };
+  auto read_at = [&](void* dst, uint64_t n, uint64_t at) -> Status {
+    char* p = static_cast<char*>(dst);
+    while (n > 0) {
+      const ssize_t r = pread(fd, p, n, static_cast<off_t>(at));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        return absl::DataLossError(
+            absl::StrFormat("reading '%s' at byte %d: %s", path, at,
+                            r == 0 ? "the file ends" : std::strerror(errno)));
+      }
+      p += r;
+      n -= static_cast<uint64_t>(r);
+      at += static_cast<uint64_t>(r);
+    }
+    return absl::OkStatus();
+  };
+  uint8_t size_le[8];
+  if (size < 8 || !read_at(size_le, 8, 0).ok()) return bad("it is shorter than 8 bytes");
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(size_le[i]) << (8 * i);
+  if (n > (100u << 20) || 8 + n > static_cast<uint64_t>(size)) {
+    return bad(absl::StrFormat("its header size %d does not fit its %d bytes", n, size));
+  }
+  std::string header(n, '\0');
+  RETURN_IF_ERROR(read_at(header.data(), n, 8));
+  google::protobuf::Struct json;
+  if (!google::protobuf::util::JsonStringToMessage(header, &json).ok()) {
+    return bad("its header is not JSON");
+  }
+  const uint64_t data_start = 8 + n, data_bytes = static_cast<uint64_t>(size) - data_start;
+  struct Entry {
+    std::vector<int64_t> shape;
+    uint64_t begin = 0, end = 0;
+  };
+  std::map<std::string, Entry> tensors;
+  for (const auto& [name, v] : json.fields()) {
+    if (name == "__metadata__") continue;
+    const auto& f = v.struct_value().fields();
+    auto field = [&](const char* key) -> const google::protobuf::Value* {
+      auto it = f.find(key);
+      return it == f.end() ? nullptr : &it->second;
+    };
+    const google::protobuf::Value* dtype = field("dtype");
+    const google::protobuf::Value* shape = field("shape");
+    const google::protobuf::Value* offsets = field("data_offsets");
+    if (dtype == nullptr || shape == nullptr || offsets == nullptr ||
+        offsets->list_value().values_size() != 2) {
+      return bad(absl::StrFormat("tensor %s lacks dtype, shape or data_offsets", name));
+    }
+    if (dtype->string_value() != "F32") {
+      return bad(absl::StrFormat("tensor %s is %s; strata reads F32 (float32) tensors", name,
+                                 dtype->string_value()));
+    }
+    Entry e;
+    uint64_t count = 1;
+    for (const auto& d : shape->list_value().values()) {
+      e.shape.push_back(static_cast<int64_t>(d.number_value()));
+      count *= static_cast<uint64_t>(d.number_value());
+    }
+    e.begin = static_cast<uint64_t>(offsets->list_value().values(0).number_value());
+    e.end = static_cast<uint64_t>(offsets->list_value().values(1).number_value());
+    if (e.end < e.begin || e.end > data_bytes || e.end - e.begin != count * sizeof(float)) {
+      return bad(
+          absl::StrFormat("tensor %s's data_offsets [%d, %d) do not hold its shape within "
+                          "the file's %d bytes of data",
+                          name, e.begin, e.end, data_bytes));
+    }
+    tensors[name] = std::move(e);
+  }
+  // The file holds this model's tensors: as many as the whole model has (every worker's experts).
+  const auto& layers = model.moe_layers();
+  size_t want = model.DenseParameters().size();
+  for (const auto& ref : layers) {
+    const model::MoeLayer& l = *ref.layer;
+    if (l.num_local_experts() > 0) {
+      want += static_cast<size_t>(l.num_experts()) *
+              const_cast<model::MoeLayer&>(l).expert(l.first_local_expert()).Parameters().size();
+    }
+  }
+  if (!layers.empty() && layers[0].layer->num_local_experts() > 0 && tensors.size() != want) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "'%s' holds %d tensors, but this model has %d: it is the export of another model", path,
+        tensors.size(), want));
+  }
+  const bool swiglu = model.config().activation() == config::ModelConfig::SWIGLU;
+  // Every tensor the model holds is checked before any is read.
+  auto find = [&](const model::Parameter& p) -> StatusOr<const Entry*> {
+    const std::string name = SafetensorsName(p.name, swiglu);
+    auto it = tensors.find(name);
+    if (it == tensors.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("'%s' has no tensor %s (strata's %s): it is not an export of this model",
+                          path, name, p.name));
+    }
+    std::vector<int64_t> shape;
+    for (int i = 0; i < p.shape.rank(); ++i) shape.push_back(p.shape[i]);
+    if (it->second.shape != shape) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "tensor %s is [%s] in '%s', but this model's %s is [%s]: the file is of another model",
+          name, absl::StrJoin(it->second.shape, ", "), path, p.name, absl::StrJoin(shape, ", ")));
+    }
+    return &it->second;
+  };
+  for (const model::Parameter* p : model.Parameters()) RETURN_IF_ERROR(find(*p).status());
+  auto read = [&](const model::Parameter& p, float* dst) -> Status {
+    ASSIGN_OR_RETURN(const Entry* e, find(p));
+    return read_at(dst, e->end - e->begin, data_start + e->begin);
+  };
+  std::vector<float> host;
+  for (model::Parameter* p : model.DenseParameters()) {
+    host.resize(static_cast<size_t>(p->shape.numel()));
+    RETURN_IF_ERROR(read(*p, host.data()));
+    p->value.CopyFromHost(host.data());
+  }
+  for (size_t li = 0; li < layers.size(); ++li) {
+    model::MoeLayer& layer = *layers[li].layer;
+    for (int64_t e = 0; e < layer.num_local_experts(); ++e) {
+      std::vector<model::Parameter*> ps = layer.expert(layer.first_local_expert() + e).Parameters();
+      if (ps.front()->value.defined()) {
+        for (model::Parameter* p : ps) {
+          host.resize(static_cast<size_t>(p->shape.numel()));
+          RETURN_IF_ERROR(read(*p, host.data()));
+          p->value.CopyFromHost(host.data());
+        }
+        continue;
+      }
+      CHECK(expert_sink) << "ImportSafetensors: a model with unbound experts needs an expert sink";
+      const model::ExpertLayout layout = model::ExpertLayout::Of(ps);
+      host.assign(static_cast<size_t>(layout.floats), 0.0f);
+      for (size_t i = 0; i < ps.size(); ++i) {
+        RETURN_IF_ERROR(read(*ps[i], host.data() + layout.segments[i].offset));
+      }
+      RETURN_IF_ERROR(expert_sink(static_cast<int>(li), static_cast<int>(e), host.data()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace strata::checkpoint

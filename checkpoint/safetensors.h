@@ -20,9 +20,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
+#include "checkpoint/manager.h"
 #include "core/common/status.h"
+#include "runtime/model/transformer.h"
 
 namespace strata::checkpoint {
 
@@ -38,6 +41,29 @@ struct ExportReport {
 // ExportConfigPath(out_path).
 [[nodiscard]] StatusOr<ExportReport> ExportSafetensors(const std::string& dir, int64_t step,
                                                        const std::string& out_path);
+
+struct SafetensorsWritten {
+  int64_t tensors = 0;
+  uint64_t bytes = 0;  // the file's size
+};
+// Writes the parameters `model` holds to `out_path` in the layout above: those with values from
+// them; a model built with unbound experts gets each expert's blob from stream_experts(sink),
+// which must pass every one of them to sink(moe_layer, local expert index, blob). Under a
+// temporary name, synced, renamed. (A model holding a range of experts writes only those.)
+[[nodiscard]] StatusOr<SafetensorsWritten> WriteSafetensors(
+    model::MoeTransformer& model, const std::string& out_path,
+    const std::function<Status(const CheckpointManager::ExpertSink&)>& stream_experts = nullptr);
+
+// Reads a safetensors file in the layout and naming above (an export, or a file written elsewhere
+// with the same names and shapes) into `model` (`strata train --init-from`): its dense parameters
+// and the experts it holds (with expert parallelism, a range of them); with unbound experts each
+// expert's blob goes to expert_sink(moe_layer, local expert index, blob). The file must hold
+// exactly the whole model's tensors, F32, each with the shape the model gives it: anything else
+// is refused, naming the tensor and both shapes, before any value is read. A read error midway
+// leaves the model partly read.
+// Tensors are read one at a time (pread): the file is never whole in memory.
+[[nodiscard]] Status ImportSafetensors(const std::string& path, model::MoeTransformer& model,
+                                       const CheckpointManager::ExpertSink& expert_sink = nullptr);
 
 // "model.safetensors" -> "model.json"; any other name gets ".json" appended.
 std::string ExportConfigPath(const std::string& out_path);

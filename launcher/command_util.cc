@@ -57,6 +57,7 @@ const std::vector<FlagSpec>& TrainFlags() {
       {"start-over", "move what the checkpoint folder holds aside, then train afresh", false},
       {"trace", "write a Chrome trace-event JSON of compute, I/O and copies (open in Perfetto)"},
       {"export-params", "when training ends, write every parameter to DIR/<name>.f32 (float32)"},
+      {"init-from", "start from the weights of a safetensors file (strata ckpt export's)"},
       {"quiet", "no progress line", false},
   };
   return specs;
@@ -184,6 +185,7 @@ train::TrainOptions OptionsFor(const Flags& flags, config::JobConfig cfg,
   options.progress = !flags.Has("quiet") && worker.rank == 0;
   options.trace_path = flags.String("trace").value_or("");
   options.export_params_dir = flags.String("export-params").value_or("");
+  options.init_from = flags.String("init-from").value_or("");
   options.resume = flags.Has("resume");
   options.start_over = flags.Has("start-over");
   return options;

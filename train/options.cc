@@ -63,6 +63,11 @@ Status CheckTrainOptions(const TrainOptions& options) {
         "WorkerOptions: rejoin (joining a running job) is set but elastic is not; a worker joins a "
         "running job only through its coordinator (strata worker --coordinator), which sets both");
   }
+  if (!options.init_from.empty() && options.resume) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--init-from %s and --resume: a resume takes its weights from the checkpoint; give one",
+        options.init_from));
+  }
   // An elastic job learns at its start what its layout needs to re-form, not at its first failure.
   if (options.worker.elastic) RETURN_IF_ERROR(CheckElastic(cfg));
   ASSIGN_OR_RETURN(const Device device, Device::Parse(cfg.train().device()));

@@ -99,6 +99,10 @@ struct TrainOptions {
   // tiered store — by the leader of their copies, the lowest rank; copy g of an expert, the one of
   // expert-parallel group g > 0, into DIR/copy<g>/<name>.f32). Empty: nothing is written.
   std::string export_params_dir;
+  // Before the first step, every parameter this worker holds takes its value from this
+  // safetensors file (checkpoint/safetensors.h: an export of a model of the same config); the
+  // optimizer starts afresh (fine-tuning). Not with `resume`. Empty: the seed's initialisation.
+  std::string init_from;
 };
 
 // Checks `options` before anything is built, with errors that name the setting to change: the

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "checkpoint/safetensors.h"
 #include "core/common/clock.h"
 #include "core/common/fault_point.h"
 #include "core/common/logging.h"
@@ -412,6 +413,8 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     RETURN_IF_ERROR(tr->StartFrom(*synced));
   } else if (options.resume) {
     RETURN_IF_ERROR(tr->Resume());
+  } else if (!options.init_from.empty()) {
+    RETURN_IF_ERROR(tr->InitFrom());
   }
   if (tr->distributed() || options.worker.elastic) {
     tr->worker_fields_ =
@@ -774,6 +777,16 @@ Status Trainer::GoBackToCheckpoint() {
         options_.worker.generation, dir, static_cast<int>(empty)));
   }
   return Resume();
+}
+
+Status Trainer::InitFrom() {
+  const Stopwatch clock;
+  RETURN_IF_ERROR(checkpoint::ImportSafetensors(
+      options_.init_from, *model_, [this](int moe_layer, int expert, const float* blob) {
+        return scheduler_->WriteExpert(moe_layer, expert, storage::TensorKind::kWeights, blob);
+      }));
+  STRATA_LOG(INFO) << "weights from " << options_.init_from << " (" << clock.Seconds() << " s)";
+  return absl::OkStatus();
 }
 
 Status Trainer::Resume() {

@@ -9,7 +9,10 @@
 // Two models: the tiny job trained by two TIERED expert-parallel workers (a sharded checkpoint,
 // exported from its folder alone), and one trained in one process with RMSNorm, SwiGLU, untied
 // embeddings, shared experts, sigmoid scores with loss-free balancing (a selection bias training
-// moved) and expert groups. Then bad input.
+// moved) and expert groups. Then bad input; then import (`strata train --init-from`): export ->
+// import -> export is byte-identical, and training from the file starts where the checkpoint's
+// model is (its first step's loss is the imported model's loss on that batch), IN_MEMORY and
+// TIERED (the experts go into the tiered store).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -21,6 +24,8 @@
 #include "absl/strings/str_cat.h"
 #include "checkpoint/safetensors.h"
 #include "proto/config_io.h"
+#include "runtime/data/dataset.h"
+#include "storage/env.h"
 #include "tests/test_util.h"
 #include "tests/train/tiny_job.h"
 #include "train/evaluate.h"
@@ -168,6 +173,119 @@ TEST(SafetensorsNameTest, StrataNamesMapToTheCommonMoeLayout) {
             "strata.blocks.1.moe.custom.thing");
   EXPECT_EQ(checkpoint::ExportConfigPath("out/model.safetensors"), "out/model.json");
   EXPECT_EQ(checkpoint::ExportConfigPath("model.bin"), "model.bin.json");
+}
+
+// The model of `ckpt`'s config (another seed: every value comes from the file) with the weights
+// of a safetensors file.
+std::unique_ptr<train::CheckpointModel> Imported(const std::string& ckpt, const std::string& file) {
+  auto info = checkpoint::CheckpointManager::ReadModelConfig(ckpt, -1);
+  EXPECT_TRUE(info.ok()) << info.status();
+  if (!info.ok()) return nullptr;
+  auto m = std::make_unique<train::CheckpointModel>();
+  m->checkpoint = *info;
+  m->pool = std::make_unique<ThreadPool>(2);
+  m->ctx.pool = m->pool.get();
+  model::ModelOptions mo;
+  mo.config = info->model;
+  mo.seed = 999;
+  mo.max_batch = 4;
+  auto model = model::MoeTransformer::Create(m->ctx, mo);
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return nullptr;
+  m->model = *std::move(model);
+  const Status s = checkpoint::ImportSafetensors(file, *m->model);
+  EXPECT_TRUE(s.ok()) << s;
+  return s.ok() ? std::move(m) : nullptr;
+}
+
+TEST(ImportTest, ExportImportExportIsByteIdenticalAndTrainingStartsFromTheFile) {
+  TempDir dir;
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(30000));
+  config::JobConfig cfg = strata::testing::TinyMoeJob(
+      dir.File("text.txt"), "train { steps: 10 global_batch: 4 eval_every: 0 threads: 2 }\n");
+  cfg.mutable_checkpoint()->set_every(10);
+  cfg.mutable_checkpoint()->set_dir(dir.File("ckpt"));
+  WriteFile(dir.File("job.textproto"), config::ToText(cfg));
+  auto train =
+      RunCommand(absl::StrCat(kStrata, " train --quiet --config ", dir.File("job.textproto")));
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  auto exported = RunCommand(absl::StrCat(kStrata, " ckpt export ", dir.File("ckpt"),
+                                          " --format safetensors -o ", dir.File("a.safetensors")));
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+
+  // Export -> import -> export.
+  std::unique_ptr<train::CheckpointModel> m = Imported(dir.File("ckpt"), dir.File("a.safetensors"));
+  ASSERT_NE(m, nullptr);
+  auto again = checkpoint::WriteSafetensors(*m->model, dir.File("b.safetensors"));
+  ASSERT_TRUE(again.ok()) << again.status();
+  const std::string a = ReadFile(dir.File("a.safetensors"));
+  EXPECT_EQ(a.size(), again->bytes);
+  EXPECT_TRUE(a == ReadFile(dir.File("b.safetensors"))) << "export -> import -> export differs";
+
+  // The first step's loss of training from the file: the imported model's on batch 0.
+  const int64_t B = 4, T = cfg.model().seq_len();
+  auto data =
+      data::TokenDataset::Open(cfg.data(), cfg.model().vocab_size(), T, storage::Env::Default());
+  ASSERT_TRUE(data.ok()) << data.status();
+  std::vector<int32_t> inputs(static_cast<size_t>(B * T)), targets(inputs.size());
+  (*data)->TrainBatch(cfg.seed(), data::TokenDataset::FirstSample(0, B), B, inputs.data(),
+                      targets.data());
+  model::GateCall call{true, 0, 0};
+  call.sequence_length = T;
+  call.batch_tokens = B * T;
+  const double want = m->model->Forward(m->ctx, inputs.data(), targets.data(), B, call);
+  config::JobConfig fine = cfg;
+  fine.clear_checkpoint();
+  fine.mutable_train()->set_steps(1);
+  for (const char* storage : {"", "storage { mode: TIERED io_block_bytes: 8192 }"}) {
+    SCOPED_TRACE(*storage ? "TIERED" : "IN_MEMORY");
+    config::JobConfig job = fine;
+    if (*storage) {
+      auto parsed = config::ParseJobConfig(config::ToText(fine) + storage, "fine", "");
+      ASSERT_TRUE(parsed.ok()) << parsed.status();
+      job = *parsed;
+    }
+    WriteFile(dir.File("fine.textproto"), config::ToText(job));
+    std::filesystem::remove(dir.File("m.jsonl"));
+    auto r = RunCommand(absl::StrCat(
+        kStrata, " train --quiet --config ", dir.File("fine.textproto"), " --init-from ",
+        dir.File("a.safetensors"), " --metrics-out ", dir.File("m.jsonl")));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const double got = strata::testing::StepLosses(dir.File("m.jsonl")).at(1);
+    EXPECT_NEAR(got, want, 1e-6 * want) << "the metrics line rounds to 8 digits";
+  }
+  auto fresh =
+      RunCommand(absl::StrCat(kStrata, " train --quiet --config ", dir.File("fine.textproto"),
+                              " --metrics-out ", dir.File("m.jsonl")));
+  ASSERT_EQ(fresh.exit_code, 0) << fresh.output;
+  EXPECT_GT(std::abs(strata::testing::StepLosses(dir.File("m.jsonl")).at(1) - want), 1e-3)
+      << "without --init-from the model starts from the seed";
+
+  // Bad files: another model's export, a truncated file, --init-from with --resume.
+  config::JobConfig other = fine;
+  other.mutable_model()->set_d_model(48);
+  WriteFile(dir.File("other.textproto"), config::ToText(other));
+  WriteFile(dir.File("cut.safetensors"), a.substr(0, a.size() / 2));
+  struct Case {
+    std::string flags;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {"--config " + dir.File("other.textproto") + " --init-from " + dir.File("a.safetensors"),
+       "the file is of another model"},
+      {"--config " + dir.File("fine.textproto") + " --init-from " + dir.File("cut.safetensors"),
+       "do not hold its shape within the file"},
+      {"--config " + dir.File("fine.textproto") + " --init-from " + dir.File("none.safetensors"),
+       "cannot open the safetensors file"},
+      {"--config " + dir.File("job.textproto") + " --resume --init-from " +
+           dir.File("a.safetensors"),
+       "a resume takes its weights from the checkpoint"},
+  };
+  for (const Case& c : cases) {
+    auto r = RunCommand(absl::StrCat(kStrata, " train --quiet ", c.flags));
+    EXPECT_EQ(r.exit_code, 1) << c.flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << c.flags << "\n" << r.output;
+  }
 }
 
 }  // namespace
