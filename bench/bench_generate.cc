@@ -16,12 +16,15 @@
 // Each row is measured in fresh processes, --rounds times, after one warm-up pass (of the prompts;
 // offloaded, it also leaves experts in the tiers, as a running server has them); medians. Printed
 // per row: prefill and decode tokens/s, decode over in-memory decode, the SSD bytes read per
-// decoded token, the share of routed experts the history prefetch had guessed, and the share of
-// compute-thread time spent waiting for experts (stall seconds / threads / decode seconds). Goal:
-// offloaded decode at least 0.8 of in-memory where a token's expert reads fit behind its compute.
+// decoded token, the shares of routed experts the history prefetch had named before their gate
+// ran (guessed) and, of the others, still in the ring from an earlier pass (resident), and the
+// share of compute-thread time spent waiting for experts (stall seconds / threads / decode
+// seconds). Goal: offloaded decode at least 0.8 of in-memory where a token's expert reads fit
+// behind its compute.
 //
 //   build/bin/bench_generate [--config PATH]... [--batch 8] [--threads 2] [--rounds 3]
-//                            [--train-steps 30] [--json]
+//                            [--train-steps 30] [--device cpu|cuda] [--json]
+// (--device cuda: generation on the GPU, the ring in HBM; the checkpoint trains on the CPU.)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -54,6 +57,7 @@ struct Options {
   int threads = 2;
   int rounds = 3;
   int train_steps = 30;
+  std::string device = "cpu";  // where generation runs (the checkpoint trains on the CPU)
   bool json = false;
 };
 
@@ -61,7 +65,7 @@ struct Options {
 struct Figures {
   double prefill_tps = 0, decode_tps = 0;
   double ssd_per_token = 0;  // bytes
-  double guessed = std::nan(""), waited = std::nan("");
+  double guessed = std::nan(""), resident = std::nan(""), waited = std::nan("");
   std::string error;
 };
 
@@ -78,7 +82,8 @@ std::vector<int32_t> Argmax(const std::vector<float>& logits, const std::vector<
 
 // Prefill + decode of `prompts` through the KV cache (full = false) or decode by full-window
 // recomputation (full = true), on one line: "prefill_tokens prefill_s decoded_tokens decode_s
-// ssd_bytes routed guessed stall_s" (by recomputation every generated token counts as decoded).
+// ssd_bytes routed guessed resident stall_s" (by recomputation every generated token counts as
+// decoded).
 std::string Measure(train::CheckpointModel& m, const std::vector<std::vector<int32_t>>& prompts,
                     bool full) {
   model::MoeTransformer& model = *m.model;
@@ -105,7 +110,7 @@ std::string Measure(train::CheckpointModel& m, const std::vector<std::vector<int
       const std::vector<int32_t> next = Argmax(logits, last, V);
       for (int64_t b = 0; b < B; ++b) seqs[b].push_back(next[b]);
     }
-    return absl::StrFormat("0 0 %d %.9g 0 0 0 0", B * (steps + 1), clock.Seconds());
+    return absl::StrFormat("0 0 %d %.9g 0 0 0 0 0", B * (steps + 1), clock.Seconds());
   }
   std::vector<int32_t> tokens, slots, positions;
   std::vector<int64_t> last;
@@ -145,9 +150,10 @@ std::string Measure(train::CheckpointModel& m, const std::vector<std::vector<int
   }
   const double decode_s = clock.Seconds();
   const train::OffloadReport r1 = m.offload_report();
-  return absl::StrFormat("%d %.9g %d %.9g %d %d %d %.9g", B * P, prefill_s, B * steps, decode_s,
+  return absl::StrFormat("%d %.9g %d %.9g %d %d %d %d %.9g", B * P, prefill_s, B * steps, decode_s,
                          r1.ssd_bytes_read - r0.ssd_bytes_read, r1.routed - r0.routed,
-                         r1.guessed - r0.guessed, r1.stall_seconds - r0.stall_seconds);
+                         r1.guessed - r0.guessed, r1.resident - r0.resident,
+                         r1.stall_seconds - r0.stall_seconds);
 }
 
 enum class Mode { kMemory, kFull, kOffload };
@@ -155,14 +161,14 @@ enum class Mode { kMemory, kFull, kOffload };
 // One row: fresh processes, o.rounds of them.
 Figures Row(const Options& o, const std::string& ckpt, const std::vector<std::vector<int32_t>>& p,
             Mode mode, const train::OffloadOptions& offload) {
-  std::vector<double> prefill, decode, ssd, guessed, waited;
+  std::vector<double> prefill, decode, ssd, guessed, resident, waited;
   Figures f;
   const int64_t B = static_cast<int64_t>(p.size());
   for (int round = 0; round < o.rounds; ++round) {
     const std::string out = InChildProcess([&]() -> std::string {
       train::OffloadOptions off = offload;
       off.enabled = mode == Mode::kOffload;
-      auto m = train::LoadCheckpointModel(ckpt, -1, B, o.threads, "cpu", off);
+      auto m = train::LoadCheckpointModel(ckpt, -1, B, o.threads, o.device, off);
       if (!m.ok()) return absl::StrCat("error ", m.status().message());
       return Measure(**m, p, mode == Mode::kFull);
     });
@@ -172,7 +178,7 @@ Figures Row(const Options& o, const std::string& ckpt, const std::vector<std::ve
     }
     std::vector<double> v;
     for (absl::string_view x : absl::StrSplit(out, ' ')) v.push_back(std::stod(std::string(x)));
-    if (v.size() != 8) {
+    if (v.size() != 9) {
       f.error = "unexpected output: " + out;
       return f;
     }
@@ -180,12 +186,14 @@ Figures Row(const Options& o, const std::string& ckpt, const std::vector<std::ve
     decode.push_back(v[2] / v[3]);
     ssd.push_back(v[4] / v[2]);
     if (v[5] > 0) guessed.push_back(v[6] / v[5]);
-    if (mode == Mode::kOffload) waited.push_back(v[7] / o.threads / v[3]);
+    if (v[5] > 0) resident.push_back(v[7] / v[5]);
+    if (mode == Mode::kOffload) waited.push_back(v[8] / o.threads / v[3]);
   }
   f.prefill_tps = MedianOf(prefill);
   f.decode_tps = MedianOf(decode);
   f.ssd_per_token = MedianOf(ssd);
   f.guessed = MedianOf(guessed);
+  f.resident = MedianOf(resident);
   f.waited = MedianOf(waited);
   return f;
 }
@@ -205,6 +213,7 @@ Status TrainCheckpoint(const Options& o, const std::string& path, const std::str
   cfg.mutable_train()->set_steps(o.train_steps);
   cfg.mutable_train()->set_eval_every(0);
   cfg.mutable_train()->set_threads(o.threads);
+  cfg.mutable_train()->set_device("cpu");
   cfg.mutable_checkpoint()->set_every(o.train_steps);
   cfg.mutable_checkpoint()->set_dir(dir + "/ckpt");
   const std::string out = InChildProcess([&]() -> std::string {
@@ -276,11 +285,11 @@ int Run(const Options& o) {
                                        {"offloaded", Mode::kOffload, 2},
                                        {"offloaded", Mode::kOffload, 8}};
     if (!o.json) {
-      std::printf("\n%s: %s of expert weights, %d prompts of %zu tokens, %d threads\n",
+      std::printf("\n%s: %s of expert weights, %d prompts of %zu tokens, %d threads, on %s\n",
                   name.c_str(), FormatBytes(expert_bytes).c_str(), o.batch, prompts[0].size(),
-                  o.threads);
-      std::printf("%-24s %10s %10s %8s %12s %8s %8s\n", "experts", "prefill/s", "decode/s",
-                  "vs mem", "SSD/token", "guessed", "waited");
+                  o.threads, o.device.c_str());
+      std::printf("%-24s %10s %10s %8s %12s %8s %9s %8s\n", "experts", "prefill/s", "decode/s",
+                  "vs mem", "SSD/token", "guessed", "resident", "waited");
     }
     double memory_decode = 0;
     for (const RowSpec& r : rows) {
@@ -309,6 +318,7 @@ int Run(const Options& o) {
             .Field("expert_bytes", expert_bytes)
             .Field("batch", o.batch)
             .Field("threads", o.threads)
+            .Field("device", o.device)
             .Field("device_bytes", off.device_bytes)
             .Field("host_bytes", off.host_bytes)
             .Field("prefill_tokens_per_s", f.prefill_tps)
@@ -316,6 +326,7 @@ int Run(const Options& o) {
             .Field("fraction_of_in_memory", vs)
             .Field("ssd_bytes_per_token", f.ssd_per_token)
             .Field("guessed", f.guessed)
+            .Field("resident", f.resident)
             .Field("waited", f.waited);
         AddBlasFields(j, blas);
         j.EndObject();
@@ -325,11 +336,11 @@ int Run(const Options& o) {
       auto pct = [](double x) {
         return std::isnan(x) ? std::string("-") : absl::StrFormat("%.0f%%", 100 * x);
       };
-      std::printf("%-24s %10s %10.0f %7.2fx %12s %8s %8s\n", what.c_str(),
+      std::printf("%-24s %10s %10.0f %7.2fx %12s %8s %9s %8s\n", what.c_str(),
                   r.mode == Mode::kFull ? "-" : absl::StrFormat("%.0f", f.prefill_tps).c_str(),
                   f.decode_tps, vs,
                   r.mode == Mode::kOffload ? FormatBytes(f.ssd_per_token).c_str() : "-",
-                  pct(f.guessed).c_str(), pct(f.waited).c_str());
+                  pct(f.guessed).c_str(), pct(f.resident).c_str(), pct(f.waited).c_str());
     }
   }
   return 0;
@@ -364,12 +375,14 @@ int main(int argc, char** argv) {
       o.rounds = number(1, 100);
     } else if (a == "--train-steps") {
       o.train_steps = number(1, 100000);
+    } else if (a == "--device") {
+      o.device = value();
     } else if (a == "--json") {
       o.json = true;
     } else {
       std::fprintf(stderr,
                    "usage: bench_generate [--config PATH]... [--batch 8] [--threads 2] "
-                   "[--rounds 3] [--train-steps 30] [--json]\n");
+                   "[--rounds 3] [--train-steps 30] [--device cpu|cuda] [--json]\n");
       return 2;
     }
   }

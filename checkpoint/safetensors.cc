@@ -150,6 +150,8 @@ std::string ConfigJson(const CheckpointManager::ModelOfCheckpoint& ckpt,
                static_cast<int64_t>(moe.num_shared_experts()) * moe.shared_d_expert());
     j.Key("router").BeginObject().Field("type", GateTypeName(moe.gate().type()));
     j.Field("k", gate.k());
+    // Above 0 a token's route depends on its batch (capacity at evaluation).
+    j.Field("capacity_factor_eval", static_cast<double>(moe.gate().capacity_factor_eval()));
     if (auto* sg = dynamic_cast<model::SoftmaxGate*>(&gate)) {
       const ops::MoeRouterSpec spec = sg->Spec();
       j.Field("score", spec.sigmoid ? "sigmoid" : "softmax")

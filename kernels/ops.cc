@@ -310,8 +310,9 @@ void AttentionBackward(Context& ctx, const Tensor& dqkv, const Tensor& dout, con
 
 void AttentionDecode(Context& ctx, const Tensor& out, const Tensor& qkv, const Tensor& k_cache,
                      const Tensor& v_cache, const Tensor& slots, const Tensor& positions,
-                     int64_t NH) {
-  const int dev = DeviceOf({&out, &qkv, &k_cache, &v_cache, &slots, &positions}, "AttentionDecode");
+                     int64_t NH, const Tensor& scores) {
+  const int dev =
+      DeviceOf({&out, &qkv, &k_cache, &v_cache, &slots, &positions, &scores}, "AttentionDecode");
   const int64_t C = out.dim(-1), N = out.numel() / C;
   CHECK(qkv.numel() == N * 3 * C && k_cache.rank() == 3 && k_cache.dim(2) == C &&
         v_cache.numel() == k_cache.numel() && slots.numel() == N && positions.numel() == N &&
@@ -319,8 +320,9 @@ void AttentionDecode(Context& ctx, const Tensor& out, const Tensor& qkv, const T
       << out.ShapeString() << qkv.ShapeString() << k_cache.ShapeString() << v_cache.ShapeString()
       << slots.ShapeString() << positions.ShapeString();
   const int64_t Tmax = k_cache.dim(1);
+  CHECK(!scores.defined() || scores.numel() >= N * NH * Tmax) << scores.ShapeString();
   ON_GPU(return cuda::AttentionDecode(gpu, out.f32(), qkv.f32(), k_cache.f32(), v_cache.f32(),
-                                      slots.i32(), positions.i32(), N, Tmax, C, NH));
+                                      slots.i32(), positions.i32(), N, Tmax, C, NH, F(scores)));
   cpu::attention_decode<float>(Pool(ctx), out.f32(), qkv.f32(), k_cache.f32(), v_cache.f32(),
                                slots.i32(), positions.i32(), N, Tmax, C, NH);
 }

@@ -88,10 +88,13 @@ void AttentionBackward(Context& ctx, const Tensor& dqkv, const Tensor& dout, con
 // Incremental decoding: qkv [N, 3C] -> out [N, C] against k_cache and v_cache [S, Tmax, C]. Row i
 // is the token of cache slot slots[i] at position positions[i] (i32 [N]); its key and value enter
 // the cache there first, then it attends to positions [0, positions[i]] of its slot (which may
-// include earlier rows of the same call). See kernels/cpu/attention.h.
+// include earlier rows of the same call). See kernels/cpu/attention.h. `scores` (optional, at
+// least N * NH * Tmax floats; a training Forward's att buffer serves) holds the GPU's attention
+// scores; without it they go to the thread's grow-only scratch (the CPU uses per-thread scratch
+// of Tmax floats).
 void AttentionDecode(Context& ctx, const Tensor& out, const Tensor& qkv, const Tensor& k_cache,
                      const Tensor& v_cache, const Tensor& slots, const Tensor& positions,
-                     int64_t NH);
+                     int64_t NH, const Tensor& scores = Tensor());
 
 // out [N, H] from inp [N, ActivationInputWidth(act, H)]; backward may run in place.
 void ActivationForward(Context& ctx, Activation act, const Tensor& out, const Tensor& inp);

@@ -131,7 +131,7 @@ const std::vector<FlagSpec>& OffloadFlags() {
       {"offload", "keep the experts in a tiered store (the next three flags imply it)", false},
       {"offload-device", "device memory of its ring of expert slots, e.g. 2GiB (default: all)"},
       {"offload-host", "host memory for experts, e.g. 8GiB (default: all)"},
-      {"offload-dir", "folder of its SSD tier (default: a private one under $TMPDIR)"},
+      {"offload-dir", "folder in which its SSD tier goes (default: $TMPDIR, else /tmp)"},
   };
   return specs;
 }
@@ -159,13 +159,14 @@ std::string OffloadSummary(const train::OffloadOptions& o, const train::OffloadR
   auto budget = [](uint64_t b) { return b == 0 ? std::string("unlimited") : FormatBytes(b); };
   return absl::StrFormat(
       "offload: %s of experts through a ring of %s over %s of host memory (loaded in %.2f s); "
-      "%s read from SSD (%s a token), %s into the ring; prefetch guessed %d of %d routed experts "
-      "(%.0f%%); compute threads waited %.2f s in all, in %.2f s",
+      "%s read from SSD (%s a token), %s into the ring; of %d routed experts, routing history "
+      "guessed %d (%.0f%%) and %d more were still in the ring; compute threads waited %.2f s in "
+      "all, in %.2f s",
       FormatBytes(r.expert_bytes), budget(o.device_bytes), budget(o.host_bytes), r.load_seconds,
       FormatBytes(r.ssd_bytes_read), FormatBytes(r.ssd_bytes_read / std::max<int64_t>(tokens, 1)),
-      FormatBytes(r.device_bytes_in), r.guessed, r.routed,
+      FormatBytes(r.device_bytes_in), r.routed, r.guessed,
       100.0 * static_cast<double>(r.guessed) / std::max<double>(1.0, static_cast<double>(r.routed)),
-      r.stall_seconds, seconds);
+      r.resident, r.stall_seconds, seconds);
 }
 
 bool WantsHelp(const std::vector<std::string>& args) {

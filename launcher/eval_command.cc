@@ -120,6 +120,7 @@ int EvalCommand(const std::vector<std::string>& args) {
           .Field("device_bytes_in", r->offload.device_bytes_in)
           .Field("routed", r->offload.routed)
           .Field("guessed", r->offload.guessed)
+          .Field("resident", r->offload.resident)
           .Field("stall_seconds", r->offload.stall_seconds)
           .Field("load_seconds", r->offload.load_seconds)
           .EndObject();

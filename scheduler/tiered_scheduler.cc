@@ -281,10 +281,12 @@ void TieredExpertScheduler::BeginPass(int layer, Pass pass, std::span<const int>
     L.routed = pending_;
     for (int e : pending_) {
       L.history[e] += 1.0;
-      const bool guessed = std::find(L.guessed.begin(), L.guessed.end(), e) != L.guessed.end();
       ++prefetch_counts_.routed;
-      prefetch_counts_.guessed +=
-          guessed || store_->DeviceReady(Key(li, e, TensorKind::kWeights)) ? 1 : 0;
+      if (std::find(L.guessed.begin(), L.guessed.end(), e) != L.guessed.end()) {
+        ++prefetch_counts_.guessed;
+      } else if (store_->DeviceReady(Key(li, e, TensorKind::kWeights))) {
+        ++prefetch_counts_.resident;
+      }
     }
     L.guessed.clear();
   }

@@ -108,11 +108,12 @@ struct TieredOptions {
   bool ring = false;
 };
 
-// How well the experts routed in forward passes had been guessed: `routed` experts (one count
-// per layer and pass), of which `guessed` were already on the device, or on their way there, when
-// their layer's gate routed (history prefetch, or still resident from before).
+// How well the experts routed in forward passes had been predicted: of `routed` experts (one
+// count per layer and pass), `guessed` had been named by the history prefetch for that layer
+// before its gate routed (whether or not their copy was still in the device tier by then), and
+// `resident` were not guessed but still in the device tier from before.
 struct ForwardPrefetchCounts {
-  uint64_t routed = 0, guessed = 0;
+  uint64_t routed = 0, guessed = 0, resident = 0;
 };
 
 class TieredExpertScheduler : public model::ExpertResidency {

@@ -150,6 +150,14 @@ if [ "$quick" = 0 ]; then
     run "parity_free" 90 "$bin/bench_parity" --config "$cfg" --steps 30
     run "parity_sync" 90 "$bin/bench_parity" --config "$cfg" --steps 30 --sync
   fi
+  # Generation on the GPU: prefill and decode through the KV cache in HBM, in memory and with the
+  # experts offloaded to a ring of HBM slots (docs/inference.md); it checks nothing itself, the
+  # decode tests above do.
+  if [ -x "$bin/bench_generate" ]; then
+    run "bench_generate" 240 "$bin/bench_generate" --device cuda --rounds 1 --train-steps 10 \
+      --config "$source/examples/moe_lm/config.textproto" \
+      --config "$source/examples/larger_than_memory/config.textproto"
+  fi
   # The default example on the GPU: 300 steps, its median tokens/s from the metrics.
   run "train_cuda" 120 "$bin/strata" train --config "$source/examples/moe_lm/config.textproto" \
     --device cuda --steps 300 --quiet --metrics-out "$logs/train_cuda.jsonl"

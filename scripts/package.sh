@@ -59,7 +59,7 @@ for t in cuda_ops_test moe_layer_gpu_test model_gpu_test train_gpu_test tiered_s
          nccl_test; do
   [ -x "$build/tests/$t" ] && cp "$build/tests/$t" "$stage/bin/"
 done
-for b in bench_moe_gpu bench_tier_gpu bench_parity; do
+for b in bench_moe_gpu bench_tier_gpu bench_parity bench_generate; do
   [ -x "$build/bin/$b" ] && cp "$build/bin/$b" "$stage/bin/"
 done
 cp "$root/bench/torch_moe_baseline.py" "$stage/bin/bench_moe_torch.py"

@@ -56,6 +56,7 @@ OffloadReport CheckpointModel::offload_report() const {
   const scheduler::ForwardPrefetchCounts c = offload->scheduler->forward_prefetch();
   r.routed = c.routed;
   r.guessed = c.guessed;
+  r.resident = c.resident;
   r.load_seconds = offload->load_seconds;
   r.expert_bytes = offload->expert_bytes;
   return r;
@@ -70,14 +71,14 @@ Status SetUpOffload(CheckpointModel& m, int threads, const OffloadOptions& o) {
         absl::StrFormat("%s has no MoE layer: there are no experts to offload", m.name));
   }
   auto off = std::make_unique<CheckpointModel::Offload>();
-  std::string ssd_dir = o.ssd_dir;
-  if (ssd_dir.empty()) {
-    const char* base = std::getenv("TMPDIR");
-    ASSIGN_OR_RETURN(off->folder,
-                     storage::PrivateFolder::Create(base && *base ? base : "/tmp",
-                                                    "strata-offload-", "the offloaded experts"));
-    ssd_dir = off->folder->path();
-  }
+  // A folder of this process's own (locked, removed at the end): two runs never share files.
+  const char* base = std::getenv("TMPDIR");
+  ASSIGN_OR_RETURN(off->folder,
+                   storage::PrivateFolder::Create(!o.ssd_dir.empty() ? o.ssd_dir
+                                                  : base && *base    ? base
+                                                                     : "/tmp",
+                                                  "strata-offload-", "the offloaded experts"));
+  const std::string ssd_dir = off->folder->path();
   off->device_budget = std::make_unique<MemoryBudget>("offload device", o.device_bytes);
   off->host_budget = std::make_unique<MemoryBudget>("offload host", o.host_bytes);
   scheduler::TieredOptions to;
@@ -100,11 +101,12 @@ Status SetUpOffload(CheckpointModel& m, int threads, const OffloadOptions& o) {
   auto scheduler = scheduler::TieredExpertScheduler::Create(*m.model, to);
   if (!scheduler.ok()) {
     const Status& s = scheduler.status();
-    return Status(s.code(), absl::StrFormat(
-                                "cannot offload the experts of %s: %s (storage.device_budget_bytes "
-                                "and host_budget_bytes are the offload's device and host memory "
-                                "here)",
-                                m.name, s.message()));
+    return Status(s.code(),
+                  absl::StrFormat("cannot offload the experts of %s: %s (here the device and host "
+                                  "budgets are --offload-device and --offload-host, and the SSD "
+                                  "tier's folder goes under --offload-dir, else $TMPDIR or /tmp: a "
+                                  "disk that supports O_DIRECT, not tmpfs)",
+                                  m.name, s.message()));
   }
   off->scheduler = *std::move(scheduler);
   off->expert_bytes = off->scheduler->expert_floats() * sizeof(float) *

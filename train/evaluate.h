@@ -50,7 +50,8 @@ struct OffloadOptions {
   bool enabled = false;
   uint64_t device_bytes = 0;  // the ring of expert slots; 0: unlimited
   uint64_t host_bytes = 0;    // 0: unlimited
-  // Folder of the SSD tier; "": a private folder under $TMPDIR (else /tmp), removed at the end.
+  // Where the SSD tier's folder goes (one of this process's own, removed at the end; on a disk
+  // that supports O_DIRECT, not tmpfs); "": $TMPDIR, else /tmp.
   std::string ssd_dir;
   // Experts of the next layer fetched by routing history while a layer computes (0: none).
   uint32_t history_prefetch = 4;
@@ -62,7 +63,8 @@ struct OffloadReport {
   uint64_t ssd_bytes_read = 0;   // SSD tier -> host tier
   uint64_t device_bytes_in = 0;  // host tier -> device slots
   uint64_t routed = 0;           // experts routed, one per layer and pass
-  uint64_t guessed = 0;          // of them, already on the device or on their way
+  uint64_t guessed = 0;          // of them, named by the history prefetch before their gate routed
+  uint64_t resident = 0;         // of the others, still in the ring from an earlier pass
   double stall_seconds = 0;      // compute threads waiting for an expert, summed
   double load_seconds = 0;       // writing the checkpoint's experts into the store
   uint64_t expert_bytes = 0;     // the experts' weights in all

@@ -205,7 +205,7 @@ void AttentionBackward(Backend& b, float* dqkv, const float* dout, const float* 
 
 void AttentionDecode(Backend& b, float* out, const float* qkv, float* k_cache, float* v_cache,
                      const int32_t* slots, const int32_t* positions, int64_t N, int64_t Tmax,
-                     int64_t C, int64_t NH) {
+                     int64_t C, int64_t NH, float* scores) {
   if (N == 0 || C == 0) return;
   CHECK_GT(NH, 0);
   CHECK_EQ(C % NH, 0) << "channels must split evenly into heads";
@@ -216,8 +216,10 @@ void AttentionDecode(Backend& b, float* out, const float* qkv, float* k_cache, f
   KvCacheWriteKernel<<<static_cast<unsigned>(grid), kThreads, 0, b.stream>>>(
       k_cache, v_cache, qkv, slots, positions, N, Tmax, C);
   STRATA_CUDA_LAUNCH_CHECK();
-  float* scores =
-      static_cast<float*>(b.DeviceScratch(static_cast<size_t>(N * NH * Tmax) * sizeof(float)));
+  if (scores == nullptr) {
+    scores =
+        static_cast<float*>(b.DeviceScratch(static_cast<size_t>(N * NH * Tmax) * sizeof(float)));
+  }
   constexpr int kDecodeThreads = 128;
   AttentionDecodeKernel<<<static_cast<unsigned>(N * NH), kDecodeThreads, 0, b.stream>>>(
       out, scores, qkv, k_cache, v_cache, slots, positions, NH, Tmax, C, scale);

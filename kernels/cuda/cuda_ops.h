@@ -81,10 +81,10 @@ void AttentionForward(Backend& b, float* out, float* att, const float* qkv, int6
 void AttentionBackward(Backend& b, float* dqkv, const float* dout, const float* qkv,
                        const float* att, int64_t B, int64_t T, int64_t C, int64_t NH);
 // Incremental decoding against a KV cache [S, Tmax, C] (kernels/cpu/attention.h); slots and
-// positions [N] are device arrays.
+// positions [N] are device arrays; scores (null: the backend's scratch) N * NH * Tmax floats.
 void AttentionDecode(Backend& b, float* out, const float* qkv, float* k_cache, float* v_cache,
                      const int32_t* slots, const int32_t* positions, int64_t N, int64_t Tmax,
-                     int64_t C, int64_t NH);
+                     int64_t C, int64_t NH, float* scores = nullptr);
 
 void ActivationForward(Backend& b, Activation act, float* out, const float* inp, int64_t N,
                        int64_t H);

@@ -151,7 +151,8 @@ class Block {
   void Decode(ops::Context& ctx, const Tensor& x_in, const Tensor& x_out, int64_t n,
               const Tensor& slots, const Tensor& positions, const GateCall& call) {
     Run(ctx, x_in, x_out, n, call, [&](const Tensor& att_out, const Tensor& qkv) {
-      ops::AttentionDecode(ctx, att_out, qkv, k_cache_, v_cache_, slots, positions, NH_);
+      // The scores go to the training Forward's att buffer, which a Decode does not use.
+      ops::AttentionDecode(ctx, att_out, qkv, k_cache_, v_cache_, slots, positions, NH_, att_);
     });
   }
 

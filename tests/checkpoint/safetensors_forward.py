@@ -134,8 +134,9 @@ def forward(p, cfg, tokens):
         if layer in cfg["moe_layers"]:
             moe = cfg["moe"]
             r = moe["router"]
-            if r["type"] == "expert_choice":
-                fail("expert-choice routing depends on the whole batch; not recomputed here")
+            if r["type"] == "expert_choice" or r.get("capacity_factor_eval", 0) > 0:
+                fail("expert choice or capacity at evaluation depends on the whole batch; "
+                     "not recomputed here")
             logits = h @ p[pre + "mlp.gate.weight"].T
             sel_bias = p[pre + "mlp.gate.e_score_correction_bias"] if r["selection_bias"] else None
             y = np.zeros_like(h)

@@ -515,13 +515,15 @@ TEST_F(CudaOpsTest, AttentionDecodeAndEmbeddingAtPositions) {
   struct Case {
     int64_t S, Tmax, C, NH, N;
   };
-  for (Case cs : {Case{3, 40, 64, 4, 50}, Case{2, 300, 384, 6, 7}, Case{4, 17, 96, 3, 4}}) {
+  // Positions up to Tmax - 1 (299: the softmax loops wrap a 128-thread block) and a head of 192
+  // channels (the value loop wraps too); scores in the backend's scratch or in a given buffer.
+  for (Case cs : {Case{3, 40, 64, 4, 50}, Case{2, 300, 384, 2, 7}, Case{4, 17, 96, 3, 4}}) {
     const int64_t S = cs.S, Tmax = cs.Tmax, C = cs.C, NH = cs.NH, N = cs.N;
     SCOPED_TRACE("S=" + std::to_string(S) + " Tmax=" + std::to_string(Tmax) +
                  " C=" + std::to_string(C) + " N=" + std::to_string(N));
-    // A cache already holding positions [0, 10) of every slot (or Tmax - N / S, if fewer), then
-    // N rows: each slot's next positions, the slots' rows interleaved.
-    const int64_t held = std::min<int64_t>(10, Tmax - (N + S - 1) / S);
+    // A cache already holding positions [0, held) of every slot, then N rows: each slot's next
+    // positions, up to the cache's end, the slots' rows interleaved.
+    const int64_t held = Tmax - (N + S - 1) / S;
     Tensor k_c = RandomF32({S, Tmax, C}, 70), v_c = RandomF32({S, Tmax, C}, 71);
     Tensor k_g = Up(k_c), v_g = Up(v_c);
     Tensor slots = Tensor::Empty({N}, DType::kI32), positions = Tensor::Empty({N}, DType::kI32);
@@ -534,7 +536,8 @@ TEST_F(CudaOpsTest, AttentionDecodeAndEmbeddingAtPositions) {
     Tensor out_c = Tensor::Empty({N, C});
     ops::AttentionDecode(ctx, out_c, qkv, k_c, v_c, slots, positions, NH);
     Tensor out_g = GpuGarbage({N, C});
-    ops::AttentionDecode(ctx, out_g, Up(qkv), k_g, v_g, Up(slots), Up(positions), NH);
+    const Tensor scores = S == 2 ? GpuGarbage({N * NH * Tmax}) : Tensor();
+    ops::AttentionDecode(ctx, out_g, Up(qkv), k_g, v_g, Up(slots), Up(positions), NH, scores);
     ExpectClose(out_g, out_c, kGemm, "decode out");
     ExpectBitwiseEqual(k_g, Up(k_c), "k cache");
     ExpectBitwiseEqual(v_g, Up(v_c), "v cache");

@@ -117,16 +117,28 @@ TEST(ExportTest, RmsNormSwigluSharedExpertsAndASigmoidRouterWithBiasAndGroups) {
   g->set_num_groups(4);
   g->set_topk_groups(2);
   g->set_routed_scaling(1.5f);
-  cfg.mutable_checkpoint()->set_every(12);
-  cfg.mutable_checkpoint()->set_dir(dir.File("ckpt"));
-  WriteFile(dir.File("job.textproto"), config::ToText(cfg));
-  auto train =
-      RunCommand(absl::StrCat(kStrata, " train --quiet --config ", dir.File("job.textproto")));
-  ASSERT_EQ(train.exit_code, 0) << train.output;
+  strata::testing::TrainWithACheckpoint(dir, cfg);
+  if (HasFatalFailure()) return;
   ExpectTheReaderRecomputesStratasLogits(dir);
   // The selection bias training moved is in the file under its name.
   EXPECT_NE(ReadFile(dir.File("m.safetensors")).find("mlp.gate.e_score_correction_bias"),
             std::string::npos);
+}
+
+// One TIERED step with LAZY updates over 64 experts: the experts no token reached were never
+// written, and the checkpoint holds them as their initialisation; the export writes their values
+// from the seed.
+TEST(ExportTest, ExpertsTheCheckpointHoldsAtTheirInitialisationAreExportedFromTheSeed) {
+  TempDir dir;
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(30000));
+  config::JobConfig cfg = strata::testing::TinyMoeJob(
+      dir.File("text.txt"),
+      "train { steps: 1 global_batch: 1 eval_every: 0 threads: 1 }\n"
+      "storage { mode: TIERED io_block_bytes: 8192 expert_update: LAZY }\n");
+  cfg.mutable_model()->mutable_moe()->set_num_experts(64);
+  strata::testing::TrainWithACheckpoint(dir, cfg);
+  if (HasFatalFailure()) return;
+  ExpectTheReaderRecomputesStratasLogits(dir);
 }
 
 TEST(ExportTest, BadInputIsAClearErrorAndLeavesNoFile) {
@@ -203,12 +215,8 @@ TEST(ImportTest, ExportImportExportIsByteIdenticalAndTrainingStartsFromTheFile) 
   WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(30000));
   config::JobConfig cfg = strata::testing::TinyMoeJob(
       dir.File("text.txt"), "train { steps: 10 global_batch: 4 eval_every: 0 threads: 2 }\n");
-  cfg.mutable_checkpoint()->set_every(10);
-  cfg.mutable_checkpoint()->set_dir(dir.File("ckpt"));
-  WriteFile(dir.File("job.textproto"), config::ToText(cfg));
-  auto train =
-      RunCommand(absl::StrCat(kStrata, " train --quiet --config ", dir.File("job.textproto")));
-  ASSERT_EQ(train.exit_code, 0) << train.output;
+  strata::testing::TrainWithACheckpoint(dir, cfg);
+  if (HasFatalFailure()) return;
   auto exported = RunCommand(absl::StrCat(kStrata, " ckpt export ", dir.File("ckpt"),
                                           " --format safetensors -o ", dir.File("a.safetensors")));
   ASSERT_EQ(exported.exit_code, 0) << exported.output;
@@ -285,6 +293,25 @@ TEST(ImportTest, ExportImportExportIsByteIdenticalAndTrainingStartsFromTheFile) 
     auto r = RunCommand(absl::StrCat(kStrata, " train --quiet ", c.flags));
     EXPECT_EQ(r.exit_code, 1) << c.flags << "\n" << r.output;
     EXPECT_NE(r.output.find(c.says), std::string::npos) << c.flags << "\n" << r.output;
+  }
+
+  // An export that fails midway (every data file of the checkpoint damaged: a CRC mismatch while
+  // the file is being written) leaves no file behind, temporary or not.
+  int damaged = 0;
+  for (const auto& f : std::filesystem::recursive_directory_iterator(dir.File("ckpt"))) {
+    if (!f.is_regular_file() || f.path().filename().string().rfind("data-", 0) != 0) continue;
+    std::string bytes = ReadFile(f.path().string());
+    if (bytes.empty()) continue;
+    for (size_t i = 0; i < bytes.size(); i += 4096) bytes[i] ^= 0x5a;
+    WriteFile(f.path().string(), bytes);
+    ++damaged;
+  }
+  ASSERT_GT(damaged, 0);
+  auto broken = RunCommand(absl::StrCat(kStrata, " ckpt export ", dir.File("ckpt"),
+                                        " --format safetensors -o ", dir.File("c.safetensors")));
+  EXPECT_EQ(broken.exit_code, 1) << broken.output;
+  for (const auto& f : std::filesystem::directory_iterator(dir.path())) {
+    EXPECT_NE(f.path().filename().string().rfind("c.", 0), 0u) << f.path() << " was left behind";
   }
 }
 

@@ -40,17 +40,6 @@ using strata::testing::WriteFile;
 
 const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
 
-// Trains `cfg` in one process (`strata train`) with one checkpoint, at its last step, in
-// dir/ckpt.
-void TrainWithACheckpoint(const TempDir& dir, config::JobConfig cfg) {
-  cfg.mutable_checkpoint()->set_every(cfg.train().steps());
-  cfg.mutable_checkpoint()->set_dir(dir.File("ckpt"));
-  WriteFile(dir.File("job.textproto"), config::ToText(cfg));
-  auto train =
-      RunCommand(absl::StrCat(kStrata, " train --quiet --config ", dir.File("job.textproto")));
-  ASSERT_EQ(train.exit_code, 0) << train.output;
-}
-
 class GenerateTest : public ::testing::Test {
  protected:
   // One tiny job trained for the whole suite: 30 steps, a checkpoint at the last.
@@ -59,7 +48,7 @@ class GenerateTest : public ::testing::Test {
     WriteFile(dir_->File("text.txt"), strata::testing::SyntheticText(30000));
     config::JobConfig cfg = strata::testing::TinyMoeJob(
         dir_->File("text.txt"), "train { steps: 30 global_batch: 8 eval_every: 0 threads: 2 }\n");
-    TrainWithACheckpoint(*dir_, cfg);
+    strata::testing::TrainWithACheckpoint(*dir_, cfg);
   }
   static void TearDownTestSuite() { delete dir_; }
   static std::string Ckpt() { return dir_->File("ckpt"); }
@@ -247,7 +236,7 @@ TEST(GenerateRefusalTest, AnExpertChoiceModelIsRefusedNamingWhy) {
   config::JobConfig cfg = strata::testing::TinyMoeJob(
       dir.File("text.txt"), "train { steps: 2 global_batch: 2 eval_every: 0 threads: 1 }\n");
   cfg.mutable_model()->mutable_moe()->mutable_gate()->set_type(config::GateConfig::EXPERT_CHOICE);
-  TrainWithACheckpoint(dir, cfg);
+  strata::testing::TrainWithACheckpoint(dir, cfg);
   if (HasFatalFailure()) return;
   train::GenerateOptions o;
   o.checkpoint_dir = dir.File("ckpt");
@@ -333,7 +322,7 @@ TEST(GenerateOffloadTest, BudgetsEightTimesBelowTheExpertsGiveTheInMemoryTextBit
   config::MoeConfig* moe = cfg.mutable_model()->mutable_moe();
   moe->set_num_experts(64);
   moe->set_expert_bias(false);
-  TrainWithACheckpoint(dir, cfg);
+  strata::testing::TrainWithACheckpoint(dir, cfg);
   if (HasFatalFailure()) return;
 
   train::GenerateOptions o;

@@ -5,7 +5,9 @@
 #include <string>
 
 #include <gtest/gtest.h>
+#include "absl/strings/str_cat.h"
 #include "proto/config_io.h"
+#include "tests/test_util.h"
 
 namespace strata::testing {
 
@@ -46,6 +48,17 @@ inline config::JobConfig TieredShardedJob(const std::string& data_path, int step
                                    "storage { mode: TIERED io_block_bytes: 8192 }\n"
                                    "checkpoint { every: " +
                                    std::to_string(steps) + " dir: \"ckpt\" }\n");
+}
+
+// Trains `cfg` in one process (`strata train`) with one checkpoint, at its last step, in
+// dir/ckpt.
+inline void TrainWithACheckpoint(const TempDir& dir, config::JobConfig cfg) {
+  cfg.mutable_checkpoint()->set_every(cfg.train().steps());
+  cfg.mutable_checkpoint()->set_dir(dir.File("ckpt"));
+  WriteFile(dir.File("job.textproto"), config::ToText(cfg));
+  auto train = RunCommand(
+      absl::StrCat(BinDir(), "/strata train --quiet --config ", dir.File("job.textproto")));
+  ASSERT_EQ(train.exit_code, 0) << train.output;
 }
 
 }  // namespace strata::testing
