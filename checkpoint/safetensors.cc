@@ -378,8 +378,13 @@ Status ImportSafetensors(const std::string& path, model::MoeTransformer& model,
     }
     return absl::OkStatus();
   };
+  if (size < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cannot read '%s' as a safetensors file: %s", path, std::strerror(errno)));
+  }
   uint8_t size_le[8];
-  if (size < 8 || !read_at(size_le, 8, 0).ok()) return bad("it is shorter than 8 bytes");
+  if (size < 8) return bad("it is shorter than 8 bytes");
+  RETURN_IF_ERROR(read_at(size_le, 8, 0));
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(size_le[i]) << (8 * i);
   if (n > (100u << 20) || 8 + n > static_cast<uint64_t>(size)) {
@@ -388,9 +393,18 @@ Status ImportSafetensors(const std::string& path, model::MoeTransformer& model,
   std::string header(n, '\0');
   RETURN_IF_ERROR(read_at(header.data(), n, 8));
   google::protobuf::Struct json;
-  if (!google::protobuf::util::JsonStringToMessage(header, &json).ok()) {
-    return bad("its header is not JSON");
+  if (const auto st = google::protobuf::util::JsonStringToMessage(header, &json); !st.ok()) {
+    return bad(absl::StrCat("its header is not JSON (", st.ToString(), ")"));
   }
+  // A JSON number that is a whole byte count or dimension: non-negative, integral, below 2^53.
+  auto whole = [](const google::protobuf::Value& v, uint64_t* out) {
+    const double d = v.number_value();
+    if (!(d >= 0 && d < 9007199254740992.0 && d == static_cast<double>(static_cast<int64_t>(d)))) {
+      return false;
+    }
+    *out = static_cast<uint64_t>(d);
+    return true;
+  };
   const uint64_t data_start = 8 + n, data_bytes = static_cast<uint64_t>(size) - data_start;
   struct Entry {
     std::vector<int64_t> shape;
@@ -418,12 +432,19 @@ Status ImportSafetensors(const std::string& path, model::MoeTransformer& model,
     Entry e;
     uint64_t count = 1;
     for (const auto& d : shape->list_value().values()) {
-      e.shape.push_back(static_cast<int64_t>(d.number_value()));
-      count *= static_cast<uint64_t>(d.number_value());
+      uint64_t dim = 0;
+      if (!whole(d, &dim) || (dim > 0 && count > data_bytes / dim)) {
+        return bad(
+            absl::StrFormat("tensor %s has a shape that is not whole dimensions within the "
+                            "file",
+                            name));
+      }
+      e.shape.push_back(static_cast<int64_t>(dim));
+      count *= dim;
     }
-    e.begin = static_cast<uint64_t>(offsets->list_value().values(0).number_value());
-    e.end = static_cast<uint64_t>(offsets->list_value().values(1).number_value());
-    if (e.end < e.begin || e.end > data_bytes || e.end - e.begin != count * sizeof(float)) {
+    if (!whole(offsets->list_value().values(0), &e.begin) ||
+        !whole(offsets->list_value().values(1), &e.end) || e.end < e.begin || e.end > data_bytes ||
+        e.end - e.begin != count * sizeof(float)) {
       return bad(
           absl::StrFormat("tensor %s's data_offsets [%d, %d) do not hold its shape within "
                           "the file's %d bytes of data",
@@ -441,7 +462,8 @@ Status ImportSafetensors(const std::string& path, model::MoeTransformer& model,
               const_cast<model::MoeLayer&>(l).expert(l.first_local_expert()).Parameters().size();
     }
   }
-  if (!layers.empty() && layers[0].layer->num_local_experts() > 0 && tensors.size() != want) {
+  const bool countable = layers.empty() || layers[0].layer->num_local_experts() > 0;
+  if (countable && tensors.size() != want) {
     return absl::FailedPreconditionError(absl::StrFormat(
         "'%s' holds %d tensors, but this model has %d: it is the export of another model", path,
         tensors.size(), want));

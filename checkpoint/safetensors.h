@@ -57,10 +57,12 @@ struct SafetensorsWritten {
 // Reads a safetensors file in the layout and naming above (an export, or a file written elsewhere
 // with the same names and shapes) into `model` (`strata train --init-from`): its dense parameters
 // and the experts it holds (with expert parallelism, a range of them); with unbound experts each
-// expert's blob goes to expert_sink(moe_layer, local expert index, blob). The file must hold
-// exactly the whole model's tensors, F32, each with the shape the model gives it: anything else
-// is refused, naming the tensor and both shapes, before any value is read. A read error midway
-// leaves the model partly read.
+// expert's blob goes to expert_sink(moe_layer, local expert index, blob). The file must hold as
+// many tensors as the whole model (every worker's experts; not checked on a worker holding no
+// experts), and each tensor this model holds, F32, with the shape the model gives it: anything
+// else is refused before any value is read (a missing tensor or another shape named with both
+// shapes). Header numbers must be whole and within the file. A read error midway leaves the model
+// partly read.
 // Tensors are read one at a time (pread): the file is never whole in memory.
 [[nodiscard]] Status ImportSafetensors(const std::string& path, model::MoeTransformer& model,
                                        const CheckpointManager::ExpertSink& expert_sink = nullptr);

@@ -50,7 +50,8 @@ out=$(cd "$(dirname "$out")" && pwd)/$(basename "$out")
 
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
-mkdir -p "$stage/bin" "$stage/lib" "$stage/share/strata/examples/moe_lm/data"
+mkdir -p "$stage/bin" "$stage/lib" "$stage/share/strata/examples/moe_lm/data" \
+  "$stage/share/strata/examples/larger_than_memory"
 
 # The binaries: strata, every GPU test (what gpu-check.sh runs), the GPU benchmarks.
 cp "$build/bin/strata" "$stage/bin/"
@@ -70,6 +71,9 @@ data=$root/examples/moe_lm/data/fortunes.txt
 [ -s "$data" ] || python3 "$root/examples/moe_lm/prepare_data.py" --out "$data"
 cp "$root/examples/moe_lm/config.textproto" "$stage/share/strata/examples/moe_lm/"
 cp "$data" "$stage/share/strata/examples/moe_lm/data/"
+# bench_generate's second model (its data is moe_lm's, by a relative path).
+cp "$root/examples/larger_than_memory/config.textproto" \
+  "$stage/share/strata/examples/larger_than_memory/"
 
 # The shared libraries, by their sonames as the loader asks for them; the machine's own: glibc,
 # the compiler's runtime, the NVIDIA driver and the CUDA toolkit's libraries.

@@ -763,12 +763,14 @@ Status Trainer::GoBackToCheckpoint() {
   RETURN_IF_ERROR(comms_.SumOverWorkers(&empty, 1));
   if (empty == options_.worker.world_size) {
     // No checkpoint yet: the job goes back to its beginning, which every run shares — the model
-    // as the seed initialises it (just built), with fresh optimizer state.
+    // as the seed initialises it (just built) or as --init-from gives it, with fresh optimizer
+    // state.
     if (options_.worker.rank == 0) {
       STRATA_LOG(WARNING) << "no checkpoint is committed in " << dir
                           << " yet; the job goes back to step 0";
     }
     step_ = 0;
+    if (!options_.init_from.empty()) RETURN_IF_ERROR(InitFrom());
     return absl::OkStatus();
   }
   if (empty > 0) {
