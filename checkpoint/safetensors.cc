@@ -26,6 +26,7 @@
 #include "proto/config_io.h"
 #include "runtime/model/gate.h"
 #include "runtime/model/transformer.h"
+#include "storage/crc32c.h"
 #include "storage/env.h"
 
 namespace strata::checkpoint {
@@ -346,8 +347,8 @@ StatusOr<ExportReport> ExportSafetensors(const std::string& dir, int64_t step,
   return r;
 }
 
-Status ImportSafetensors(const std::string& path, model::MoeTransformer& model,
-                         const CheckpointManager::ExpertSink& expert_sink) {
+StatusOr<uint32_t> ImportSafetensors(const std::string& path, model::MoeTransformer& model,
+                                     const CheckpointManager::ExpertSink& expert_sink) {
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     return absl::NotFoundError(
@@ -492,10 +493,13 @@ Status ImportSafetensors(const std::string& path, model::MoeTransformer& model,
     ASSIGN_OR_RETURN(const Entry* e, find(p));
     return read_at(dst, e->end - e->begin, data_start + e->begin);
   };
+  // What every worker reads alike: the header (names, shapes, offsets) and the dense tensors.
+  uint32_t crc = storage::Crc32c(header.data(), header.size());
   std::vector<float> host;
   for (model::Parameter* p : model.DenseParameters()) {
     host.resize(static_cast<size_t>(p->shape.numel()));
     RETURN_IF_ERROR(read(*p, host.data()));
+    crc = storage::Crc32c(crc, host.data(), host.size() * sizeof(float));
     p->value.CopyFromHost(host.data());
   }
   for (size_t li = 0; li < layers.size(); ++li) {
@@ -519,7 +523,7 @@ Status ImportSafetensors(const std::string& path, model::MoeTransformer& model,
       RETURN_IF_ERROR(expert_sink(static_cast<int>(li), static_cast<int>(e), host.data()));
     }
   }
-  return absl::OkStatus();
+  return crc;
 }
 
 }  // namespace strata::checkpoint

@@ -63,9 +63,13 @@ struct SafetensorsWritten {
 // else is refused before any value is read (a missing tensor or another shape named with both
 // shapes). Header numbers must be whole and within the file. A read error midway leaves the model
 // partly read.
-// Tensors are read one at a time (pread): the file is never whole in memory.
-[[nodiscard]] Status ImportSafetensors(const std::string& path, model::MoeTransformer& model,
-                                       const CheckpointManager::ExpertSink& expert_sink = nullptr);
+// Tensors are read one at a time (pread): the file is never whole in memory. Returns the CRC-32C
+// of what every reader of the file reads alike, its header and dense tensors: workers that each
+// read their share of one file get the same value (how a distributed job checks that its workers
+// started from one file).
+[[nodiscard]] StatusOr<uint32_t> ImportSafetensors(
+    const std::string& path, model::MoeTransformer& model,
+    const CheckpointManager::ExpertSink& expert_sink = nullptr);
 
 // "model.safetensors" -> "model.json"; any other name gets ".json" appended.
 std::string ExportConfigPath(const std::string& out_path);

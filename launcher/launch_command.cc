@@ -54,6 +54,8 @@ const std::vector<FlagSpec>& LaunchFlags() {
        "continue from the newest checkpoint (written by any number of workers; the experts are "
        "placed over these)",
        false},
+      {"init-from",
+       "every worker starts from the weights of this safetensors file (strata ckpt export's)"},
       {"quiet", "no status lines", false},
   };
   return specs;
@@ -67,6 +69,7 @@ struct LaunchPlan {
   coordinator::CoordinatorOptions options;
   std::optional<int64_t> threads;
   std::optional<std::string> metrics_out;
+  std::string init_from;  // absolute
   std::string listen;
   bool resume = false;
   bool quiet = false;
@@ -119,6 +122,19 @@ std::optional<int> ParseLaunch(const std::vector<std::string>& args, LaunchPlan*
   plan->metrics_out = flags->String("metrics-out");
   plan->listen = flags->String("listen").value_or("127.0.0.1:0");
   plan->resume = flags->Has("resume");
+  if (auto f = flags->String("init-from")) {
+    if (plan->resume) {
+      return UsageError(absl::InvalidArgumentError(
+                            "--init-from and --resume: a resume takes its weights from the "
+                            "checkpoint; give one"),
+                        "launch", LaunchFlags());
+    }
+    if (!std::filesystem::is_regular_file(*f)) {
+      return Fail(absl::NotFoundError(
+          absl::StrFormat("--init-from '%s' is not a file (strata ckpt export writes one)", *f)));
+    }
+    plan->init_from = std::filesystem::absolute(*f).string();
+  }
   plan->quiet = flags->Has("quiet");
   if (auto d = flags->String("coordinator-dir")) o.dir = *d;
   return std::nullopt;
@@ -161,9 +177,11 @@ void PrintBanner(const LaunchPlan& plan, const std::string& address) {
   const std::string token_file = o.dir + "/token";
   std::error_code ec;
   const std::string self = std::filesystem::read_symlink("/proc/self/exe", ec).string();
-  // Workers get the job's config from the coordinator; only this machine's settings are flags.
-  const std::string machine_flags =
+  // Workers get the job's config from the coordinator; only this machine's settings are flags
+  // (and the weights the job started from, which a job going back to step 0 reads again).
+  std::string machine_flags =
       plan.threads ? absl::StrFormat(" --threads %d", *plan.threads) : std::string();
+  if (!plan.init_from.empty()) absl::StrAppend(&machine_flags, " --init-from ", plan.init_from);
   const char* name = plan.cfg.name().c_str();
   std::printf(
       "[%s] coordinator on %s; starting %d workers (%d to %d may train)\n"
@@ -188,6 +206,7 @@ std::vector<pid_t> StartWorkers(const LaunchPlan& plan, const std::string& addre
       argv.insert(argv.end(), {"--metrics-out", absl::StrCat(*plan.metrics_out, ".", i)});
     }
     if (plan.resume) argv.push_back("--resume");
+    if (!plan.init_from.empty()) argv.insert(argv.end(), {"--init-from", plan.init_from});
     pid_t pid = fork();
     if (pid == 0) {
       setenv("STRATA_JOB_TOKEN", plan.options.token.c_str(), 1);

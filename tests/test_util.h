@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <sstream>
@@ -122,15 +123,16 @@ inline int WaitExit(pid_t pid) {
 
 // Runs `workers` processes of `strata worker --rank R --world-size W FLAGS` in folder `dir`, each
 // one's output in dir/worker<R>.log, until all end. Empty when every one exited with 0, else each
-// failure's exit code and log.
-inline std::string RunWorkers(const std::string& dir, int workers, const std::string& flags) {
+// failure's exit code and log. FLAGS may differ by rank: flags_of(rank).
+inline std::string RunWorkers(const std::string& dir, int workers,
+                              const std::function<std::string(int rank)>& flags_of) {
   std::vector<pid_t> pids;
   for (int r = 0; r < workers; ++r) {
+    const std::string cmd = "cd " + dir + " && exec " + BinDir() + "/strata worker --rank " +
+                            std::to_string(r) + " --world-size " + std::to_string(workers) + " " +
+                            flags_of(r) + " > worker" + std::to_string(r) + ".log 2>&1";
     const pid_t pid = fork();
     if (pid == 0) {
-      const std::string cmd = "cd " + dir + " && exec " + BinDir() + "/strata worker --rank " +
-                              std::to_string(r) + " --world-size " + std::to_string(workers) + " " +
-                              flags + " > worker" + std::to_string(r) + ".log 2>&1";
       execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
@@ -145,6 +147,10 @@ inline std::string RunWorkers(const std::string& dir, int workers, const std::st
     }
   }
   return failures;
+}
+
+inline std::string RunWorkers(const std::string& dir, int workers, const std::string& flags) {
+  return RunWorkers(dir, workers, [&](int) { return flags; });
 }
 
 // The steps `strata ckpt ls` printed, in order (the first word of each line that is a number).

@@ -413,7 +413,7 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     RETURN_IF_ERROR(tr->StartFrom(*synced));
   } else if (options.resume) {
     RETURN_IF_ERROR(tr->Resume());
-  } else if (!options.init_from.empty()) {
+  } else if (!options.init_from.empty() || tr->distributed()) {
     RETURN_IF_ERROR(tr->InitFrom());
   }
   if (tr->distributed() || options.worker.elastic) {
@@ -770,8 +770,7 @@ Status Trainer::GoBackToCheckpoint() {
                           << " yet; the job goes back to step 0";
     }
     step_ = 0;
-    if (!options_.init_from.empty()) RETURN_IF_ERROR(InitFrom());
-    return absl::OkStatus();
+    return InitFrom();
   }
   if (empty > 0) {
     return absl::InternalError(absl::StrFormat(
@@ -783,11 +782,49 @@ Status Trainer::GoBackToCheckpoint() {
 
 Status Trainer::InitFrom() {
   const Stopwatch clock;
-  RETURN_IF_ERROR(checkpoint::ImportSafetensors(
-      options_.init_from, *model_, [this](int moe_layer, int expert, const float* blob) {
-        return scheduler_->WriteExpert(moe_layer, expert, storage::TensorKind::kWeights, blob);
-      }));
-  STRATA_LOG(INFO) << "weights from " << options_.init_from << " (" << clock.Seconds() << " s)";
+  StatusOr<uint32_t> crc = uint32_t{0};
+  if (!options_.init_from.empty()) {
+    crc = checkpoint::ImportSafetensors(
+        options_.init_from, *model_, [this](int moe_layer, int expert, const float* blob) {
+          return scheduler_->WriteExpert(moe_layer, expert, storage::TensorKind::kWeights, blob);
+        });
+  }
+  if (distributed()) {
+    // Every worker takes part, given --init-from or not, so that workers that read different
+    // files (or one and none) are told apart instead of training different models. The file's
+    // CRC (0 for none) in four bytes: the workers agree when W * sum(b^2) == sum(b)^2 for each.
+    double sums[9] = {crc.ok() ? 0.0 : 1.0};
+    for (int i = 0; i < 4; ++i) {
+      const double b = crc.ok() ? static_cast<double>((*crc >> (8 * i)) & 0xff) : 0.0;
+      sums[1 + i] = b;
+      sums[5 + i] = b * b;
+    }
+    RETURN_IF_ERROR(comms_.SumOverWorkers(sums, 9));
+    if (!crc.ok()) return crc.status();
+    if (sums[0] > 0) {
+      return absl::AbortedError(absl::StrFormat(
+          "%d of the %d workers could not read their --init-from file (their logs say why)",
+          static_cast<int>(sums[0]), options_.worker.world_size));
+    }
+    const double W = options_.worker.world_size;
+    for (int i = 0; i < 4; ++i) {
+      if (W * sums[5 + i] != sums[1 + i] * sums[1 + i]) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "the workers did not start from the same weights: this worker (rank %d) %s, and "
+            "another worker read another file or none; give every worker the same --init-from "
+            "file (strata launch --init-from passes it to all), or none",
+            options_.worker.rank,
+            options_.init_from.empty()
+                ? std::string("has no --init-from")
+                : absl::StrFormat("read %s (CRC-32C %08x of its header and dense tensors)",
+                                  options_.init_from, *crc)));
+      }
+    }
+  }
+  if (!crc.ok()) return crc.status();
+  if (!options_.init_from.empty()) {
+    STRATA_LOG(INFO) << "weights from " << options_.init_from << " (" << clock.Seconds() << " s)";
+  }
   return absl::OkStatus();
 }
 

@@ -136,7 +136,8 @@ class Trainer {
   // From the newest checkpoint (every worker of a distributed job reads what it now holds from
   // the shards that have it, whatever the number of workers that wrote them: collective).
   [[nodiscard]] Status Resume();
-  // options_.init_from's weights into the model (and the tiered store's experts).
+  // options_.init_from's weights into the model (and the tiered store's experts). Collective in a
+  // distributed job, with or without the flag: the workers check that they read the same file.
   [[nodiscard]] Status InitFrom();
   // Every worker reads its share of the newest checkpoint all of them find intact — or, with none
   // committed, all start over from step 0 (collective).

@@ -205,7 +205,7 @@ std::unique_ptr<train::CheckpointModel> Imported(const std::string& ckpt, const 
   EXPECT_TRUE(model.ok()) << model.status();
   if (!model.ok()) return nullptr;
   m->model = *std::move(model);
-  const Status s = checkpoint::ImportSafetensors(file, *m->model);
+  const Status s = checkpoint::ImportSafetensors(file, *m->model).status();
   EXPECT_TRUE(s.ok()) << s;
   return s.ok() ? std::move(m) : nullptr;
 }
@@ -262,6 +262,54 @@ TEST(ImportTest, ExportImportExportIsByteIdenticalAndTrainingStartsFromTheFile) 
     const double got = strata::testing::StepLosses(dir.File("m.jsonl")).at(1);
     EXPECT_NEAR(got, want, 1e-6 * want) << "the metrics line rounds to 8 digits";
   }
+  // Two workers, expert-parallel and TIERED, each reading its share of the experts from the
+  // file: the job's first loss is the mean of the imported model's over each worker's half of the
+  // batch (each half routed and capped at its own capacity), to rounding (a row's sums depend on
+  // how many rows share the GEMM call: a few ulp through two blocks; the metrics line keeps 8
+  // digits).
+  {
+    double halves = 0;
+    for (int r = 0; r < 2; ++r) {
+      model::GateCall half{true, 0, r * 2 * T};
+      half.sequence_length = T;
+      half.batch_tokens = B * T;
+      halves += m->model->Forward(m->ctx, inputs.data() + r * 2 * T, targets.data() + r * 2 * T, 2,
+                                  half) /
+                2;
+    }
+    auto parsed = config::ParseJobConfig(
+        config::ToText(fine) +
+            "parallel { expert_parallel: 0 }\nstorage { mode: TIERED io_block_bytes: 8192 }\n",
+        "ep", "");
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    parsed->mutable_train()->set_threads(1);
+    WriteFile(dir.File("ep.textproto"), config::ToText(*parsed));
+    const std::string job = " --quiet --config ep.textproto --init-from a.safetensors";
+    ASSERT_EQ(strata::testing::RunWorkers(
+                  dir.path(), 2,
+                  [&](int r) { return absl::StrCat(job, " --store rv1 --metrics-out ep", r); }),
+              "");
+    EXPECT_NEAR(strata::testing::StepLosses(dir.File("ep0")).at(1), halves, 1e-6 * halves);
+    // One worker given the file and the other none: both stop, and say why, before a step.
+    const std::string failed = strata::testing::RunWorkers(dir.path(), 2, [&](int r) {
+      return absl::StrCat(r == 0 ? job : " --quiet --config ep.textproto", " --store rv2");
+    });
+    EXPECT_NE(failed.find("worker 0 exited with 1"), std::string::npos) << failed;
+    EXPECT_NE(failed.find("worker 1 exited with 1"), std::string::npos) << failed;
+    EXPECT_NE(failed.find("did not start from the same weights: this worker (rank 1) has no "
+                          "--init-from"),
+              std::string::npos)
+        << failed;
+    EXPECT_NE(failed.find("this worker (rank 0) read a.safetensors (CRC-32C"), std::string::npos)
+        << failed;
+    // strata launch passes the file to every worker it starts.
+    auto launched = RunCommand(absl::StrCat("cd ", dir.path(), " && ", kStrata,
+                                            " launch --quiet --config ep.textproto --workers 2 "
+                                            "--init-from a.safetensors --metrics-out launched"));
+    ASSERT_EQ(launched.exit_code, 0) << launched.output;
+    EXPECT_NEAR(strata::testing::StepLosses(dir.File("launched.0")).at(1), halves, 1e-6 * halves);
+  }
+
   auto fresh =
       RunCommand(absl::StrCat(kStrata, " train --quiet --config ", dir.File("fine.textproto"),
                               " --metrics-out ", dir.File("m.jsonl")));
