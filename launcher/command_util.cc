@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
 #include "core/common/bytes.h"
@@ -20,6 +21,8 @@
 #include "launcher/job_config.h"
 #include "proto/config_io.h"
 #include "runtime/model/memory_estimate.h"
+#include "web/http_server.h"
+#include "web/run_board.h"
 
 namespace strata::launcher {
 namespace {
@@ -58,6 +61,12 @@ const std::vector<FlagSpec>& TrainFlags() {
       {"trace", "write a Chrome trace-event JSON of compute, I/O and copies (open in Perfetto)"},
       {"export-params", "when training ends, write every parameter to DIR/<name>.f32 (float32)"},
       {"init-from", "start from the weights of a safetensors file (strata ckpt export's)"},
+      {"http",
+       "serve /metrics (Prometheus), /api/status and /api/history on HOST:PORT (port 0: a free "
+       "one), every request behind a token"},
+      {"http-token-file",
+       "file holding the token HTTP requests must carry (default: $STRATA_JOB_TOKEN, else a "
+       "random one, printed with the address)"},
       {"quiet", "no progress line", false},
   };
   return specs;
@@ -208,18 +217,80 @@ void LogBlasKernel() {
   if (!blas.warning.empty()) STRATA_LOG(WARNING) << "blas: " << blas.warning;
 }
 
+// --http: a run board fed every step's metrics line, served until training ends.
+struct HttpEndpoint {
+  std::unique_ptr<web::RunBoard> board;
+  std::unique_ptr<web::HttpServer> server;
+};
+
+StatusOr<HttpEndpoint> StartHttp(const Flags& flags, train::TrainOptions* options) {
+  HttpEndpoint http;
+  const config::JobConfig& cfg = options->config;
+  web::HttpOptions o;
+  o.address = *flags.String("http");
+  std::string told;  // where the token is, for the user
+  if (auto path = flags.String("http-token-file")) {
+    std::ifstream in(*path);
+    std::string token;
+    std::getline(in, token);
+    o.token = std::string(absl::StripAsciiWhitespace(token));
+    if (!in || o.token.empty()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "--http-token-file '%s' is missing, unreadable or holds no token on its first line",
+          *path));
+    }
+    told = absl::StrCat("the token of ", *path);
+  } else if (const char* env = std::getenv("STRATA_JOB_TOKEN"); env != nullptr && *env) {
+    o.token = env;
+    told = "the token of $STRATA_JOB_TOKEN";
+  } else {
+    o.token = RandomToken();
+    told = absl::StrCat("token ", o.token);
+  }
+  http.board = std::make_unique<web::RunBoard>(cfg.name(), cfg.train().steps());
+  ASSIGN_OR_RETURN(http.server, web::HttpServer::Start(o, http.board->Routes()));
+  web::RunBoard* board = http.board.get();
+  options->on_metrics_line = [board](const std::string& line) {
+    if (Status s = board->AddStepLine(line); !s.ok()) STRATA_LOG(WARNING) << "http: " << s;
+  };
+  std::fprintf(stderr,
+               "[%s] http: %s/metrics, /api/status, /api/history (%s: ?token=TOKEN in the URL or "
+               "the header Authorization: Bearer TOKEN)\n",
+               cfg.name().c_str(), http.server->base_url().c_str(), told.c_str());
+  return http;
+}
+
 int RunTraining(const Flags& flags, const std::string& command, const std::vector<FlagSpec>& specs,
                 const train::WorkerOptions& worker) {
   LogBlasKernel();
   int rc = 0;
   auto options = TrainOptionsFrom(flags, command, specs, worker, &rc);
   if (!options) return rc;
+  HttpEndpoint http;
+  if (flags.Has("http")) {
+    auto started = StartHttp(flags, &*options);
+    if (!started.ok()) return Fail(started.status());
+    http = *std::move(started);
+  }
   auto trainer = train::Trainer::Create(*options);
   if (!trainer.ok()) return Fail(trainer.status());
   Status s = (*trainer)->Run();
+  if (http.board) http.board->SetState(s.ok() ? "finished" : absl::StrCat("failed: ", s.message()));
   if (!s.ok()) return Fail(s);
   PrintDone(**trainer, worker.rank);
   return 0;
+}
+
+std::string RandomToken() {
+  unsigned char bytes[16] = {0};
+  std::FILE* f = std::fopen("/dev/urandom", "rb");
+  if (f != nullptr) {
+    if (std::fread(bytes, 1, sizeof(bytes), f) != sizeof(bytes)) bytes[0] ^= 1;
+    std::fclose(f);
+  }
+  std::string hex;
+  for (unsigned char b : bytes) hex += absl::StrFormat("%02x", b);
+  return hex;
 }
 
 StatusOr<std::string> TokenFrom(const Flags& flags) {

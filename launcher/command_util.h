@@ -82,6 +82,9 @@ void LogBlasKernel();
 int RunTraining(const Flags& flags, const std::string& command, const std::vector<FlagSpec>& specs,
                 const train::WorkerOptions& worker);
 
+// 128 random bits as 32 hex digits (from /dev/urandom): a new job's token.
+std::string RandomToken();
+
 // The job token: from --token-file, --token or $STRATA_JOB_TOKEN, in that order ("" when none
 // is given). A file that cannot be read or holds no token is an error.
 [[nodiscard]] StatusOr<std::string> TokenFrom(const Flags& flags);

@@ -25,18 +25,6 @@
 namespace strata::launcher {
 namespace {
 
-std::string RandomToken() {
-  unsigned char bytes[16] = {0};
-  std::FILE* f = std::fopen("/dev/urandom", "rb");
-  if (f != nullptr) {
-    if (std::fread(bytes, 1, sizeof(bytes), f) != sizeof(bytes)) bytes[0] ^= 1;
-    std::fclose(f);
-  }
-  std::string hex;
-  for (unsigned char b : bytes) hex += absl::StrFormat("%02x", b);
-  return hex;
-}
-
 const std::vector<FlagSpec>& LaunchFlags() {
   static const std::vector<FlagSpec> specs = {
       {"config", "job config in text format (.textproto); required"},

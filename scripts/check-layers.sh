@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-layers=(core kernels proto storage runtime scheduler checkpoint train coordinator launcher examples)
+layers=(core kernels proto web storage runtime scheduler checkpoint train coordinator launcher examples)
 present=()
 for layer in "${layers[@]}"; do [[ -d $layer ]] && present+=("$layer"); done
 files=$(find "${present[@]}" -type f \( -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' \) | sort)

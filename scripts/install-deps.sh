@@ -14,6 +14,7 @@ packages=(
   libabsl-dev
   libprotobuf-dev protobuf-compiler
   libgrpc++-dev protobuf-compiler-grpc
+  libmicrohttpd-dev       # the HTTP endpoint: dashboard, /metrics (web/)
   liburing-dev librocksdb-dev fio
   libgloo-dev
   libopenblas-dev

@@ -88,6 +88,9 @@ struct TrainOptions {
   // Called after every step (its metrics written), on the thread in Run; an error stops training
   // with it.
   std::function<Status(const StepResult&)> on_step;
+  // Called after every step with its metrics line (the JSON object --metrics-out writes, without
+  // the newline), on the thread in Run, before on_step.
+  std::function<void(const std::string& line)> on_metrics_line;
   // On rank 0 (the worker that writes checkpoints), called on the thread in Run (and in Reform, for
   // a commit the previous generation did not report) — not on the checkpoint writer thread — when a
   // checkpoint of `step` is about to be written (committed false), and once Run finds a checkpoint

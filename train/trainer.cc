@@ -574,7 +574,7 @@ Status Trainer::RunLoop() {
       eval = Evaluate();
       evals_.emplace_back(r.step, eval);
     }
-    if (metrics_) {
+    if (metrics_ || options_.on_metrics_line) {
       // A worker's line names it and the samples it trained on.
       std::optional<WorkerStepFields> worker = worker_fields_;
       if (worker) {
@@ -585,9 +585,11 @@ Status Trainer::RunLoop() {
       }
       std::vector<int> blocks;
       for (const auto& ref : model_->moe_layers()) blocks.push_back(ref.block);
-      RETURN_IF_ERROR(metrics_->Write(
+      const std::string line =
           StepMetricsLine(r, blocks, cfg.model().moe().gate().sequence_aux_loss_coef() > 0, worker,
-                          eval_due ? &eval : nullptr)));
+                          eval_due ? &eval : nullptr);
+      if (metrics_) RETURN_IF_ERROR(metrics_->Write(line));
+      if (options_.on_metrics_line) options_.on_metrics_line(line);
     }
     if (options_.progress) progress_.Print(r, eval_due ? &eval : nullptr);
     STRATA_FAULT_POINT("train.after_step", &r.step);

@@ -1,0 +1,169 @@
+// `strata train --http`: a live job's /metrics, scraped while it trains, holds the figures of the
+// metrics file's line of the step it reports (the JSONL the same process wrote); requests without
+// the token are refused; the token comes from $STRATA_JOB_TOKEN or --http-token-file when given
+// (and is then not printed); a bad address stops the command before training.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <regex>
+#include <string>
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "proto/config_io.h"
+#include "tests/test_util.h"
+#include "tests/train/tiny_job.h"
+#include "tests/web/exposition.h"
+#include "tests/web/http_client.h"
+
+namespace strata {
+namespace {
+
+using strata::testing::HttpGet;
+using strata::testing::ReadFile;
+using strata::testing::RunCommand;
+using strata::testing::TempDir;
+using strata::testing::WriteFile;
+
+const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
+
+// Starts `strata train ARGS` with its stderr in `log`; returns its pid.
+pid_t Start(const std::string& args, const std::string& log, const std::string& env = "") {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const std::string cmd =
+        absl::StrCat(env, " exec ", kStrata, " train ", args, " > ", log, ".out 2> ", log);
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return pid;
+}
+
+// The port and token the job printed ("" token when it was not printed), waiting up to 60 s.
+std::pair<int, std::string> Endpoint(const std::string& log) {
+  const std::regex re(
+      R"re(http: http://127\.0\.0\.1:([0-9]+)/metrics.*\((token ([0-9a-f]+)|the token of))re");
+  for (int i = 0; i < 600; ++i) {
+    std::smatch m;
+    const std::string text = ReadFile(log);
+    if (std::regex_search(text, m, re)) {
+      int port = 0;
+      EXPECT_TRUE(absl::SimpleAtoi(m[1].str(), &port));
+      return {port, m[3].str()};
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ADD_FAILURE() << "the job printed no address: " << ReadFile(log);
+  return {0, ""};
+}
+
+config::JobConfig Job(const TempDir& dir, int steps) {
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(40000));
+  return strata::testing::TinyMoeJob(
+      dir.File("text.txt"), absl::StrCat("train { steps: ", steps,
+                                         " global_batch: 4 eval_every: 50 threads: 1 }\n"
+                                         "storage { mode: TIERED io_block_bytes: 8192 ssd_dir: \"",
+                                         dir.File("ssd"), "\" }\n"));
+}
+
+TEST(HttpTest, ALiveJobsMetricsAreItsMetricsLines) {
+  TempDir dir;
+  WriteFile(dir.File("job.textproto"), config::ToText(Job(dir, 2000)));
+  const pid_t pid = Start(absl::StrCat("--quiet --config ", dir.File("job.textproto"),
+                                       " --http 127.0.0.1:0 --metrics-out ", dir.File("m.jsonl")),
+                          dir.File("log"));
+  const auto [port, token] = Endpoint(dir.File("log"));
+  ASSERT_GT(port, 0);
+  ASSERT_EQ(token.size(), 32u) << "a random token, printed";
+  EXPECT_EQ(HttpGet(port, "/metrics").status, 401);
+  EXPECT_EQ(HttpGet(port, "/metrics?token=" + std::string(32, 'f')).status, 401);
+
+  // Scrape until the job is past a few steps and an evaluation.
+  testing::Exposition e;
+  for (int i = 0; i < 600; ++i) {
+    auto r = HttpGet(port, "/metrics", "Authorization: Bearer " + token + "\r\n");
+    ASSERT_EQ(r.status, 200) << r.head;
+    EXPECT_NE(r.head.find("text/plain; version=0.0.4"), std::string::npos) << r.head;
+    e = testing::ParseExposition(r.body);
+    ASSERT_EQ(e.error, "") << r.body;
+    if (e.samples.count("strata_step") && e.samples.at("strata_step") >= 60) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GE(e.samples.at("strata_step"), 60) << "the job did not get past step 60 in 30 s";
+  auto status = HttpGet(port, "/api/status?token=" + token);
+  EXPECT_EQ(status.status, 200);
+  EXPECT_NE(status.body.find("\"state\":\"training\""), std::string::npos) << status.body;
+  kill(pid, SIGTERM);
+  strata::testing::WaitExit(pid);
+
+  // The metrics file's line of the scraped step, and every line up to it.
+  const int64_t step = static_cast<int64_t>(e.samples.at("strata_step"));
+  std::ifstream in(dir.File("m.jsonl"));
+  std::string line, at, evaluated;
+  double tokens = 0, ssd_reads = 0;
+  for (int64_t s = 1; std::getline(in, line) && s <= step; ++s) {
+    if (s == step - step % 50) evaluated = line;
+    ASSERT_EQ(strata::testing::IntField(line, "step"), s);
+    tokens += strata::testing::DoubleField(line, "tokens");
+    const size_t ssd = line.find("\"ssd\":{");
+    ASSERT_NE(ssd, std::string::npos) << line;
+    ssd_reads += strata::testing::DoubleField(line.substr(ssd), "bytes_out");
+    if (s == step) at = line;
+  }
+  ASSERT_FALSE(at.empty()) << "the metrics file has no line " << step;
+  using strata::testing::DoubleField;
+  EXPECT_EQ(e.samples.at("strata_loss"), DoubleField(at, "loss"));
+  EXPECT_EQ(e.samples.at("strata_grad_norm"), DoubleField(at, "grad_norm"));
+  EXPECT_EQ(e.samples.at("strata_learning_rate"), DoubleField(at, "lr"));
+  EXPECT_EQ(e.samples.at("strata_tokens_per_second"), DoubleField(at, "tokens_per_s"));
+  EXPECT_EQ(e.samples.at("strata_tokens_total"), tokens);
+  EXPECT_EQ(e.samples.at("strata_tier_bytes_out_total{tier=\"ssd\"}"), ssd_reads);
+  EXPECT_EQ(e.samples.at("strata_eval_step"), step - step % 50);
+  EXPECT_EQ(e.samples.at("strata_eval_loss"), DoubleField(evaluated, "eval_loss"));
+  EXPECT_EQ(e.samples.at("strata_moe_load_max_over_mean{layer=\"0\"}"),
+            DoubleField(at, "max_over_mean"))
+      << "the first MoE layer's (block 0)";
+}
+
+TEST(HttpTest, TheTokenComesFromTheEnvironmentOrAFileAndBadAddressesStopTheCommand) {
+  TempDir dir;
+  WriteFile(dir.File("job.textproto"), config::ToText(Job(dir, 2000)));
+  const std::string token = "feedfacefeedfacefeedfacefeedface";
+  WriteFile(dir.File("token"), token + "\n");
+  for (const std::string& given :
+       {absl::StrCat("--http-token-file ", dir.File("token")), std::string()}) {
+    const std::string log = dir.File(given.empty() ? "log.env" : "log.file");
+    const pid_t pid = Start(
+        absl::StrCat("--quiet --config ", dir.File("job.textproto"), " --http 127.0.0.1:0 ", given),
+        log, given.empty() ? "STRATA_JOB_TOKEN=" + token : "");
+    const auto [port, printed] = Endpoint(log);
+    EXPECT_EQ(printed, "") << "a given token is not printed";
+    EXPECT_EQ(ReadFile(log).find(token), std::string::npos);
+    EXPECT_EQ(HttpGet(port, "/api/status?token=" + token).status, 200) << given;
+    EXPECT_EQ(HttpGet(port, "/api/status?token=" + std::string(32, '0')).status, 401);
+    kill(pid, SIGTERM);
+    strata::testing::WaitExit(pid);
+  }
+  struct Case {
+    std::string flags, says;
+  };
+  const Case cases[] = {
+      {"--http 127.0.0.1", "'127.0.0.1' is not HOST:PORT"},
+      {"--http example.com:80", "'example.com:80' is not HOST:PORT"},
+      {"--http 127.0.0.1:0 --http-token-file " + dir.File("none"),
+       "--http-token-file '" + dir.File("none") + "' is missing"},
+  };
+  for (const Case& c : cases) {
+    auto r = RunCommand(
+        absl::StrCat(kStrata, " train --quiet --config ", dir.File("job.textproto"), " ", c.flags));
+    EXPECT_EQ(r.exit_code, 1) << c.flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << c.flags << "\n" << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace strata

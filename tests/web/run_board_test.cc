@@ -1,0 +1,227 @@
+// RunBoard against the metrics lines it is fed (made by the trainer's own StepMetricsLine): its
+// /metrics text obeys the exposition format (read by an independent parser), each gauge equals
+// the latest line's field as the line's text gives it, each counter the sum over the lines; the
+// JSON it serves parses; a line that is not a step is refused and changes nothing.
+#include "web/run_board.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <random>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "tests/web/exposition.h"
+#include "train/metrics.h"
+
+namespace strata::web {
+namespace {
+
+// A number field of a JSON line as its text gives it (a regex over the text, not a JSON parser).
+double FieldOf(const std::string& line, const std::string& key) {
+  std::smatch m;
+  const std::regex re("\"" + key + "\":(-?[0-9.eE+-]+)");
+  EXPECT_TRUE(std::regex_search(line, m, re)) << key << " in " << line;
+  return m.empty() ? std::nan("") : std::strtod(m[1].str().c_str(), nullptr);
+}
+
+// The text of the JSON object that follows "key": in `line` (objects in these lines do not nest
+// deeper than the tiers' own).
+std::string ObjectOf(const std::string& line, const std::string& key) {
+  const size_t at = line.find("\"" + key + "\":{");
+  EXPECT_NE(at, std::string::npos) << key;
+  if (at == std::string::npos) return "";
+  return line.substr(at, line.find('}', at) - at + 1);
+}
+
+std::vector<std::string> Lines(int steps, bool tiered) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> u(0.01, 10.0);
+  std::vector<std::string> lines;
+  for (int s = 1; s <= steps; ++s) {
+    train::StepResult r;
+    r.step = s;
+    r.loss = u(rng);
+    r.aux_loss = u(rng);
+    r.z_loss = u(rng);
+    r.grad_norm = u(rng);
+    r.lr = u(rng) * 1e-4;
+    r.seconds = u(rng) / 10;
+    r.tokens = 4096;
+    r.comm_seconds = u(rng) / 100;
+    for (int layer = 0; layer < 3; ++layer) {
+      model::MoeStats m;
+      m.tokens = 2048;
+      for (int e = 0; e < 4; ++e) m.load.push_back(static_cast<int64_t>(rng() % 1000));
+      m.routed = m.load;
+      m.routed[0] += 17;
+      m.dropped_tokens = static_cast<int64_t>(rng() % 9);
+      m.dropped = m.dropped_tokens + 3;
+      m.capacity = 640;
+      r.moe.push_back(m);
+    }
+    r.tiered = tiered;
+    storage::TierStats* tiers[] = {&r.store.device, &r.store.host, &r.store.ssd};
+    for (storage::TierStats* t : tiers) {
+      t->hits = rng() % 100;
+      t->misses = rng() % 10;
+      t->bytes_in = rng() % 100000;
+      t->bytes_out = rng() % 100000;
+      t->evictions = rng() % 5;
+      t->used_bytes = rng() % 1000000;
+      t->budget_bytes = 1000000;
+    }
+    r.store.ssd_read_seconds = u(rng) / 100;
+    r.store.ssd_write_seconds = u(rng) / 100;
+    r.store.stall_seconds = u(rng) / 1000;
+    train::EvalResult eval{u(rng), u(rng), 1024};
+    const bool evaluated = s % 4 == 0;
+    lines.push_back(train::StepMetricsLine(r, {1, 3, 5}, false,
+                                           train::WorkerStepFields{1, 2, 3, 100, 8},
+                                           evaluated ? &eval : nullptr));
+  }
+  return lines;
+}
+
+TEST(RunBoardTest, MetricsAreTheLinesFiguresInTheExpositionFormat) {
+  const std::vector<std::string> lines = Lines(10, /*tiered=*/true);
+  RunBoard board("tiny \"job\"", 50);
+  for (const std::string& line : lines) ASSERT_TRUE(board.AddStepLine(line).ok());
+  const std::string text = board.Prometheus();
+  const testing::Exposition e = testing::ParseExposition(text);
+  ASSERT_EQ(e.error, "") << text;
+  const std::string& last = lines.back();
+
+  EXPECT_EQ(e.samples.at("strata_info{job=\"tiny \"job\"\"}"), 1) << "the name, escaped";
+  EXPECT_EQ(e.samples.at("strata_steps"), 50);
+  const std::pair<const char*, const char*> gauges[] = {
+      {"strata_step", "step"},
+      {"strata_loss", "loss"},
+      {"strata_aux_loss", "aux_loss"},
+      {"strata_z_loss", "z_loss"},
+      {"strata_grad_norm", "grad_norm"},
+      {"strata_learning_rate", "lr"},
+      {"strata_tokens_per_second", "tokens_per_s"},
+      {"strata_workers", "workers"},
+      {"strata_generation", "generation"},
+  };
+  for (const auto& [series, field] : gauges) {
+    EXPECT_EQ(e.samples.at(series), FieldOf(last, field)) << series;
+    EXPECT_EQ(e.types.at(series), "gauge");
+  }
+  EXPECT_DOUBLE_EQ(e.samples.at("strata_step_seconds"), FieldOf(last, "step_ms") / 1e3);
+  EXPECT_DOUBLE_EQ(e.samples.at("strata_comm_seconds"), FieldOf(last, "comm_ms") / 1e3);
+  EXPECT_EQ(e.samples.at("strata_tokens_total"), 10 * 4096.0);
+  EXPECT_EQ(e.types.at("strata_tokens_total"), "counter");
+  // The latest evaluation: step 8's.
+  EXPECT_EQ(e.samples.at("strata_eval_step"), 8);
+  EXPECT_EQ(e.samples.at("strata_eval_loss"), FieldOf(lines[7], "eval_loss"));
+  EXPECT_EQ(e.samples.at("strata_eval_bits_per_byte"), FieldOf(lines[7], "eval_bits_per_byte"));
+
+  // Per MoE layer, labelled with its block: the latest line's, and drops summed over the lines.
+  const int blocks[] = {1, 3, 5};
+  for (int i = 0; i < 3; ++i) {
+    const std::string layer = absl::StrCat("{layer=\"", blocks[i], "\"}");
+    // The i-th "layer": object of a line.
+    auto layer_object = [&](const std::string& line) {
+      size_t at = 0;
+      for (int k = 0; k <= i; ++k) at = line.find("{\"layer\":", at + 1);
+      return line.substr(at, line.find('}', at) - at + 1);
+    };
+    EXPECT_EQ(e.samples.at("strata_moe_load_max_over_mean" + layer),
+              FieldOf(layer_object(last), "max_over_mean"));
+    EXPECT_EQ(e.samples.at("strata_moe_load_cv" + layer), FieldOf(layer_object(last), "cv"));
+    EXPECT_EQ(e.samples.at("strata_moe_capacity" + layer), 640);
+    double dropped = 0;
+    for (const std::string& line : lines) dropped += FieldOf(layer_object(line), "dropped_tokens");
+    EXPECT_EQ(e.samples.at("strata_moe_dropped_tokens_total" + layer), dropped);
+    EXPECT_EQ(e.samples.at("strata_moe_dropped_tokens" + layer),
+              FieldOf(layer_object(last), "dropped_tokens"));
+  }
+
+  // Per tier: counters summed over the lines, the latest step's ratio, used and budget.
+  for (const char* tier : {"device", "host", "ssd"}) {
+    const std::string label = absl::StrCat("{tier=\"", tier, "\"}");
+    for (const char* field : {"hits", "misses", "bytes_in", "bytes_out", "evictions"}) {
+      double sum = 0;
+      for (const std::string& line : lines) sum += FieldOf(ObjectOf(line, tier), field);
+      const std::string series = absl::StrCat("strata_tier_", field, "_total", label);
+      EXPECT_EQ(e.samples.at(series), sum) << series;
+      EXPECT_EQ(e.types.at(absl::StrCat("strata_tier_", field, "_total")), "counter");
+    }
+    const double hits = FieldOf(ObjectOf(last, tier), "hits");
+    const double misses = FieldOf(ObjectOf(last, tier), "misses");
+    EXPECT_DOUBLE_EQ(e.samples.at("strata_tier_hit_ratio" + label), hits / (hits + misses));
+    EXPECT_EQ(e.samples.at("strata_tier_used_bytes" + label),
+              FieldOf(ObjectOf(last, tier), "used_bytes"));
+    EXPECT_EQ(e.samples.at("strata_tier_budget_bytes" + label), 1e6);
+  }
+  EXPECT_EQ(e.samples.at("strata_ssd_read_gbps"), FieldOf(ObjectOf(last, "ssd"), "read_gbps"));
+  EXPECT_EQ(e.samples.at("strata_ssd_write_gbps"), FieldOf(ObjectOf(last, "ssd"), "write_gbps"));
+  double stall = 0;
+  for (const std::string& line : lines) stall += FieldOf(line, "stall_ms") / 1e3;
+  EXPECT_NEAR(e.samples.at("strata_store_stall_seconds_total"), stall, 1e-12 * stall);
+  EXPECT_DOUBLE_EQ(e.samples.at("strata_store_stall_seconds"), FieldOf(last, "stall_ms") / 1e3);
+}
+
+TEST(RunBoardTest, AnInMemoryJobHasNoTierSeriesAndAFreshBoardOnlyItsJob) {
+  RunBoard fresh("tiny", 5);
+  testing::Exposition e = testing::ParseExposition(fresh.Prometheus());
+  ASSERT_EQ(e.error, "");
+  EXPECT_EQ(e.samples.size(), 2u) << "strata_info and strata_steps";
+  EXPECT_EQ(fresh.StatusJson(), R"({"job":"tiny","state":"training","steps":5,"step":0})");
+
+  for (const std::string& line : Lines(3, /*tiered=*/false)) {
+    ASSERT_TRUE(fresh.AddStepLine(line).ok());
+  }
+  e = testing::ParseExposition(fresh.Prometheus());
+  ASSERT_EQ(e.error, "");
+  for (const auto& [series, value] : e.samples) {
+    EXPECT_EQ(series.find("tier"), std::string::npos) << series;
+    EXPECT_EQ(series.find("stall"), std::string::npos) << series;
+  }
+  EXPECT_EQ(e.samples.at("strata_step"), 3);
+}
+
+TEST(RunBoardTest, StatusAndHistoryAreJsonOfTheLines) {
+  const std::vector<std::string> lines = Lines(6, /*tiered=*/false);
+  RunBoard board("tiny", 6);
+  for (const std::string& line : lines) ASSERT_TRUE(board.AddStepLine(line).ok());
+  board.SetState("finished");
+  google::protobuf::Struct status, history;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(board.StatusJson(), &status).ok());
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(board.HistoryJson(), &history).ok());
+  const auto& f = status.fields();
+  EXPECT_EQ(f.at("state").string_value(), "finished");
+  EXPECT_EQ(f.at("step").number_value(), 6);
+  EXPECT_EQ(f.at("loss").number_value(), FieldOf(lines.back(), "loss"));
+  EXPECT_EQ(f.at("eval_step").number_value(), 4);
+  EXPECT_EQ(f.at("workers").number_value(), 2);
+  EXPECT_EQ(f.at("generation").number_value(), 3);
+  const auto& points = history.fields().at("points").list_value().values();
+  ASSERT_EQ(points.size(), 6);
+  for (int i = 0; i < 6; ++i) {
+    const auto& p = points[i].struct_value().fields();
+    EXPECT_EQ(p.at("step").number_value(), i + 1);
+    EXPECT_EQ(p.at("loss").number_value(), FieldOf(lines[i], "loss"));
+    EXPECT_EQ(p.count("eval_loss"), (i + 1) % 4 == 0 ? 1u : 0u) << i;
+  }
+}
+
+TEST(RunBoardTest, ALineThatIsNotAStepIsRefusedAndChangesNothing) {
+  RunBoard board("tiny", 5);
+  ASSERT_TRUE(board.AddStepLine(Lines(1, false)[0]).ok());
+  const std::string before = board.Prometheus();
+  for (const std::string bad : {"", "not json", "[1,2]", "{\"loss\":1}", "{\"step\":-1}",
+                                "{\"step\":1.5}", "{\"step\":\"2\"}", "{\"step\":2"}) {
+    EXPECT_FALSE(board.AddStepLine(bad).ok()) << bad;
+  }
+  EXPECT_EQ(board.Prometheus(), before);
+}
+
+}  // namespace
+}  // namespace strata::web
