@@ -62,8 +62,8 @@ const std::vector<FlagSpec>& TrainFlags() {
       {"export-params", "when training ends, write every parameter to DIR/<name>.f32 (float32)"},
       {"init-from", "start from the weights of a safetensors file (strata ckpt export's)"},
       {"http",
-       "serve /metrics (Prometheus), /api/status and /api/history on HOST:PORT (port 0: a free "
-       "one), every request behind a token"},
+       "serve a live dashboard (/), /metrics (Prometheus), /api/status and /api/history on "
+       "HOST:PORT (port 0: a free one), every request behind a token"},
       {"http-token-file",
        "file holding the token HTTP requests must carry (default: $STRATA_JOB_TOKEN, else a "
        "random one, printed with the address)"},
@@ -254,8 +254,8 @@ StatusOr<HttpEndpoint> StartHttp(const Flags& flags, train::TrainOptions* option
     if (Status s = board->AddStepLine(line); !s.ok()) STRATA_LOG(WARNING) << "http: " << s;
   };
   std::fprintf(stderr,
-               "[%s] http: %s/metrics, /api/status, /api/history (%s: ?token=TOKEN in the URL or "
-               "the header Authorization: Bearer TOKEN)\n",
+               "[%s] dashboard: %s/?token=TOKEN; also /metrics, /api/status, /api/history (%s; "
+               "or the header Authorization: Bearer TOKEN)\n",
                cfg.name().c_str(), http.server->base_url().c_str(), told.c_str());
   return http;
 }

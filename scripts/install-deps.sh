@@ -4,6 +4,7 @@
 #   scripts/install-deps.sh              build + tests + default example
 #   scripts/install-deps.sh --with-torch also python3-torch (baseline of bench_moe_layer)
 #   scripts/install-deps.sh --with-plots also python3-matplotlib (bench/compare_moe.py's figure)
+#   scripts/install-deps.sh --with-browser also chromium (the dashboard's test opens the page in it)
 #
 # Idempotent: packages already installed are skipped, and `apt-get update` runs at most once per
 # call (only when something is missing). Works as root or through sudo.
@@ -32,8 +33,9 @@ for arg in "$@"; do
   case "$arg" in
     --with-torch) packages+=(python3-torch) ;;
     --with-plots) packages+=(python3-matplotlib) ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
-    *) echo "install-deps.sh: unknown option '$arg' (known: --with-torch, --with-plots)" >&2; exit 2 ;;
+    --with-browser) packages+=(chromium) ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    *) echo "install-deps.sh: unknown option '$arg' (known: --with-torch, --with-plots, --with-browser)" >&2; exit 2 ;;
   esac
 done
 

@@ -9,6 +9,7 @@
 #include "core/common/json.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
+#include "web/dashboard_page.h"
 
 namespace strata::web {
 namespace {
@@ -102,19 +103,52 @@ Status RunBoard::AddStepLine(const std::string& json) {
     p.eval_loss = Number(s, "eval_loss");
     p.eval_bits_per_byte = Number(s, "eval_bits_per_byte", -1);
   }
+  const Value* tiers = Field(s, "tiers");
+  if (tiers != nullptr) {
+    const Struct& t = tiers->struct_value();
+    p.stall_ms = Number(s, "stall_ms");
+    auto ratio = [&](const char* tier) {
+      const Value* v = Field(t, tier);
+      if (v == nullptr) return 1.0;
+      const double hits = Number(v->struct_value(), "hits");
+      const double asked = hits + Number(v->struct_value(), "misses");
+      return asked > 0 ? hits / asked : 1.0;
+    };
+    p.device_hit_ratio = ratio("device");
+    p.host_hit_ratio = ratio("host");
+    if (const Value* ssd = Field(t, "ssd"); ssd != nullptr) {
+      p.ssd_read_gbps = Number(ssd->struct_value(), "read_gbps");
+    }
+  }
+  std::vector<int64_t> blocks;
+  std::vector<std::vector<double>> loads;
+  double dropped = 0;
+  const Value* moe = Field(s, "moe");
+  if (moe != nullptr) {
+    for (const Value& layer : moe->list_value().values()) {
+      const Struct& l = layer.struct_value();
+      blocks.push_back(static_cast<int64_t>(Number(l, "layer")));
+      dropped += Number(l, "dropped_tokens");
+      loads.emplace_back();
+      if (const Value* load = Field(l, "load"); load != nullptr) {
+        for (const Value& v : load->list_value().values()) loads.back().push_back(v.number_value());
+      }
+    }
+  }
   absl::MutexLock lock(&mu_);
   latest_ = json;
   history_.push_back(p);
   if (p.eval_loss >= 0) last_eval_ = p;
   counters_.tokens += Number(s, "tokens");
-  if (const Value* moe = Field(s, "moe"); moe != nullptr) {
+  if (moe != nullptr) {
     for (const Value& layer : moe->list_value().values()) {
       const std::string l = absl::StrCat(Number(layer.struct_value(), "layer"));
       counters_.by_name[absl::StrCat("strata_moe_dropped_tokens_total|", l)] +=
           Number(layer.struct_value(), "dropped_tokens");
     }
+    AddLoads(load_, p.step, blocks, loads, dropped);
   }
-  if (const Value* tiers = Field(s, "tiers"); tiers != nullptr) {
+  if (tiers != nullptr) {
     for (const char* tier : kTiers) {
       const Value* t = Field(tiers->struct_value(), tier);
       if (t == nullptr) continue;
@@ -125,6 +159,53 @@ Status RunBoard::AddStepLine(const std::string& json) {
     counters_.by_name["strata_store_stall_seconds_total|"] += Number(s, "stall_ms") / 1e3;
   }
   return absl::OkStatus();
+}
+
+void RunBoard::AddLoads(LoadMap& m, int64_t step, const std::vector<int64_t>& blocks,
+                        const std::vector<std::vector<double>>& loads, double dropped_tokens) {
+  m.dropped_tokens += dropped_tokens;
+  bool same_shape = m.blocks == blocks && step >= m.first_step;
+  for (size_t l = 0; same_shape && l < loads.size(); ++l) {
+    same_shape = m.sums[l].empty() || m.sums[l][0].size() == loads[l].size();
+  }
+  if (!same_shape) {  // the first step, or another model: start over
+    m.blocks = blocks;
+    m.first_step = step;
+    m.bucket_steps = 1;
+    m.sums.assign(blocks.size(), {});
+    m.counts.assign(blocks.size(), {});
+  }
+  size_t column = static_cast<size_t>((step - m.first_step) / m.bucket_steps);
+  while (column >= LoadMap::kMaxColumns) {  // merge neighbouring columns
+    for (size_t l = 0; l < m.sums.size(); ++l) {
+      auto& sums = m.sums[l];
+      auto& counts = m.counts[l];
+      for (size_t c = 0; 2 * c < sums.size(); ++c) {
+        sums[c] = sums[2 * c];
+        counts[c] = counts[2 * c];
+        if (2 * c + 1 < sums.size()) {
+          for (size_t e = 0; e < sums[c].size(); ++e) sums[c][e] += sums[2 * c + 1][e];
+          counts[c] += counts[2 * c + 1];
+        }
+      }
+      sums.resize((sums.size() + 1) / 2);
+      counts.resize(sums.size());
+    }
+    m.bucket_steps *= 2;
+    column = static_cast<size_t>((step - m.first_step) / m.bucket_steps);
+  }
+  for (size_t l = 0; l < loads.size(); ++l) {
+    const std::vector<double>& load = loads[l];
+    double total = 0;
+    for (double v : load) total += v;
+    if (m.sums[l].size() <= column) {
+      m.sums[l].resize(column + 1, std::vector<double>(load.size(), 0.0));
+      m.counts[l].resize(column + 1, 0);
+    }
+    const double mean = total / static_cast<double>(std::max<size_t>(load.size(), 1));
+    for (size_t e = 0; e < load.size(); ++e) m.sums[l][column][e] += mean > 0 ? load[e] / mean : 1;
+    ++m.counts[l][column];
+  }
 }
 
 void RunBoard::SetState(const std::string& state) {
@@ -283,9 +364,14 @@ std::string RunBoard::StatusJson() const {
 std::string RunBoard::HistoryJson() const {
   absl::MutexLock lock(&mu_);
   JsonWriter j;
-  j.BeginObject().Field("job", job_).Field("steps", steps_);
+  j.BeginObject().Field("job", job_).Field("state", state_).Field("steps", steps_);
   j.Key("points").BeginArray();
-  for (const Point& p : history_) {
+  // At most kMaxPoints, evenly spaced, the latest always; evaluated steps always.
+  const size_t n = history_.size();
+  const size_t stride = (n + kMaxPoints - 1) / kMaxPoints;
+  for (size_t i = 0; i < n; ++i) {
+    const Point& p = history_[i];
+    if (stride > 1 && i % stride != 0 && i + 1 != n && p.eval_loss < 0) continue;
     j.BeginObject()
         .Field("step", p.step)
         .Field("loss", p.loss)
@@ -293,9 +379,34 @@ std::string RunBoard::HistoryJson() const {
         .Field("lr", p.lr);
     if (p.eval_loss >= 0) j.Field("eval_loss", p.eval_loss);
     if (p.eval_bits_per_byte >= 0) j.Field("eval_bits_per_byte", p.eval_bits_per_byte);
+    if (p.stall_ms >= 0) {
+      j.Field("stall_ms", p.stall_ms)
+          .Field("ssd_read_gbps", p.ssd_read_gbps)
+          .Field("device_hit_ratio", p.device_hit_ratio)
+          .Field("host_hit_ratio", p.host_hit_ratio);
+    }
     j.EndObject();
   }
-  j.EndArray().EndObject();
+  j.EndArray();
+  if (!load_.blocks.empty()) {
+    j.Key("load").BeginObject();
+    j.Field("first_step", load_.first_step)
+        .Field("bucket_steps", load_.bucket_steps)
+        .Field("dropped_tokens", load_.dropped_tokens);
+    j.Key("layers").BeginArray();
+    for (size_t l = 0; l < load_.blocks.size(); ++l) {
+      j.BeginObject().Field("layer", load_.blocks[l]).Key("buckets").BeginArray();
+      for (size_t c = 0; c < load_.sums[l].size(); ++c) {
+        j.BeginArray();
+        const double count = static_cast<double>(std::max<int64_t>(load_.counts[l][c], 1));
+        for (double v : load_.sums[l][c]) j.Double(load_.counts[l][c] > 0 ? v / count : 1.0, 4);
+        j.EndArray();
+      }
+      j.EndArray().EndObject();
+    }
+    j.EndArray().EndObject();
+  }
+  j.EndObject();
   return j.str();
 }
 
@@ -307,6 +418,8 @@ std::map<std::string, HttpHandler> RunBoard::Routes() const {
     return r;
   };
   return {
+      {"/",
+       [text](const HttpRequest&) { return text(DashboardPage(), "text/html; charset=utf-8"); }},
       {"/metrics",
        [this, text](const HttpRequest&) {
          return text(Prometheus(), "text/plain; version=0.0.4; charset=utf-8");

@@ -6,7 +6,10 @@
 // - Prometheus(): the text exposition format (version 0.0.4) — the latest step's gauges, counters
 //   summed over every step seen, per MoE layer and per tier labels (docs/dashboard.md lists them);
 // - StatusJson(): the job, its state and its latest figures (`/api/status`);
-// - HistoryJson(): every step's loss, evaluation, tokens/s and learning rate (`/api/history`).
+// - HistoryJson(): the job's state and every step's loss, evaluation, tokens/s, learning rate and
+//   tier figures (at most kMaxPoints of them, evenly spaced), and each MoE layer's expert loads
+//   over the steps (`/api/history`, what the dashboard draws);
+// - the dashboard page itself (web/dashboard.html, compiled in), at `/`.
 //
 // Threads: thread-safe. The trainer's thread adds lines while HTTP threads render; each rendering
 // sees whole steps (one lock).
@@ -39,7 +42,9 @@ class RunBoard {
   std::string StatusJson() const ABSL_LOCKS_EXCLUDED(mu_);
   std::string HistoryJson() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // "/metrics", "/api/status", "/api/history" for an HttpServer; the board must outlive it.
+  static constexpr size_t kMaxPoints = 4000;
+
+  // "/", "/metrics", "/api/status", "/api/history" for an HttpServer; the board must outlive it.
   std::map<std::string, HttpHandler> Routes() const;
 
  private:
@@ -47,11 +52,29 @@ class RunBoard {
     int64_t step = 0;
     double loss = 0, tokens_per_s = 0, lr = 0;
     double eval_loss = -1, eval_bits_per_byte = -1;  // -1: not evaluated at this step
+    // A TIERED step's (stall_ms -1 otherwise): compute's wait, SSD reads, the hit ratios.
+    double stall_ms = -1, ssd_read_gbps = 0, device_hit_ratio = 1, host_hit_ratio = 1;
+  };
+  // Each MoE layer's expert loads over the steps, for the heatmap: columns of `bucket_steps`
+  // steps each holding every expert's load over the mean load, averaged over the column's steps;
+  // past kMaxColumns columns, neighbours merge and bucket_steps doubles.
+  struct LoadMap {
+    static constexpr size_t kMaxColumns = 240;
+    int64_t first_step = 0;  // column 0 starts here
+    int64_t bucket_steps = 1;
+    double dropped_tokens = 0;
+    std::vector<int64_t> blocks;                         // per MoE layer
+    std::vector<std::vector<std::vector<double>>> sums;  // [layer][column][expert]
+    std::vector<std::vector<int64_t>> counts;            // [layer][column]: steps summed
   };
   struct Counters {  // sums over every step seen
     double tokens = 0;
     std::map<std::string, double> by_name;  // "<family>|<label value>" -> sum
   };
+
+  // One step's loads (per MoE layer, per expert) into the map.
+  static void AddLoads(LoadMap& map, int64_t step, const std::vector<int64_t>& blocks,
+                       const std::vector<std::vector<double>>& loads, double dropped_tokens);
 
   const std::string job_;
   const int64_t steps_;
@@ -59,6 +82,7 @@ class RunBoard {
   std::string state_ ABSL_GUARDED_BY(mu_) = "training";
   std::string latest_ ABSL_GUARDED_BY(mu_);  // the latest step's line
   std::vector<Point> history_ ABSL_GUARDED_BY(mu_);
+  LoadMap load_ ABSL_GUARDED_BY(mu_);
   Counters counters_ ABSL_GUARDED_BY(mu_);
   Point last_eval_ ABSL_GUARDED_BY(mu_);
 };

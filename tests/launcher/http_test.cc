@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <string>
@@ -46,7 +47,7 @@ pid_t Start(const std::string& args, const std::string& log, const std::string& 
 // The port and token the job printed ("" token when it was not printed), waiting up to 60 s.
 std::pair<int, std::string> Endpoint(const std::string& log) {
   const std::regex re(
-      R"re(http: http://127\.0\.0\.1:([0-9]+)/metrics.*\((token ([0-9a-f]+)|the token of))re");
+      R"re(dashboard: http://127\.0\.0\.1:([0-9]+)/\?token=TOKEN.*\((token ([0-9a-f]+)|the token of))re");
   for (int i = 0; i < 600; ++i) {
     std::smatch m;
     const std::string text = ReadFile(log);
@@ -127,6 +128,73 @@ TEST(HttpTest, ALiveJobsMetricsAreItsMetricsLines) {
   EXPECT_EQ(e.samples.at("strata_moe_load_max_over_mean{layer=\"0\"}"),
             DoubleField(at, "max_over_mean"))
       << "the first MoE layer's (block 0)";
+}
+
+// The page in a real headless browser (Debian's chromium): after its script ran against the live
+// job, the DOM holds a loss chart with points, one heatmap per MoE layer with columns, the tier
+// chart of a TIERED job, the job's state and no error; a screenshot is kept in
+// build/test-artifacts/dashboard.png.
+TEST(HttpTest, TheDashboardDrawsTheLiveJobInABrowser) {
+  const char* browser = nullptr;
+  for (const char* b : {"/usr/bin/chromium", "/usr/bin/chromium-browser"}) {
+    if (access(b, X_OK) == 0) browser = b;
+  }
+  if (browser == nullptr) {
+    GTEST_SKIP() << "no headless browser: `scripts/install-deps.sh --with-browser` installs "
+                    "Debian's chromium (CI does)";
+  }
+  TempDir dir;
+  WriteFile(dir.File("job.textproto"), config::ToText(Job(dir, 4000)));
+  const pid_t pid =
+      Start(absl::StrCat("--quiet --config ", dir.File("job.textproto"), " --http 127.0.0.1:0"),
+            dir.File("log"));
+  const auto [port, token] = Endpoint(dir.File("log"));
+  ASSERT_GT(port, 0);
+  for (int i = 0; i < 300; ++i) {
+    const auto r = HttpGet(port, "/api/status?token=" + token);
+    if (r.body.find("\"step\":") != std::string::npos &&
+        strata::testing::IntField(r.body, "step") >= 20) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  const std::string url = absl::StrCat("http://127.0.0.1:", port, "/?token=", token);
+  const std::string flags =
+      "--headless --no-sandbox --disable-gpu --hide-scrollbars --virtual-time-budget=4000";
+  // (Each in a subshell whose stderr goes to the log: RunCommand adds 2>&1 to what it runs.)
+  auto dom = RunCommand(absl::StrCat("(timeout 120 ", browser, " ", flags, " --dump-dom '", url,
+                                     "' 2> ", dir.File("browser.log"), ")"));
+  const std::string artifacts = std::string(STRATA_BIN_DIR) + "/../test-artifacts";
+  std::filesystem::create_directories(artifacts);
+  auto shot = RunCommand(absl::StrCat(
+      "(timeout 120 ", browser, " ", flags, " --window-size=1400,1000 --screenshot=", artifacts,
+      "/dashboard.png '", url, "' 2>> ", dir.File("browser.log"), ")"));
+  kill(pid, SIGTERM);
+  strata::testing::WaitExit(pid);
+  ASSERT_EQ(dom.exit_code, 0) << ReadFile(dir.File("browser.log"));
+  const std::string& html = dom.output;
+  auto count = [&](const std::string& what) {
+    int n = 0;
+    for (size_t at = html.find(what); at != std::string::npos; at = html.find(what, at + 1)) ++n;
+    return n;
+  };
+  auto attribute = [&](const std::string& id, const std::string& name) {
+    const size_t at = html.find("id=\"" + id + "\"");
+    EXPECT_NE(at, std::string::npos) << id << "\n" << html;
+    const size_t tag_end = html.find('>', at);
+    const size_t a = html.find(name + "=\"", at);
+    if (at == std::string::npos || a == std::string::npos || a > tag_end) return int64_t{-1};
+    return static_cast<int64_t>(std::stoll(html.substr(a + name.size() + 2)));
+  };
+  EXPECT_GE(attribute("loss", "data-points"), 20) << "the loss chart has the steps' points";
+  EXPECT_GT(attribute("tiers", "data-points"), 0) << "the TIERED job's tier chart";
+  EXPECT_EQ(count("class=\"heatmap\""), 2) << "one heatmap per MoE layer\n" << html;
+  EXPECT_EQ(count("data-columns=\"0\""), 0) << html;
+  EXPECT_NE(html.find("id=\"state\">training<"), std::string::npos) << html;
+  EXPECT_NE(html.find("id=\"error\"></span>"), std::string::npos) << "the page's script failed\n"
+                                                                  << html;
+  EXPECT_EQ(shot.exit_code, 0) << ReadFile(dir.File("browser.log"));
+  EXPECT_TRUE(std::filesystem::exists(artifacts + "/dashboard.png"));
 }
 
 TEST(HttpTest, TheTokenComesFromTheEnvironmentOrAFileAndBadAddressesStopTheCommand) {

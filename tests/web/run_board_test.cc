@@ -212,6 +212,65 @@ TEST(RunBoardTest, StatusAndHistoryAreJsonOfTheLines) {
   }
 }
 
+TEST(RunBoardTest, TheLoadMapAveragesEachExpertsLoadOverTheMeanPerColumnOfSteps) {
+  // 500 steps: past 240 columns of one step, then of two, the columns hold four steps each.
+  const std::vector<std::string> lines = Lines(500, /*tiered=*/true);
+  RunBoard board("tiny", 500);
+  for (const std::string& line : lines) ASSERT_TRUE(board.AddStepLine(line).ok());
+  google::protobuf::Struct history;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(board.HistoryJson(), &history).ok());
+  const auto& load = history.fields().at("load").struct_value().fields();
+  EXPECT_EQ(load.at("first_step").number_value(), 1);
+  ASSERT_EQ(load.at("bucket_steps").number_value(), 4);
+  const auto& layers = load.at("layers").list_value().values();
+  ASSERT_EQ(layers.size(), 3);
+  const int blocks[] = {1, 3, 5};
+  double dropped = 0;
+  for (int i = 0; i < 3; ++i) {
+    const auto& layer = layers[i].struct_value().fields();
+    EXPECT_EQ(layer.at("layer").number_value(), blocks[i]);
+    const auto& columns = layer.at("buckets").list_value().values();
+    ASSERT_EQ(columns.size(), 125);
+    for (int c = 0; c < 125; c += 31) {
+      // The column's steps, 4c+1 .. 4c+4: each expert's load over the layer's mean, averaged.
+      std::vector<double> want(4, 0.0);
+      for (int s = 4 * c; s < 4 * c + 4; ++s) {
+        std::string rest = lines[s];
+        for (int k = 0; k <= i; ++k) rest = rest.substr(rest.find("\"load\":[") + 8);
+        std::vector<double> load_of;
+        for (size_t at = 0; load_of.size() < 4; ++at) {
+          load_of.push_back(std::strtod(rest.c_str() + at, nullptr));
+          at = rest.find(',', at);
+        }
+        const double mean = (load_of[0] + load_of[1] + load_of[2] + load_of[3]) / 4;
+        for (int e = 0; e < 4; ++e) want[e] += load_of[e] / mean / 4;
+      }
+      const auto& got = columns[c].list_value().values();
+      ASSERT_EQ(got.size(), 4);
+      for (int e = 0; e < 4; ++e) {
+        EXPECT_NEAR(got[e].number_value(), want[e], 5e-4 * want[e] + 1e-9)
+            << "layer " << i << " column " << c << " expert " << e << " (4 digits served)";
+      }
+    }
+  }
+  for (const std::string& line : lines) {
+    size_t at = 0;
+    while ((at = line.find("\"dropped_tokens\":", at + 1)) != std::string::npos) {
+      dropped += std::strtod(line.c_str() + at + 17, nullptr);
+    }
+  }
+  EXPECT_EQ(load.at("dropped_tokens").number_value(), dropped);
+  // Every step is a point (fewer than kMaxPoints), with the tier figures of a TIERED step.
+  const auto& points = history.fields().at("points").list_value().values();
+  ASSERT_EQ(points.size(), 500);
+  const auto& p = points[499].struct_value().fields();
+  EXPECT_EQ(p.at("stall_ms").number_value(), FieldOf(lines[499], "stall_ms"));
+  const double hits = FieldOf(ObjectOf(lines[499], "device"), "hits");
+  EXPECT_NEAR(p.at("device_hit_ratio").number_value(),
+              hits / (hits + FieldOf(ObjectOf(lines[499], "device"), "misses")), 1e-7);
+  EXPECT_EQ(history.fields().at("state").string_value(), "training");
+}
+
 TEST(RunBoardTest, ALineThatIsNotAStepIsRefusedAndChangesNothing) {
   RunBoard board("tiny", 5);
   ASSERT_TRUE(board.AddStepLine(Lines(1, false)[0]).ok());
