@@ -26,6 +26,7 @@ void PrintTopUsage(std::FILE* out) {
                "  ckpt     list, verify or remove checkpoints: strata ckpt ls|verify|rm DIR ...\n"
                "  eval     a checkpoint's loss on a token file: --checkpoint DIR --data FILE\n"
                "  generate text from a checkpoint: --checkpoint DIR --prompt TEXT\n"
+               "  plot     a run's metrics file as the dashboard's panels: plot M.jsonl -o run.png\n"
                "  version  print the version, the backends of this build, the BLAS kernel\n"
                "  help     this text\n\n"
                "flags of train:\n%s\nRun 'strata COMMAND --help' for a command's flags.\n",
@@ -48,6 +49,7 @@ int Main(int argc, char** argv) {
   if (cmd == "ckpt") return CkptCommand(args);
   if (cmd == "eval") return EvalCommand(args);
   if (cmd == "generate") return GenerateCommand(args);
+  if (cmd == "plot") return PlotCommand(args);
   if (cmd == "coordinator") return CoordinatorCommand(args);
   if (cmd == "launch") return LaunchCommand(args);
   if (cmd == "status") return StatusCommand(args);

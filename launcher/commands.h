@@ -27,6 +27,9 @@ int EvalCommand(const std::vector<std::string>& args);
 // strata generate --checkpoint DIR --prompt TEXT | --prompt-file F [--max-tokens N]
 // [--temperature T] [--top-k K] [--top-p P] [--seed S]: text from a checkpoint's model.
 int GenerateCommand(const std::vector<std::string>& args);
+// strata plot METRICS.jsonl [-o FILE.png|FILE.svg] [--title T]: a finished run's metrics file as
+// the dashboard's panels, drawn by gnuplot.
+int PlotCommand(const std::vector<std::string>& args);
 // strata coordinator --dir DIR [--config FILE] [--listen HOST:PORT] [--token-file F] [--workers N]
 // [--min-workers M] [--max-workers X] [--keep-serving] [--tls-cert F --tls-key F]: serves a job's
 // coordinator; a record already in DIR is resumed with everything it holds (config, worker counts,

@@ -16,6 +16,7 @@ packages=(
   libprotobuf-dev protobuf-compiler
   libgrpc++-dev protobuf-compiler-grpc
   libmicrohttpd-dev       # the HTTP endpoint: dashboard, /metrics (web/)
+  gnuplot-nox             # strata plot
   liburing-dev librocksdb-dev fio
   libgloo-dev
   libopenblas-dev

@@ -208,6 +208,18 @@ void RunBoard::AddLoads(LoadMap& m, int64_t step, const std::vector<int64_t>& bl
   }
 }
 
+std::vector<double> RunBoard::LoadMap::Column(size_t l, size_t c) const {
+  std::vector<double> v = sums.at(l).at(c);
+  const int64_t n = counts[l][c];
+  for (double& x : v) x = n > 0 ? x / static_cast<double>(n) : 1.0;
+  return v;
+}
+
+RunBoard::Snapshot RunBoard::Take() const {
+  absl::MutexLock lock(&mu_);
+  return Snapshot{job_, state_, steps_, history_, load_};
+}
+
 void RunBoard::SetState(const std::string& state) {
   absl::MutexLock lock(&mu_);
   state_ = state;
@@ -398,8 +410,7 @@ std::string RunBoard::HistoryJson() const {
       j.BeginObject().Field("layer", load_.blocks[l]).Key("buckets").BeginArray();
       for (size_t c = 0; c < load_.sums[l].size(); ++c) {
         j.BeginArray();
-        const double count = static_cast<double>(std::max<int64_t>(load_.counts[l][c], 1));
-        for (double v : load_.sums[l][c]) j.Double(load_.counts[l][c] > 0 ? v / count : 1.0, 4);
+        for (double v : load_.Column(l, c)) j.Double(v, 4);
         j.EndArray();
       }
       j.EndArray().EndObject();

@@ -44,10 +44,6 @@ class RunBoard {
 
   static constexpr size_t kMaxPoints = 4000;
 
-  // "/", "/metrics", "/api/status", "/api/history" for an HttpServer; the board must outlive it.
-  std::map<std::string, HttpHandler> Routes() const;
-
- private:
   struct Point {
     int64_t step = 0;
     double loss = 0, tokens_per_s = 0, lr = 0;
@@ -66,7 +62,22 @@ class RunBoard {
     std::vector<int64_t> blocks;                         // per MoE layer
     std::vector<std::vector<std::vector<double>>> sums;  // [layer][column][expert]
     std::vector<std::vector<int64_t>> counts;            // [layer][column]: steps summed
+    // Column c of layer l: each expert's load over the mean, averaged (1 for an empty column).
+    std::vector<double> Column(size_t l, size_t c) const;
   };
+  // A copy of everything the board holds (`strata plot` draws a finished run from it).
+  struct Snapshot {
+    std::string job, state;
+    int64_t steps = 0;
+    std::vector<Point> points;  // every step
+    LoadMap load;
+  };
+  Snapshot Take() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // "/", "/metrics", "/api/status", "/api/history" for an HttpServer; the board must outlive it.
+  std::map<std::string, HttpHandler> Routes() const;
+
+ private:
   struct Counters {  // sums over every step seen
     double tokens = 0;
     std::map<std::string, double> by_name;  // "<family>|<label value>" -> sum
