@@ -1,6 +1,7 @@
 #include "launcher/command_util.h"
 
 #include <fcntl.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -217,12 +218,6 @@ void LogBlasKernel() {
   if (!blas.warning.empty()) STRATA_LOG(WARNING) << "blas: " << blas.warning;
 }
 
-// --http: a run board fed every step's metrics line, served until training ends.
-struct HttpEndpoint {
-  std::unique_ptr<web::RunBoard> board;
-  std::unique_ptr<web::HttpServer> server;
-};
-
 StatusOr<HttpEndpoint> StartHttp(const Flags& flags, train::TrainOptions* options) {
   HttpEndpoint http;
   const config::JobConfig& cfg = options->config;
@@ -283,10 +278,13 @@ int RunTraining(const Flags& flags, const std::string& command, const std::vecto
 
 std::string RandomToken() {
   unsigned char bytes[16] = {0};
-  std::FILE* f = std::fopen("/dev/urandom", "rb");
-  if (f != nullptr) {
-    if (std::fread(bytes, 1, sizeof(bytes), f) != sizeof(bytes)) bytes[0] ^= 1;
-    std::fclose(f);
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    CHECK(n > 0) << "the kernel gave no random bytes (getrandom: " << std::strerror(errno)
+                 << "): a job token cannot be made";
+    got += static_cast<size_t>(n);
   }
   std::string hex;
   for (unsigned char b : bytes) hex += absl::StrFormat("%02x", b);

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -20,6 +21,8 @@
 #include "proto/config.pb.h"
 #include "train/evaluate.h"
 #include "train/trainer.h"
+#include "web/http_server.h"
+#include "web/run_board.h"
 
 namespace strata::launcher {
 
@@ -82,7 +85,17 @@ void LogBlasKernel();
 int RunTraining(const Flags& flags, const std::string& command, const std::vector<FlagSpec>& specs,
                 const train::WorkerOptions& worker);
 
-// 128 random bits as 32 hex digits (from /dev/urandom): a new job's token.
+// --http: a run board fed every step's metrics line (through options->on_metrics_line), served
+// until this is destroyed; the board outlives the server (members in that order). Prints the
+// address on stderr, and the token when it is a random one (--http-token-file, else
+// $STRATA_JOB_TOKEN, else random).
+struct HttpEndpoint {
+  std::unique_ptr<web::RunBoard> board;
+  std::unique_ptr<web::HttpServer> server;
+};
+[[nodiscard]] StatusOr<HttpEndpoint> StartHttp(const Flags& flags, train::TrainOptions* options);
+
+// 128 random bits as 32 hex digits (getrandom): a new job's token.
 std::string RandomToken();
 
 // The job token: from --token-file, --token or $STRATA_JOB_TOKEN, in that order ("" when none

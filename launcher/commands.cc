@@ -12,25 +12,26 @@ namespace strata::launcher {
 namespace {
 
 void PrintTopUsage(std::FILE* out) {
-  std::fprintf(out,
-               "strata — elastic Mixture-of-Experts training\n\n"
-               "usage: strata COMMAND [flags]\n\n"
-               "commands:\n"
-               "  train    train a model from a job config on this machine\n"
-               "  launch   start a coordinator and N local workers for a job (--workers N)\n"
-               "  worker   one of several processes training a job together (--rank, "
-               "--world-size, --store)\n"
-               "  check    validate a job config and its data file, print the effective config\n"
-               "  coordinator  serve a job's membership and rendezvous (gRPC; --dir, --config)\n"
-               "  status   a running coordinator's generation, members and step: status HOST:PORT\n"
-               "  ckpt     list, verify or remove checkpoints: strata ckpt ls|verify|rm DIR ...\n"
-               "  eval     a checkpoint's loss on a token file: --checkpoint DIR --data FILE\n"
-               "  generate text from a checkpoint: --checkpoint DIR --prompt TEXT\n"
-               "  plot     a run's metrics file as the dashboard's panels: plot M.jsonl -o run.png\n"
-               "  version  print the version, the backends of this build, the BLAS kernel\n"
-               "  help     this text\n\n"
-               "flags of train:\n%s\nRun 'strata COMMAND --help' for a command's flags.\n",
-               Flags::Usage(TrainFlags()).c_str());
+  std::fprintf(
+      out,
+      "strata — elastic Mixture-of-Experts training\n\n"
+      "usage: strata COMMAND [flags]\n\n"
+      "commands:\n"
+      "  train    train a model from a job config on this machine\n"
+      "  launch   start a coordinator and N local workers for a job (--workers N)\n"
+      "  worker   one of several processes training a job together (--rank, "
+      "--world-size, --store)\n"
+      "  check    validate a job config and its data file, print the effective config\n"
+      "  coordinator  serve a job's membership and rendezvous (gRPC; --dir, --config)\n"
+      "  status   a running coordinator's generation, members and step: status HOST:PORT\n"
+      "  ckpt     list, verify or remove checkpoints: strata ckpt ls|verify|rm DIR ...\n"
+      "  eval     a checkpoint's loss on a token file: --checkpoint DIR --data FILE\n"
+      "  generate text from a checkpoint: --checkpoint DIR --prompt TEXT\n"
+      "  plot     a run's metrics file as the dashboard's panels: plot M.jsonl -o run.png\n"
+      "  version  print the version, the backends of this build, the BLAS kernel\n"
+      "  help     this text\n\n"
+      "flags of train:\n%s\nRun 'strata COMMAND --help' for a command's flags.\n",
+      Flags::Usage(TrainFlags()).c_str());
 }
 
 }  // namespace

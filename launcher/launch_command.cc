@@ -117,11 +117,13 @@ std::optional<int> ParseLaunch(const std::vector<std::string>& args, LaunchPlan*
                             "checkpoint; give one"),
                         "launch", LaunchFlags());
     }
-    if (!std::filesystem::is_regular_file(*f)) {
-      return Fail(absl::NotFoundError(
-          absl::StrFormat("--init-from '%s' is not a file (strata ckpt export writes one)", *f)));
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(*f, ec)) {
+      return Fail(absl::NotFoundError(absl::StrFormat(
+          "--init-from '%s' is not a file it can read%s (strata ckpt export writes one)", *f,
+          ec ? absl::StrCat(": ", ec.message()) : std::string())));
     }
-    plan->init_from = std::filesystem::absolute(*f).string();
+    plan->init_from = std::filesystem::absolute(*f, ec).string();
   }
   plan->quiet = flags->Has("quiet");
   if (auto d = flags->String("coordinator-dir")) o.dir = *d;
@@ -169,7 +171,12 @@ void PrintBanner(const LaunchPlan& plan, const std::string& address) {
   // (and the weights the job started from, which a job going back to step 0 reads again).
   std::string machine_flags =
       plan.threads ? absl::StrFormat(" --threads %d", *plan.threads) : std::string();
-  if (!plan.init_from.empty()) absl::StrAppend(&machine_flags, " --init-from ", plan.init_from);
+  if (!plan.init_from.empty()) {
+    // Quoted for the shell: the line is meant to be pasted.
+    std::string quoted = "'";
+    for (char c : plan.init_from) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    absl::StrAppend(&machine_flags, " --init-from ", quoted, "'");
+  }
   const char* name = plan.cfg.name().c_str();
   std::printf(
       "[%s] coordinator on %s; starting %d workers (%d to %d may train)\n"

@@ -1,8 +1,12 @@
 // strata plot METRICS.jsonl [-o FILE.png|FILE.svg]: the dashboard's panels for a finished run,
 // drawn by gnuplot from the run's metrics file (read through the same RunBoard the live dashboard
 // uses, so the panels hold the same figures).
+#include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
 
 #include <cstdio>
 #include <cstdlib>
@@ -36,12 +40,20 @@ StatusOr<web::RunBoard::Snapshot> ReadRun(const std::string& path, const std::st
   if (!in) {
     return absl::NotFoundError(absl::StrFormat("cannot open the metrics file '%s'", path));
   }
-  web::RunBoard board(title, 0);
+  web::RunBoard board(title, 0, SIZE_MAX);  // every step
   int line_number = 0;
   for (std::string line; std::getline(in, line);) {
     ++line_number;
     if (line.empty()) continue;
     if (Status s = board.AddStepLine(line); !s.ok()) {
+      // A run killed while writing leaves its last line cut (no newline): that line is left out.
+      if (in.eof()) {
+        std::fprintf(stderr,
+                     "strata plot: %s:%d is cut short (a run stopped while writing it); "
+                     "plotting the steps before it\n",
+                     path.c_str(), line_number);
+        break;
+      }
       return absl::InvalidArgumentError(absl::StrFormat(
           "%s:%d: %s (a metrics file holds one JSON object per step, as --metrics-out writes)",
           path, line_number, s.message()));
@@ -87,13 +99,12 @@ Status WriteData(const web::RunBoard::Snapshot& run, const std::string& dir) {
   return absl::OkStatus();
 }
 
+// A gnuplot string that is only text: single-quoted (gnuplot expands backquotes everywhere else,
+// running them as commands), a quote doubled.
 std::string Quoted(const std::string& s) {
-  std::string q = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') q += '\\';
-    q += c;
-  }
-  return q + "\"";
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("''") : std::string(1, c);
+  return q + "'";
 }
 
 // The gnuplot script: four panels in two rows, as the dashboard lays them out.
@@ -169,15 +180,35 @@ std::string Script(const web::RunBoard::Snapshot& run, const std::string& dir,
   return s;
 }
 
-// Runs gnuplot on `script` (through a file: its errors name the line). Its output and exit code.
+// Runs gnuplot on the script file (its errors name the line), without a shell; its output goes
+// into the error when it fails.
 Status RunGnuplot(const std::string& script_path) {
-  const std::string command = absl::StrCat("gnuplot ", Quoted(script_path), " 2>&1");
-  FILE* p = popen(command.c_str(), "r");
-  if (p == nullptr) return absl::InternalError("cannot run gnuplot");
+  int out[2];
+  if (pipe2(out, O_CLOEXEC) != 0) return absl::InternalError("cannot run gnuplot: no pipe");
+  const pid_t pid = fork();
+  if (pid < 0) {
+    close(out[0]);
+    close(out[1]);
+    return absl::InternalError("cannot run gnuplot: fork failed");
+  }
+  if (pid == 0) {
+    dup2(out[1], STDOUT_FILENO);
+    dup2(out[1], STDERR_FILENO);
+    execlp("gnuplot", "gnuplot", script_path.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(out[1]);
   std::string output;
   char buf[4096];
-  for (size_t n; (n = std::fread(buf, 1, sizeof(buf), p)) > 0;) output.append(buf, n);
-  const int status = pclose(p);
+  for (ssize_t n; (n = read(out[0], buf, sizeof(buf))) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    output.append(buf, static_cast<size_t>(n));
+  }
+  close(out[0]);
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
   const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   if (code == 127) {
     return absl::FailedPreconditionError(
@@ -212,6 +243,9 @@ int PlotCommand(const std::vector<std::string>& args) {
   if (out.empty()) {
     out = absl::EndsWith(in, ".jsonl") ? in.substr(0, in.size() - 6) + ".png" : in + ".png";
   }
+  // Absolute: gnuplot takes an output name that starts with '|' as a command to pipe to.
+  std::error_code absolute_error;
+  out = std::filesystem::absolute(out, absolute_error).string();
   const bool svg = absl::EndsWith(out, ".svg");
   if (!svg && !absl::EndsWith(out, ".png")) {
     return UsageError(

@@ -148,6 +148,12 @@ int JoinAndTrain(const Flags& flags) {
   options.info.set_host(flags.String("hostname").value_or("127.0.0.1"));
   options.info.set_threads(options.train.config.train().threads());
   options.info.set_job_config(config::ToText(JobPart(*cfg)));
+  HttpEndpoint http;  // served across the worker's generations, until it ends
+  if (flags.Has("http")) {
+    auto started = StartHttp(flags, &options.train);
+    if (!started.ok()) return Fail(started.status());
+    http = *std::move(started);
+  }
   options.on_end = [](const train::ElasticWorkerEnd& end) {
     if (!end.status.ok()) {
       Fail(end.status);

@@ -4,6 +4,7 @@
 #include <microhttpd.h>
 #include <netinet/in.h>
 
+#include <strings.h>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -52,7 +53,7 @@ MHD_Result Handle(void* cls, MHD_Connection* conn, const char* url, const char* 
   MHD_get_connection_values(conn, MHD_GET_ARGUMENT_KIND, &CollectArg, &request.args);
   std::string given;
   if (const char* auth = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Authorization");
-      auth != nullptr && std::strncmp(auth, "Bearer ", 7) == 0) {
+      auth != nullptr && strncasecmp(auth, "Bearer ", 7) == 0) {  // the scheme: any case
     given = auth + 7;
   } else if (const char* t = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "X-Strata-Token");
              t != nullptr) {
@@ -67,6 +68,7 @@ MHD_Result Handle(void* cls, MHD_Connection* conn, const char* url, const char* 
   MHD_add_response_header(response, "Content-Type", r.content_type.c_str());
   MHD_add_response_header(response, "Cache-Control", "no-store");
   if (r.status == 401) MHD_add_response_header(response, "WWW-Authenticate", "Bearer");
+  if (r.status == 405) MHD_add_response_header(response, "Allow", "GET, HEAD");
   const MHD_Result queued = MHD_queue_response(conn, static_cast<unsigned>(r.status), response);
   MHD_destroy_response(response);
   return queued;
@@ -103,7 +105,7 @@ StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& optio
   const bool tls = !options.tls_cert.empty();
   std::string cert, key;
   if (tls) {
-    if (MHD_is_feature_supported(MHD_FEATURE_TLS) != MHD_YES) {
+    if (!SupportsTls()) {
       return absl::FailedPreconditionError(
           "this machine's libmicrohttpd has no TLS: serve HTTP without a certificate");
     }
@@ -114,6 +116,9 @@ StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& optio
   std::unique_ptr<HttpServer> server(new HttpServer);
   server->token_ = options.token;
   server->routes_ = std::move(routes);
+  // select(): a client that half-closes an unfinished request is let go at once (with poll() or
+  // epoll it holds a connection until the timeout). Its limit: a connection whose descriptor is
+  // past FD_SETSIZE (1024) is refused, so a process holding a thousand files serves no more.
   const unsigned flags =
       MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG | (tls ? MHD_USE_TLS : 0);
   last_message.clear();
@@ -142,6 +147,8 @@ StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const HttpOptions& optio
                                    host == "0.0.0.0" ? "127.0.0.1" : host, ":", server->port_);
   return server;
 }
+
+bool HttpServer::SupportsTls() { return MHD_is_feature_supported(MHD_FEATURE_TLS) == MHD_YES; }
 
 HttpServer::~HttpServer() {
   if (daemon_ != nullptr) MHD_stop_daemon(daemon_);

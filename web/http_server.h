@@ -62,6 +62,9 @@ class HttpServer {
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;
 
+  // Whether this machine's libmicrohttpd serves HTTPS (HttpOptions::tls_cert).
+  static bool SupportsTls();
+
   int port() const { return port_; }
   // "http://HOST:PORT" (https with a certificate), HOST as given ("0.0.0.0" as 127.0.0.1).
   const std::string& base_url() const { return base_url_; }

@@ -1,5 +1,6 @@
 #include "web/run_board.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <utility>
@@ -90,7 +91,27 @@ StatusOr<Struct> ParseLine(const std::string& json) {
 
 }  // namespace
 
-RunBoard::RunBoard(std::string job, int64_t steps) : job_(std::move(job)), steps_(steps) {}
+RunBoard::RunBoard(std::string job, int64_t steps, size_t max_points)
+    : job_(std::move(job)), steps_(steps), max_points_(std::max<size_t>(max_points, 1)) {}
+
+void RunBoard::Add(Series* series, const Point& p) const {
+  series->latest = p;
+  // (A step that goes back, replayed after a re-form, waits until it passes the kept ones.)
+  if (!series->kept.empty() && p.step - series->kept.back().step < series->stride) return;
+  series->kept.push_back(p);
+  if (series->kept.size() / 2 < max_points_) return;
+  std::vector<Point> even;
+  even.reserve(series->kept.size() / 2);
+  for (size_t i = 0; i < series->kept.size(); i += 2) even.push_back(series->kept[i]);
+  series->kept = std::move(even);
+  series->stride *= 2;
+}
+
+std::vector<RunBoard::Point> RunBoard::Series::Points() const {
+  std::vector<Point> points = kept;
+  if (latest && (points.empty() || points.back().step != latest->step)) points.push_back(*latest);
+  return points;
+}
 
 Status RunBoard::AddStepLine(const std::string& json) {
   ASSIGN_OR_RETURN(const Struct s, ParseLine(json));
@@ -137,8 +158,11 @@ Status RunBoard::AddStepLine(const std::string& json) {
   }
   absl::MutexLock lock(&mu_);
   latest_ = json;
-  history_.push_back(p);
-  if (p.eval_loss >= 0) last_eval_ = p;
+  Add(&history_, p);
+  if (p.eval_loss >= 0) {
+    last_eval_ = p;
+    Add(&evals_, p);
+  }
   counters_.tokens += Number(s, "tokens");
   if (moe != nullptr) {
     for (const Value& layer : moe->list_value().values()) {
@@ -217,7 +241,7 @@ std::vector<double> RunBoard::LoadMap::Column(size_t l, size_t c) const {
 
 RunBoard::Snapshot RunBoard::Take() const {
   absl::MutexLock lock(&mu_);
-  return Snapshot{job_, state_, steps_, history_, load_};
+  return Snapshot{job_, state_, steps_, history_.Points(), evals_.Points(), load_};
 }
 
 void RunBoard::SetState(const std::string& state) {
@@ -226,14 +250,23 @@ void RunBoard::SetState(const std::string& state) {
 }
 
 std::string RunBoard::Prometheus() const {
-  absl::MutexLock lock(&mu_);
+  // What the rendering needs, copied under the lock; parsed and rendered outside it.
+  std::string latest;
+  Counters counters;
+  Point last_eval;
+  {
+    absl::MutexLock lock(&mu_);
+    latest = latest_;
+    counters = counters_;
+    last_eval = last_eval_;
+  }
   Exposition e;
   e.Family("strata_info", "gauge", "The job this process trains (1), by its config's name.");
-  e.Sample("strata_info", "job", job_, 1);
+  e.Sample("strata_info", "name", job_, 1);
   e.Family("strata_steps", "gauge", "Steps the job trains in all (train.steps).");
   e.Sample("strata_steps", static_cast<double>(steps_));
-  if (latest_.empty()) return e.Take();
-  const StatusOr<Struct> parsed = ParseLine(latest_);  // it parsed when it was added
+  if (latest.empty()) return e.Take();
+  const StatusOr<Struct> parsed = ParseLine(latest);  // it parsed when it was added
   const Struct& s = *parsed;
   struct Gauge {
     const char* family;
@@ -260,15 +293,15 @@ std::string RunBoard::Prometheus() const {
     e.Sample(g.family, Number(s, g.field) * g.scale);
   }
   e.Family("strata_tokens_total", "counter", "Tokens trained on (this process's share).");
-  e.Sample("strata_tokens_total", counters_.tokens);
-  if (last_eval_.eval_loss >= 0) {
+  e.Sample("strata_tokens_total", counters.tokens);
+  if (last_eval.eval_loss >= 0) {
     e.Family("strata_eval_step", "gauge", "The step of the latest held-out evaluation.");
-    e.Sample("strata_eval_step", static_cast<double>(last_eval_.step));
+    e.Sample("strata_eval_step", static_cast<double>(last_eval.step));
     e.Family("strata_eval_loss", "gauge", "The latest held-out loss, nats per token.");
-    e.Sample("strata_eval_loss", last_eval_.eval_loss);
-    if (last_eval_.eval_bits_per_byte >= 0) {
+    e.Sample("strata_eval_loss", last_eval.eval_loss);
+    if (last_eval.eval_bits_per_byte >= 0) {
       e.Family("strata_eval_bits_per_byte", "gauge", "The latest held-out bits per byte.");
-      e.Sample("strata_eval_bits_per_byte", last_eval_.eval_bits_per_byte);
+      e.Sample("strata_eval_bits_per_byte", last_eval.eval_bits_per_byte);
     }
   }
   if (const Value* moe = Field(s, "moe"); moe != nullptr && moe->list_value().values_size() > 0) {
@@ -297,9 +330,9 @@ std::string RunBoard::Prometheus() const {
              "Tokens that reached no expert, per MoE layer, over every step.");
     for (const Value& layer : layers) {
       const std::string l = absl::StrCat(Number(layer.struct_value(), "layer"));
-      auto it = counters_.by_name.find(absl::StrCat("strata_moe_dropped_tokens_total|", l));
+      auto it = counters.by_name.find(absl::StrCat("strata_moe_dropped_tokens_total|", l));
       e.Sample("strata_moe_dropped_tokens_total", "layer", l,
-               it == counters_.by_name.end() ? 0 : it->second);
+               it == counters.by_name.end() ? 0 : it->second);
     }
   }
   if (const Value* tiers = Field(s, "tiers"); tiers != nullptr) {
@@ -309,7 +342,7 @@ std::string RunBoard::Prometheus() const {
                absl::StrCat("The tiered store's ", field, " per tier, over every step.").c_str());
       for (const char* tier : kTiers) {
         if (Field(t, tier) == nullptr) continue;
-        e.Sample(family, "tier", tier, counters_.by_name.at(absl::StrCat(family, "|", tier)));
+        e.Sample(family, "tier", tier, counters.by_name.at(absl::StrCat(family, "|", tier)));
       }
     }
     e.Family("strata_tier_hit_ratio", "gauge",
@@ -343,7 +376,7 @@ std::string RunBoard::Prometheus() const {
     e.Family("strata_store_stall_seconds_total", "counter",
              "Time compute waited for the tiered store, seconds, over every step.");
     e.Sample("strata_store_stall_seconds_total",
-             counters_.by_name.at("strata_store_stall_seconds_total|"));
+             counters.by_name.at("strata_store_stall_seconds_total|"));
   }
   return e.Take();
 }
@@ -352,8 +385,8 @@ std::string RunBoard::StatusJson() const {
   absl::MutexLock lock(&mu_);
   JsonWriter j;
   j.BeginObject().Field("job", job_).Field("state", state_).Field("steps", steps_);
-  if (!history_.empty()) {
-    const Point& p = history_.back();
+  if (history_.latest) {
+    const Point& p = *history_.latest;
     j.Field("step", p.step).Field("loss", p.loss).Field("tokens_per_s", p.tokens_per_s);
     j.Field("lr", p.lr);
   } else {
@@ -374,16 +407,19 @@ std::string RunBoard::StatusJson() const {
 }
 
 std::string RunBoard::HistoryJson() const {
-  absl::MutexLock lock(&mu_);
+  const Snapshot run = Take();  // rendered outside the lock the training thread takes
+  const LoadMap& load = run.load;
   JsonWriter j;
-  j.BeginObject().Field("job", job_).Field("state", state_).Field("steps", steps_);
+  j.BeginObject().Field("job", job_).Field("state", run.state).Field("steps", steps_);
+  j.Key("evals").BeginArray();
+  for (const Point& p : run.evals) {
+    j.BeginObject().Field("step", p.step).Field("eval_loss", p.eval_loss);
+    if (p.eval_bits_per_byte >= 0) j.Field("eval_bits_per_byte", p.eval_bits_per_byte);
+    j.EndObject();
+  }
+  j.EndArray();
   j.Key("points").BeginArray();
-  // At most kMaxPoints, evenly spaced, the latest always; evaluated steps always.
-  const size_t n = history_.size();
-  const size_t stride = (n + kMaxPoints - 1) / kMaxPoints;
-  for (size_t i = 0; i < n; ++i) {
-    const Point& p = history_[i];
-    if (stride > 1 && i % stride != 0 && i + 1 != n && p.eval_loss < 0) continue;
+  for (const Point& p : run.points) {
     j.BeginObject()
         .Field("step", p.step)
         .Field("loss", p.loss)
@@ -400,17 +436,17 @@ std::string RunBoard::HistoryJson() const {
     j.EndObject();
   }
   j.EndArray();
-  if (!load_.blocks.empty()) {
+  if (!load.blocks.empty()) {
     j.Key("load").BeginObject();
-    j.Field("first_step", load_.first_step)
-        .Field("bucket_steps", load_.bucket_steps)
-        .Field("dropped_tokens", load_.dropped_tokens);
+    j.Field("first_step", load.first_step)
+        .Field("bucket_steps", load.bucket_steps)
+        .Field("dropped_tokens", load.dropped_tokens);
     j.Key("layers").BeginArray();
-    for (size_t l = 0; l < load_.blocks.size(); ++l) {
-      j.BeginObject().Field("layer", load_.blocks[l]).Key("buckets").BeginArray();
-      for (size_t c = 0; c < load_.sums[l].size(); ++c) {
+    for (size_t l = 0; l < load.blocks.size(); ++l) {
+      j.BeginObject().Field("layer", load.blocks[l]).Key("buckets").BeginArray();
+      for (size_t c = 0; c < load.sums[l].size(); ++c) {
         j.BeginArray();
-        for (double v : load_.Column(l, c)) j.Double(v, 4);
+        for (double v : load.Column(l, c)) j.Double(v, 4);
         j.EndArray();
       }
       j.EndArray().EndObject();

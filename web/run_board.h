@@ -4,10 +4,12 @@
 // their fields), so what /metrics and /api/... serve is what the JSONL file holds, number for
 // number. It renders:
 // - Prometheus(): the text exposition format (version 0.0.4) — the latest step's gauges, counters
-//   summed over every step seen, per MoE layer and per tier labels (docs/dashboard.md lists them);
+//   summed over every step seen, per MoE layer and per tier labels (docs/observability.md lists
+//   them);
 // - StatusJson(): the job, its state and its latest figures (`/api/status`);
 // - HistoryJson(): the job's state and every step's loss, evaluation, tokens/s, learning rate and
-//   tier figures (at most kMaxPoints of them, evenly spaced), and each MoE layer's expert loads
+//   tier figures (at most twice max_points of them, evenly spaced, and the latest; the
+//   evaluations likewise, apart), and each MoE layer's expert loads
 //   over the steps (`/api/history`, what the dashboard draws);
 // - the dashboard page itself (web/dashboard.html, compiled in), at `/`.
 //
@@ -17,6 +19,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,8 +32,9 @@ namespace strata::web {
 
 class RunBoard {
  public:
-  // `job`: the config's name; `steps`: the steps the job trains in all.
-  RunBoard(std::string job, int64_t steps);
+  // `job`: the config's name; `steps`: the steps the job trains in all; `max_points`: how many
+  // steps (and evaluations) the history keeps at least before thinning (SIZE_MAX: every one).
+  RunBoard(std::string job, int64_t steps, size_t max_points = kMaxPoints);
 
   // One step's metrics line. A line that is not a JSON object with a whole `step` is refused
   // (nothing of it is kept).
@@ -42,7 +46,7 @@ class RunBoard {
   std::string StatusJson() const ABSL_LOCKS_EXCLUDED(mu_);
   std::string HistoryJson() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  static constexpr size_t kMaxPoints = 4000;
+  static constexpr size_t kMaxPoints = 2000;
 
   struct Point {
     int64_t step = 0;
@@ -69,7 +73,8 @@ class RunBoard {
   struct Snapshot {
     std::string job, state;
     int64_t steps = 0;
-    std::vector<Point> points;  // every step
+    std::vector<Point> points;  // the steps kept (every one when max_points is SIZE_MAX)
+    std::vector<Point> evals;   // the evaluated steps kept
     LoadMap load;
   };
   Snapshot Take() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -87,12 +92,25 @@ class RunBoard {
   static void AddLoads(LoadMap& map, int64_t step, const std::vector<int64_t>& blocks,
                        const std::vector<std::vector<double>>& loads, double dropped_tokens);
 
+  // A history that stays bounded: points at least `stride` steps apart (every step at first);
+  // at twice max_points_ every other one is dropped and the stride doubles, so what is kept stays
+  // evenly spaced. The latest point is kept apart, so it is always shown.
+  struct Series {
+    std::vector<Point> kept;
+    int64_t stride = 1;
+    std::optional<Point> latest;
+    std::vector<Point> Points() const;  // kept, then latest when it is not the last kept
+  };
+  void Add(Series* series, const Point& p) const;
+
   const std::string job_;
   const int64_t steps_;
+  const size_t max_points_;
   mutable absl::Mutex mu_;
   std::string state_ ABSL_GUARDED_BY(mu_) = "training";
   std::string latest_ ABSL_GUARDED_BY(mu_);  // the latest step's line
-  std::vector<Point> history_ ABSL_GUARDED_BY(mu_);
+  Series history_ ABSL_GUARDED_BY(mu_);
+  Series evals_ ABSL_GUARDED_BY(mu_);
   LoadMap load_ ABSL_GUARDED_BY(mu_);
   Counters counters_ ABSL_GUARDED_BY(mu_);
   Point last_eval_ ABSL_GUARDED_BY(mu_);

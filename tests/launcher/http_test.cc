@@ -31,6 +31,20 @@ using strata::testing::TempDir;
 using strata::testing::WriteFile;
 
 const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
+// Jobs that train until the test stops them.
+constexpr int kForever = 10'000'000;
+
+// A `strata train` started in the background, stopped (SIGKILL) if the test ends first.
+struct Child {
+  pid_t pid = -1;
+  ~Child() { Stop(SIGKILL); }
+  void Stop(int signal = SIGTERM) {
+    if (pid <= 0) return;
+    kill(pid, signal);
+    strata::testing::WaitExit(pid);
+    pid = -1;
+  }
+};
 
 // Starts `strata train ARGS` with its stderr in `log`; returns its pid.
 pid_t Start(const std::string& args, const std::string& log, const std::string& env = "") {
@@ -73,10 +87,11 @@ config::JobConfig Job(const TempDir& dir, int steps) {
 
 TEST(HttpTest, ALiveJobsMetricsAreItsMetricsLines) {
   TempDir dir;
-  WriteFile(dir.File("job.textproto"), config::ToText(Job(dir, 2000)));
-  const pid_t pid = Start(absl::StrCat("--quiet --config ", dir.File("job.textproto"),
-                                       " --http 127.0.0.1:0 --metrics-out ", dir.File("m.jsonl")),
-                          dir.File("log"));
+  WriteFile(dir.File("job.textproto"), config::ToText(Job(dir, kForever)));
+  Child job;
+  job.pid = Start(absl::StrCat("--quiet --config ", dir.File("job.textproto"),
+                               " --http 127.0.0.1:0 --metrics-out ", dir.File("m.jsonl")),
+                  dir.File("log"));
   const auto [port, token] = Endpoint(dir.File("log"));
   ASSERT_GT(port, 0);
   ASSERT_EQ(token.size(), 32u) << "a random token, printed";
@@ -98,8 +113,7 @@ TEST(HttpTest, ALiveJobsMetricsAreItsMetricsLines) {
   auto status = HttpGet(port, "/api/status?token=" + token);
   EXPECT_EQ(status.status, 200);
   EXPECT_NE(status.body.find("\"state\":\"training\""), std::string::npos) << status.body;
-  kill(pid, SIGTERM);
-  strata::testing::WaitExit(pid);
+  job.Stop();
 
   // The metrics file's line of the scraped step, and every line up to it.
   const int64_t step = static_cast<int64_t>(e.samples.at("strata_step"));
@@ -144,8 +158,9 @@ TEST(HttpTest, TheDashboardDrawsTheLiveJobInABrowser) {
                     "Debian's chromium (CI does)";
   }
   TempDir dir;
-  WriteFile(dir.File("job.textproto"), config::ToText(Job(dir, 4000)));
-  const pid_t pid =
+  WriteFile(dir.File("job.textproto"), config::ToText(Job(dir, kForever)));
+  Child job;
+  job.pid =
       Start(absl::StrCat("--quiet --config ", dir.File("job.textproto"), " --http 127.0.0.1:0"),
             dir.File("log"));
   const auto [port, token] = Endpoint(dir.File("log"));
@@ -159,8 +174,10 @@ TEST(HttpTest, TheDashboardDrawsTheLiveJobInABrowser) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   const std::string url = absl::StrCat("http://127.0.0.1:", port, "/?token=", token);
-  const std::string flags =
-      "--headless --no-sandbox --disable-gpu --hide-scrollbars --virtual-time-budget=4000";
+  const std::string flags = absl::StrCat(
+      "--headless --no-sandbox --disable-gpu --hide-scrollbars --virtual-time-budget=4000 "
+      "--user-data-dir=",
+      dir.File("browser-profile"));
   // (Each in a subshell whose stderr goes to the log: RunCommand adds 2>&1 to what it runs.)
   auto dom = RunCommand(absl::StrCat("(timeout 120 ", browser, " ", flags, " --dump-dom '", url,
                                      "' 2> ", dir.File("browser.log"), ")"));
@@ -169,8 +186,7 @@ TEST(HttpTest, TheDashboardDrawsTheLiveJobInABrowser) {
   auto shot = RunCommand(absl::StrCat(
       "(timeout 120 ", browser, " ", flags, " --window-size=1400,1000 --screenshot=", artifacts,
       "/dashboard.png '", url, "' 2>> ", dir.File("browser.log"), ")"));
-  kill(pid, SIGTERM);
-  strata::testing::WaitExit(pid);
+  job.Stop();
   ASSERT_EQ(dom.exit_code, 0) << ReadFile(dir.File("browser.log"));
   const std::string& html = dom.output;
   auto count = [&](const std::string& what) {
@@ -199,13 +215,14 @@ TEST(HttpTest, TheDashboardDrawsTheLiveJobInABrowser) {
 
 TEST(HttpTest, TheTokenComesFromTheEnvironmentOrAFileAndBadAddressesStopTheCommand) {
   TempDir dir;
-  WriteFile(dir.File("job.textproto"), config::ToText(Job(dir, 2000)));
+  WriteFile(dir.File("job.textproto"), config::ToText(Job(dir, kForever)));
   const std::string token = "feedfacefeedfacefeedfacefeedface";
   WriteFile(dir.File("token"), token + "\n");
   for (const std::string& given :
        {absl::StrCat("--http-token-file ", dir.File("token")), std::string()}) {
     const std::string log = dir.File(given.empty() ? "log.env" : "log.file");
-    const pid_t pid = Start(
+    Child job;
+    job.pid = Start(
         absl::StrCat("--quiet --config ", dir.File("job.textproto"), " --http 127.0.0.1:0 ", given),
         log, given.empty() ? "STRATA_JOB_TOKEN=" + token : "");
     const auto [port, printed] = Endpoint(log);
@@ -213,8 +230,7 @@ TEST(HttpTest, TheTokenComesFromTheEnvironmentOrAFileAndBadAddressesStopTheComma
     EXPECT_EQ(ReadFile(log).find(token), std::string::npos);
     EXPECT_EQ(HttpGet(port, "/api/status?token=" + token).status, 200) << given;
     EXPECT_EQ(HttpGet(port, "/api/status?token=" + std::string(32, '0')).status, 401);
-    kill(pid, SIGTERM);
-    strata::testing::WaitExit(pid);
+    job.Stop();
   }
   struct Case {
     std::string flags, says;

@@ -96,7 +96,7 @@ TEST(RunBoardTest, MetricsAreTheLinesFiguresInTheExpositionFormat) {
   ASSERT_EQ(e.error, "") << text;
   const std::string& last = lines.back();
 
-  EXPECT_EQ(e.samples.at("strata_info{job=\"tiny \"job\"\"}"), 1) << "the name, escaped";
+  EXPECT_EQ(e.samples.at("strata_info{name=\"tiny \"job\"\"}"), 1) << "the name, escaped";
   EXPECT_EQ(e.samples.at("strata_steps"), 50);
   const std::pair<const char*, const char*> gauges[] = {
       {"strata_step", "step"},
@@ -269,6 +269,28 @@ TEST(RunBoardTest, TheLoadMapAveragesEachExpertsLoadOverTheMeanPerColumnOfSteps)
   EXPECT_NEAR(p.at("device_hit_ratio").number_value(),
               hits / (hits + FieldOf(ObjectOf(lines[499], "device"), "misses")), 1e-7);
   EXPECT_EQ(history.fields().at("state").string_value(), "training");
+}
+
+TEST(RunBoardTest, ALongRunsHistoryStaysBoundedEvenlySpacedWithTheLatestStep) {
+  const std::vector<std::string> lines = Lines(1000, /*tiered=*/false);
+  RunBoard board("tiny", 1000, /*max_points=*/100);
+  for (const std::string& line : lines) ASSERT_TRUE(board.AddStepLine(line).ok());
+  const RunBoard::Snapshot run = board.Take();
+  // Thinned at 200 points to 100, and again: between 100 and 200 remain, 8 steps apart, then
+  // the latest; the 250 evaluations likewise.
+  ASSERT_GE(run.points.size(), 100u);
+  ASSERT_LE(run.points.size(), 200u);
+  EXPECT_EQ(run.points.back().step, 1000);
+  for (size_t i = 1; i + 1 < run.points.size(); ++i) {
+    EXPECT_EQ(run.points[i].step - run.points[i - 1].step, 8) << i;
+  }
+  ASSERT_GE(run.evals.size(), 100u);
+  ASSERT_LE(run.evals.size(), 200u);
+  for (const RunBoard::Point& p : run.evals) {
+    EXPECT_EQ(p.step % 4, 0);
+    EXPECT_EQ(p.eval_loss, FieldOf(lines[static_cast<size_t>(p.step - 1)], "eval_loss"));
+  }
+  EXPECT_EQ(run.evals.back().step, 1000);
 }
 
 TEST(RunBoardTest, ALineThatIsNotAStepIsRefusedAndChangesNothing) {
