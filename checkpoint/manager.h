@@ -135,6 +135,9 @@ struct CheckpointInfo {
   int64_t created_unix_ms = 0;
   int tensors = 0;
   uint64_t stored_bytes = 0;  // bytes of extents the checkpoint refers to
+  // A committed set's: from the earliest shard's snapshot to the commit (each shard's clock
+  // against the committer's; -1 when not known: no shard read, or clocks that disagree).
+  int64_t write_ms = -1;
   uint64_t config_hash = 0;
   std::string storage_mode;
   std::vector<std::string> shards;  // where it lies: shard names ("." for the folder itself)

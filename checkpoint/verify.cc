@@ -1,6 +1,8 @@
 #include "checkpoint/manager_internal.h"
 
+#include <algorithm>
 #include <filesystem>
+#include <limits>
 #include <utility>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -95,6 +97,7 @@ StatusOr<std::vector<CheckpointInfo>> CheckpointManager::List(const std::string&
   for (const FolderEntry& e : entries) {
     CheckpointInfo i;
     i.step = e.step;
+    int64_t snapshot_ms = std::numeric_limits<int64_t>::max();
     for (const FolderEntry::Part& part : e.parts) {
       i.shards.push_back(part.shard);
       if (!part.local.ok()) {
@@ -102,6 +105,7 @@ StatusOr<std::vector<CheckpointInfo>> CheckpointManager::List(const std::string&
         continue;
       }
       const CheckpointManifest& m = *part.local;
+      if (m.created_unix_ms() > 0) snapshot_ms = std::min(snapshot_ms, m.created_unix_ms());
       if (!e.set) {
         i.created_unix_ms = m.created_unix_ms();
         i.config_hash = m.config_hash();
@@ -112,6 +116,7 @@ StatusOr<std::vector<CheckpointInfo>> CheckpointManager::List(const std::string&
     }
     if (e.set) {
       i.created_unix_ms = e.set->created_unix_ms();
+      if (snapshot_ms <= i.created_unix_ms) i.write_ms = i.created_unix_ms - snapshot_ms;
       i.config_hash = e.set->config_hash();
       i.storage_mode = e.set->storage_mode();
     }

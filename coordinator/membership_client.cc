@@ -18,8 +18,8 @@ StatusOr<coordinator::Generation> MembershipClient::ReportStep(const std::string
 
 StatusOr<coordinator::Generation> MembershipClient::ReportStepWithBalance(
     const std::string& id, int64_t generation, int64_t step, double loss, double tokens_per_s,
-    const std::vector<coordinator::MoeLayerBalance>& moe_balance) {
-  return client_->ReportStep(id, generation, step, loss, tokens_per_s, moe_balance);
+    const std::vector<coordinator::MoeLayerBalance>& moe_balance, const std::string& metrics_line) {
+  return client_->ReportStep(id, generation, step, loss, tokens_per_s, moe_balance, metrics_line);
 }
 
 StatusOr<coordinator::Generation> MembershipClient::ReportStart(

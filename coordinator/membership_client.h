@@ -30,7 +30,8 @@ class MembershipClient : public train::Membership {
                                                double tokens_per_s) override;
   StatusOr<coordinator::Generation> ReportStepWithBalance(
       const std::string& id, int64_t generation, int64_t step, double loss, double tokens_per_s,
-      const std::vector<coordinator::MoeLayerBalance>& moe_balance) override;
+      const std::vector<coordinator::MoeLayerBalance>& moe_balance,
+      const std::string& metrics_line = "") override;
   StatusOr<coordinator::Generation> ReportStart(
       const std::string& id, int64_t generation, int64_t step,
       const std::vector<int64_t>& experts_per_worker) override;

@@ -78,7 +78,8 @@ class CoordinatorServer::Service final : public coordinator::Coordinator::Servic
                   {req->experts_per_worker().begin(), req->experts_per_worker().end()}, Now::now())
             : state_->ReportStep(TokenOf(ctx), req->id(), req->generation(), req->step(),
                                  Now::now(), req->loss(), req->tokens_per_s(),
-                                 {req->moe_balance().begin(), req->moe_balance().end()});
+                                 {req->moe_balance().begin(), req->moe_balance().end()},
+                                 req->metrics_line());
     if (!r.ok()) return ToGrpc(r.status());
     *resp = *r;
     return grpc::Status::OK;
@@ -328,7 +329,7 @@ StatusOr<coordinator::Generation> CoordinatorClient::Heartbeat(const std::string
 
 StatusOr<coordinator::Generation> CoordinatorClient::ReportStep(
     const std::string& id, int64_t generation, int64_t step, double loss, double tokens_per_s,
-    const std::vector<coordinator::MoeLayerBalance>& moe_balance) {
+    const std::vector<coordinator::MoeLayerBalance>& moe_balance, const std::string& metrics_line) {
   coordinator::StepReport req;
   req.set_id(id);
   req.set_generation(generation);
@@ -336,6 +337,7 @@ StatusOr<coordinator::Generation> CoordinatorClient::ReportStep(
   req.set_loss(loss);
   if (tokens_per_s > 0) req.set_tokens_per_s(tokens_per_s);
   for (const auto& b : moe_balance) *req.add_moe_balance() = b;
+  if (!metrics_line.empty()) req.set_metrics_line(metrics_line);
   return Report(req);
 }
 

@@ -75,11 +75,12 @@ class CoordinatorClient {
 
   [[nodiscard]] StatusOr<coordinator::JoinReply> Join(const coordinator::WorkerInfo& info);
   [[nodiscard]] StatusOr<coordinator::Generation> Heartbeat(const std::string& id);
-  // Worker `id` finished `step`; rank 0 gives each MoE layer's load balance in it (see
-  // CoordinatorState::ReportStep).
+  // Worker `id` finished `step`; rank 0 gives each MoE layer's load balance in it and the step's
+  // metrics line (see CoordinatorState::ReportStep).
   [[nodiscard]] StatusOr<coordinator::Generation> ReportStep(
       const std::string& id, int64_t generation, int64_t step, double loss = 0,
-      double tokens_per_s = 0, const std::vector<coordinator::MoeLayerBalance>& moe_balance = {});
+      double tokens_per_s = 0, const std::vector<coordinator::MoeLayerBalance>& moe_balance = {},
+      const std::string& metrics_line = "");
   // Rank 0: checkpoint `step` is being written (commit false) or is durable (commit true).
   [[nodiscard]] Status Checkpoint(const std::string& id, int64_t generation, int64_t step,
                                   bool commit);

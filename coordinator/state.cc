@@ -21,6 +21,7 @@
 #include "google/protobuf/text_format.h"
 #include "proto/config.pb.h"
 #include "proto/config_io.h"
+#include "train/elastic_worker.h"
 
 namespace strata::coordinator {
 
@@ -28,6 +29,41 @@ namespace {
 
 // A member whose last step a restarted coordinator does not know yet.
 constexpr int64_t kUnknownStep = std::numeric_limits<int64_t>::min();
+
+int64_t UnixMillisNow() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Appends to `next` the timeline event of its generation, just formed: `first` for the job's
+// first, `before_ids` the members it follows, `gone` those of them that failed (or left).
+void AddTimelineEvent(coordinator::CoordinatorRecord* next, bool first,
+                      const std::set<std::string>& before_ids, const std::vector<std::string>& gone,
+                      bool left) {
+  const coordinator::Generation& g = next->generation();
+  coordinator::GenerationEvent e;
+  e.set_number(g.number());
+  e.set_reason(g.reason());
+  e.set_formed_unix_ms(UnixMillisNow());
+  e.set_workers(g.workers_size());
+  e.set_boundary_step(g.first_step());
+  for (const auto& w : g.workers()) {
+    if (!before_ids.count(w.id())) e.add_joined(w.id());
+  }
+  if (g.workers_size() == 0) {
+    for (const auto& w : next->pending()) {
+      if (before_ids.count(w.id())) e.add_waiting(w.id());
+    }
+  }
+  for (const std::string& id : gone) (left ? e.add_left() : e.add_failed())->assign(id);
+  if (!first) next->set_workers_joined(next->workers_joined() + e.joined_size());
+  next->set_workers_failed(next->workers_failed() + e.failed_size());
+  next->set_workers_left(next->workers_left() + e.left_size());
+  *next->add_timeline() = std::move(e);
+  auto* t = next->mutable_timeline();
+  if (t->size() > kMaxTimelineEvents) t->DeleteSubrange(0, t->size() - kMaxTimelineEvents);
+}
 
 Status FromRocks(const rocksdb::Status& s, const std::string& what, const std::string& dir) {
   if (s.ok()) return absl::OkStatus();
@@ -411,8 +447,17 @@ void CoordinatorState::CreditStallLocked(std::chrono::steady_clock::duration sta
 }
 
 Status CoordinatorState::NewGenerationLocked(std::vector<coordinator::WorkerInfo> workers,
-                                             const char* reason, Time now) {
+                                             const char* reason, Time now,
+                                             const std::vector<std::string>& gone) {
   if (record_.finished()) return absl::OkStatus();  // the job is done: nobody re-forms
+  // The members a join is new to: the current generation's, or, while it is too small to train,
+  // those that wait in it.
+  std::set<std::string> before_ids;
+  for (const auto& w : record_.generation().workers()) before_ids.insert(w.id());
+  if (record_.generation().workers_size() == 0 && record_.timeline_size() > 0) {
+    const auto& last = record_.timeline(record_.timeline_size() - 1);
+    before_ids.insert(last.waiting().begin(), last.waiting().end());
+  }
   coordinator::CoordinatorRecord next = record_;
   coordinator::Generation* g = next.mutable_generation();
   g->set_number(record_.generation().number() + 1);
@@ -439,6 +484,8 @@ Status CoordinatorState::NewGenerationLocked(std::vector<coordinator::WorkerInfo
   }
   g->set_first_step(record_.step());
   if (enough) next.clear_pending();
+  AddTimelineEvent(&next, record_.generation().number() == 0, before_ids, gone,
+                   std::string(reason) == "leave");
   if (CatalogFollowsFolderLocked()) {
     // The new generation abandons the commit in flight: a checkpoint that is not complete now
     // never will be (one that committed just before is found in the folder at the next check).
@@ -551,19 +598,48 @@ Status CoordinatorState::CheckReportLocked(const std::string& id, int64_t genera
 
 StatusOr<coordinator::Generation> CoordinatorState::ReportStep(
     const std::string& token, const std::string& id, int64_t generation, int64_t step, Time now,
-    double loss, double tokens_per_s,
-    const std::vector<coordinator::MoeLayerBalance>& moe_balance) {
+    double loss, double tokens_per_s, const std::vector<coordinator::MoeLayerBalance>& moe_balance,
+    const std::string& metrics_line) {
   RETURN_IF_ERROR(CheckToken(token));
-  absl::MutexLock lock(&mu_);
+  bool counted = false;
+  StatusOr<coordinator::Generation> g;
+  {
+    absl::MutexLock lock(&mu_);
+    g = ReportStepLocked(id, generation, step, now, loss, tokens_per_s, moe_balance, metrics_line,
+                         &counted);
+  }
+  if (counted && !metrics_line.empty() && options_.on_metrics_line) {
+    options_.on_metrics_line(metrics_line);
+  }
+  return g;
+}
+
+StatusOr<coordinator::Generation> CoordinatorState::ReportStepLocked(
+    const std::string& id, int64_t generation, int64_t step, Time now, double loss,
+    double tokens_per_s, const std::vector<coordinator::MoeLayerBalance>& moe_balance,
+    const std::string& metrics_line, bool* counted) {
   // A stale generation first: its worker re-forms, whatever else the report holds.
   RETURN_IF_ERROR(CheckReportLocked(id, generation, step, "reported step"));
   RETURN_IF_ERROR(CheckMoeBalance(moe_balance, id, step));
-  if (!moe_balance.empty() &&
-      (record_.generation().workers_size() == 0 || record_.generation().workers(0).id() != id)) {
+  const bool rank0 =
+      record_.generation().workers_size() > 0 && record_.generation().workers(0).id() == id;
+  if (!moe_balance.empty() && !rank0) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "worker '%s' reported step %d with StepReport.moe_balance, but it is not rank 0 of "
         "generation %d (rank 0 alone reports the load balance); the step is not counted",
         id, step, generation));
+  }
+  if (!metrics_line.empty() && !rank0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "worker '%s' reported step %d with StepReport.metrics_line, but it is not rank 0 of "
+        "generation %d (rank 0 alone reports the metrics line); the step is not counted",
+        id, step, generation));
+  }
+  if (metrics_line.size() > train::kMaxMetricsLineBytes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "worker '%s' reported step %d with a StepReport.metrics_line of %d bytes, more than the "
+        "%d a report may carry; the step is not counted",
+        id, step, metrics_line.size(), train::kMaxMetricsLineBytes));
   }
   auto it = reported_.find(id);
   if (it->second == kUnknownStep && step >= record_.step()) {
@@ -611,6 +687,7 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStep(
       }
     }
   }
+  *counted = true;
   return record_.generation();
 }
 
@@ -672,6 +749,18 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
   started_[id] = true;
   SeenLocked(id, now);
   record_.mutable_generation()->set_first_step(step);
+  if (record_.timeline_size() > 0 &&
+      record_.timeline(record_.timeline_size() - 1).number() == current) {
+    coordinator::GenerationEvent* e = record_.mutable_timeline(record_.timeline_size() - 1);
+    e->set_first_step(step);
+    const bool all_started =
+        std::all_of(record_.generation().workers().begin(), record_.generation().workers().end(),
+                    [&](const coordinator::WorkerInfo& w) {
+                      auto st = started_.find(w.id());
+                      return st != started_.end() && st->second;
+                    });
+    if (all_started && e->started_unix_ms() == 0) e->set_started_unix_ms(UnixMillisNow());
+  }
   if (!experts_per_worker.empty()) {
     record_.clear_experts_per_worker();
     for (int64_t n : experts_per_worker) record_.add_experts_per_worker(n);
@@ -747,7 +836,7 @@ Status CoordinatorState::RemoveLocked(const std::string& id, const char* reason,
   for (const auto& w : record_.generation().workers()) {
     if (w.id() != id) survivors.push_back(w);
   }
-  return NewGenerationLocked(std::move(survivors), reason, now);
+  return NewGenerationLocked(std::move(survivors), reason, now, {id});
 }
 
 Status CoordinatorState::Leave(const std::string& token, const std::string& id, Time now) {
@@ -801,16 +890,16 @@ StatusOr<int> CoordinatorState::Tick(Time now) {
   auto* p = record_.mutable_pending();
   p->erase(std::remove_if(p->begin(), p->end(), is_late), p->end());
   std::vector<coordinator::WorkerInfo> survivors;
-  bool member_failed = false;
+  std::vector<std::string> failed;
   for (const auto& w : record_.generation().workers()) {
     if (is_late(w)) {
-      member_failed = true;
+      failed.push_back(w.id());
     } else {
       survivors.push_back(w);
     }
   }
-  Status s =
-      member_failed ? NewGenerationLocked(std::move(survivors), "failure", now) : PersistLocked();
+  Status s = !failed.empty() ? NewGenerationLocked(std::move(survivors), "failure", now, failed)
+                             : PersistLocked();
   if (!s.ok()) {
     record_ = before;
     return s;

@@ -16,6 +16,9 @@
 // - Below `min_workers` no generation trains; the next forms as soon as enough workers are there.
 // - Every change is synced to RocksDB before the call returns: the record under "state", each
 //   generation under "log/<number>".
+// - The record's timeline keeps, for each generation formed, when and why, who joined, failed or
+//   left, the step boundary it formed at, and, once every member reported its start, the step it
+//   started on and when: how long the re-form took and how many steps are trained again.
 //
 // The checkpoint catalog (record.catalog; catalog.h), for `strata status` and for a generation
 // that goes back to a checkpoint:
@@ -88,6 +91,11 @@ struct CoordinatorOptions {
   // a non-OK status refuses the Join with it. Unset: no check (tests of membership alone).
   std::function<Status(const std::string& job_config, const coordinator::WorkerInfo& worker)>
       check_config;
+  // Given rank 0's metrics line of every step it reported and the state counted (not a retried
+  // one), in step order: the coordinator's dashboard. Called on the reporting gRPC thread, after
+  // the state's mutex is released; it must not block for long (heartbeats wait on nothing, but
+  // rank 0's next step waits for the reply). Unset: lines are checked and dropped.
+  std::function<void(const std::string& line)> on_metrics_line;
 };
 
 class CoordinatorState {
@@ -122,11 +130,14 @@ class CoordinatorState {
   // the record's moe_balance (for Status); a balance that is not rank 0's, has more than
   // kMaxMoeBalanceLayers layers, or holds a figure that is not finite, a negative max_over_mean
   // or cv, or a bias range half given or inverted is refused (INVALID_ARGUMENT naming the field),
-  // and the step is not counted.
+  // and the step is not counted. Rank 0 may give the step's metrics line too, which goes to
+  // options.on_metrics_line once the step is counted; one from another rank, or longer than
+  // train::kMaxMetricsLineBytes (which a worker never sends), is refused the same way.
   [[nodiscard]] StatusOr<coordinator::Generation> ReportStep(
       const std::string& token, const std::string& id, int64_t generation, int64_t step, Time now,
       double loss = 0, double tokens_per_s = 0,
-      const std::vector<coordinator::MoeLayerBalance>& moe_balance = {});
+      const std::vector<coordinator::MoeLayerBalance>& moe_balance = {},
+      const std::string& metrics_line = "");
   // Worker `id` begins generation `generation` at `step`, the state it re-formed on: the
   // generation's first step. It must lie within one step of the last boundary (a failure can cut
   // the step after it short on some workers only), or up to config::CopiesLagSteps before it (a
@@ -187,9 +198,16 @@ class CoordinatorState {
  private:
   CoordinatorState() = default;
   Status CheckToken(const std::string& token) const;
-  // Forms generation number + 1 from `workers`; persists. Locked.
+  // Forms generation number + 1 from `workers`, `gone` being the members of the current one that
+  // failed or left (as `reason` says); records it in the timeline; persists. Locked.
   Status NewGenerationLocked(std::vector<coordinator::WorkerInfo> workers, const char* reason,
-                             Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                             Time now, const std::vector<std::string>& gone = {})
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ReportStep under mu_; *counted says whether the step was counted now (not a retry).
+  StatusOr<coordinator::Generation> ReportStepLocked(
+      const std::string& id, int64_t generation, int64_t step, Time now, double loss,
+      double tokens_per_s, const std::vector<coordinator::MoeLayerBalance>& moe_balance,
+      const std::string& metrics_line, bool* counted) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Status RemoveLocked(const std::string& id, const char* reason, Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A report (step or start) must come from a member of the current generation.
@@ -254,6 +272,9 @@ class CoordinatorState {
 
 // The most MoE layers a step report's balance may hold.
 inline constexpr int kMaxMoeBalanceLayers = 4096;
+// The generations the record's timeline keeps (the newest; older ones are dropped, the counts
+// workers_failed, workers_left and workers_joined go on).
+inline constexpr int kMaxTimelineEvents = 128;
 
 // One MoE layer's load balance as `strata status` shows it:
 // "moe layer 3: max/mean load 1.42, cv 0.31, bias [-0.012, 0.009]" (the bias only when given).

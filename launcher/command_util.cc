@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "checkpoint/manager.h"
 #include "core/common/bytes.h"
 #include "core/common/logging.h"
 #include "core/device/device.h"
@@ -218,12 +219,14 @@ void LogBlasKernel() {
   if (!blas.warning.empty()) STRATA_LOG(WARNING) << "blas: " << blas.warning;
 }
 
-StatusOr<HttpEndpoint> StartHttp(const Flags& flags, train::TrainOptions* options) {
-  HttpEndpoint http;
-  const config::JobConfig& cfg = options->config;
+namespace {
+
+// --http's address and token: --http-token-file's, else `job_token` (a coordinator's), else
+// $STRATA_JOB_TOKEN, else a random one. *told says where the token is, for the user.
+StatusOr<web::HttpOptions> HttpOptionsFrom(const Flags& flags, const std::string& job_token,
+                                           std::string* told) {
   web::HttpOptions o;
   o.address = *flags.String("http");
-  std::string told;  // where the token is, for the user
   if (auto path = flags.String("http-token-file")) {
     std::ifstream in(*path);
     std::string token;
@@ -234,25 +237,100 @@ StatusOr<HttpEndpoint> StartHttp(const Flags& flags, train::TrainOptions* option
           "--http-token-file '%s' is missing, unreadable or holds no token on its first line",
           *path));
     }
-    told = absl::StrCat("the token of ", *path);
+    *told = absl::StrCat("the token of ", *path);
+  } else if (!job_token.empty()) {
+    o.token = job_token;
+    *told = "the job's token";  // the caller says where it is
   } else if (const char* env = std::getenv("STRATA_JOB_TOKEN"); env != nullptr && *env) {
     o.token = env;
-    told = "the token of $STRATA_JOB_TOKEN";
+    *told = "the token of $STRATA_JOB_TOKEN";
   } else {
     o.token = RandomToken();
-    told = absl::StrCat("token ", o.token);
+    *told = absl::StrCat("token ", o.token);
   }
-  http.board = std::make_unique<web::RunBoard>(cfg.name(), cfg.train().steps());
-  ASSIGN_OR_RETURN(http.server, web::HttpServer::Start(o, http.board->Routes()));
-  web::RunBoard* board = http.board.get();
-  options->on_metrics_line = [board](const std::string& line) {
-    if (Status s = board->AddStepLine(line); !s.ok()) STRATA_LOG(WARNING) << "http: " << s;
+  return o;
+}
+
+// A board for job `cfg`, fed the metrics lines `*on_line` is given, listing the job's
+// checkpoints (checkpoint.dir, if it has one).
+std::unique_ptr<web::RunBoard> NewBoard(const config::JobConfig& cfg,
+                                        std::function<void(const std::string&)>* on_line) {
+  auto board = std::make_unique<web::RunBoard>(cfg.name(), cfg.train().steps());
+  web::RunBoard* b = board.get();
+  *on_line = [b](const std::string& line) {
+    if (Status s = b->AddStepLine(line); !s.ok()) STRATA_LOG(WARNING) << "http: " << s;
   };
+  if (const std::string dir = cfg.checkpoint().dir(); !dir.empty()) {
+    b->SetCheckpointSource([dir] {
+      web::RunBoard::CheckpointList list;
+      list.dir = dir;
+      std::error_code ec;
+      if (!std::filesystem::exists(dir, ec)) return list;  // none written yet
+      auto infos = checkpoint::CheckpointManager::List(dir);
+      if (!infos.ok()) {
+        list.error = std::string(infos.status().message());
+        return list;
+      }
+      for (const checkpoint::CheckpointInfo& i : *infos) {
+        list.rows.push_back({i.step, i.created_unix_ms, i.stored_bytes, i.write_ms,
+                             static_cast<int>(i.shards.size()), i.problem});
+      }
+      return list;
+    });
+  }
+  return board;
+}
+
+void PrintDashboard(const std::string& job, const web::HttpServer& server,
+                    const std::string& told) {
   std::fprintf(stderr,
                "[%s] dashboard: %s/?token=TOKEN; also /metrics, /api/status, /api/history (%s; "
                "or the header Authorization: Bearer TOKEN)\n",
-               cfg.name().c_str(), http.server->base_url().c_str(), told.c_str());
+               job.c_str(), server.base_url().c_str(), told.c_str());
+}
+
+}  // namespace
+
+StatusOr<HttpEndpoint> StartHttp(const Flags& flags, train::TrainOptions* options) {
+  HttpEndpoint http;
+  const config::JobConfig& cfg = options->config;
+  std::string told;
+  ASSIGN_OR_RETURN(const web::HttpOptions o, HttpOptionsFrom(flags, "", &told));
+  http.board = NewBoard(cfg, &options->on_metrics_line);
+  ASSIGN_OR_RETURN(http.server, web::HttpServer::Start(o, http.board->Routes()));
+  PrintDashboard(cfg.name(), *http.server, told);
   return http;
+}
+
+HttpEndpoint CoordinatorBoard(const config::JobConfig& cfg,
+                              coordinator::CoordinatorOptions* options) {
+  HttpEndpoint http;
+  http.board = NewBoard(cfg, &options->on_metrics_line);
+  return http;
+}
+
+Status ServeCoordinatorBoard(const Flags& flags, const coordinator::CoordinatorOptions& options,
+                             const coordinator::CoordinatorState* state, HttpEndpoint* http) {
+  std::string told;
+  ASSIGN_OR_RETURN(web::HttpOptions o, HttpOptionsFrom(flags, options.token, &told));
+  if (!flags.Has("http-token-file"))
+    told = absl::StrCat("the job's token, in ", options.dir, "/token");
+  // HTTPS when the coordinator serves gRPC with TLS: the same certificate.
+  o.tls_cert = options.tls_cert;
+  o.tls_key = options.tls_key;
+  http->board->SetRecordSource([state] { return state->Snapshot(); });
+  ASSIGN_OR_RETURN(http->server, web::HttpServer::Start(o, http->board->Routes()));
+  PrintDashboard(http->board->job(), *http->server, told);
+  return absl::OkStatus();
+}
+
+std::vector<FlagSpec> CoordinatorHttpFlags() {
+  return {
+      {"http",
+       "serve the job's live dashboard (/), /metrics (Prometheus), /api/status and /api/history "
+       "on HOST:PORT (port 0: a free one), behind the job token (HTTPS with --tls-cert)"},
+      {"http-token-file", "file holding the token HTTP requests must carry (default: the job's)"},
+  };
 }
 
 int RunTraining(const Flags& flags, const std::string& command, const std::vector<FlagSpec>& specs,

@@ -85,15 +85,29 @@ void LogBlasKernel();
 int RunTraining(const Flags& flags, const std::string& command, const std::vector<FlagSpec>& specs,
                 const train::WorkerOptions& worker);
 
-// --http: a run board fed every step's metrics line (through options->on_metrics_line), served
-// until this is destroyed; the board outlives the server (members in that order). Prints the
-// address on stderr, and the token when it is a random one (--http-token-file, else
-// $STRATA_JOB_TOKEN, else random).
+// --http: a run board fed every step's metrics line (through options->on_metrics_line) and
+// listing the job's checkpoints, served until this is destroyed; the board outlives the server
+// (members in that order). Prints the address on stderr, and the token when it is a random one
+// (--http-token-file, else $STRATA_JOB_TOKEN, else random).
 struct HttpEndpoint {
   std::unique_ptr<web::RunBoard> board;
   std::unique_ptr<web::HttpServer> server;
 };
 [[nodiscard]] StatusOr<HttpEndpoint> StartHttp(const Flags& flags, train::TrainOptions* options);
+
+// The coordinator's --http, in two parts around CoordinatorState::Open. First the board of job
+// `cfg`, fed rank 0's metrics lines (sets options->on_metrics_line) and listing the job's
+// checkpoints; then, once the state is open, the board shows its record and is served on
+// --http, behind --http-token-file's token, else the job's (options.token), with TLS when the
+// coordinator has a certificate (options.tls_cert). `state` must outlive the endpoint.
+[[nodiscard]] HttpEndpoint CoordinatorBoard(const config::JobConfig& cfg,
+                                            coordinator::CoordinatorOptions* options);
+[[nodiscard]] Status ServeCoordinatorBoard(const Flags& flags,
+                                           const coordinator::CoordinatorOptions& options,
+                                           const coordinator::CoordinatorState* state,
+                                           HttpEndpoint* http);
+// The --http and --http-token-file flags of a coordinator (`strata coordinator`, `strata launch`).
+std::vector<FlagSpec> CoordinatorHttpFlags();
 
 // 128 random bits as 32 hex digits (getrandom): a new job's token.
 std::string RandomToken();

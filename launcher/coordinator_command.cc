@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
@@ -25,26 +26,30 @@ namespace strata::launcher {
 namespace {
 
 const std::vector<FlagSpec>& CoordinatorFlags() {
-  static const std::vector<FlagSpec> specs = {
-      {"config", "job config in text format (.textproto); required for a new job"},
-      {"dir", "folder of the coordinator's RocksDB record; required (a record there is resumed)"},
-      {"listen",
-       "HOST:PORT to serve on (default: where the record's coordinator served, else "
-       "127.0.0.1:7777; port 0 picks a free one)"},
-      {"token-file",
-       "file holding the job token (default: $STRATA_JOB_TOKEN, else DIR/token); every call must "
-       "carry it"},
-      {"token", "the job token (visible in `ps`: prefer --token-file or $STRATA_JOB_TOKEN)"},
-      {"workers", "workers that form the first generation (default: the record's, else 1)"},
-      {"steps", "override train.steps of a new job"},
-      {"checkpoint-dir", "folder of checkpoints of a new job (overrides checkpoint.dir)"},
-      {"checkpoint-every", "checkpoint every N steps (overrides checkpoint.every) of a new job"},
-      {"keep-serving", "serve until SIGINT/SIGTERM, also after the job finished", false},
-      {"min-workers", "fewer than this and training waits (default: elastic.min_workers, or 1)"},
-      {"max-workers", "more than this are refused (default: elastic.max_workers, or --workers)"},
-      {"tls-cert", "PEM certificate: serve with TLS (needs --tls-key)"},
-      {"tls-key", "PEM private key of --tls-cert"},
-  };
+  static const std::vector<FlagSpec> specs = [] {
+    std::vector<FlagSpec> s = {
+        {"config", "job config in text format (.textproto); required for a new job"},
+        {"dir", "folder of the coordinator's RocksDB record; required (a record there is resumed)"},
+        {"listen",
+         "HOST:PORT to serve on (default: where the record's coordinator served, else "
+         "127.0.0.1:7777; port 0 picks a free one)"},
+        {"token-file",
+         "file holding the job token (default: $STRATA_JOB_TOKEN, else DIR/token); every call must "
+         "carry it"},
+        {"token", "the job token (visible in `ps`: prefer --token-file or $STRATA_JOB_TOKEN)"},
+        {"workers", "workers that form the first generation (default: the record's, else 1)"},
+        {"steps", "override train.steps of a new job"},
+        {"checkpoint-dir", "folder of checkpoints of a new job (overrides checkpoint.dir)"},
+        {"checkpoint-every", "checkpoint every N steps (overrides checkpoint.every) of a new job"},
+        {"keep-serving", "serve until SIGINT/SIGTERM, also after the job finished", false},
+        {"min-workers", "fewer than this and training waits (default: elastic.min_workers, or 1)"},
+        {"max-workers", "more than this are refused (default: elastic.max_workers, or --workers)"},
+        {"tls-cert", "PEM certificate: serve with TLS (needs --tls-key)"},
+        {"tls-key", "PEM private key of --tls-cert"},
+    };
+    for (FlagSpec& f : CoordinatorHttpFlags()) s.push_back(std::move(f));
+    return s;
+  }();
   return specs;
 }
 
@@ -196,10 +201,15 @@ Status PlanCoordinator(CoordinatorPlan* plan) {
 // seconds, so that a joiner still waiting learns the job finished), or until SIGINT/SIGTERM
 // (always, with --keep-serving).
 int RunCoordinator(const CoordinatorPlan& plan) {
-  const coordinator::CoordinatorOptions& o = plan.options;
+  coordinator::CoordinatorOptions o = plan.options;
+  // The dashboard's board is fed from the state, so it is made first; its server, which reads
+  // the state, stops before the state goes.
+  HttpEndpoint http;
+  if (plan.flags.Has("http")) http = CoordinatorBoard(plan.cfg, &o);
   auto state = coordinator::CoordinatorState::Open(o, config::ToText(plan.cfg),
                                                    std::chrono::steady_clock::now());
   if (!state.ok()) return Fail(state.status());
+  absl::Cleanup stop_http = [&http] { http.server.reset(); };
   // Where to serve: --listen, else where this job's coordinator served before (so its workers
   // find it again), else the default.
   const std::optional<std::string> listen_flag = plan.flags.String("listen");
@@ -214,6 +224,11 @@ int RunCoordinator(const CoordinatorPlan& plan) {
   auto server = coordinator::CoordinatorServer::Start(state->get(), listen, tls);
   if (!server.ok()) return Fail(server.status());
   if (Status l = (*state)->SetListenAddress((*server)->address()); !l.ok()) return Fail(l);
+  if (http.board) {
+    if (Status h = ServeCoordinatorBoard(plan.flags, o, state->get(), &http); !h.ok()) {
+      return Fail(h);
+    }
+  }
   const auto snapshot = (*state)->Snapshot();
   std::printf(
       "coordinator listening on %s (%s: generation %lld, step %lld, workers %d to %d, record in "

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "coordinator/service.h"
@@ -46,11 +47,17 @@ const std::vector<FlagSpec>& LaunchFlags() {
        "every worker starts from the weights of this safetensors file (strata ckpt export's)"},
       {"quiet", "no status lines", false},
   };
-  return specs;
+  static const std::vector<FlagSpec> with_http = [] {
+    std::vector<FlagSpec> s = specs;
+    for (FlagSpec& f : CoordinatorHttpFlags()) s.push_back(std::move(f));
+    return s;
+  }();
+  return with_http;
 }
 
 // What `strata launch` was asked to do: the job, its workers, and the coordinator's options.
 struct LaunchPlan {
+  Flags flags;
   config::JobConfig cfg;
   std::string config_path;
   int workers = 0;
@@ -127,6 +134,7 @@ std::optional<int> ParseLaunch(const std::vector<std::string>& args, LaunchPlan*
   }
   plan->quiet = flags->Has("quiet");
   if (auto d = flags->String("coordinator-dir")) o.dir = *d;
+  plan->flags = *std::move(flags);
   return std::nullopt;
 }
 
@@ -320,15 +328,26 @@ int WatchWorkers(const LaunchPlan& plan, const std::vector<pid_t>& pids,
 // outcome; 0 when the job reached its last step (without the workers that failed, if any), 1
 // otherwise.
 int RunLaunch(const LaunchPlan& plan) {
-  auto state = coordinator::CoordinatorState::Open(plan.options, config::ToText(plan.cfg),
+  // The dashboard's board is fed from the state, so it is made first; its server, which reads
+  // the state, stops before the state goes.
+  coordinator::CoordinatorOptions o = plan.options;
+  HttpEndpoint http;
+  if (plan.flags.Has("http")) http = CoordinatorBoard(plan.cfg, &o);
+  auto state = coordinator::CoordinatorState::Open(o, config::ToText(plan.cfg),
                                                    std::chrono::steady_clock::now());
   if (!state.ok()) return Fail(state.status());
+  absl::Cleanup stop_http = [&http] { http.server.reset(); };
   auto server = coordinator::CoordinatorServer::Start(state->get(), plan.listen);
   if (!server.ok()) return Fail(server.status());
   const std::string address = (*server)->address();
   if (Status l = (*state)->SetListenAddress(address); !l.ok()) return Fail(l);
   // The token, for workers started by hand and a restarted coordinator.
   if (Status t = KeepToken(plan.options.dir, plan.options.token); !t.ok()) return Fail(t);
+  if (http.board) {
+    if (Status h = ServeCoordinatorBoard(plan.flags, o, state->get(), &http); !h.ok()) {
+      return Fail(h);
+    }
+  }
   if (!plan.quiet) PrintBanner(plan, address);
   const int failed = WatchWorkers(plan, StartWorkers(plan, address), **state);
   // A joiner still pending when the job finished learns so (it asks every second) before the

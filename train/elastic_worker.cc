@@ -117,11 +117,29 @@ class ElasticWorker {
   int next_rank_ = -1;
   int64_t generation_ = 0;  // the generation trained in (0: none yet)
   int last_rank_ = -1;      // this worker's rank in generation_
+  // Rank 0: the metrics line of the step it is about to report ("" when none or too long).
+  std::string metrics_line_;
+  bool told_line_too_long_ = false;
   ElasticWorkerEnd end_;
 };
 
 Status ElasticWorker::Run() {
   opts_.train.on_step = [this](const StepResult& r) { return ReportStep(r); };
+  // Rank 0 sends each step's metrics line with its report, for the coordinator's dashboard (a
+  // callback already set, the worker's own dashboard, still gets every line).
+  opts_.train.on_metrics_line = [this, own = opts_.train.on_metrics_line](const std::string& line) {
+    if (own) own(line);
+    metrics_line_.clear();
+    if (last_rank_ != 0) return;
+    if (line.size() <= kMaxMetricsLineBytes) {
+      metrics_line_ = line;
+    } else if (!told_line_too_long_) {
+      told_line_too_long_ = true;
+      STRATA_LOG(WARNING) << "worker " << id_ << ": a metrics line of " << line.size()
+                          << " bytes is longer than the " << kMaxMetricsLineBytes
+                          << " a step report carries; the coordinator's dashboard goes without";
+    }
+  };
   opts_.train.on_checkpoint = [this](int64_t step, bool committed) {
     ReportCheckpoint(step, committed);
   };
@@ -360,8 +378,9 @@ Status ElasticWorker::ReportStep(const StepResult& r) {
   auto now = Retry("step report", [&] {
     return membership_.ReportStepWithBalance(
         id_, generation_, r.step, r.loss,
-        r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0, balance);
+        r.seconds > 0 ? static_cast<double>(r.tokens) / r.seconds : 0.0, balance, metrics_line_);
   });
+  metrics_line_.clear();
   if (!now.ok() && now.status().code() != absl::StatusCode::kFailedPrecondition) {
     return now.status();
   }

@@ -32,6 +32,11 @@
 
 namespace strata::train {
 
+// The longest metrics line a step report carries (a line lists every expert's load of every MoE
+// layer: 64 layers of 256 experts take ~200 KiB); a longer one is not sent, and the coordinator
+// refuses one.
+inline constexpr size_t kMaxMetricsLineBytes = size_t{1} << 20;
+
 // The coordinator as one worker sees it. The calls are those of proto/coordinator.proto's
 // service; errors use its codes (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNKNOWN or INTERNAL
 // while the coordinator cannot be reached or is restarting; they are retried).
@@ -58,13 +63,16 @@ class Membership {
                                                                      int64_t generation,
                                                                      int64_t step, double loss,
                                                                      double tokens_per_s) = 0;
-  // ReportStep with rank 0's load balance of each MoE layer in the step (in the same report; the
-  // loop calls this one, with an empty `moe_balance` from the other ranks). The default drops the
-  // balance: a Membership that shows none need not implement it.
+  // ReportStep with rank 0's load balance of each MoE layer in the step and the step's metrics
+  // line (in the same report, for the coordinator's status and dashboard; the loop calls this
+  // one, with neither from the other ranks). The default drops both: a Membership that shows
+  // none need not implement it.
   [[nodiscard]] virtual StatusOr<coordinator::Generation> ReportStepWithBalance(
       const std::string& id, int64_t generation, int64_t step, double loss, double tokens_per_s,
-      const std::vector<coordinator::MoeLayerBalance>& moe_balance) {
+      const std::vector<coordinator::MoeLayerBalance>& moe_balance,
+      const std::string& metrics_line = "") {
     (void)moe_balance;
+    (void)metrics_line;
     return ReportStep(id, generation, step, loss, tokens_per_s);
   }
   // Worker `id` begins `generation` at `step`; rank 0 names the experts each rank holds.

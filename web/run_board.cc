@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -89,6 +90,153 @@ StatusOr<Struct> ParseLine(const std::string& json) {
   return s;
 }
 
+int64_t UnixMillisNow() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// The coordinator's figures: the membership now and the counts over the job.
+void MembershipFamilies(Exposition& e, const coordinator::CoordinatorRecord& r) {
+  e.Family("strata_workers", "gauge", "Workers of the current membership generation.");
+  e.Sample("strata_workers", r.generation().workers_size());
+  e.Family("strata_pending_workers", "gauge",
+           "Workers admitted to the next generation (at the next step boundary).");
+  e.Sample("strata_pending_workers", r.pending_size());
+  e.Family("strata_generation", "gauge", "The current membership generation.");
+  e.Sample("strata_generation", static_cast<double>(r.generation().number()));
+  e.Family("strata_job_finished", "gauge", "1 once a worker finished the job's last step.");
+  e.Sample("strata_job_finished", r.finished() ? 1 : 0);
+  e.Family("strata_worker_failures_total", "counter",
+           "Members that failed (missed heartbeats, a broken stream), over the job.");
+  e.Sample("strata_worker_failures_total", static_cast<double>(r.workers_failed()));
+  e.Family("strata_worker_leaves_total", "counter", "Members that left the job.");
+  e.Sample("strata_worker_leaves_total", static_cast<double>(r.workers_left()));
+  e.Family("strata_worker_joins_total", "counter", "Workers that joined the running job.");
+  e.Sample("strata_worker_joins_total", static_cast<double>(r.workers_joined()));
+  // The newest re-form whose members all started again.
+  for (int i = r.timeline_size() - 1; i >= 0; --i) {
+    const coordinator::GenerationEvent& g = r.timeline(i);
+    if (g.number() <= 1 || g.started_unix_ms() == 0) continue;
+    e.Family("strata_last_reform_seconds", "gauge",
+             "The newest re-form: from the generation forming to its last member's start.");
+    e.Sample("strata_last_reform_seconds",
+             static_cast<double>(g.started_unix_ms() - g.formed_unix_ms()) / 1e3);
+    e.Family("strata_last_reform_steps_replayed", "gauge",
+             "The newest re-form: steps its generation trains again.");
+    e.Sample("strata_last_reform_steps_replayed",
+             static_cast<double>(std::max<int64_t>(0, g.boundary_step() - g.first_step())));
+    break;
+  }
+}
+
+void CheckpointFamilies(Exposition& e, const RunBoard::CheckpointList& list) {
+  e.Family("strata_checkpoints", "gauge", "Checkpoints the job's folder holds.");
+  e.Sample("strata_checkpoints", static_cast<double>(list.rows.size()));
+  e.Family("strata_checkpoint_list_ok", "gauge",
+           "1 when the checkpoint folder could be listed, 0 when not.");
+  e.Sample("strata_checkpoint_list_ok", list.error.empty() ? 1 : 0);
+  if (list.rows.empty()) return;
+  const RunBoard::CheckpointRow& newest = list.rows.back();
+  e.Family("strata_checkpoint_step", "gauge", "The newest checkpoint's step.");
+  e.Sample("strata_checkpoint_step", static_cast<double>(newest.step));
+  e.Family("strata_checkpoint_age_seconds", "gauge",
+           "Seconds since the newest checkpoint was committed.");
+  e.Sample("strata_checkpoint_age_seconds",
+           std::max(0.0, static_cast<double>(UnixMillisNow() - newest.created_unix_ms) / 1e3));
+  e.Family("strata_checkpoint_bytes", "gauge", "Stored bytes the newest checkpoint refers to.");
+  e.Sample("strata_checkpoint_bytes", static_cast<double>(newest.bytes));
+  if (newest.write_ms >= 0) {
+    e.Family("strata_checkpoint_write_seconds", "gauge",
+             "The newest checkpoint's time from its snapshot to its commit.");
+    e.Sample("strata_checkpoint_write_seconds", static_cast<double>(newest.write_ms) / 1e3);
+  }
+}
+
+// The job's state: the board's own, or, at a coordinator, its record's.
+std::string StateOf(const std::string& state,
+                    const std::optional<coordinator::CoordinatorRecord>& record) {
+  if (!record || state != "training") return state;
+  if (record->finished()) return "finished";
+  if (record->generation().workers_size() == 0) {
+    return record->generation().number() == 0 ? "waiting for the first workers"
+                                              : record->generation().reason();
+  }
+  return "training";
+}
+
+// The membership as /api/status and /api/history give it.
+void WriteMembership(JsonWriter& j, const coordinator::CoordinatorRecord& r) {
+  j.Key("membership").BeginObject();
+  j.Field("generation", r.generation().number())
+      .Field("reason", r.generation().reason())
+      .Field("first_step", r.generation().first_step())
+      .Field("boundary_step", r.step())
+      .Field("finished", r.finished());
+  j.Key("workers").BeginArray();
+  for (int i = 0; i < r.generation().workers_size(); ++i) {
+    const coordinator::WorkerInfo& w = r.generation().workers(i);
+    j.BeginObject().Field("rank", i).Field("id", w.id()).Field("host", w.host());
+    if (i < r.experts_per_worker_size()) j.Field("experts", r.experts_per_worker(i));
+    j.EndObject();
+  }
+  j.EndArray().Key("pending").BeginArray();
+  for (const auto& w : r.pending()) j.String(w.id());
+  j.EndArray();
+  j.Field("workers_failed", r.workers_failed())
+      .Field("workers_left", r.workers_left())
+      .Field("workers_joined", r.workers_joined());
+  if (!r.catalog_error().empty()) j.Field("catalog_error", r.catalog_error());
+  j.EndObject();
+}
+
+void WriteTimeline(JsonWriter& j, const coordinator::CoordinatorRecord& r) {
+  j.Key("timeline").BeginArray();
+  for (const coordinator::GenerationEvent& g : r.timeline()) {
+    j.BeginObject()
+        .Field("generation", g.number())
+        .Field("reason", g.reason())
+        .Field("formed_unix_ms", g.formed_unix_ms())
+        .Field("workers", g.workers())
+        .Field("boundary_step", g.boundary_step());
+    for (const auto& [key, ids] :
+         {std::pair{"joined", &g.joined()}, std::pair{"failed", &g.failed()},
+          std::pair{"left", &g.left()}}) {
+      j.Key(key).BeginArray();
+      for (const std::string& id : *ids) j.String(id);
+      j.EndArray();
+    }
+    if (g.first_step() >= 0) {
+      j.Field("first_step", g.first_step())
+          .Field("steps_replayed", std::max<int64_t>(0, g.boundary_step() - g.first_step()));
+    }
+    if (g.started_unix_ms() > 0) {
+      j.Field("started_unix_ms", g.started_unix_ms())
+          .Field("reform_ms", g.started_unix_ms() - g.formed_unix_ms());
+    }
+    j.EndObject();
+  }
+  j.EndArray();
+}
+
+void WriteCheckpoints(JsonWriter& j, const RunBoard::CheckpointList& list) {
+  j.Key("checkpoints").BeginObject().Field("dir", list.dir);
+  if (!list.error.empty()) j.Field("error", list.error);
+  j.Key("list").BeginArray();
+  for (const RunBoard::CheckpointRow& c : list.rows) {
+    j.BeginObject()
+        .Field("step", c.step)
+        .Field("created_unix_ms", c.created_unix_ms)
+        .Field("bytes", c.bytes)
+        .Field("shards", c.shards)
+        .Field("checked", c.problem.empty());
+    if (c.write_ms >= 0) j.Field("write_ms", c.write_ms);
+    if (!c.problem.empty()) j.Field("problem", c.problem);
+    j.EndObject();
+  }
+  j.EndArray().EndObject();
+}
+
 }  // namespace
 
 RunBoard::RunBoard(std::string job, int64_t steps, size_t max_points)
@@ -96,7 +244,9 @@ RunBoard::RunBoard(std::string job, int64_t steps, size_t max_points)
 
 void RunBoard::Add(Series* series, const Point& p) const {
   series->latest = p;
-  // (A step that goes back, replayed after a re-form, waits until it passes the kept ones.)
+  // A step that goes back (a generation trains again from a checkpoint) replaces what was kept
+  // from it on: the history shows the steps that count.
+  while (!series->kept.empty() && series->kept.back().step >= p.step) series->kept.pop_back();
   if (!series->kept.empty() && p.step - series->kept.back().step < series->stride) return;
   series->kept.push_back(p);
   if (series->kept.size() / 2 < max_points_) return;
@@ -249,6 +399,32 @@ void RunBoard::SetState(const std::string& state) {
   state_ = state;
 }
 
+void RunBoard::SetRecordSource(std::function<coordinator::CoordinatorRecord()> record) {
+  record_source_ = std::move(record);
+}
+
+void RunBoard::SetCheckpointSource(std::function<CheckpointList()> list,
+                                   std::chrono::milliseconds refresh) {
+  checkpoint_source_ = std::move(list);
+  checkpoint_refresh_ = refresh;
+}
+
+std::optional<coordinator::CoordinatorRecord> RunBoard::Record() const {
+  if (!record_source_) return std::nullopt;
+  return record_source_();
+}
+
+std::optional<RunBoard::CheckpointList> RunBoard::Checkpoints() const {
+  if (!checkpoint_source_) return std::nullopt;
+  absl::MutexLock lock(&checkpoints_mu_);
+  const auto now = std::chrono::steady_clock::now();
+  if (!checkpoints_ || now - checkpoints_at_ >= checkpoint_refresh_) {
+    checkpoints_ = checkpoint_source_();
+    checkpoints_at_ = now;
+  }
+  return checkpoints_;
+}
+
 std::string RunBoard::Prometheus() const {
   // What the rendering needs, copied under the lock; parsed and rendered outside it.
   std::string latest;
@@ -260,11 +436,15 @@ std::string RunBoard::Prometheus() const {
     counters = counters_;
     last_eval = last_eval_;
   }
+  const std::optional<coordinator::CoordinatorRecord> record = Record();
+  const std::optional<CheckpointList> checkpoints = Checkpoints();
   Exposition e;
-  e.Family("strata_info", "gauge", "The job this process trains (1), by its config's name.");
+  e.Family("strata_info", "gauge", "The job this process serves (1), by its config's name.");
   e.Sample("strata_info", "name", job_, 1);
   e.Family("strata_steps", "gauge", "Steps the job trains in all (train.steps).");
   e.Sample("strata_steps", static_cast<double>(steps_));
+  if (record) MembershipFamilies(e, *record);
+  if (checkpoints) CheckpointFamilies(e, *checkpoints);
   if (latest.empty()) return e.Take();
   const StatusOr<Struct> parsed = ParseLine(latest);  // it parsed when it was added
   const Struct& s = *parsed;
@@ -289,6 +469,10 @@ std::string RunBoard::Prometheus() const {
   };
   for (const Gauge& g : gauges) {
     if (!Has(s, g.field)) continue;
+    // A coordinator's membership gauges are its own (above), not the line's.
+    if (record && (std::string(g.field) == "workers" || std::string(g.field) == "generation")) {
+      continue;
+    }
     e.Family(g.family, "gauge", g.help);
     e.Sample(g.family, Number(s, g.field) * g.scale);
   }
@@ -382,22 +566,28 @@ std::string RunBoard::Prometheus() const {
 }
 
 std::string RunBoard::StatusJson() const {
+  const std::optional<coordinator::CoordinatorRecord> record = Record();
+  const std::optional<CheckpointList> checkpoints = Checkpoints();
   absl::MutexLock lock(&mu_);
   JsonWriter j;
-  j.BeginObject().Field("job", job_).Field("state", state_).Field("steps", steps_);
+  j.BeginObject().Field("job", job_).Field("state", StateOf(state_, record)).Field("steps", steps_);
   if (history_.latest) {
     const Point& p = *history_.latest;
     j.Field("step", p.step).Field("loss", p.loss).Field("tokens_per_s", p.tokens_per_s);
     j.Field("lr", p.lr);
+  } else if (record) {
+    j.Field("step", record->step()).Field("loss", record->loss());
   } else {
     j.Field("step", int64_t{0});
   }
+  if (record) WriteMembership(j, *record);
+  if (checkpoints) WriteCheckpoints(j, *checkpoints);
   if (last_eval_.eval_loss >= 0) {
     j.Field("eval_step", last_eval_.step).Field("eval_loss", last_eval_.eval_loss);
   }
   if (!latest_.empty()) {
     const StatusOr<Struct> s = ParseLine(latest_);
-    if (Has(*s, "workers")) {
+    if (Has(*s, "workers") && !record) {
       j.Field("workers", static_cast<int64_t>(Number(*s, "workers")));
       j.Field("generation", static_cast<int64_t>(Number(*s, "generation")));
     }
@@ -408,9 +598,17 @@ std::string RunBoard::StatusJson() const {
 
 std::string RunBoard::HistoryJson() const {
   const Snapshot run = Take();  // rendered outside the lock the training thread takes
+  const std::optional<coordinator::CoordinatorRecord> record = Record();
+  const std::optional<CheckpointList> checkpoints = Checkpoints();
   const LoadMap& load = run.load;
   JsonWriter j;
-  j.BeginObject().Field("job", job_).Field("state", run.state).Field("steps", steps_);
+  j.BeginObject().Field("job", job_).Field("state", StateOf(run.state, record));
+  j.Field("steps", steps_).Field("now_unix_ms", UnixMillisNow());
+  if (record) {
+    WriteMembership(j, *record);
+    WriteTimeline(j, *record);
+  }
+  if (checkpoints) WriteCheckpoints(j, *checkpoints);
   j.Key("evals").BeginArray();
   for (const Point& p : run.evals) {
     j.BeginObject().Field("step", p.step).Field("eval_loss", p.eval_loss);

@@ -13,11 +13,19 @@
 //   over the steps (`/api/history`, what the dashboard draws);
 // - the dashboard page itself (web/dashboard.html, compiled in), at `/`.
 //
-// Threads: thread-safe. The trainer's thread adds lines while HTTP threads render; each rendering
-// sees whole steps (one lock).
+// A coordinator's board also shows what the coordinator knows (SetRecordSource): the membership,
+// its timeline of generations (who joined, failed or left, how long each re-form took, how many
+// steps were trained again) and the counts over the job. Any board may list the job's checkpoints
+// (SetCheckpointSource): step, size, write time, and whether every shard's manifest checks.
+//
+// Threads: thread-safe. The trainer's thread (or the coordinator's gRPC threads) add lines while
+// HTTP threads render; each rendering sees whole steps (one lock). The sources are called from
+// HTTP threads, outside that lock.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -26,6 +34,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "core/common/status.h"
+#include "proto/coordinator.pb.h"
 #include "web/http_server.h"
 
 namespace strata::web {
@@ -42,6 +51,31 @@ class RunBoard {
   // "training", "finished", or "failed: <why>".
   void SetState(const std::string& state) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // A coordinator's board: `record` returns the coordinator's record (CoordinatorState::Snapshot),
+  // asked for at every rendering. Set once, before the routes are served.
+  void SetRecordSource(std::function<coordinator::CoordinatorRecord()> record);
+
+  // One checkpoint of the job's folder, as CheckpointManager::List reads it.
+  struct CheckpointRow {
+    int64_t step = 0;
+    int64_t created_unix_ms = 0;  // when it was committed
+    uint64_t bytes = 0;           // stored bytes it refers to
+    int64_t write_ms = -1;        // from the snapshot to the commit (-1: not known)
+    int shards = 0;
+    std::string problem;  // why a shard's manifest did not check ("": every one did)
+  };
+  struct CheckpointList {
+    std::string dir;
+    std::string error;                // why the folder could not be listed ("": it was)
+    std::vector<CheckpointRow> rows;  // by increasing step
+  };
+  // `list` reads the job's checkpoint folder; a rendering calls it when its last answer is older
+  // than `refresh` (one call at a time; the others use the last answer). Set once, before the
+  // routes are served.
+  void SetCheckpointSource(std::function<CheckpointList()> list,
+                           std::chrono::milliseconds refresh = std::chrono::seconds(5));
+
+  const std::string& job() const { return job_; }
   std::string Prometheus() const ABSL_LOCKS_EXCLUDED(mu_);
   std::string StatusJson() const ABSL_LOCKS_EXCLUDED(mu_);
   std::string HistoryJson() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -83,6 +117,10 @@ class RunBoard {
   std::map<std::string, HttpHandler> Routes() const;
 
  private:
+  // The record (an empty one without a source) and the checkpoints (refreshed when stale).
+  std::optional<coordinator::CoordinatorRecord> Record() const;
+  std::optional<CheckpointList> Checkpoints() const ABSL_LOCKS_EXCLUDED(mu_, checkpoints_mu_);
+
   struct Counters {  // sums over every step seen
     double tokens = 0;
     std::map<std::string, double> by_name;  // "<family>|<label value>" -> sum
@@ -114,6 +152,14 @@ class RunBoard {
   LoadMap load_ ABSL_GUARDED_BY(mu_);
   Counters counters_ ABSL_GUARDED_BY(mu_);
   Point last_eval_ ABSL_GUARDED_BY(mu_);
+
+  std::function<coordinator::CoordinatorRecord()> record_source_;  // set before serving
+  std::function<CheckpointList()> checkpoint_source_;              // set before serving
+  std::chrono::milliseconds checkpoint_refresh_{5000};
+  // Serialises listings; guards the last one.
+  mutable absl::Mutex checkpoints_mu_;
+  mutable std::optional<CheckpointList> checkpoints_ ABSL_GUARDED_BY(checkpoints_mu_);
+  mutable std::chrono::steady_clock::time_point checkpoints_at_ ABSL_GUARDED_BY(checkpoints_mu_);
 };
 
 }  // namespace strata::web

@@ -56,6 +56,7 @@ class CoordinatorStateTest : public ::testing::Test {
     o.min_workers = min;
     o.max_workers = max;
     o.heartbeat_timeout = milliseconds(2000);
+    o.on_metrics_line = on_metrics_line_;
     auto c = CoordinatorState::Open(o, job_config_, t0_);
     EXPECT_TRUE(c.ok()) << c.status();
     return c.ok() ? std::move(*c) : nullptr;
@@ -79,7 +80,116 @@ class CoordinatorStateTest : public ::testing::Test {
   strata::testing::TempDir dir_;
   Time t0_ = std::chrono::steady_clock::now();
   std::string job_config_ = "name: \"job\"\n";
+  std::function<void(const std::string&)> on_metrics_line_;
 };
+
+std::vector<std::string> Strings(const google::protobuf::RepeatedPtrField<std::string>& v) {
+  return {v.begin(), v.end()};
+}
+
+TEST_F(CoordinatorStateTest, TheTimelineRecordsWhoJoinedFailedOrLeftAndTheStepsTrainedAgain) {
+  auto c = Open(/*initial=*/2, /*min=*/2);
+  for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  auto event = [&](int i) { return c->Snapshot().timeline(i); };
+  ASSERT_EQ(c->Snapshot().timeline_size(), 1);
+  EXPECT_EQ(event(0).number(), 1);
+  EXPECT_EQ(event(0).reason(), "start");
+  EXPECT_EQ(event(0).workers(), 2);
+  EXPECT_EQ(Strings(event(0).joined()), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(event(0).first_step(), -1) << "no member started yet";
+  const int64_t before_ms =
+      std::chrono::duration_cast<milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
+  EXPECT_LE(event(0).formed_unix_ms(), before_ms);
+  EXPECT_GT(event(0).formed_unix_ms(), before_ms - 60'000);
+  // The re-form is done when the last member started.
+  ASSERT_TRUE(c->ReportStart(kToken, "a", 1, 0, {}, t0_).ok());
+  EXPECT_EQ(event(0).started_unix_ms(), 0);
+  ASSERT_TRUE(c->ReportStart(kToken, "b", 1, 0, {}, t0_).ok());
+  EXPECT_GE(event(0).started_unix_ms(), event(0).formed_unix_ms());
+  EXPECT_EQ(event(0).first_step(), 0);
+  for (int step = 1; step <= 3; ++step) AllReport(*c, step, t0_);
+  // c joins at the next boundary, 4; the first generation's workers are not counted as joins.
+  ASSERT_TRUE(c->Join(kToken, Worker("c"), t0_).ok());
+  AllReport(*c, 4, t0_);
+  ASSERT_EQ(c->Snapshot().timeline_size(), 2);
+  EXPECT_EQ(event(1).reason(), "join");
+  EXPECT_EQ(Strings(event(1).joined()), (std::vector<std::string>{"c"}));
+  EXPECT_EQ(event(1).boundary_step(), 4);
+  EXPECT_EQ(event(1).workers(), 3);
+  EXPECT_EQ(c->Snapshot().workers_joined(), 1);
+  // b fails; a and c go back to step 0 (no checkpoint yet): steps 1 to 4 are trained again.
+  ASSERT_TRUE(c->StreamBroken("b", t0_).ok());
+  EXPECT_EQ(event(2).reason(), "failure");
+  EXPECT_EQ(Strings(event(2).failed()), (std::vector<std::string>{"b"}));
+  EXPECT_TRUE(event(2).joined().empty());
+  ASSERT_TRUE(c->ReportStart(kToken, "a", 3, 0, {}, t0_).ok());
+  ASSERT_TRUE(c->ReportStart(kToken, "c", 3, 0, {}, t0_).ok());
+  EXPECT_EQ(event(2).boundary_step() - event(2).first_step(), 4);
+  EXPECT_GT(event(2).started_unix_ms(), 0);
+  // c fails too: a waits alone; d joins and the job trains again. d is the join, not a.
+  ASSERT_TRUE(c->StreamBroken("c", t0_).ok());
+  EXPECT_EQ(event(3).workers(), 0);
+  EXPECT_EQ(Strings(event(3).waiting()), (std::vector<std::string>{"a"}));
+  ASSERT_TRUE(c->Join(kToken, Worker("d"), t0_).ok());
+  EXPECT_EQ(event(4).reason(), "join");
+  EXPECT_EQ(Strings(event(4).joined()), (std::vector<std::string>{"d"}));
+  ASSERT_TRUE(c->Leave(kToken, "d", t0_).ok());
+  EXPECT_EQ(Strings(event(5).left()), (std::vector<std::string>{"d"}));
+  auto r = c->Snapshot();
+  EXPECT_EQ(r.workers_failed(), 2);
+  EXPECT_EQ(r.workers_joined(), 2);
+  EXPECT_EQ(r.workers_left(), 1);
+  for (int i = 0; i < r.timeline_size(); ++i) EXPECT_EQ(r.timeline(i).number(), i + 1);
+  // The timeline is part of the record: a restarted coordinator shows it.
+  const std::string kept = r.SerializeAsString();
+  c.reset();
+  c = Open(/*initial=*/2, /*min=*/2);
+  auto reopened = c->Snapshot();
+  EXPECT_EQ(reopened.timeline_size(), 6);
+  EXPECT_EQ(reopened.timeline(5).SerializeAsString(), r.timeline(5).SerializeAsString());
+  // It keeps the newest kMaxTimelineEvents generations; the counts go on past them.
+  ASSERT_TRUE(c->Join(kToken, Worker("x0"), t0_).ok());  // a and x0 train
+  const int64_t failed_before = c->Snapshot().workers_failed();
+  for (int i = 1; i <= kMaxTimelineEvents / 2 + 2; ++i) {
+    ASSERT_TRUE(c->StreamBroken(absl::StrCat("x", i - 1), t0_).ok());  // a waits
+    ASSERT_TRUE(c->Join(kToken, Worker(absl::StrCat("x", i)), t0_).ok());
+  }
+  r = c->Snapshot();
+  ASSERT_EQ(r.timeline_size(), kMaxTimelineEvents);
+  EXPECT_EQ(r.timeline(kMaxTimelineEvents - 1).number(), r.generation().number());
+  EXPECT_EQ(r.timeline(0).number(), r.generation().number() - kMaxTimelineEvents + 1);
+  EXPECT_EQ(r.workers_failed(), failed_before + kMaxTimelineEvents / 2 + 2);
+}
+
+TEST_F(CoordinatorStateTest, RankZerosMetricsLineReachesTheDashboardOnceItsStepIsCounted) {
+  std::vector<std::string> lines;
+  CoordinatorState* state = nullptr;
+  on_metrics_line_ = [&](const std::string& line) {
+    // Called without the state's lock: the dashboard may read the state.
+    lines.push_back(absl::StrCat(line, " at ", state->Snapshot().step()));
+  };
+  auto c = Open(/*initial=*/2, /*min=*/1);
+  state = c.get();
+  for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+  // Only rank 0 sends one; another rank's report is refused and not counted.
+  auto b = c->ReportStep(kToken, "b", 1, 1, t0_, 2.0, 0, {}, "{\"step\":1}");
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(b.status().message().find("StepReport.metrics_line"), std::string::npos) << b.status();
+  EXPECT_TRUE(lines.empty());
+  ASSERT_TRUE(c->ReportStep(kToken, "b", 1, 1, t0_).ok());
+  ASSERT_TRUE(c->ReportStep(kToken, "a", 1, 1, t0_, 2.0, 0, {}, "{\"step\":1}").ok());
+  EXPECT_EQ(lines, (std::vector<std::string>{"{\"step\":1} at 1"}));
+  // A retried report is not a second line.
+  ASSERT_TRUE(c->ReportStep(kToken, "a", 1, 1, t0_, 2.0, 0, {}, "{\"step\":1}").ok());
+  EXPECT_EQ(lines.size(), 1u);
+  // A line longer than a report carries is refused, and the step is not counted.
+  auto big = c->ReportStep(kToken, "a", 1, 2, t0_, 2.0, 0, {},
+                           std::string(train::kMaxMetricsLineBytes + 1, ' '));
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(c->ReportStep(kToken, "a", 1, 2, t0_, 2.0, 0, {}, "{\"step\":2}").ok());
+  EXPECT_EQ(lines.back(), "{\"step\":2} at 1") << "b has not reported step 2: no boundary yet";
+}
 
 TEST_F(CoordinatorStateTest, FirstGenerationFormsWhenTheInitialWorkersJoinedRanksInJoinOrder) {
   auto c = Open();

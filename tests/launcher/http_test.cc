@@ -144,19 +144,66 @@ TEST(HttpTest, ALiveJobsMetricsAreItsMetricsLines) {
       << "the first MoE layer's (block 0)";
 }
 
+// Debian's chromium, or nullptr where none is installed.
+const char* Browser() {
+  for (const char* b : {"/usr/bin/chromium", "/usr/bin/chromium-browser"}) {
+    if (access(b, X_OK) == 0) return b;
+  }
+  return nullptr;
+}
+constexpr char kNoBrowser[] =
+    "no headless browser: `scripts/install-deps.sh --with-browser` installs Debian's chromium "
+    "(CI does)";
+
+// A page as the headless browser left it after its script ran: the DOM, and a screenshot in
+// build/test-artifacts/<screenshot>.
+struct Page {
+  bool ok = false;
+  std::string html;
+  std::string log;  // the browser's stderr
+  int count(const std::string& what) const {
+    int n = 0;
+    for (size_t at = html.find(what); at != std::string::npos; at = html.find(what, at + 1)) ++n;
+    return n;
+  }
+  // The number in attribute `name` of the element with id `id` (-1 when it has none).
+  int64_t attribute(const std::string& id, const std::string& name) const {
+    const size_t at = html.find("id=\"" + id + "\"");
+    EXPECT_NE(at, std::string::npos) << id << "\n" << html;
+    const size_t tag_end = html.find('>', at);
+    const size_t a = html.find(name + "=\"", at);
+    if (at == std::string::npos || a == std::string::npos || a > tag_end) return int64_t{-1};
+    return static_cast<int64_t>(std::stoll(html.substr(a + name.size() + 2)));
+  }
+};
+
+Page Browse(const std::string& url, const TempDir& dir, const std::string& screenshot) {
+  const std::string flags = absl::StrCat(
+      "--headless --no-sandbox --disable-gpu --hide-scrollbars --virtual-time-budget=4000 "
+      "--user-data-dir=",
+      dir.File("browser-profile"));
+  // (Each in a subshell whose stderr goes to the log: RunCommand adds 2>&1 to what it runs.)
+  auto dom = RunCommand(absl::StrCat("(timeout 120 ", Browser(), " ", flags, " --dump-dom '", url,
+                                     "' 2> ", dir.File("browser.log"), ")"));
+  const std::string artifacts = std::string(STRATA_BIN_DIR) + "/../test-artifacts";
+  std::filesystem::create_directories(artifacts);
+  auto shot = RunCommand(absl::StrCat(
+      "(timeout 120 ", Browser(), " ", flags, " --window-size=1400,1300 --screenshot=", artifacts,
+      "/", screenshot, " '", url, "' 2>> ", dir.File("browser.log"), ")"));
+  Page page;
+  page.ok = dom.exit_code == 0 && shot.exit_code == 0 &&
+            std::filesystem::exists(artifacts + "/" + screenshot);
+  page.html = dom.output;
+  page.log = ReadFile(dir.File("browser.log"));
+  return page;
+}
+
 // The page in a real headless browser (Debian's chromium): after its script ran against the live
 // job, the DOM holds a loss chart with points, one heatmap per MoE layer with columns, the tier
 // chart of a TIERED job, the job's state and no error; a screenshot is kept in
 // build/test-artifacts/dashboard.png.
 TEST(HttpTest, TheDashboardDrawsTheLiveJobInABrowser) {
-  const char* browser = nullptr;
-  for (const char* b : {"/usr/bin/chromium", "/usr/bin/chromium-browser"}) {
-    if (access(b, X_OK) == 0) browser = b;
-  }
-  if (browser == nullptr) {
-    GTEST_SKIP() << "no headless browser: `scripts/install-deps.sh --with-browser` installs "
-                    "Debian's chromium (CI does)";
-  }
+  if (Browser() == nullptr) GTEST_SKIP() << kNoBrowser;
   TempDir dir;
   WriteFile(dir.File("job.textproto"), config::ToText(Job(dir, kForever)));
   Child job;
@@ -173,44 +220,163 @@ TEST(HttpTest, TheDashboardDrawsTheLiveJobInABrowser) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  const std::string url = absl::StrCat("http://127.0.0.1:", port, "/?token=", token);
-  const std::string flags = absl::StrCat(
-      "--headless --no-sandbox --disable-gpu --hide-scrollbars --virtual-time-budget=4000 "
-      "--user-data-dir=",
-      dir.File("browser-profile"));
-  // (Each in a subshell whose stderr goes to the log: RunCommand adds 2>&1 to what it runs.)
-  auto dom = RunCommand(absl::StrCat("(timeout 120 ", browser, " ", flags, " --dump-dom '", url,
-                                     "' 2> ", dir.File("browser.log"), ")"));
-  const std::string artifacts = std::string(STRATA_BIN_DIR) + "/../test-artifacts";
-  std::filesystem::create_directories(artifacts);
-  auto shot = RunCommand(absl::StrCat(
-      "(timeout 120 ", browser, " ", flags, " --window-size=1400,1000 --screenshot=", artifacts,
-      "/dashboard.png '", url, "' 2>> ", dir.File("browser.log"), ")"));
+  const Page page =
+      Browse(absl::StrCat("http://127.0.0.1:", port, "/?token=", token), dir, "dashboard.png");
   job.Stop();
-  ASSERT_EQ(dom.exit_code, 0) << ReadFile(dir.File("browser.log"));
-  const std::string& html = dom.output;
-  auto count = [&](const std::string& what) {
-    int n = 0;
-    for (size_t at = html.find(what); at != std::string::npos; at = html.find(what, at + 1)) ++n;
-    return n;
-  };
-  auto attribute = [&](const std::string& id, const std::string& name) {
-    const size_t at = html.find("id=\"" + id + "\"");
-    EXPECT_NE(at, std::string::npos) << id << "\n" << html;
-    const size_t tag_end = html.find('>', at);
-    const size_t a = html.find(name + "=\"", at);
-    if (at == std::string::npos || a == std::string::npos || a > tag_end) return int64_t{-1};
-    return static_cast<int64_t>(std::stoll(html.substr(a + name.size() + 2)));
-  };
-  EXPECT_GE(attribute("loss", "data-points"), 20) << "the loss chart has the steps' points";
-  EXPECT_GT(attribute("tiers", "data-points"), 0) << "the TIERED job's tier chart";
-  EXPECT_EQ(count("class=\"heatmap\""), 2) << "one heatmap per MoE layer\n" << html;
-  EXPECT_EQ(count("data-columns=\"0\""), 0) << html;
+  ASSERT_TRUE(page.ok) << page.log;
+  const std::string& html = page.html;
+  EXPECT_GE(page.attribute("loss", "data-points"), 20) << "the loss chart has the steps' points";
+  EXPECT_GT(page.attribute("tiers", "data-points"), 0) << "the TIERED job's tier chart";
+  EXPECT_EQ(page.count("class=\"heatmap\""), 2) << "one heatmap per MoE layer\n" << html;
+  EXPECT_EQ(page.count("data-columns=\"0\""), 0) << html;
   EXPECT_NE(html.find("id=\"state\">training<"), std::string::npos) << html;
   EXPECT_NE(html.find("id=\"error\"></span>"), std::string::npos) << "the page's script failed\n"
                                                                   << html;
-  EXPECT_EQ(shot.exit_code, 0) << ReadFile(dir.File("browser.log"));
-  EXPECT_TRUE(std::filesystem::exists(artifacts + "/dashboard.png"));
+  EXPECT_NE(html.find("id=\"timeline-panel\" hidden"), std::string::npos)
+      << "one process: no membership panel\n"
+      << html;
+}
+
+// Starts `sh -c cmd` in the background.
+pid_t Spawn(const std::string& cmd) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return pid;
+}
+
+// A coordinator's dashboard (`strata coordinator --http`) in a real job: two workers train, one
+// is SIGKILLed, another joins. The page, in a headless browser, shows the loss, the failure and
+// the join in the membership timeline, one heatmap per MoE layer and the checkpoints; /metrics
+// counts the failure and the join and holds the figures of rank 0's metrics line of its step;
+// requests without the job's token are refused. Screenshot: coordinator-dashboard.png.
+TEST(HttpTest, TheCoordinatorsDashboardShowsTheJobThroughAFailureAndAJoin) {
+  if (Browser() == nullptr) GTEST_SKIP() << kNoBrowser;
+  TempDir dir;
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(40000));
+  const config::JobConfig cfg = strata::testing::TinyMoeJob(
+      dir.File("text.txt"), absl::StrCat("train { steps: ", kForever,
+                                         " global_batch: 4 eval_every: 0 threads: 1 }\n"
+                                         "parallel { expert_parallel: 0 timeout_ms: 20000 }\n"
+                                         "checkpoint { every: 10 keep: 3 dir: \"",
+                                         dir.File("ckpt"), "\" }\n"));
+  WriteFile(dir.File("job.textproto"), config::ToText(cfg));
+  const std::string in_dir = absl::StrCat("cd ", dir.path(), " && STRATA_JOB_TOKEN=secret exec ");
+  Child coordinator;
+  coordinator.pid = Spawn(
+      absl::StrCat(in_dir, kStrata,
+                   " coordinator --dir record --config job.textproto --workers 2 --min-workers 1 "
+                   "--listen 127.0.0.1:0 --http 127.0.0.1:0 > coordinator.log 2>&1"));
+  const std::string clog = dir.File("coordinator.log");
+  std::smatch m;
+  const std::regex listening(R"(listening on (127\.0\.0\.1:[0-9]+))");
+  const std::regex dashboard(
+      R"(dashboard: http://127\.0\.0\.1:([0-9]+)/\?token=TOKEN.*the job's token)");
+  std::string log;
+  for (int i = 0; i < 600; ++i) {
+    log = ReadFile(clog);
+    if (std::regex_search(log, m, dashboard)) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(std::regex_search(log, m, dashboard)) << log;
+  const int port = std::stoi(m[1].str());
+  ASSERT_TRUE(std::regex_search(log, m, listening)) << log;
+  const std::string address = m[1].str();
+  auto worker = [&](const std::string& id) {
+    Child w;
+    w.pid = Spawn(absl::StrCat(in_dir, kStrata, " worker --coordinator ", address, " --quiet --id ",
+                               id, " --metrics-out ", id, ".jsonl > ", id, ".log 2>&1"));
+    return w;
+  };
+  Child w0 = worker("w0"), w1 = worker("w1");
+  // Polls /api/status until `pred` holds for its text, for up to 120 s.
+  auto wait_status = [&](const std::string& what, auto pred) {
+    std::string body;
+    for (int i = 0; i < 1200; ++i) {
+      body = HttpGet(port, "/api/status", "X-Strata-Token: secret\r\n").body;
+      if (pred(body)) return body;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ADD_FAILURE() << "waiting for " << what << ": " << body << "\n" << ReadFile(clog);
+    return body;
+  };
+  auto step_of = [](const std::string& body) {
+    return body.find("\"step\":") == std::string::npos ? int64_t{-1}
+                                                       : strata::testing::IntField(body, "step");
+  };
+  auto generation_of = [](const std::string& body) {
+    const size_t at = body.find("\"membership\":");
+    return at == std::string::npos ? int64_t{-1}
+                                   : strata::testing::IntField(body.substr(at), "generation");
+  };
+  wait_status("step 25", [&](const std::string& b) { return step_of(b) >= 25; });
+  EXPECT_EQ(HttpGet(port, "/api/status").status, 401);
+  EXPECT_EQ(HttpGet(port, "/api/status?token=secreT").status, 401);
+  w1.Stop(SIGKILL);
+  const std::string alone = wait_status("w0 training alone", [&](const std::string& b) {
+    return generation_of(b) == 2 && b.find("\"reason\":\"failure\"") != std::string::npos;
+  });
+  const int64_t after_failure = step_of(alone);
+  wait_status("steps after the failure",
+              [&](const std::string& b) { return step_of(b) >= after_failure + 10; });
+  Child w2 = worker("w2");
+  const std::string joined = wait_status("w2 joined", [&](const std::string& b) {
+    return generation_of(b) == 3 && b.find("\"id\":\"w2\"") != std::string::npos;
+  });
+  wait_status("steps after the join",
+              [&](const std::string& b) { return step_of(b) >= step_of(joined) + 10; });
+  // The folder is listed every 5 s: the first listing may have been before the first checkpoint.
+  wait_status("a checkpoint listed", [&](const std::string& b) {
+    return b.find("\"checked\":true") != std::string::npos;
+  });
+
+  auto metrics = HttpGet(port, "/metrics", "Authorization: Bearer secret\r\n");
+  ASSERT_EQ(metrics.status, 200);
+  const testing::Exposition e = testing::ParseExposition(metrics.body);
+  ASSERT_EQ(e.error, "") << metrics.body;
+  EXPECT_EQ(e.samples.at("strata_worker_failures_total"), 1);
+  EXPECT_EQ(e.samples.at("strata_worker_joins_total"), 1);
+  EXPECT_EQ(e.samples.at("strata_generation"), 3);
+  EXPECT_EQ(e.samples.at("strata_workers"), 2);
+  EXPECT_GE(e.samples.at("strata_checkpoints"), 1);
+  const Page page = Browse(absl::StrCat("http://127.0.0.1:", port, "/?token=secret"), dir,
+                           "coordinator-dashboard.png");
+  coordinator.Stop(SIGTERM);
+  w0.Stop(SIGKILL);
+  w2.Stop(SIGKILL);
+
+  // The scraped step's figures are rank 0's (w0's) line of that step: the last one it wrote, as
+  // a step trained again after the failure replaces the one before.
+  const int64_t step = static_cast<int64_t>(e.samples.at("strata_step"));
+  std::string at;
+  std::ifstream in(dir.File("w0.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("\"step\":") != std::string::npos &&
+        strata::testing::IntField(line, "step") == step) {
+      at = line;
+    }
+  }
+  ASSERT_FALSE(at.empty()) << "w0 wrote no line of step " << step;
+  using strata::testing::DoubleField;
+  EXPECT_EQ(e.samples.at("strata_loss"), DoubleField(at, "loss"));
+  EXPECT_EQ(e.samples.at("strata_grad_norm"), DoubleField(at, "grad_norm"));
+  EXPECT_EQ(e.samples.at("strata_tokens_per_second"), DoubleField(at, "tokens_per_s"));
+
+  ASSERT_TRUE(page.ok) << page.log;
+  const std::string& html = page.html;
+  EXPECT_NE(html.find("id=\"error\"></span>"), std::string::npos) << "the page's script failed\n"
+                                                                  << html;
+  EXPECT_GE(page.attribute("loss", "data-points"), 20) << html;
+  EXPECT_EQ(page.count("class=\"heatmap\""), 2) << "one heatmap per MoE layer\n" << html;
+  EXPECT_EQ(page.count("data-reason=\"failure\""), 1) << html;
+  EXPECT_EQ(page.count("data-reason=\"join\""), 1) << html;
+  EXPECT_EQ(page.count("data-reason=\"start\""), 1) << html;
+  EXPECT_NE(html.find("w1 failed"), std::string::npos) << html;
+  EXPECT_NE(html.find("<td>w2</td>"), std::string::npos) << "the join names w2\n" << html;
+  EXPECT_EQ(html.find("id=\"timeline-panel\" hidden"), std::string::npos) << html;
+  EXPECT_GE(page.count("<td>checked</td>"), 1) << "the checkpoints, each checked\n" << html;
 }
 
 TEST(HttpTest, TheTokenComesFromTheEnvironmentOrAFileAndBadAddressesStopTheCommand) {

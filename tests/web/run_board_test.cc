@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <random>
 #include <regex>
@@ -210,6 +211,128 @@ TEST(RunBoardTest, StatusAndHistoryAreJsonOfTheLines) {
     EXPECT_EQ(p.at("loss").number_value(), FieldOf(lines[i], "loss"));
     EXPECT_EQ(p.count("eval_loss"), (i + 1) % 4 == 0 ? 1u : 0u) << i;
   }
+}
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// A coordinator's record as CoordinatorState keeps it: generation 5 of a, c and e, with d
+// joining; b failed in generation 2 and the job went back 3 steps, d joined in 3, then left.
+coordinator::CoordinatorRecord RecordOfAJob(int64_t now_ms) {
+  coordinator::CoordinatorRecord r;
+  r.mutable_generation()->set_number(5);
+  r.mutable_generation()->set_reason("join");
+  for (const char* id : {"a", "c", "e"}) r.mutable_generation()->add_workers()->set_id(id);
+  r.add_pending()->set_id("f");
+  r.set_step(9);
+  r.set_workers_failed(1);
+  r.set_workers_joined(2);
+  r.set_workers_left(1);
+  auto event = [&](int64_t n, const char* reason, int workers) {
+    coordinator::GenerationEvent* e = r.add_timeline();
+    e->set_number(n);
+    e->set_reason(reason);
+    e->set_workers(workers);
+    e->set_formed_unix_ms(now_ms - 60'000 + n * 1000);
+    return e;
+  };
+  auto* start = event(1, "start", 3);
+  for (const char* id : {"a", "b", "c"}) start->add_joined(id);
+  auto* failure = event(2, "failure", 2);
+  failure->add_failed("b");
+  failure->set_boundary_step(5);
+  failure->set_first_step(2);
+  failure->set_started_unix_ms(failure->formed_unix_ms() + 1250);
+  event(3, "join", 3)->add_joined("d");
+  event(4, "leave", 2)->add_left("d");
+  auto* join = event(5, "join", 3);
+  join->add_joined("e");
+  join->set_boundary_step(9);  // not started yet
+  return r;
+}
+
+TEST(RunBoardTest, ACoordinatorsBoardShowsItsMembershipTimelineAndCheckpoints) {
+  const int64_t now_ms = NowMs();
+  const coordinator::CoordinatorRecord record = RecordOfAJob(now_ms);
+  RunBoard board("tiny", 20);
+  board.SetRecordSource([&] { return record; });
+  int listings = 0;
+  board.SetCheckpointSource(
+      [&] {
+        ++listings;
+        RunBoard::CheckpointList list;
+        list.dir = "/ckpt";
+        list.rows.push_back({4, now_ms - 90'000, 1 << 20, 800, 2, ""});
+        list.rows.push_back({8, now_ms - 30'000, 3 << 20, 1500, 3, "shard r2: missing"});
+        return list;
+      },
+      std::chrono::hours(1));
+  // Steps 1 to 4, then the job goes back to 2 and trains step 3 again: the history shows the
+  // steps that count.
+  const std::vector<std::string> lines = Lines(4, /*tiered=*/false);
+  for (const std::string& line : lines) ASSERT_TRUE(board.AddStepLine(line).ok());
+  const std::string again = Lines(3, false).back();  // the same figures, step 3
+  ASSERT_TRUE(board.AddStepLine(again).ok());
+
+  const std::string text = board.Prometheus();
+  const testing::Exposition e = testing::ParseExposition(text);
+  ASSERT_EQ(e.error, "") << text;
+  // The coordinator's membership, not the line's (which says 2 workers in generation 3).
+  EXPECT_EQ(e.samples.at("strata_workers"), 3);
+  EXPECT_EQ(e.samples.at("strata_generation"), 5);
+  EXPECT_EQ(e.samples.at("strata_pending_workers"), 1);
+  EXPECT_EQ(e.samples.at("strata_worker_failures_total"), 1);
+  EXPECT_EQ(e.samples.at("strata_worker_joins_total"), 2);
+  EXPECT_EQ(e.samples.at("strata_worker_leaves_total"), 1);
+  EXPECT_EQ(e.types.at("strata_worker_failures_total"), "counter");
+  EXPECT_EQ(e.samples.at("strata_last_reform_seconds"), 1.25);
+  EXPECT_EQ(e.samples.at("strata_last_reform_steps_replayed"), 3);
+  EXPECT_EQ(e.samples.at("strata_checkpoints"), 2);
+  EXPECT_EQ(e.samples.at("strata_checkpoint_step"), 8);
+  EXPECT_EQ(e.samples.at("strata_checkpoint_bytes"), 3 << 20);
+  EXPECT_EQ(e.samples.at("strata_checkpoint_write_seconds"), 1.5);
+  // Committed 30 s before `now_ms`, read a moment later.
+  EXPECT_GE(e.samples.at("strata_checkpoint_age_seconds"), 30);
+  EXPECT_LT(e.samples.at("strata_checkpoint_age_seconds"), 60);
+  EXPECT_EQ(e.samples.at("strata_step"), 3);
+
+  google::protobuf::Struct history, status;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(board.HistoryJson(), &history).ok());
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(board.StatusJson(), &status).ok());
+  const auto& points = history.fields().at("points").list_value().values();
+  ASSERT_EQ(points.size(), 3);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(points[i].struct_value().fields().at("step").number_value(), i + 1);
+  }
+  EXPECT_EQ(points[2].struct_value().fields().at("loss").number_value(), FieldOf(again, "loss"));
+  const auto& timeline = history.fields().at("timeline").list_value().values();
+  ASSERT_EQ(timeline.size(), 5);
+  const auto& failure = timeline[1].struct_value().fields();
+  EXPECT_EQ(failure.at("reason").string_value(), "failure");
+  EXPECT_EQ(failure.at("failed").list_value().values(0).string_value(), "b");
+  EXPECT_EQ(failure.at("reform_ms").number_value(), 1250);
+  EXPECT_EQ(failure.at("steps_replayed").number_value(), 3);
+  const auto& pending = timeline[4].struct_value().fields();
+  EXPECT_EQ(pending.count("reform_ms"), 0u) << "its members have not all started";
+  EXPECT_EQ(pending.count("first_step"), 0u);
+  EXPECT_EQ(timeline[3].struct_value().fields().at("left").list_value().values(0).string_value(),
+            "d");
+  const auto& ckpts = history.fields().at("checkpoints").struct_value().fields();
+  ASSERT_EQ(ckpts.at("list").list_value().values_size(), 2);
+  const auto& newest = ckpts.at("list").list_value().values(1).struct_value().fields();
+  EXPECT_EQ(newest.at("checked").bool_value(), false);
+  EXPECT_EQ(newest.at("problem").string_value(), "shard r2: missing");
+  const auto& m = status.fields().at("membership").struct_value().fields();
+  EXPECT_EQ(m.at("generation").number_value(), 5);
+  ASSERT_EQ(m.at("workers").list_value().values_size(), 3);
+  EXPECT_EQ(m.at("workers").list_value().values(2).struct_value().fields().at("id").string_value(),
+            "e");
+  EXPECT_EQ(status.fields().count("workers"), 0u) << "the line's view is not repeated";
+  // The folder was listed once: renderings within `refresh` share the listing.
+  EXPECT_EQ(listings, 1);
 }
 
 TEST(RunBoardTest, TheLoadMapAveragesEachExpertsLoadOverTheMeanPerColumnOfSteps) {
