@@ -21,7 +21,7 @@
 #include "google/protobuf/text_format.h"
 #include "proto/config.pb.h"
 #include "proto/config_io.h"
-#include "train/elastic_worker.h"
+#include "train/metrics.h"
 
 namespace strata::coordinator {
 
@@ -63,6 +63,23 @@ void AddTimelineEvent(coordinator::CoordinatorRecord* next, bool first,
   *next->add_timeline() = std::move(e);
   auto* t = next->mutable_timeline();
   if (t->size() > kMaxTimelineEvents) t->DeleteSubrange(0, t->size() - kMaxTimelineEvents);
+}
+
+// Worker `id` failed (or left) while it waited in a generation too small to train: a member of
+// the one before, so it counts, and the waiting generation's event names it.
+void NoteWaitingDeparture(coordinator::CoordinatorRecord* r, const std::string& id, bool left) {
+  if (r->generation().workers_size() > 0 || r->timeline_size() == 0) return;
+  coordinator::GenerationEvent* e = r->mutable_timeline(r->timeline_size() - 1);
+  if (e->number() != r->generation().number() ||
+      std::find(e->waiting().begin(), e->waiting().end(), id) == e->waiting().end()) {
+    return;
+  }
+  (left ? e->add_left() : e->add_failed())->assign(id);
+  if (left) {
+    r->set_workers_left(r->workers_left() + 1);
+  } else {
+    r->set_workers_failed(r->workers_failed() + 1);
+  }
 }
 
 Status FromRocks(const rocksdb::Status& s, const std::string& what, const std::string& dir) {
@@ -657,6 +674,15 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStepLocked(
   }
   it->second = step;
   SeenLocked(id, now);
+  // A step of the generation trained: every member started it (a coordinator restarted during
+  // the re-form has not seen every start report).
+  if (record_.timeline_size() > 0) {
+    coordinator::GenerationEvent* e = record_.mutable_timeline(record_.timeline_size() - 1);
+    if (e->number() == generation && e->started_unix_ms() == 0) {
+      e->set_started_unix_ms(UnixMillisNow());
+      if (e->first_step() < 0) e->set_first_step(record_.generation().first_step());
+    }
+  }
   if (!moe_balance.empty()) {
     record_.clear_moe_balance();
     for (const auto& b : moe_balance) *record_.add_moe_balance() = b;
@@ -825,6 +851,7 @@ Status CoordinatorState::RemoveLocked(const std::string& id, const char* reason,
   in_grace_.erase(id);
   if (!IsMemberLocked(id)) {
     coordinator::CoordinatorRecord before = record_;
+    NoteWaitingDeparture(&record_, id, std::string(reason) == "leave");
     auto* p = record_.mutable_pending();
     p->erase(std::remove_if(p->begin(), p->end(), [&](const auto& w) { return w.id() == id; }),
              p->end());
@@ -887,6 +914,7 @@ StatusOr<int> CoordinatorState::Tick(Time now) {
         in_grace_.count(id) > 0 ? ", and it did not come back after the restart" : ""));
   }
   const coordinator::CoordinatorRecord before = record_;
+  for (const std::string& id : late) NoteWaitingDeparture(&record_, id, /*left=*/false);
   auto* p = record_.mutable_pending();
   p->erase(std::remove_if(p->begin(), p->end(), is_late), p->end());
   std::vector<coordinator::WorkerInfo> survivors;

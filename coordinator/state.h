@@ -92,9 +92,10 @@ struct CoordinatorOptions {
   std::function<Status(const std::string& job_config, const coordinator::WorkerInfo& worker)>
       check_config;
   // Given rank 0's metrics line of every step it reported and the state counted (not a retried
-  // one), in step order: the coordinator's dashboard. Called on the reporting gRPC thread, after
-  // the state's mutex is released; it must not block for long (heartbeats wait on nothing, but
-  // rank 0's next step waits for the reply). Unset: lines are checked and dropped.
+  // one): the coordinator's dashboard. Steps go up by one within a generation; a new generation
+  // may go back. Called on the reporting gRPC thread, after the state's mutex is released; it
+  // must not block (rank 0's next step waits for the reply). Unset: lines are checked and
+  // dropped.
   std::function<void(const std::string& line)> on_metrics_line;
 };
 
@@ -137,7 +138,7 @@ class CoordinatorState {
       const std::string& token, const std::string& id, int64_t generation, int64_t step, Time now,
       double loss = 0, double tokens_per_s = 0,
       const std::vector<coordinator::MoeLayerBalance>& moe_balance = {},
-      const std::string& metrics_line = "");
+      const std::string& metrics_line = "") ABSL_LOCKS_EXCLUDED(mu_);
   // Worker `id` begins generation `generation` at `step`, the state it re-formed on: the
   // generation's first step. It must lie within one step of the last boundary (a failure can cut
   // the step after it short on some workers only), or up to config::CopiesLagSteps before it (a

@@ -265,7 +265,12 @@ std::unique_ptr<web::RunBoard> NewBoard(const config::JobConfig& cfg,
       web::RunBoard::CheckpointList list;
       list.dir = dir;
       std::error_code ec;
-      if (!std::filesystem::exists(dir, ec)) return list;  // none written yet
+      if (!std::filesystem::exists(dir, ec)) {
+        list.note =
+            "no such folder here: no checkpoint written yet, or it lies on a file system this "
+            "machine does not mount";
+        return list;
+      }
       auto infos = checkpoint::CheckpointManager::List(dir);
       if (!infos.ok()) {
         list.error = std::string(infos.status().message());
@@ -328,8 +333,11 @@ std::vector<FlagSpec> CoordinatorHttpFlags() {
   return {
       {"http",
        "serve the job's live dashboard (/), /metrics (Prometheus), /api/status and /api/history "
-       "on HOST:PORT (port 0: a free one), behind the job token (HTTPS with --tls-cert)"},
-      {"http-token-file", "file holding the token HTTP requests must carry (default: the job's)"},
+       "on HOST:PORT (port 0: a free one), behind the job token (HTTPS when the coordinator has "
+       "a certificate)"},
+      {"http-token-file",
+       "file holding the token HTTP requests must carry (default: the job's, which also admits "
+       "workers: give the page its own when you share its link)"},
   };
 }
 

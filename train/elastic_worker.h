@@ -32,11 +32,6 @@
 
 namespace strata::train {
 
-// The longest metrics line a step report carries (a line lists every expert's load of every MoE
-// layer: 64 layers of 256 experts take ~200 KiB); a longer one is not sent, and the coordinator
-// refuses one.
-inline constexpr size_t kMaxMetricsLineBytes = size_t{1} << 20;
-
 // The coordinator as one worker sees it. The calls are those of proto/coordinator.proto's
 // service; errors use its codes (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, UNKNOWN or INTERNAL
 // while the coordinator cannot be reached or is restarting; they are retried).

@@ -79,6 +79,11 @@ std::string StepMetricsLine(const StepResult& r, const std::vector<int>& moe_blo
                             bool sequence_aux_loss, const std::optional<WorkerStepFields>& worker,
                             const EvalResult* eval);
 
+// The longest metrics line an elastic worker's step report carries (a line lists every expert's
+// load of every MoE layer: 64 layers of 256 experts take ~200 KiB); a longer one is not sent, and
+// the coordinator refuses one.
+inline constexpr size_t kMaxMetricsLineBytes = size_t{1} << 20;
+
 class MetricsWriter {
  public:
   // Creates (truncates) `path`; its folder must exist.

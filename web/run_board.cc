@@ -120,8 +120,9 @@ void MembershipFamilies(Exposition& e, const coordinator::CoordinatorRecord& r) 
     if (g.number() <= 1 || g.started_unix_ms() == 0) continue;
     e.Family("strata_last_reform_seconds", "gauge",
              "The newest re-form: from the generation forming to its last member's start.");
-    e.Sample("strata_last_reform_seconds",
-             static_cast<double>(g.started_unix_ms() - g.formed_unix_ms()) / 1e3);
+    e.Sample(
+        "strata_last_reform_seconds",
+        static_cast<double>(std::max<int64_t>(0, g.started_unix_ms() - g.formed_unix_ms())) / 1e3);
     e.Family("strata_last_reform_steps_replayed", "gauge",
              "The newest re-form: steps its generation trains again.");
     e.Sample("strata_last_reform_steps_replayed",
@@ -131,11 +132,12 @@ void MembershipFamilies(Exposition& e, const coordinator::CoordinatorRecord& r) 
 }
 
 void CheckpointFamilies(Exposition& e, const RunBoard::CheckpointList& list) {
-  e.Family("strata_checkpoints", "gauge", "Checkpoints the job's folder holds.");
-  e.Sample("strata_checkpoints", static_cast<double>(list.rows.size()));
   e.Family("strata_checkpoint_list_ok", "gauge",
            "1 when the checkpoint folder could be listed, 0 when not.");
   e.Sample("strata_checkpoint_list_ok", list.error.empty() ? 1 : 0);
+  if (!list.error.empty()) return;  // what it holds is not known
+  e.Family("strata_checkpoints", "gauge", "Checkpoints the job's folder holds.");
+  e.Sample("strata_checkpoints", static_cast<double>(list.rows.size()));
   if (list.rows.empty()) return;
   const RunBoard::CheckpointRow& newest = list.rows.back();
   e.Family("strata_checkpoint_step", "gauge", "The newest checkpoint's step.");
@@ -212,7 +214,7 @@ void WriteTimeline(JsonWriter& j, const coordinator::CoordinatorRecord& r) {
     }
     if (g.started_unix_ms() > 0) {
       j.Field("started_unix_ms", g.started_unix_ms())
-          .Field("reform_ms", g.started_unix_ms() - g.formed_unix_ms());
+          .Field("reform_ms", std::max<int64_t>(0, g.started_unix_ms() - g.formed_unix_ms()));
     }
     j.EndObject();
   }
@@ -222,6 +224,7 @@ void WriteTimeline(JsonWriter& j, const coordinator::CoordinatorRecord& r) {
 void WriteCheckpoints(JsonWriter& j, const RunBoard::CheckpointList& list) {
   j.Key("checkpoints").BeginObject().Field("dir", list.dir);
   if (!list.error.empty()) j.Field("error", list.error);
+  if (!list.note.empty()) j.Field("note", list.note);
   j.Key("list").BeginArray();
   for (const RunBoard::CheckpointRow& c : list.rows) {
     j.BeginObject()
@@ -308,6 +311,13 @@ Status RunBoard::AddStepLine(const std::string& json) {
   }
   absl::MutexLock lock(&mu_);
   latest_ = json;
+  if (history_.latest && p.step <= history_.latest->step) {
+    // The job went back (a generation trains again from a checkpoint): the evaluations of the
+    // steps it left behind go too.
+    while (!evals_.kept.empty() && evals_.kept.back().step >= p.step) evals_.kept.pop_back();
+    if (evals_.latest && evals_.latest->step >= p.step) evals_.latest.reset();
+    if (last_eval_.step >= p.step) last_eval_ = Point{};
+  }
   Add(&history_, p);
   if (p.eval_loss >= 0) {
     last_eval_ = p;
@@ -416,12 +426,19 @@ std::optional<coordinator::CoordinatorRecord> RunBoard::Record() const {
 
 std::optional<RunBoard::CheckpointList> RunBoard::Checkpoints() const {
   if (!checkpoint_source_) return std::nullopt;
-  absl::MutexLock lock(&checkpoints_mu_);
-  const auto now = std::chrono::steady_clock::now();
-  if (!checkpoints_ || now - checkpoints_at_ >= checkpoint_refresh_) {
-    checkpoints_ = checkpoint_source_();
-    checkpoints_at_ = now;
+  {
+    absl::MutexLock lock(&checkpoints_mu_);
+    const bool fresh =
+        checkpoints_ && std::chrono::steady_clock::now() - checkpoints_at_ < checkpoint_refresh_;
+    if (fresh || listing_) return checkpoints_;
+    listing_ = true;
   }
+  // Listed without the lock: a slow folder holds up no other rendering.
+  CheckpointList list = checkpoint_source_();
+  absl::MutexLock lock(&checkpoints_mu_);
+  listing_ = false;
+  checkpoints_ = std::move(list);
+  checkpoints_at_ = std::chrono::steady_clock::now();
   return checkpoints_;
 }
 

@@ -67,10 +67,12 @@ class RunBoard {
   struct CheckpointList {
     std::string dir;
     std::string error;                // why the folder could not be listed ("": it was)
+    std::string note;                 // what else the reader should know ("": nothing)
     std::vector<CheckpointRow> rows;  // by increasing step
   };
   // `list` reads the job's checkpoint folder; a rendering calls it when its last answer is older
-  // than `refresh` (one call at a time; the others use the last answer). Set once, before the
+  // than `refresh` (one call at a time: renderings meanwhile use the last answer, none before the
+  // first). Only renderings call it: a board nobody asks lists nothing. Set once, before the
   // routes are served.
   void SetCheckpointSource(std::function<CheckpointList()> list,
                            std::chrono::milliseconds refresh = std::chrono::seconds(5));
@@ -117,7 +119,8 @@ class RunBoard {
   std::map<std::string, HttpHandler> Routes() const;
 
  private:
-  // The record (an empty one without a source) and the checkpoints (refreshed when stale).
+  // The record (none without a source) and the checkpoints (none without a source; refreshed
+  // when stale, unless another rendering is refreshing them).
   std::optional<coordinator::CoordinatorRecord> Record() const;
   std::optional<CheckpointList> Checkpoints() const ABSL_LOCKS_EXCLUDED(mu_, checkpoints_mu_);
 
@@ -156,10 +159,11 @@ class RunBoard {
   std::function<coordinator::CoordinatorRecord()> record_source_;  // set before serving
   std::function<CheckpointList()> checkpoint_source_;              // set before serving
   std::chrono::milliseconds checkpoint_refresh_{5000};
-  // Serialises listings; guards the last one.
+  // Guards the last listing and whether one is under way.
   mutable absl::Mutex checkpoints_mu_;
   mutable std::optional<CheckpointList> checkpoints_ ABSL_GUARDED_BY(checkpoints_mu_);
   mutable std::chrono::steady_clock::time_point checkpoints_at_ ABSL_GUARDED_BY(checkpoints_mu_);
+  mutable bool listing_ ABSL_GUARDED_BY(checkpoints_mu_) = false;  // a rendering is listing
 };
 
 }  // namespace strata::web

@@ -162,6 +162,38 @@ TEST_F(CoordinatorStateTest, TheTimelineRecordsWhoJoinedFailedOrLeftAndTheStepsT
   EXPECT_EQ(r.workers_failed(), failed_before + kMaxTimelineEvents / 2 + 2);
 }
 
+TEST_F(CoordinatorStateTest, TheTimelineCountsWaitingMembersThatGoAndReformsARestartInterrupted) {
+  {
+    // b fails: a waits alone (below min_workers 2); a leaving then is a member leaving.
+    auto c = Open(/*initial=*/2, /*min=*/2);
+    for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+    ASSERT_TRUE(c->StreamBroken("b", t0_).ok());
+    ASSERT_TRUE(c->Leave(kToken, "a", t0_).ok());
+    const auto r = c->Snapshot();
+    ASSERT_EQ(r.timeline_size(), 2);
+    EXPECT_EQ(Strings(r.timeline(1).failed()), (std::vector<std::string>{"b"}));
+    EXPECT_EQ(Strings(r.timeline(1).left()), (std::vector<std::string>{"a"}));
+    EXPECT_EQ(r.workers_failed(), 1);
+    EXPECT_EQ(r.workers_left(), 1);
+  }
+  std::filesystem::remove_all(dir_.File("coordinator"));
+  {
+    // c fails after step 1; the coordinator restarts before a and b report their start: their
+    // first step of generation 2 says the re-form is done.
+    auto c = Open(/*initial=*/3, /*min=*/2);
+    for (const char* id : {"a", "b", "c"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
+    AllReport(*c, 1, t0_);
+    ASSERT_TRUE(c->StreamBroken("c", t0_).ok());
+  }
+  auto c = Open(/*initial=*/3, /*min=*/2);
+  EXPECT_EQ(c->Snapshot().timeline(1).started_unix_ms(), 0);
+  ASSERT_TRUE(c->ReportStep(kToken, "a", 2, 2, t0_).ok());
+  const auto e = c->Snapshot().timeline(1);
+  EXPECT_GT(e.started_unix_ms(), 0);
+  EXPECT_EQ(e.first_step(), 1);
+  EXPECT_EQ(e.boundary_step(), 1);
+}
+
 TEST_F(CoordinatorStateTest, RankZerosMetricsLineReachesTheDashboardOnceItsStepIsCounted) {
   std::vector<std::string> lines;
   CoordinatorState* state = nullptr;

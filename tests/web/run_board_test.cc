@@ -11,9 +11,11 @@
 #include <random>
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 #include "tests/web/exposition.h"
@@ -304,6 +306,10 @@ TEST(RunBoardTest, ACoordinatorsBoardShowsItsMembershipTimelineAndCheckpoints) {
   ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(board.StatusJson(), &status).ok());
   const auto& points = history.fields().at("points").list_value().values();
   ASSERT_EQ(points.size(), 3);
+  // Step 4's evaluation went with step 4.
+  EXPECT_EQ(history.fields().at("evals").list_value().values_size(), 0);
+  EXPECT_EQ(status.fields().count("eval_step"), 0u);
+  EXPECT_EQ(e.samples.count("strata_eval_step"), 0u);
   for (int i = 0; i < 3; ++i) {
     EXPECT_EQ(points[i].struct_value().fields().at("step").number_value(), i + 1);
   }
@@ -333,6 +339,38 @@ TEST(RunBoardTest, ACoordinatorsBoardShowsItsMembershipTimelineAndCheckpoints) {
   EXPECT_EQ(status.fields().count("workers"), 0u) << "the line's view is not repeated";
   // The folder was listed once: renderings within `refresh` share the listing.
   EXPECT_EQ(listings, 1);
+}
+
+TEST(RunBoardTest, ASlowCheckpointListingHoldsUpNoOtherRendering) {
+  RunBoard board("tiny", 20);
+  absl::Notification listing, release;
+  board.SetCheckpointSource([&] {
+    listing.Notify();
+    release.WaitForNotification();
+    RunBoard::CheckpointList list;
+    list.rows.push_back({4, NowMs(), 1, 1, 1, ""});
+    return list;
+  });
+  std::thread slow([&] { (void)board.Prometheus(); });
+  listing.WaitForNotification();
+  // Meanwhile a scrape answers at once, without the checkpoints it does not have yet.
+  testing::Exposition e = testing::ParseExposition(board.Prometheus());
+  ASSERT_EQ(e.error, "");
+  EXPECT_EQ(e.samples.count("strata_checkpoints"), 0u);
+  release.Notify();
+  slow.join();
+  e = testing::ParseExposition(board.Prometheus());
+  EXPECT_EQ(e.samples.at("strata_checkpoints"), 1);
+  // A folder that cannot be listed: what it holds is not known.
+  RunBoard broken("tiny", 20);
+  broken.SetCheckpointSource([] {
+    RunBoard::CheckpointList list;
+    list.error = "permission denied";
+    return list;
+  });
+  e = testing::ParseExposition(broken.Prometheus());
+  EXPECT_EQ(e.samples.at("strata_checkpoint_list_ok"), 0);
+  EXPECT_EQ(e.samples.count("strata_checkpoints"), 0u);
 }
 
 TEST(RunBoardTest, TheLoadMapAveragesEachExpertsLoadOverTheMeanPerColumnOfSteps) {
