@@ -52,15 +52,28 @@ add_library(strata_library SHARED ${CMAKE_CURRENT_LIST_DIR}/package.cc ${strata_
 add_library(strata::strata ALIAS strata_library)
 set_target_properties(strata_library PROPERTIES
   OUTPUT_NAME strata EXPORT_NAME strata
-  VERSION ${PROJECT_VERSION} SOVERSION ${PROJECT_VERSION_MAJOR}.${PROJECT_VERSION_MINOR}
-  # The installed library finds what it links where it was found here (CUDA's libraries).
-  INSTALL_RPATH_USE_LINK_PATH ON)
+  VERSION ${PROJECT_VERSION} SOVERSION ${PROJECT_VERSION_MAJOR}.${PROJECT_VERSION_MINOR})
+# A missing private dependency fails here, not in a consumer's link.
+target_link_options(strata_library PRIVATE -Wl,--no-undefined)
+# The installed library and command find CUDA's libraries (and NCCL) where they were found here,
+# also where no ld.so.conf.d names them; the system's libraries (OpenBLAS among them, whose
+# variant Debian's alternatives choose) come from the loader's own paths.
+if(STRATA_WITH_CUDA)
+  set(strata_runpath ${CUDAToolkit_LIBRARY_DIR})
+  if(STRATA_NCCL_LIBRARY)
+    get_filename_component(strata_nccl_dir ${STRATA_NCCL_LIBRARY} DIRECTORY)
+    list(APPEND strata_runpath ${strata_nccl_dir})
+  endif()
+  list(REMOVE_DUPLICATES strata_runpath)
+  set_target_properties(strata_library strata PROPERTIES INSTALL_RPATH "${strata_runpath}")
+endif()
 target_link_libraries(strata_library
   PRIVATE ${STRATA_PACKAGE_LIBRARIES}
   INTERFACE absl::status absl::statusor absl::strings absl::str_format absl::synchronization
             protobuf::libprotobuf Threads::Threads)
 target_compile_features(strata_library INTERFACE cxx_std_20)
 target_include_directories(strata_library INTERFACE
+  $<BUILD_INTERFACE:${CMAKE_SOURCE_DIR}> $<BUILD_INTERFACE:${CMAKE_BINARY_DIR}>
   $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}/strata>)
 
 install(TARGETS strata_library EXPORT strataTargets

@@ -779,12 +779,11 @@ StatusOr<coordinator::Generation> CoordinatorState::ReportStart(
       record_.timeline(record_.timeline_size() - 1).number() == current) {
     coordinator::GenerationEvent* e = record_.mutable_timeline(record_.timeline_size() - 1);
     e->set_first_step(step);
-    const bool all_started =
-        std::all_of(record_.generation().workers().begin(), record_.generation().workers().end(),
-                    [&](const coordinator::WorkerInfo& w) {
-                      auto st = started_.find(w.id());
-                      return st != started_.end() && st->second;
-                    });
+    bool all_started = true;  // (a loop, not a lambda: the lock analysis sees mu_ held here)
+    for (const auto& w : record_.generation().workers()) {
+      auto st = started_.find(w.id());
+      all_started = all_started && st != started_.end() && st->second;
+    }
     if (all_started && e->started_unix_ms() == 0) e->set_started_unix_ms(UnixMillisNow());
   }
   if (!experts_per_worker.empty()) {

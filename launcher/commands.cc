@@ -56,7 +56,7 @@ int Main(int argc, char** argv) {
   if (cmd == "status") return StatusCommand(args);
   if (cmd == "version" || cmd == "--version") {
     std::printf(
-        "strata 0.1.0 (backends: cpu%s)\n",
+        "strata %s (backends: cpu%s)\n", STRATA_VERSION,
 #ifdef STRATA_WITH_CUDA
         CudaDeviceCount() > 0 ? absl::StrFormat(", cuda: %d GPU(s)", CudaDeviceCount()).c_str()
                               : ", cuda: built, no GPU found"

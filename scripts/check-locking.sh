@@ -18,6 +18,6 @@ cmake -S . -B "$dir" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang -DCMA
   -DCMAKE_CXX_FLAGS="-Wthread-safety -Werror=thread-safety" > "$dir/configure.log" 2>&1 ||
   { cat "$dir/configure.log" >&2; exit 1; }
 # strata_coordinator links (and so builds) every annotated library below it: storage, checkpoint,
-# train.
-cmake --build "$dir" -j"${STRATA_JOBS:-$(nproc)}" --target strata_coordinator
+# train; strata_web (the run board) is beside them.
+cmake --build "$dir" -j"${STRATA_JOBS:-$(nproc)}" --target strata_coordinator strata_web
 echo "check-locking: the annotated libraries build with -Wthread-safety, no warning"

@@ -35,10 +35,15 @@ TEST(PackageTest, AProjectBuiltAgainstTheInstalledPackageRunsLikeTheTreesOwnBuil
   auto install =
       RunCommand(absl::StrCat(STRATA_CMAKE, " --install ", kBuild, " --prefix ", prefix));
   ASSERT_EQ(install.exit_code, 0) << install.output;
-  EXPECT_TRUE(fs::exists(prefix + "/lib/libstrata.so")) << install.output;
+  const std::string libdir = prefix + "/" + STRATA_LIBDIR;
+  EXPECT_TRUE(fs::exists(libdir + "/libstrata.so")) << install.output;
   EXPECT_TRUE(fs::exists(prefix + "/bin/strata"));
   auto version = RunCommand(prefix + "/bin/strata version");
   EXPECT_EQ(version.exit_code, 0) << version.output;
+  EXPECT_NE(version.output.find(absl::StrCat("strata ", STRATA_PROJECT_VERSION, " ")),
+            std::string::npos)
+      << "the package's version\n"
+      << version.output;
 
   // The headers: every one reached from the entry points, and no other.
   const std::string include = prefix + "/include/strata";
@@ -84,12 +89,13 @@ TEST(PackageTest, AProjectBuiltAgainstTheInstalledPackageRunsLikeTheTreesOwnBuil
   const std::string app = dir.File("app");
   auto configure = RunCommand(
       absl::StrCat(STRATA_CMAKE, " -S ", STRATA_SOURCE_DIR, "/examples/installed_package -B ", app,
-                   " -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=", prefix));
+                   " -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH=", prefix,
+                   " -DCMAKE_CXX_COMPILER=", STRATA_CXX));
   ASSERT_EQ(configure.exit_code, 0) << configure.output;
   auto build = RunCommand(absl::StrCat(STRATA_CMAKE, " --build ", app));
   ASSERT_EQ(build.exit_code, 0) << build.output;
   auto ldd = RunCommand("ldd " + app + "/custom_expert");
-  EXPECT_NE(ldd.output.find(prefix + "/lib/libstrata.so"), std::string::npos)
+  EXPECT_NE(ldd.output.find(libdir + "/libstrata.so"), std::string::npos)
       << "the project runs on the installed library\n"
       << ldd.output;
 
@@ -115,7 +121,9 @@ TEST(PackageTest, AProjectBuiltAgainstTheInstalledPackageRunsLikeTheTreesOwnBuil
   const auto [tree_first, tree_last] = losses(in_tree.output);
   EXPECT_NEAR(first, tree_first, 1.5e-3) << packaged.output << in_tree.output;
   EXPECT_NEAR(last, tree_last, 1.5e-3) << packaged.output << in_tree.output;
-  EXPECT_LT(last, first - 0.5) << "it trained";
+  // It learned: the uniform loss over 256 bytes is 5.55 nats; 12 steps of this config take it
+  // below 4 (3.72 in this tree's run).
+  EXPECT_LT(last, 4.0) << "it trained";
   EXPECT_NE(packaged.output.find("gradient check of ScaledLinearExpert"), std::string::npos);
 }
 
