@@ -213,9 +213,15 @@ class CoordinatorClient::Attachment {
 
 namespace {
 
+// Every call waits for the channel to be ready, up to its deadline, rather than failing at once
+// while it reconnects. A call that waits also drives the connection attempt: a synchronous
+// client's channel notices its TCP connect completing only while a call polls it, otherwise only
+// at gRPC's backup poll (every 5 s), so fail-fast heartbeats found a restarted coordinator 3 to
+// 10 s after it listened, which a heartbeat timeout of a few seconds reads as failed workers.
 void Prepare(grpc::ClientContext* ctx, const std::string& token, std::chrono::milliseconds t) {
   ctx->AddMetadata(kTokenKey, token);
   ctx->set_deadline(std::chrono::system_clock::now() + t);
+  ctx->set_wait_for_ready(true);
 }
 
 }  // namespace

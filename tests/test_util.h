@@ -30,7 +30,8 @@ inline std::string BinDir() {
   return e != nullptr && *e != '\0' ? std::string(e) : std::string(STRATA_BIN_DIR);
 }
 
-// A fresh folder under $TMPDIR (or /tmp), removed with everything in it on destruction.
+// A fresh folder under $TMPDIR (or /tmp), removed with everything in it on destruction, unless
+// STRATA_KEEP_TEST_DIRS is set (then kept, for reading a failed test's logs and files).
 class TempDir {
  public:
   TempDir() {
@@ -41,6 +42,7 @@ class TempDir {
     path_ = mkdtemp(buf.data());
   }
   ~TempDir() {
+    if (std::getenv("STRATA_KEEP_TEST_DIRS") != nullptr) return;
     std::error_code ec;
     std::filesystem::remove_all(path_, ec);
   }

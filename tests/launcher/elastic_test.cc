@@ -41,6 +41,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "coordinator/state.h"
+#include "proto/config_io.h"
 #include "tests/test_util.h"
 
 namespace strata {
@@ -250,7 +251,20 @@ class ElasticTest : public ::testing::Test {
   void SetUp() override { WriteFile(dir_.File("text.txt"), strata::testing::SyntheticText(30000)); }
   // The reference: the memberships replayed without failures, each a `strata launch` resuming
   // the previous one's checkpoint.
+  //
+  // The replay must not re-form: its heartbeats may lapse for 30 s (the synced writes of a TIERED
+  // job checkpointing every step, on a machine loaded by other tests, have held a worker's
+  // heartbeat up past the job's timeout), and each of its steps must come from its first
+  // generation.
   std::map<int64_t, double> Replay(const std::vector<std::pair<int, int64_t>>& memberships) {
+    auto job = strata::config::LoadJobConfig(dir_.File("job.textproto"));
+    EXPECT_TRUE(job.ok()) << job.status();
+    if (!job.ok()) return {};
+    strata::config::ElasticConfig& el = *job->mutable_elastic();
+    el.set_heartbeat_timeout_ms(30000);
+    el.set_restart_grace_ms(std::max<uint32_t>(el.restart_grace_ms(), 30000));
+    el.set_coordinator_patience_ms(std::max<uint32_t>(el.coordinator_patience_ms(), 120000));
+    WriteFile(dir_.File("replay.textproto"), strata::config::ToText(*job));
     std::map<int64_t, double> out;
     for (size_t i = 0; i < memberships.size(); ++i) {
       const auto [workers, last] = memberships[i];
@@ -258,10 +272,15 @@ class ElasticTest : public ::testing::Test {
       const std::string metrics = absl::StrCat("replay", i, ".jsonl");
       auto r = RunCommand(
           absl::StrCat("cd ", dir_.path(), " && ", kStrata,
-                       " launch --config job.textproto --quiet --workers ", workers, " --steps ",
+                       " launch --config replay.textproto --quiet --workers ", workers, " --steps ",
                        last, " --checkpoint-dir replay-ckpt --checkpoint-every 1 --metrics-out ",
                        metrics, i > 0 ? " --resume" : ""));
       EXPECT_EQ(r.exit_code, 0) << r.output;
+      const std::string lines = ReadFile(dir_.File(metrics + ".0"));
+      for (const auto& l : absl::StrSplit(lines, '\n', absl::SkipEmpty())) {
+        const int64_t gen = IntField(std::string(l), "generation");
+        EXPECT_TRUE(gen == 1 || gen == -1) << "replay " << i << " re-formed:\n" << r.output;
+      }
       for (const auto& [step, loss] : StepLosses(dir_.File(metrics + ".0"))) out[step] = loss;
     }
     return out;
