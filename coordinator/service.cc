@@ -213,15 +213,25 @@ class CoordinatorClient::Attachment {
 
 namespace {
 
-// Every call waits for the channel to be ready, up to its deadline, rather than failing at once
-// while it reconnects. A call that waits also drives the connection attempt: a synchronous
-// client's channel notices its TCP connect completing only while a call polls it, otherwise only
-// at gRPC's backup poll (every 5 s), so fail-fast heartbeats found a restarted coordinator 3 to
-// 10 s after it listened, which a heartbeat timeout of a few seconds reads as failed workers.
 void Prepare(grpc::ClientContext* ctx, const std::string& token, std::chrono::milliseconds t) {
   ctx->AddMetadata(kTokenKey, token);
   ctx->set_deadline(std::chrono::system_clock::now() + t);
-  ctx->set_wait_for_ready(true);
+}
+
+// A call that failed because its channel is (re)connecting waits up to this long for it to
+// connect before it returns. A synchronous client's channel notices its TCP connect completing
+// only while something waits on it, otherwise at gRPC's backup poll every 5 s: fail-fast
+// heartbeats found a restarted coordinator 2.3 to 10 s after it listened, past a restart grace of
+// a few seconds. The calls themselves stay fail-fast: a heartbeat that fails marks the outage,
+// after which the worker attaches its stream to the restarted coordinator again.
+constexpr auto kReconnectWait = std::chrono::milliseconds(200);
+
+Status Finish(grpc::Channel& channel, const grpc::Status& s, const std::string& what,
+              const std::string& address) {
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    (void)channel.WaitForConnected(std::chrono::system_clock::now() + kReconnectWait);
+  }
+  return FromGrpc(s, what, address);
 }
 
 }  // namespace
@@ -230,7 +240,8 @@ class CoordinatorClient::Store : public comm::Store {
  public:
   Store(std::shared_ptr<grpc::Channel> channel, std::string token, std::string address,
         std::chrono::milliseconds rpc_timeout)
-      : stub_(coordinator::Coordinator::NewStub(channel)),
+      : channel_(channel),
+        stub_(coordinator::Coordinator::NewStub(channel)),
         token_(std::move(token)),
         address_(std::move(address)),
         rpc_timeout_(rpc_timeout) {}
@@ -241,7 +252,7 @@ class CoordinatorClient::Store : public comm::Store {
     req.set_key(key);
     req.set_value(value);
     coordinator::Empty resp;
-    return FromGrpc(stub_->KvSet(&ctx, req, &resp), "store Set", address_);
+    return Finish(*channel_, stub_->KvSet(&ctx, req, &resp), "store Set", address_);
   }
   StatusOr<std::string> Get(const std::string& key) override {
     grpc::ClientContext ctx;
@@ -249,7 +260,7 @@ class CoordinatorClient::Store : public comm::Store {
     coordinator::Key req;
     req.set_key(key);
     coordinator::KeyValue resp;
-    RETURN_IF_ERROR(FromGrpc(stub_->KvGet(&ctx, req, &resp), "store Get", address_));
+    RETURN_IF_ERROR(Finish(*channel_, stub_->KvGet(&ctx, req, &resp), "store Get", address_));
     return resp.value();
   }
   Status Wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
@@ -259,7 +270,7 @@ class CoordinatorClient::Store : public comm::Store {
     for (const auto& k : keys) req.add_keys(k);
     req.set_timeout_ms(timeout.count());
     coordinator::Empty resp;
-    return FromGrpc(stub_->KvWait(&ctx, req, &resp), "store Wait", address_);
+    return Finish(*channel_, stub_->KvWait(&ctx, req, &resp), "store Wait", address_);
   }
   StatusOr<int64_t> Add(const std::string& key, int64_t delta) override {
     grpc::ClientContext ctx;
@@ -268,11 +279,12 @@ class CoordinatorClient::Store : public comm::Store {
     req.set_key(key);
     req.set_delta(delta);
     coordinator::KeyAddReply resp;
-    RETURN_IF_ERROR(FromGrpc(stub_->KvAdd(&ctx, req, &resp), "store Add", address_));
+    RETURN_IF_ERROR(Finish(*channel_, stub_->KvAdd(&ctx, req, &resp), "store Add", address_));
     return resp.value();
   }
 
  private:
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<coordinator::Coordinator::Stub> stub_;
   std::string token_, address_;
   std::chrono::milliseconds rpc_timeout_;
@@ -319,7 +331,7 @@ StatusOr<coordinator::JoinReply> CoordinatorClient::Join(const coordinator::Work
   grpc::ClientContext ctx;
   Prepare(&ctx, token_, rpc_timeout);
   coordinator::JoinReply resp;
-  RETURN_IF_ERROR(FromGrpc(stub_->s->Join(&ctx, info, &resp), "Join", address_));
+  RETURN_IF_ERROR(Finish(*channel_, stub_->s->Join(&ctx, info, &resp), "Join", address_));
   return resp;
 }
 
@@ -329,7 +341,7 @@ StatusOr<coordinator::Generation> CoordinatorClient::Heartbeat(const std::string
   coordinator::WorkerId req;
   req.set_id(id);
   coordinator::Generation resp;
-  RETURN_IF_ERROR(FromGrpc(stub_->s->Heartbeat(&ctx, req, &resp), "Heartbeat", address_));
+  RETURN_IF_ERROR(Finish(*channel_, stub_->s->Heartbeat(&ctx, req, &resp), "Heartbeat", address_));
   return resp;
 }
 
@@ -363,7 +375,8 @@ StatusOr<coordinator::Generation> CoordinatorClient::Report(const coordinator::S
   grpc::ClientContext ctx;
   Prepare(&ctx, token_, rpc_timeout);
   coordinator::Generation resp;
-  RETURN_IF_ERROR(FromGrpc(stub_->s->ReportStep(&ctx, req, &resp), "ReportStep", address_));
+  RETURN_IF_ERROR(
+      Finish(*channel_, stub_->s->ReportStep(&ctx, req, &resp), "ReportStep", address_));
   return resp;
 }
 
@@ -377,7 +390,7 @@ Status CoordinatorClient::Checkpoint(const std::string& id, int64_t generation, 
   req.set_step(step);
   req.set_commit(commit);
   coordinator::Empty resp;
-  return FromGrpc(stub_->s->Checkpoint(&ctx, req, &resp), "Checkpoint", address_);
+  return Finish(*channel_, stub_->s->Checkpoint(&ctx, req, &resp), "Checkpoint", address_);
 }
 
 Status CoordinatorClient::Leave(const std::string& id) {
@@ -386,7 +399,7 @@ Status CoordinatorClient::Leave(const std::string& id) {
   coordinator::WorkerId req;
   req.set_id(id);
   coordinator::Empty resp;
-  return FromGrpc(stub_->s->Leave(&ctx, req, &resp), "Leave", address_);
+  return Finish(*channel_, stub_->s->Leave(&ctx, req, &resp), "Leave", address_);
 }
 
 StatusOr<coordinator::CoordinatorRecord> CoordinatorClient::GetStatus() {
@@ -394,7 +407,7 @@ StatusOr<coordinator::CoordinatorRecord> CoordinatorClient::GetStatus() {
   Prepare(&ctx, token_, rpc_timeout);
   coordinator::Empty req;
   coordinator::CoordinatorRecord resp;
-  RETURN_IF_ERROR(FromGrpc(stub_->s->GetStatus(&ctx, req, &resp), "GetStatus", address_));
+  RETURN_IF_ERROR(Finish(*channel_, stub_->s->GetStatus(&ctx, req, &resp), "GetStatus", address_));
   return resp;
 }
 
