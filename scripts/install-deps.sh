@@ -5,6 +5,8 @@
 #   scripts/install-deps.sh --with-torch also python3-torch (baseline of bench_moe_layer)
 #   scripts/install-deps.sh --with-plots also python3-matplotlib (bench/compare_moe.py's figure)
 #   scripts/install-deps.sh --with-browser also chromium (the dashboard's test opens the page in it)
+#   scripts/install-deps.sh --with-container also podman, runc and mmdebstrap (the image:
+#                                         scripts/container.sh) and python3-yaml (its recipe check)
 #
 # Idempotent: packages already installed are skipped, and `apt-get update` runs at most once per
 # call (only when something is missing). Works as root or through sudo.
@@ -35,8 +37,9 @@ for arg in "$@"; do
     --with-torch) packages+=(python3-torch) ;;
     --with-plots) packages+=(python3-matplotlib) ;;
     --with-browser) packages+=(chromium) ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
-    *) echo "install-deps.sh: unknown option '$arg' (known: --with-torch, --with-plots, --with-browser)" >&2; exit 2 ;;
+    --with-container) packages+=(podman runc mmdebstrap python3-yaml) ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "install-deps.sh: unknown option '$arg' (known: --with-torch, --with-plots, --with-browser, --with-container)" >&2; exit 2 ;;
   esac
 done
 
