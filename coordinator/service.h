@@ -14,9 +14,10 @@
 // in its generation for a restarted coordinator) and waiting for them. CoordinatorClient: every
 // call is one RPC on a thread-safe stub and may run on any thread at the same time as others,
 // except that Attach and Detach (which replace the open stream) come from one thread at a time; set
-// rpc_timeout before the calls begin. The destructor cancels a stream still open, which the
-// coordinator counts as a failure. store() returns a Store that shares the channel, may outlive the
-// client and may be used from any thread.
+// rpc_timeout before the calls begin. Calls fail fast while the coordinator is unreachable (after
+// waiting up to 200 ms for the channel to connect, which drives the reconnection). The destructor
+// cancels a stream still open, which the coordinator counts as a failure. store() returns a Store
+// that shares the channel, may outlive the client and may be used from any thread.
 #pragma once
 
 #include <atomic>
