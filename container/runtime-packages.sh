@@ -26,10 +26,11 @@ for f in "${files[@]}"; do
     case "$lib" in "$prefix"/*) continue ;; esac  # strata's own
     real=$(readlink -f "$lib")
     # /lib is /usr/lib on Debian 12 (merged /usr); dpkg knows one of the two names.
-    # dpkg -S prints "package:arch: path" (diversions as lines of their own, left out).
+    # dpkg -S prints "package:arch: path" (diversions as lines of their own, left out); no owner
+    # (grep finds no line: not a failure under pipefail) is a library from outside Debian.
     owner=$( (dpkg -S "$lib" 2>/dev/null || dpkg -S "$real" 2>/dev/null ||
               dpkg -S "/usr$lib" 2>/dev/null || dpkg -S "/usr$real" 2>/dev/null || true) |
-            grep -v '^diversion ' | head -n1)
+            { grep -v '^diversion ' || true; } | head -n1)
     if [ -z "$owner" ]; then
       others[$lib]=1
       continue
@@ -38,6 +39,20 @@ for f in "${files[@]}"; do
   done < <(awk '/=> \// {print $3} /^\t\/[^ ]+ \(/ {print $1}' <<<"$libs")
 done
 if [ "$foreign" = 1 ]; then
+  # A CUDA build opens cuBLAS with dlopen on its first GPU op (kernels/cuda/cublas.h), so ldd does
+  # not list it: carry the cuBLAS (and the cuBLASLt it loads) that sit beside the CUDA runtime.
+  for lib in "${!others[@]}"; do
+    case "$lib" in
+      */libcudart.so.*)
+        major=${lib##*/libcudart.so.}; major=${major%%.*}
+        for extra in libcublas libcublasLt; do
+          found=$(dirname "$(readlink -f "$lib")")/$extra.so.$major
+          [ -e "$found" ] || found=$(dirname "$lib")/$extra.so.$major
+          [ -e "$found" ] || { echo "runtime-packages.sh: no $extra.so.$major beside $lib" >&2; exit 1; }
+          others[$found]=1
+        done ;;
+    esac
+  done
   [ ${#others[@]} -eq 0 ] || printf '%s\n' "${!others[@]}" | sort
 else
   printf '%s\n' "${!packages[@]}" | sort

@@ -1,7 +1,9 @@
 #include "kernels/ops.h"
 
 #include <cstring>
+#include <string>
 
+#include "absl/strings/str_cat.h"
 #include "core/common/logging.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/attention.h"
@@ -62,6 +64,22 @@ ThreadPool& Pool(Context& ctx) {
 }
 
 }  // namespace
+
+Status CheckDeviceKernels(Device device) {
+  if (device.is_cpu()) return absl::OkStatus();
+#ifdef STRATA_WITH_CUDA
+  std::string why;
+  if (!cuda::CublasAvailable(&why)) {
+    return absl::FailedPreconditionError(absl::StrCat("ops on ", device.ToString(), ": ", why));
+  }
+  return absl::OkStatus();
+#else
+  return absl::FailedPreconditionError(
+      absl::StrCat("ops on ", device.ToString(),
+                   ": strata was built without CUDA; build it with the CUDA "
+                   "toolkit installed (STRATA_CUDA=ON) or use the CPU device"));
+#endif
+}
 
 void EmbeddingForward(Context& ctx, const Tensor& out, const Tensor& tokens, const Tensor& wte,
                       const Tensor& wpe, int64_t B, int64_t T) {

@@ -51,6 +51,11 @@ struct Context {
 
 enum class NormKind { kLayerNorm = 0, kRmsNorm = 1 };
 
+// Whether ops can run on `device`: OK for the CPU; for a GPU, FAILED_PRECONDITION naming why not
+// (strata built without CUDA, or the cuBLAS library the GPU kernels call cannot be loaded: it is
+// opened on first use, this call included). Whether the GPU exists is CudaDeviceCount's question.
+[[nodiscard]] Status CheckDeviceKernels(Device device);
+
 // ---- Dense layers ----------------------------------------------------------------------------
 // out [B*T, C] from tokens [B*T] (i32), wte [V, C], wpe [>=T, C].
 void EmbeddingForward(Context& ctx, const Tensor& out, const Tensor& tokens, const Tensor& wte,

@@ -28,7 +28,7 @@ void BatchedGemm(Backend& b, cublasOperation_t ta, cublasOperation_t tb, int64_t
                  const float* B, int64_t ldb, int64_t stride_b, float beta, float* C, int64_t ldc,
                  int64_t stride_c, int64_t batch) {
   for (int64_t d : {m, n, k, lda, ldb, ldc, batch}) CHECK_LE(d, static_cast<int64_t>(INT_MAX));
-  STRATA_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+  STRATA_CUBLAS_CHECK(Cublas().GemmStridedBatchedEx(
       b.cublas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha, A,
       CUDA_R_32F, static_cast<int>(lda), static_cast<long long>(stride_a), B, CUDA_R_32F,
       static_cast<int>(ldb), static_cast<long long>(stride_b), &beta, C, CUDA_R_32F,

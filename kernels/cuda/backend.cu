@@ -74,10 +74,10 @@ void Backend::UploadSmall(void* dst, const void* src, size_t bytes) {
 Backend::Backend(int dev) : device(dev) {
   STRATA_CUDA_CHECK(cudaSetDevice(device));
   stream = ComputeStream(device);
-  STRATA_CUBLAS_CHECK(cublasCreate(&cublas));
-  STRATA_CUBLAS_CHECK(cublasSetStream(cublas, stream));
+  STRATA_CUBLAS_CHECK(Cublas().Create(&cublas));
+  STRATA_CUBLAS_CHECK(Cublas().SetStream(cublas, stream));
   // fp32 stays fp32: no TF32 tensor-core rounding unless an op asks for a lower precision itself.
-  STRATA_CUBLAS_CHECK(cublasSetMathMode(cublas, CUBLAS_DEFAULT_MATH));
+  STRATA_CUBLAS_CHECK(Cublas().SetMathMode(cublas, CUBLAS_DEFAULT_MATH));
 }
 
 Backend::~Backend() {
@@ -86,7 +86,7 @@ Backend::~Backend() {
   if (dev_scratch_ != nullptr) cudaFree(dev_scratch_);
   if (dev_scratch2_ != nullptr) cudaFree(dev_scratch2_);
   if (host_scratch_ != nullptr) cudaFreeHost(host_scratch_);
-  cublasDestroy(cublas);  // the stream is shared and lives on
+  Cublas().Destroy(cublas);  // the stream is shared and lives on
 }
 
 void* Backend::DeviceScratch(size_t bytes) {

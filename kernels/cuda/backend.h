@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "core/common/logging.h"
+#include "kernels/cuda/cublas.h"
 #include "kernels/cuda/cuda_ops.h"
 
 namespace strata::cuda {
@@ -20,12 +21,12 @@ namespace strata::cuda {
                                            << " (" << cudaGetErrorString(strata_cuda_err_) << ")"; \
   } while (0)
 
-#define STRATA_CUBLAS_CHECK(expr)                                          \
-  do {                                                                     \
-    const cublasStatus_t strata_cublas_st_ = (expr);                       \
-    CHECK(strata_cublas_st_ == CUBLAS_STATUS_SUCCESS)                      \
-        << #expr << ": " << cublasGetStatusName(strata_cublas_st_) << " (" \
-        << cublasGetStatusString(strata_cublas_st_) << ")";                \
+#define STRATA_CUBLAS_CHECK(expr)                                             \
+  do {                                                                        \
+    const cublasStatus_t strata_cublas_st_ = (expr);                          \
+    CHECK(strata_cublas_st_ == CUBLAS_STATUS_SUCCESS)                         \
+        << #expr << ": " << Cublas().GetStatusName(strata_cublas_st_) << " (" \
+        << Cublas().GetStatusString(strata_cublas_st_) << ")";                \
   } while (0)
 
 // Checks the launch of the kernel just enqueued (configuration errors show up here; faults inside

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kernels/vocabulary.h"
@@ -33,6 +34,10 @@ using ops::AdamWHyper;
 // so work is ordered by when threads enqueue it), a cuBLAS handle bound to it, and grow-only
 // scratch (device and pinned host) for reductions and plans. One per thread per device.
 struct Backend;
+
+// Whether cuBLAS, which the kernels call, can be loaded (kernels/cuda/cublas.h opens it on first
+// use); when not, `why` (if given) names the library, the loader's error and how to make it found.
+bool CublasAvailable(std::string* why);
 
 // The calling thread's Backend for GPU `device` (created on first use, lives until the thread
 // ends; only that thread may use it). Also makes `device` the calling thread's current GPU, and

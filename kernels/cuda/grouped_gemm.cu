@@ -93,7 +93,7 @@ void RunGroupedFp32(Backend& b, const Problems& p) {
   }
   auto** d_ptrs = static_cast<void**>(b.DeviceScratch2(ptrs.size() * sizeof(void*)));
   b.UploadSmall(d_ptrs, ptrs.data(), ptrs.size() * sizeof(void*));
-  STRATA_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(
+  STRATA_CUBLAS_CHECK(Cublas().GemmGroupedBatchedEx(
       b.cublas, p.transa.data(), p.transb.data(), p.m.data(), p.n.data(), p.k.data(),
       p.alpha.data(), d_ptrs, CUDA_R_32F, p.lda.data(), d_ptrs + P, CUDA_R_32F, p.ldb.data(),
       p.beta.data(), d_ptrs + 2 * P, CUDA_R_32F, p.ldc.data(), static_cast<int>(P),
@@ -105,9 +105,9 @@ void GemmBf16(Backend& b, cublasOperation_t ta, cublasOperation_t tb, int m, int
               const __nv_bfloat16* A, int lda, const __nv_bfloat16* B, int ldb, float beta,
               float* C, int ldc) {
   const float alpha = 1.f;
-  STRATA_CUBLAS_CHECK(cublasGemmEx(b.cublas, ta, tb, m, n, k, &alpha, A, CUDA_R_16BF, lda, B,
-                                   CUDA_R_16BF, ldb, &beta, C, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
-                                   CUBLAS_GEMM_DEFAULT));
+  STRATA_CUBLAS_CHECK(Cublas().GemmEx(b.cublas, ta, tb, m, n, k, &alpha, A, CUDA_R_16BF, lda, B,
+                                      CUDA_R_16BF, ldb, &beta, C, CUDA_R_32F, ldc,
+                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
 // Rows of group g, checked.

@@ -21,7 +21,7 @@ void Gemm(Backend& b, cublasOperation_t ta, cublasOperation_t tb, int64_t m, int
           float alpha, const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
           float* C, int64_t ldc) {
   for (int64_t d : {m, n, k, lda, ldb, ldc}) CHECK_LE(d, static_cast<int64_t>(INT_MAX));
-  STRATA_CUBLAS_CHECK(cublasGemmEx(
+  STRATA_CUBLAS_CHECK(Cublas().GemmEx(
       b.cublas, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), &alpha, A,
       CUDA_R_32F, static_cast<int>(lda), B, CUDA_R_32F, static_cast<int>(ldb), &beta, C, CUDA_R_32F,
       static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));

@@ -260,6 +260,7 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
           "model on %s, but %s; train on the CPU device or on a machine with an NVIDIA GPU",
           options.device.ToString(), CudaDeviceDescription(options.device.index)));
     }
+    RETURN_IF_ERROR(ops::CheckDeviceKernels(options.device));
     if (options.expert_factory || options.num_local_experts >= 0) {
       return absl::UnimplementedError(absl::StrFormat(
           "a model on %s builds every expert itself from the config: expert parallelism and "
