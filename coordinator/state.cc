@@ -529,6 +529,32 @@ Status CoordinatorState::NewGenerationLocked(std::vector<coordinator::WorkerInfo
   return absl::OkStatus();
 }
 
+namespace {
+
+// "cpu" or "cuda": the kind of a WorkerInfo's device ("cpu" when left out).
+std::string DeviceKind(const coordinator::WorkerInfo& w) {
+  if (w.device().empty()) return "cpu";
+  return w.device().substr(0, w.device().find(':'));
+}
+
+}  // namespace
+
+Status CoordinatorState::CheckDeviceKindLocked(const coordinator::WorkerInfo& info) const {
+  const std::string kind = DeviceKind(info);
+  auto check = [&](const coordinator::WorkerInfo& other) -> Status {
+    if (DeviceKind(other) == kind) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "worker '%s' trains on %s, but the job's workers train on %s (worker '%s': %s); a job's "
+        "workers all train on the CPU or all on GPUs. Start it with --device %s on a machine "
+        "that has one, or start the job again on the devices you want",
+        info.id(), info.device().empty() ? "cpu" : info.device(), DeviceKind(other), other.id(),
+        other.device().empty() ? "cpu" : other.device(), DeviceKind(other)));
+  };
+  for (const auto& w : record_.generation().workers()) RETURN_IF_ERROR(check(w));
+  for (const auto& w : record_.pending()) RETURN_IF_ERROR(check(w));
+  return absl::OkStatus();
+}
+
 StatusOr<CoordinatorState::JoinReply> CoordinatorState::Join(const std::string& token,
                                                              const coordinator::WorkerInfo& info,
                                                              Time now) {
@@ -542,6 +568,7 @@ StatusOr<CoordinatorState::JoinReply> CoordinatorState::Join(const std::string& 
         "the job finished at step %d; worker '%s' has nothing to join", record_.step(), info.id()));
   }
   if (options_.check_config) RETURN_IF_ERROR(options_.check_config(record_.job_config(), info));
+  RETURN_IF_ERROR(CheckDeviceKindLocked(info));
   const bool pending = std::any_of(record_.pending().begin(), record_.pending().end(),
                                    [&](const auto& w) { return w.id() == info.id(); });
   if (IsMemberLocked(info.id()) || pending) {

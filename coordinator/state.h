@@ -4,9 +4,9 @@
 // Calls:
 // - The gRPC service (and tests) call it. Every call carries the job's token, checked first
 //   (UNAUTHENTICATED otherwise).
-// - A request that does not fit the state (a second Join of the same worker, a report from an old
-//   generation or out of step order, a Wait past its timeout) gets a status that says what and
-//   why, and changes nothing.
+// - A request that does not fit the state (a second Join of the same worker, a Join on another
+//   kind of device than the job's workers, a report from an old generation or out of step order,
+//   a Wait past its timeout) gets a status that says what and why, and changes nothing.
 //
 // Generations:
 // - The first forms when `initial_workers` have joined, ranks in join order.
@@ -226,6 +226,10 @@ class CoordinatorState {
   void CreditStallLocked(std::chrono::steady_clock::duration stalled, const char* what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool IsMemberLocked(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FAILED_PRECONDITION when `info` trains on another kind of device (CPU or GPU) than a member
+  // or a pending worker, naming both.
+  Status CheckDeviceKindLocked(const coordinator::WorkerInfo& info) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records rank 0's checkpoint report in the catalog.
   Status RecordCheckpointReport(const std::string& id, int64_t generation, int64_t step,
                                 bool commit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(catalog_mu_)

@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "coordinator/membership_client.h"
 #include "coordinator/service.h"
+#include "core/device/device.h"
 #include "launcher/command_util.h"
 #include "launcher/job_config.h"
 #include "proto/config_io.h"
@@ -148,6 +149,9 @@ int JoinAndTrain(const Flags& flags) {
   options.info.set_host(flags.String("hostname").value_or("127.0.0.1"));
   options.info.set_threads(options.train.config.train().threads());
   options.info.set_job_config(config::ToText(JobPart(*cfg)));
+  auto device = Device::Parse(cfg->train().device());
+  if (!device.ok()) return Fail(device.status());
+  options.info.set_device(device->ToString());
   HttpEndpoint http;  // served across the worker's generations, until it ends
   if (flags.Has("http")) {
     auto started = StartHttp(flags, &options.train);

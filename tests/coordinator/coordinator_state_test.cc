@@ -788,6 +788,50 @@ TEST_F(CoordinatorStateTest, AJoinerWhoseConfigCheckFailsIsRefusedAndChangesNoth
   EXPECT_EQ(Ids((*c)->Snapshot().generation()), (std::vector<std::string>{"a"}));
 }
 
+TEST_F(CoordinatorStateTest, AJoinerOnAnotherKindOfDeviceIsRefusedNamingAMemberOfTheJobsKind) {
+  auto c = Open(/*initial=*/2, /*min=*/1);
+  WorkerInfo a = Worker("a");  // no device: the CPU, as a worker of an older strata says
+  ASSERT_TRUE(c->Join(kToken, a, t0_).ok());
+  // Pending (the first generation waits for 2): a GPU worker is refused against it.
+  WorkerInfo g = Worker("g");
+  g.set_device("cuda:1");
+  auto refused = c->Join(kToken, g, t0_);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_NE(refused.status().message().find(
+                "worker 'g' trains on cuda:1, but the job's workers train on cpu (worker 'a': "
+                "cpu)"),
+            std::string::npos)
+      << refused.status();
+  EXPECT_NE(refused.status().message().find("--device cpu"), std::string::npos);
+  EXPECT_EQ(c->Snapshot().pending_size(), 1);
+  // Another CPU worker ("cpu" written out) is admitted; the generation forms.
+  WorkerInfo b = Worker("b");
+  b.set_device("cpu");
+  ASSERT_TRUE(c->Join(kToken, b, t0_).ok());
+  EXPECT_EQ(Ids(c->Snapshot().generation()), (std::vector<std::string>{"a", "b"}));
+  // Against members: refused, and nothing changed.
+  auto again = c->Join(kToken, g, t0_);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(c->Snapshot().pending_size(), 0);
+}
+
+TEST_F(CoordinatorStateTest, AJobOfGpuWorkersAdmitsAnyGpuAndRefusesACpuWorker) {
+  auto gpus = Open(/*initial=*/1, /*min=*/1);
+  WorkerInfo g0 = Worker("g0");
+  g0.set_device("cuda:0");
+  ASSERT_TRUE(gpus->Join(kToken, g0, t0_).ok());
+  WorkerInfo g1 = Worker("g1");
+  g1.set_device("cuda:1");
+  EXPECT_TRUE(gpus->Join(kToken, g1, t0_).ok());
+  auto cpu = gpus->Join(kToken, Worker("c"), t0_);
+  ASSERT_EQ(cpu.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(cpu.status().message().find("worker 'c' trains on cpu, but the job's workers train on "
+                                        "cuda (worker 'g0': cuda:0)"),
+            std::string::npos)
+      << cpu.status();
+  EXPECT_NE(cpu.status().message().find("--device cuda"), std::string::npos);
+}
+
 TEST_F(CoordinatorStateTest, AFinishedJobAdmitsNoJoinerAndIsDoneOnceItsWorkersAreGone) {
   auto c = Open(/*initial=*/2, /*min=*/1);
   for (const char* id : {"a", "b"}) ASSERT_TRUE(c->Join(kToken, Worker(id), t0_).ok());
