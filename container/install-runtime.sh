@@ -13,7 +13,14 @@ if [ -d /opt/strata/lib/foreign ]; then
   echo /opt/strata/lib/foreign > /etc/ld.so.conf.d/strata-foreign.conf
   ldconfig
 fi
-if ldd /opt/strata/bin/strata | grep "not found"; then
+libs=$(ldd /opt/strata/bin/strata)
+if echo "$libs" | grep "not found"; then
   echo "install-runtime.sh: strata lacks the libraries above" >&2
+  exit 1
+fi
+# A CUDA build opens cuBLAS on its first GPU op (dlopen: ldd does not show it).
+cudart=$(echo "$libs" | sed -n 's/^[[:space:]]*libcudart\.so\.\([0-9]*\) .*/\1/p')
+if [ -n "$cudart" ] && ! ldconfig -p | grep -q "libcublas\.so\.$cudart "; then
+  echo "install-runtime.sh: strata loads CUDA $cudart's runtime, but no libcublas.so.$cudart is registered with the dynamic linker" >&2
   exit 1
 fi

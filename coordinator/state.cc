@@ -531,9 +531,9 @@ Status CoordinatorState::NewGenerationLocked(std::vector<coordinator::WorkerInfo
 
 namespace {
 
-// "cpu" or "cuda": the kind of a WorkerInfo's device ("cpu" when left out).
+// "cpu" or "cuda": the kind of a WorkerInfo's device; empty when the worker did not say (a worker
+// of an older strata, whose kind is unknown).
 std::string DeviceKind(const coordinator::WorkerInfo& w) {
-  if (w.device().empty()) return "cpu";
   return w.device().substr(0, w.device().find(':'));
 }
 
@@ -541,14 +541,17 @@ std::string DeviceKind(const coordinator::WorkerInfo& w) {
 
 Status CoordinatorState::CheckDeviceKindLocked(const coordinator::WorkerInfo& info) const {
   const std::string kind = DeviceKind(info);
+  if (kind.empty()) return absl::OkStatus();
   auto check = [&](const coordinator::WorkerInfo& other) -> Status {
-    if (DeviceKind(other) == kind) return absl::OkStatus();
+    const std::string theirs = DeviceKind(other);
+    if (theirs.empty() || theirs == kind) return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrFormat(
         "worker '%s' trains on %s, but the job's workers train on %s (worker '%s': %s); a job's "
-        "workers all train on the CPU or all on GPUs. Start it with --device %s on a machine "
-        "that has one, or start the job again on the devices you want",
-        info.id(), info.device().empty() ? "cpu" : info.device(), DeviceKind(other), other.id(),
-        other.device().empty() ? "cpu" : other.device(), DeviceKind(other)));
+        "workers all train on the CPU or all on GPUs. %s, or start the job again on the devices "
+        "you want",
+        info.id(), info.device(), theirs, other.id(), other.device(),
+        theirs == "cpu" ? "Start it with --device cpu"
+                        : "Start it with --device cuda on a machine with a GPU"));
   };
   for (const auto& w : record_.generation().workers()) RETURN_IF_ERROR(check(w));
   for (const auto& w : record_.pending()) RETURN_IF_ERROR(check(w));
@@ -568,7 +571,6 @@ StatusOr<CoordinatorState::JoinReply> CoordinatorState::Join(const std::string& 
         "the job finished at step %d; worker '%s' has nothing to join", record_.step(), info.id()));
   }
   if (options_.check_config) RETURN_IF_ERROR(options_.check_config(record_.job_config(), info));
-  RETURN_IF_ERROR(CheckDeviceKindLocked(info));
   const bool pending = std::any_of(record_.pending().begin(), record_.pending().end(),
                                    [&](const auto& w) { return w.id() == info.id(); });
   if (IsMemberLocked(info.id()) || pending) {
@@ -576,6 +578,7 @@ StatusOr<CoordinatorState::JoinReply> CoordinatorState::Join(const std::string& 
         "worker '%s' has already joined (%s of generation %d); a restarted worker needs a new id",
         info.id(), pending ? "pending" : "a member", record_.generation().number()));
   }
+  RETURN_IF_ERROR(CheckDeviceKindLocked(info));
   const int total = record_.generation().workers_size() + record_.pending_size();
   if (total >= options_.max_workers) {
     return absl::ResourceExhaustedError(absl::StrFormat(

@@ -227,7 +227,8 @@ class CoordinatorState {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool IsMemberLocked(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FAILED_PRECONDITION when `info` trains on another kind of device (CPU or GPU) than a member
-  // or a pending worker, naming both.
+  // or a pending worker, naming both. A worker that does not say its device is of no known kind
+  // and is not compared.
   Status CheckDeviceKindLocked(const coordinator::WorkerInfo& info) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records rank 0's checkpoint report in the catalog.

@@ -16,7 +16,7 @@ mkdir -p "$dir"
 # The analysis is part of clang's semantic analysis: files are compiled with -fsyntax-only (about
 # a third faster than making code) and empty objects stand in (scripts/syntax-only.sh); the
 # libraries are archives, nothing links them.
-cmake -S . -B "$dir" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE= \
+cmake -S . -B "$dir" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug \
   -DCMAKE_CXX_COMPILER_LAUNCHER="$PWD/scripts/syntax-only.sh" \
   -DSTRATA_CUDA=OFF -DSTRATA_NATIVE=OFF -DSTRATA_BUILD_TESTS=OFF -DSTRATA_BUILD_BENCH=OFF \
   -DCMAKE_CXX_FLAGS="-Wthread-safety -Werror=thread-safety" > "$dir/configure.log" 2>&1 ||

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 #include <dlfcn.h>
+#include <link.h>
 
 #include <cstdlib>
 #include <string>
@@ -46,19 +47,29 @@ void* Open(const std::string& name, std::string* error) {
   return nullptr;
 }
 
+// The file dlopen loaded for `handle`.
+std::string LoadedFile(void* handle) {
+  struct link_map* map = nullptr;
+  if (dlinfo(handle, RTLD_DI_LINKMAP, &map) != 0 || map == nullptr || map->l_name == nullptr) {
+    return "?";
+  }
+  return map->l_name;
+}
+
 template <typename Fn>
 void Resolve(void* handle, const char* symbol, Fn* fn, Library* lib) {
   *fn = reinterpret_cast<Fn>(dlsym(handle, symbol));
   if (*fn == nullptr && lib->error.empty()) {
-    lib->error = absl::StrCat("the cuBLAS library loaded lacks ", symbol,
-                              ": strata's GPU kernels need the cuBLAS of CUDA ", CUBLAS_VER_MAJOR,
-                              " (", CUBLAS_VER_MAJOR, ".", CUBLAS_VER_MINOR, " or later)");
+    lib->error = absl::StrCat("the cuBLAS library loaded (", LoadedFile(handle), ") lacks ", symbol,
+                              ": strata's GPU kernels need the cuBLAS of CUDA ", CUBLAS_VER_MAJOR);
   }
 }
 
 const Library& Load() {
-  static const Library library = [] {
-    Library lib;
+  // Never destroyed: a Backend destroyed as the process exits still calls cublasDestroy.
+  static const Library& library = *[] {
+    auto* made = new Library;
+    Library& lib = *made;
     const std::string name = absl::StrCat("libcublas.so.", CUBLAS_VER_MAJOR);
     std::string error;
     const char* chosen = std::getenv("STRATA_CUBLAS_LIBRARY");
@@ -69,7 +80,7 @@ const Library& Load() {
         lib.error = absl::StrCat("cannot load cuBLAS from STRATA_CUBLAS_LIBRARY=", chosen, ": ",
                                  dlerror(), ". Point it at CUDA ", CUBLAS_VER_MAJOR, "'s ", name,
                                  ", or unset it to let strata find ", name, " itself");
-        return lib;
+        return made;
       }
     } else {
       handle = Open(name, &error);
@@ -81,7 +92,7 @@ const Library& Load() {
           "'s cuBLAS: install it (the CUDA toolkit, or a PyTorch install's nvidia cuBLAS "
           "package) and put the folder that holds ",
           name, " on LD_LIBRARY_PATH");
-      return lib;
+      return made;
     }
     // Never closed: kernels and handles live until the process ends.
     CublasApi& a = lib.api;
@@ -91,11 +102,10 @@ const Library& Load() {
     Resolve(handle, "cublasSetMathMode", &a.SetMathMode, &lib);
     Resolve(handle, "cublasGetStatusName", &a.GetStatusName, &lib);
     Resolve(handle, "cublasGetStatusString", &a.GetStatusString, &lib);
-    Resolve(handle, "cublasSgemm_v2", &a.Sgemm, &lib);
     Resolve(handle, "cublasGemmEx", &a.GemmEx, &lib);
     Resolve(handle, "cublasGemmStridedBatchedEx", &a.GemmStridedBatchedEx, &lib);
     Resolve(handle, "cublasGemmGroupedBatchedEx", &a.GemmGroupedBatchedEx, &lib);
-    return lib;
+    return made;
   }();
   return library;
 }

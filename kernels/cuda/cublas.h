@@ -7,14 +7,14 @@
 // first call) and opens cuBLAS with dlopen the first time a Backend is made.
 //
 // The library is found as the dynamic loader finds any: LD_LIBRARY_PATH, then the RUNPATH of the
-// program or libstrata.so (the toolkit folder strata was built against), the system's paths; then,
-// last, the folder that holds the loaded libcudart (a toolkit keeps both there). The environment
-// variable STRATA_CUBLAS_LIBRARY, when set, names the file to load instead (one of several CUDA
-// installs); nothing else is tried then.
+// program or libstrata.so (the folder of the CUDA runtime strata was built against), the system's
+// paths; then, last, the folder that holds the loaded libcudart (a toolkit keeps both there).
+// STRATA_CUBLAS_LIBRARY, when set, names the file to load instead (one of several CUDA installs);
+// nothing else is tried then.
 //
 // Threads: Cublas() and CublasAvailable() (declared in cuda_ops.h) may be called from any thread;
-// the first call loads the library (once, under std::call_once) and the table never changes
-// afterwards.
+// the first call loads the library (a function-local static: once, thread-safe), and the table
+// never changes nor is destroyed afterwards (a Backend may be destroyed as the process exits).
 #pragma once
 
 #include <cublas_v2.h>
@@ -30,7 +30,6 @@ struct CublasApi {
   decltype(&cublasSetMathMode) SetMathMode;
   decltype(&cublasGetStatusName) GetStatusName;
   decltype(&cublasGetStatusString) GetStatusString;
-  decltype(&cublasSgemm_v2) Sgemm;
   cublasStatus_t (*GemmEx)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
                            const void*, const void*, cudaDataType, int, const void*, cudaDataType,
                            int, const void*, void*, cudaDataType, int, cublasComputeType_t,

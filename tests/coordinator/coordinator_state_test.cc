@@ -789,8 +789,11 @@ TEST_F(CoordinatorStateTest, AJoinerWhoseConfigCheckFailsIsRefusedAndChangesNoth
 }
 
 TEST_F(CoordinatorStateTest, AJoinerOnAnotherKindOfDeviceIsRefusedNamingAMemberOfTheJobsKind) {
-  auto c = Open(/*initial=*/2, /*min=*/1);
-  WorkerInfo a = Worker("a");  // no device: the CPU, as a worker of an older strata says
+  auto c = Open(/*initial=*/3, /*min=*/1);
+  // A worker of an older strata says no device: it is compared with nobody.
+  ASSERT_TRUE(c->Join(kToken, Worker("old"), t0_).ok());
+  WorkerInfo a = Worker("a");
+  a.set_device("cpu");
   ASSERT_TRUE(c->Join(kToken, a, t0_).ok());
   // Pending (the first generation waits for 2): a GPU worker is refused against it.
   WorkerInfo g = Worker("g");
@@ -802,13 +805,17 @@ TEST_F(CoordinatorStateTest, AJoinerOnAnotherKindOfDeviceIsRefusedNamingAMemberO
                 "cpu)"),
             std::string::npos)
       << refused.status();
-  EXPECT_NE(refused.status().message().find("--device cpu"), std::string::npos);
-  EXPECT_EQ(c->Snapshot().pending_size(), 1);
-  // Another CPU worker ("cpu" written out) is admitted; the generation forms.
+  EXPECT_NE(refused.status().message().find("Start it with --device cpu,"), std::string::npos);
+  EXPECT_EQ(c->Snapshot().pending_size(), 2);
+  // A second Join of a pending worker is that, whatever device it names.
+  WorkerInfo a_again = a;
+  a_again.set_device("cuda:0");
+  EXPECT_EQ(c->Join(kToken, a_again, t0_).status().code(), absl::StatusCode::kAlreadyExists);
+  // Another CPU worker is admitted; the generation forms.
   WorkerInfo b = Worker("b");
   b.set_device("cpu");
   ASSERT_TRUE(c->Join(kToken, b, t0_).ok());
-  EXPECT_EQ(Ids(c->Snapshot().generation()), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(Ids(c->Snapshot().generation()), (std::vector<std::string>{"old", "a", "b"}));
   // Against members: refused, and nothing changed.
   auto again = c->Join(kToken, g, t0_);
   EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
@@ -823,13 +830,16 @@ TEST_F(CoordinatorStateTest, AJobOfGpuWorkersAdmitsAnyGpuAndRefusesACpuWorker) {
   WorkerInfo g1 = Worker("g1");
   g1.set_device("cuda:1");
   EXPECT_TRUE(gpus->Join(kToken, g1, t0_).ok());
-  auto cpu = gpus->Join(kToken, Worker("c"), t0_);
+  WorkerInfo c = Worker("c");
+  c.set_device("cpu");
+  auto cpu = gpus->Join(kToken, c, t0_);
   ASSERT_EQ(cpu.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(cpu.status().message().find("worker 'c' trains on cpu, but the job's workers train on "
                                         "cuda (worker 'g0': cuda:0)"),
             std::string::npos)
       << cpu.status();
-  EXPECT_NE(cpu.status().message().find("--device cuda"), std::string::npos);
+  EXPECT_NE(cpu.status().message().find("Start it with --device cuda on a machine with a GPU"),
+            std::string::npos);
 }
 
 TEST_F(CoordinatorStateTest, AFinishedJobAdmitsNoJoinerAndIsDoneOnceItsWorkersAreGone) {
