@@ -412,11 +412,14 @@ TEST_P(ShardedCheckpointTest, ADamagedOrDeletedShardIsNamedAndSkipped) {
 // the expert state (weights and both moments, 144 MiB) is 4x its budgets (device 16 MiB, host 16
 // MiB); the whole expert state is 576 MiB. The bound is calibrated in the same test: the peak of a
 // worker of the same job with a tiny model (the process itself: code and libraries, RocksDB, Gloo,
-// io_uring rings; about 240 MiB here), plus the budgets, plus 48 MiB for this model's dense state
-// with its gradients and moments (11 MiB), one step's activations, the checkpoint snapshot (only
-// tensors dirty above the SSD tier, so within the budgets) and bookkeeping. Measured: 271-285 MiB
-// against a bound of about 325. A worker that held its own share in memory beside the budgets
-// (+144 MiB) or every expert (+576 MiB) goes over.
+// io_uring rings; about 32 MiB here), plus the budgets, plus 80 MiB for the rest: this model's
+// dense state with its gradients and AdamW moments (10 MiB), the gradient bucket, one step's
+// activations and expert-parallel buffers (about 8 MiB), the checkpoint snapshot (the dense
+// state's 7.5 MiB and the expert tensors dirty above the SSD tier, so within the budgets), and the
+// allocator's and threads' overhead. Measured on the 2-core VM: peaks of 104-119 MiB (102-106
+// without checkpoints; they vary by 15 MiB from run to run) against a bound of about 144. A worker
+// that held its own share in memory beside the budgets (+144 MiB) or every expert (+576 MiB) goes
+// over.
 class ShardedCheckpointMemoryTest : public ::testing::Test {
  protected:
   static constexpr uint64_t kMiB = 1 << 20, kBudget = 16 * kMiB;
@@ -472,13 +475,13 @@ TEST_F(ShardedCheckpointMemoryTest, TieredWorkersCheckpointWithinTheirBudgets) {
   const std::vector<uint64_t> tiny = PeakRss(Config(32, 8, 32, 400000), "");
   if (HasFailure()) return;
   const uint64_t process = *std::max_element(tiny.begin(), tiny.end());
-  const uint64_t bound = process + 2 * kBudget + 48 * kMiB;
+  const uint64_t bound = process + 2 * kBudget + 80 * kMiB;
   const std::vector<uint64_t> peaks =
       PeakRss(Config(256, 48, 1024, kBudget), "--checkpoint-dir ck --checkpoint-every 2");
   if (HasFailure()) return;
   for (int r = 0; r < 4; ++r) {
     std::printf(
-        "worker %d: peak RSS %.1f MiB (bound %.1f MiB: process %.1f + budgets %.1f + 48; "
+        "worker %d: peak RSS %.1f MiB (bound %.1f MiB: process %.1f + budgets %.1f + 80; "
         "its expert share %.1f MiB)\n",
         r, peaks[r] / double(kMiB), bound / double(kMiB), process / double(kMiB),
         2 * kBudget / double(kMiB), share / double(kMiB));
