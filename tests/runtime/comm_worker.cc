@@ -4,7 +4,10 @@
 //
 //   comm_worker --rank R --world W --store DIR --scenario collectives|hierarchical|victim|survivor
 //               [--timeout-ms T] [--local-size L] [--victim V] [--op allreduce|allgather]
+//               [--staged-chunk-bytes N]
 //
+//   --staged-chunk-bytes: the Gloo communicator wrapped into the staging one (staging.h) on the
+//                 CPU device, all-reducing in chunks of N bytes; every check is the same.
 //   hierarchical: the two-level AllToAllV of W / L nodes x L local ranks against a flat one and
 //                 the local reference, bit for bit; survivor: `op` fails, naming a peer rank
 //                 (for allreduce, the victim V).
@@ -22,6 +25,7 @@
 
 #include "runtime/comm/communicator.h"
 #include "runtime/comm/hierarchical.h"
+#include "runtime/comm/staging.h"
 #include "runtime/comm/store.h"
 
 namespace strata::comm {
@@ -221,6 +225,7 @@ int Main(int argc, char** argv) {
   int rank = -1, world = 0;
   std::string store_dir, scenario;
   int timeout_ms = 20000, local_size = 1, victim = -1;
+  size_t staged_chunk_bytes = 0;
   std::string op = "allreduce";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
@@ -240,6 +245,8 @@ int Main(int argc, char** argv) {
       victim = std::stoi(v);
     else if (a == "--op")
       op = v;
+    else if (a == "--staged-chunk-bytes")
+      staged_chunk_bytes = std::stoul(v);
     else
       return 2;
   }
@@ -262,6 +269,10 @@ int Main(int argc, char** argv) {
     return failures == 0 ? 0 : 1;
   }
   auto comm = ConnectGloo(MakePrefixStore(*store, GenerationPrefix(0)), o);
+  if (comm.ok() && staged_chunk_bytes > 0) {
+    comm = MakeStaging(*std::move(comm), Device::Cpu(), StagingOptions{staged_chunk_bytes});
+    if (comm.ok() && (*comm)->backend().find("staged") == std::string::npos) return 2;
+  }
   if (!comm.ok()) {
     std::fprintf(stderr, "rank %d: %s\n", rank, comm.status().ToString().c_str());
     return 2;
