@@ -61,34 +61,91 @@ void DataParallel::Plan(model::MoeTransformer& model) {
   }
   close(0);
   close(1);
-  for (Bucket& b : buckets_) b.buffer = Tensor::Empty({std::max<int64_t>(1, b.floats)});
+  if (!buckets_.empty()) device_ = buckets_.front().params.front()->grad.device();
+  for (const Bucket& b : buckets_) {
+    for (const model::Parameter* p : b.params) {
+      CHECK(p->grad.device() == device_)
+          << p->name << "'s gradient is on " << p->grad.device().ToString()
+          << ", the model's others on " << device_.ToString();
+    }
+  }
+  for (Bucket& b : buckets_) {
+    const Shape shape{std::max<int64_t>(1, b.floats)};
+    if (device_.is_cpu()) {
+      b.buffer = Tensor::Empty(shape);
+      continue;
+    }
+    auto pinned = Buffer::AllocatePinned(static_cast<size_t>(shape.numel()) * sizeof(float));
+    if (!pinned.ok()) {
+      status_ = pinned.status();
+      return;
+    }
+    b.buffer = Tensor::FromBuffer(*std::move(pinned), shape);
+    b.gathered = std::make_unique<CopyEvent>();
+  }
+  if (device_.is_cpu()) return;
+  for (auto* stream : {&gather_, &world_scatter_, &replica_scatter_}) {
+    auto made = CopyStream::Create(device_);
+    if (!made.ok()) {
+      status_ = made.status();
+      return;
+    }
+    *stream = *std::move(made);
+  }
+}
+
+Status DataParallel::GatherOnDevice(Bucket& b) {
+  float* buf = b.buffer.f32();
+  int64_t at = 0;
+  RETURN_IF_ERROR(gather_->WaitForDeviceWork());
+  for (model::Parameter* p : b.params) {
+    const int64_t n = p->shape.numel();
+    RETURN_IF_ERROR(gather_->CopyAsync(buf + at, p->grad.f32(), static_cast<size_t>(n) * 4));
+    at += n;
+  }
+  return gather_->Record(b.gathered.get());
 }
 
 void DataParallel::Launch(Bucket& b) {
-  // Gather on this thread (the gradients are final); reduce, average and scatter on the
-  // communication thread, which owns them until FinishGradients.
-  float* buf = b.buffer.f32();
-  int64_t at = 0;
-  for (model::Parameter* p : b.params) {
-    const int64_t n = p->shape.numel();
-    std::memcpy(buf + at, p->grad.f32(), static_cast<size_t>(n) * sizeof(float));
-    at += n;
+  // Gather on this thread (the gradients are final; on a GPU, enqueue their copies); reduce,
+  // average and scatter on the communication thread, which owns them until FinishGradients.
+  if (!status_.ok()) return;
+  if (device_.is_cpu()) {
+    float* buf = b.buffer.f32();
+    int64_t at = 0;
+    for (model::Parameter* p : b.params) {
+      const int64_t n = p->shape.numel();
+      std::memcpy(buf + at, p->grad.f32(), static_cast<size_t>(n) * sizeof(float));
+      at += n;
+    }
+  } else if (Status s = GatherOnDevice(b); !s.ok()) {
+    status_ = s;
+    return;
   }
   comm::Communicator* comm = b.expert ? replicas_ : world_;
-  CommThread* thread = b.expert && replica_thread_ ? replica_thread_.get() : world_thread_.get();
+  const bool on_replicas = b.expert && replica_thread_;
+  CommThread* thread = on_replicas ? replica_thread_.get() : world_thread_.get();
+  CopyStream* scatter = on_replicas ? replica_scatter_.get() : world_scatter_.get();
   if (b.expert && (replicas_ == nullptr || replicas_->world_size() == 1)) comm = nullptr;
   thread->Submit(
-      [&b, comm, scale = scale_] {
+      [&b, comm, scatter, scale = scale_] {
         float* buf = b.buffer.f32();
+        if (b.gathered) RETURN_IF_ERROR(b.gathered->Synchronize());
         if (comm != nullptr) RETURN_IF_ERROR(comm->AllReduce(buf, static_cast<size_t>(b.floats)));
         int64_t at = 0;
         for (model::Parameter* p : b.params) {
           const int64_t n = p->shape.numel();
-          float* g = p->grad.f32();
-          for (int64_t i = 0; i < n; ++i) g[i] = buf[at + i] * scale;
+          if (scatter == nullptr) {
+            float* g = p->grad.f32();
+            for (int64_t i = 0; i < n; ++i) g[i] = buf[at + i] * scale;
+          } else {
+            for (int64_t i = 0; i < n; ++i) buf[at + i] *= scale;
+            RETURN_IF_ERROR(scatter->CopyAsync(p->grad.f32(), buf + at,
+                                               static_cast<size_t>(n) * sizeof(float)));
+          }
           at += n;
         }
-        return absl::OkStatus();
+        return scatter == nullptr ? absl::OkStatus() : scatter->Synchronize();
       },
       b.expert ? "expert gradient bucket" : "gradient bucket");
 }

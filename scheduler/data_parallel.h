@@ -14,6 +14,13 @@
 // workers too. Each worker's loss is the mean over its own tokens, so this average is the
 // gradient of the mean loss over the global batch.
 //
+// A model on a GPU: the buckets are page-locked host memory and the communicators host ones
+// (Gloo): each bucket's gradients are copied to it on a copy stream after the GPU's work so far
+// (the backward kernels that wrote them), the communication thread waits for those copies,
+// all-reduces and scales on the host, and copies the averages back on its own stream before the
+// bucket counts as done. The same arithmetic as on the CPU, so a GPU worker's averaged gradients
+// are bitwise the all-reduce's.
+//
 // Ownership and threads: DataParallel borrows the model (it keeps pointers to its parameters) and
 // both communicators; all must outlive it. Its members are called from the thread running the
 // model (the trainer's), one at a time: BlockReady from Backward, Sum from the gate's forward and
@@ -70,16 +77,23 @@ class DataParallel : public model::GradientReadyListener, public model::BatchRed
   struct Bucket {
     std::vector<model::Parameter*> params;
     int64_t floats = 0;
-    Tensor buffer;
-    bool expert = false;  // travels among expert replicas
+    Tensor buffer;                        // host memory (page-locked for a model on a GPU)
+    bool expert = false;                  // travels among expert replicas
+    std::unique_ptr<CopyEvent> gathered;  // a model on a GPU: its gradients are in `buffer`
   };
   void Plan(model::MoeTransformer& model);
   void Launch(Bucket& b);
+  // A model on a GPU: enqueues the copies of b's gradients into its buffer and marks them.
+  [[nodiscard]] Status GatherOnDevice(Bucket& b);
 
   comm::Communicator* world_;
   comm::Communicator* replicas_;
   DataParallelOptions options_;
   std::unique_ptr<CommThread> world_thread_, replica_thread_;
+  // Where the gradients live; for a GPU, the copy streams: gradients to the buckets (the training
+  // thread's) and averages back (one per communication thread).
+  Device device_;
+  std::unique_ptr<CopyStream> gather_, world_scatter_, replica_scatter_;
   std::vector<Bucket> buckets_;
   // Buckets to launch when block b is done: ready_[b + 1] (block -1 at index 0).
   std::vector<std::vector<int>> ready_;

@@ -122,10 +122,11 @@ run() {
   echo "gpu-check: $name: $result (${secs} s)"
 }
 
-# Every GPU test: the gpu-labelled suites and NCCL's.
+# Every GPU test: the gpu-labelled suites, NCCL's and staging's (nccl_test), and data parallelism's
+# GPU buckets.
 for t in cuda_ops_test moe_layer_gpu_test model_gpu_test train_gpu_test tiered_store_gpu_test \
          tiered_training_gpu_test \
-         nccl_test; do
+         nccl_test data_parallel_test; do
   if [ -x "$tests/$t" ]; then
     run "$t" 180 "$tests/$t"
   else
