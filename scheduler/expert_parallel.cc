@@ -11,19 +11,45 @@ namespace strata::scheduler {
 
 namespace {
 
-// A flat float tensor of at least n elements, reallocated (by half again) only when it must grow.
-void Reserve(Tensor& t, int64_t n) {
+// A flat float tensor of at least n elements on `device`, reallocated (by half again) only when
+// it must grow. `pinned`: page-locked host memory (the staging buffers of a model on a GPU).
+void Reserve(Tensor& t, int64_t n, Device device = Device::Cpu(), bool pinned = false) {
   n = std::max<int64_t>(n, 1);
   if (t.defined() && t.numel() >= n) return;
   const int64_t have = t.defined() ? t.numel() : 0;
-  t = Tensor::Empty({std::max(n, have + have / 2)});
-}
-
-void CopyRows(float* dst, const float* src, int64_t rows, int64_t C) {
-  if (rows > 0) std::memcpy(dst, src, static_cast<size_t>(rows * C) * sizeof(float));
+  const Shape shape{std::max(n, have + have / 2)};
+  if (!pinned) {
+    t = Tensor::Empty(shape, DType::kF32, device);
+    return;
+  }
+  t = Tensor();  // the old buffer goes before the new one is made
+  auto buffer = Buffer::AllocatePinned(static_cast<size_t>(shape.numel()) * sizeof(float));
+  CHECK(buffer.ok()) << "expert exchange staging: " << buffer.status();
+  t = Tensor::FromBuffer(*std::move(buffer), shape);
 }
 
 }  // namespace
+
+Status ExpertParallel::BeginCopies(Device device) {
+  if (device_ == device) return copies_ ? copies_->WaitForDeviceWork() : absl::OkStatus();
+  device_ = device;
+  copies_.reset();
+  if (device.is_cpu()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(copies_, CopyStream::Create(device));
+  return copies_->WaitForDeviceWork();
+}
+
+Status ExpertParallel::CopyRows(float* dst, const float* src, int64_t rows, int64_t C) {
+  const size_t bytes = static_cast<size_t>(rows * C) * sizeof(float);
+  if (rows <= 0) return absl::OkStatus();
+  if (!copies_) {
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  return copies_->CopyAsync(dst, src, bytes);
+}
+
+Status ExpertParallel::EndCopies() { return copies_ ? copies_->Synchronize() : absl::OkStatus(); }
 
 struct ExpertParallel::LayerState {
   int64_t C = 0, stride = 0;
@@ -75,10 +101,11 @@ void ExpertParallel::Exchange(LayerState& L, int64_t C, const std::string& tag, 
                               const Tensor& out, Run&& run) {
   const int K = options_.chunks;
   const int64_t E = placement_.num_experts();
-  Reserve(send_, L.send_base[K] * C);
-  Reserve(back_, L.send_base[K] * C);
-  Reserve(recv_, L.rows_in * C);
-  Reserve(ret_, L.rows_in * C);
+  const bool pinned = !device_.is_cpu();
+  Reserve(send_, L.send_base[K] * C, Device::Cpu(), pinned);
+  Reserve(back_, L.send_base[K] * C, Device::Cpu(), pinned);
+  Reserve(recv_, L.rows_in * C, Device::Cpu(), pinned);
+  Reserve(ret_, L.rows_in * C, Device::Cpu(), pinned);
   // Caller order -> chunk-major staging: chunk c, then destination, then expert.
   auto walk_caller = [&](int c, auto&& fn) {
     int64_t at = L.send_base[c];
@@ -89,11 +116,14 @@ void ExpertParallel::Exchange(LayerState& L, int64_t C, const std::string& tag, 
     }
   };
   const float* src = send.f32();
+  Status copied = BeginCopies(device_);
   for (int c = 0; c < K; ++c) {
     walk_caller(c, [&](int64_t row, int64_t at, int64_t n) {
-      CopyRows(send_.f32() + at * C, src + row * C, n, C);
+      if (copied.ok()) copied = CopyRows(send_.f32() + at * C, src + row * C, n, C);
     });
   }
+  if (copied.ok()) copied = EndCopies();
+  if (!copied.ok()) return Fail(copied);
   auto counts_of = [&](const std::vector<int64_t>& rows, int c) {
     std::vector<int64_t> v(P_);
     for (int p = 0; p < P_; ++p) v[p] = rows[c * P_ + p] * C;
@@ -130,8 +160,12 @@ void ExpertParallel::Exchange(LayerState& L, int64_t C, const std::string& tag, 
       break;
     }
     t0 = NowSeconds();
-    run(c, walk_received);
+    s = run(c, walk_received);
     times_.compute_seconds += NowSeconds() - t0;
+    if (!s.ok()) {
+      Fail(s);
+      break;
+    }
     back_tickets[c] = thread_->Submit(
         [this, &L, c, C, s = counts_of(L.recv_rows, c), r = counts_of(L.send_rows, c)] {
           return comm_->AllToAllV(ret_.f32() + L.recv_base[c] * C, s,
@@ -147,11 +181,33 @@ void ExpertParallel::Exchange(LayerState& L, int64_t C, const std::string& tag, 
     return;
   }
   float* dst = out.f32();
+  copied = BeginCopies(device_);
   for (int c = 0; c < K; ++c) {
     walk_caller(c, [&](int64_t row, int64_t at, int64_t n) {
-      CopyRows(dst + row * C, back_.f32() + at * C, n, C);
+      if (copied.ok()) copied = CopyRows(dst + row * C, back_.f32() + at * C, n, C);
     });
   }
+  if (copied.ok()) copied = EndCopies();
+  Fail(copied);
+}
+
+template <typename Walk>
+Status ExpertParallel::RunChunk(int c, int64_t C, Walk&& walk_received, const Tensor& in,
+                                const Tensor& out, const std::function<void()>& compute) {
+  RETURN_IF_ERROR(BeginCopies(device_));
+  Status s;
+  walk_received(c, [&](int64_t at, int64_t row, int64_t n) {
+    if (s.ok()) s = CopyRows(in.f32() + row * C, recv_.f32() + at * C, n, C);
+  });
+  RETURN_IF_ERROR(s);
+  RETURN_IF_ERROR(EndCopies());
+  compute();
+  RETURN_IF_ERROR(BeginCopies(device_));  // after the experts' kernels
+  walk_received(c, [&](int64_t at, int64_t row, int64_t n) {
+    if (s.ok()) s = CopyRows(ret_.f32() + at * C, out.f32() + row * C, n, C);
+  });
+  RETURN_IF_ERROR(s);
+  return EndCopies();
 }
 
 void ExpertParallel::Forward(ops::Context& ctx, int layer, model::LocalExperts& experts,
@@ -222,21 +278,17 @@ void ExpertParallel::Forward(ops::Context& ctx, int layer, model::LocalExperts& 
     for (int p = 0; p < P_; ++p) L.recv_base[c + 1] += L.recv_rows[c * P_ + p];
   }
   L.rows_in = work_at;
-  Reserve(L.x, L.rows_in * C);
-  Reserve(L.saved, L.rows_in * L.stride);
-  Reserve(work_out_, L.rows_in * C);
+  if (Status d = BeginCopies(xp.device()); !d.ok()) return Fail(d);
+  Reserve(L.x, L.rows_in * C, device_);
+  Reserve(L.saved, L.rows_in * L.stride, device_);
+  Reserve(work_out_, L.rows_in * C, device_);
 
   // 3. Dispatch, compute, return.
   Tensor x = L.x.View(0, {L.rows_in, C}), y = work_out_.View(0, {L.rows_in, C});
   Tensor saved = L.saved.View(0, {std::max<int64_t>(1, L.rows_in * L.stride)});
   Exchange(L, C, absl::StrFormat("fwd L%d", layer), xp, yp, [&](int c, auto&& walk_received) {
-    walk_received(c, [&](int64_t at, int64_t row, int64_t n) {
-      CopyRows(x.f32() + row * C, recv_.f32() + at * C, n, C);
-    });
-    experts.Forward(ctx, L.work[c], x, y, saved);
-    walk_received(c, [&](int64_t at, int64_t row, int64_t n) {
-      CopyRows(ret_.f32() + at * C, y.f32() + row * C, n, C);
-    });
+    return RunChunk(c, C, walk_received, x, y,
+                    [&] { experts.Forward(ctx, L.work[c], x, y, saved); });
   });
 }
 
@@ -247,19 +299,15 @@ void ExpertParallel::Backward(ops::Context& ctx, int layer, model::LocalExperts&
   LayerState& L = *it->second;
   if (!status_.ok()) return;
   const int64_t C = L.C;
-  Reserve(work_out_, L.rows_in * C);
-  Reserve(work_dx_, L.rows_in * C);
+  if (Status d = BeginCopies(dyp.device()); !d.ok()) return Fail(d);
+  Reserve(work_out_, L.rows_in * C, device_);
+  Reserve(work_dx_, L.rows_in * C, device_);
   Tensor x = L.x.View(0, {L.rows_in, C});
   Tensor dy = work_out_.View(0, {L.rows_in, C}), dx = work_dx_.View(0, {L.rows_in, C});
   Tensor saved = L.saved.View(0, {std::max<int64_t>(1, L.rows_in * L.stride)});
   Exchange(L, C, absl::StrFormat("bwd L%d", layer), dyp, dxp, [&](int c, auto&& walk_received) {
-    walk_received(c, [&](int64_t at, int64_t row, int64_t n) {
-      CopyRows(dy.f32() + row * C, recv_.f32() + at * C, n, C);
-    });
-    experts.Backward(ctx, L.work[c], x, dy, dx, saved);
-    walk_received(c, [&](int64_t at, int64_t row, int64_t n) {
-      CopyRows(ret_.f32() + at * C, dx.f32() + row * C, n, C);
-    });
+    return RunChunk(c, C, walk_received, dy, dx,
+                    [&] { experts.Backward(ctx, L.work[c], x, dy, dx, saved); });
   });
 }
 

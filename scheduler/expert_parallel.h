@@ -15,6 +15,10 @@
 // Backward repeats 2-3 with the output gradients, reusing the rows and saved activations kept
 // from the forward of the same layer. With K = 1 nothing overlaps (the baseline).
 //
+// A model on a GPU: the rows travel through page-locked host buffers (the all-to-alls are the
+// host communicator's), copied to and from the device on the exchange's copy stream after the
+// GPU's work so far; the experts compute on device buffers. The CPU path is memcpy.
+//
 // Every worker issues the same operations in the same order (counts, K dispatches, then the K
 // returns as their compute finishes), so the order on the communication thread matches across
 // ranks. Buffers grow to the largest step seen and are reused; the rows and saved activations of
@@ -27,6 +31,7 @@
 // lives (Abort excepted, see communicator.h). The destructor waits for the all-to-alls in flight.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -79,6 +84,18 @@ class ExpertParallel : public model::ExpertExchange {
   template <typename Run>
   void Exchange(LayerState& L, int64_t C, const std::string& tag, const Tensor& send,
                 const Tensor& out, Run&& run);
+  // Runs chunk c of a pass: its received rows into `in` (expert-major), `compute`, and `out`'s
+  // rows into the return buffer.
+  template <typename Walk>
+  [[nodiscard]] Status RunChunk(int c, int64_t C, Walk&& walk_received, const Tensor& in,
+                                const Tensor& out, const std::function<void()>& compute);
+  // Row copies between the caller's or the experts' tensors and the host staging buffers: memcpy
+  // for a model on the CPU; for one on a GPU, copies on copies_ that start after the GPU's work so
+  // far (BeginCopies) and are complete when EndCopies returns. BeginCopies(device) also makes the
+  // copy stream when the model's device changes.
+  [[nodiscard]] Status BeginCopies(Device device);
+  [[nodiscard]] Status CopyRows(float* dst, const float* src, int64_t rows, int64_t C);
+  [[nodiscard]] Status EndCopies();
   void Fail(const Status& s);
 
   comm::Communicator* comm_;
@@ -90,7 +107,10 @@ class ExpertParallel : public model::ExpertExchange {
   std::map<int, std::unique_ptr<LayerState>> layers_;
   // Shared staging (grow-only): caller-order chunks out and back, received rows and the rows to
   // return in source order, and the expert-major input/output of the current pass.
+  // On a GPU the first four are page-locked host memory and the last two device memory.
   Tensor send_, back_, recv_, ret_, work_out_, work_dx_;
+  Device device_;                       // where the model's rows live
+  std::unique_ptr<CopyStream> copies_;  // for a model on a GPU
   Status status_;
   ExchangeTimes times_;
 };
