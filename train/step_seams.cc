@@ -95,6 +95,10 @@ StatusOr<BatchFigures> DataParallelGradients::Finish(int64_t step, double loss, 
   // batch; each expert is counted by one worker (its replicas' leader).
   double expert_sq = 0;
   for (const model::Parameter* p : o_.counted_experts) {
+    if (!p->grad.device().is_cpu()) {
+      expert_sq += ops::SumSquares(*o_.ctx, p->grad);
+      continue;
+    }
     const float* g = p->grad.f32();
     for (int64_t i = 0; i < p->grad.numel(); ++i) expert_sq += double{g[i]} * g[i];
   }
