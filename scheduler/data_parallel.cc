@@ -4,6 +4,7 @@
 #include <cstring>
 #include <set>
 
+#include "absl/strings/str_cat.h"
 #include "core/common/logging.h"
 
 namespace strata::scheduler {
@@ -21,9 +22,13 @@ DataParallel::DataParallel(model::MoeTransformer& model, comm::Communicator* wor
 }
 
 DataParallel::~DataParallel() {
-  // Queued buckets refer to buffers and parameters: finish them before anything goes.
+  // Queued buckets refer to buffers and parameters: finish them before anything goes, and the
+  // copies into and out of the pinned buckets (a failed step may leave some) before the buckets.
   replica_thread_.reset();
   world_thread_.reset();
+  for (CopyStream* stream : {gather_.get(), world_scatter_.get(), replica_scatter_.get()}) {
+    if (stream != nullptr) (void)stream->Synchronize();
+  }
 }
 
 int DataParallel::parts() const { return world_->world_size(); }
@@ -119,7 +124,12 @@ void DataParallel::Launch(Bucket& b) {
       at += n;
     }
   } else if (Status s = GatherOnDevice(b); !s.ok()) {
+    // This worker stops reducing: the peers are told now rather than at their timeout.
     status_ = s;
+    (void)gather_->Synchronize();  // its copies enqueued so far
+    const std::string why = absl::StrCat("a gradient bucket's copy failed: ", s.message());
+    world_->Abort(why);
+    if (replicas_ != nullptr) replicas_->Abort(why);
     return;
   }
   comm::Communicator* comm = b.expert ? replicas_ : world_;
@@ -140,8 +150,12 @@ void DataParallel::Launch(Bucket& b) {
             for (int64_t i = 0; i < n; ++i) g[i] = buf[at + i] * scale;
           } else {
             for (int64_t i = 0; i < n; ++i) buf[at + i] *= scale;
-            RETURN_IF_ERROR(scatter->CopyAsync(p->grad.f32(), buf + at,
-                                               static_cast<size_t>(n) * sizeof(float)));
+            Status s =
+                scatter->CopyAsync(p->grad.f32(), buf + at, static_cast<size_t>(n) * sizeof(float));
+            if (!s.ok()) {
+              (void)scatter->Synchronize();  // the copies enqueued so far read the bucket
+              return s;
+            }
           }
           at += n;
         }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/common/clock.h"
 #include "core/common/logging.h"
@@ -13,27 +14,45 @@ namespace {
 
 // A flat float tensor of at least n elements on `device`, reallocated (by half again) only when
 // it must grow. `pinned`: page-locked host memory (the staging buffers of a model on a GPU).
-void Reserve(Tensor& t, int64_t n, Device device = Device::Cpu(), bool pinned = false) {
+Status Reserve(Tensor& t, int64_t n, Device device = Device::Cpu(), bool pinned = false) {
   n = std::max<int64_t>(n, 1);
-  if (t.defined() && t.numel() >= n) return;
+  if (t.defined() && t.numel() >= n) return absl::OkStatus();
   const int64_t have = t.defined() ? t.numel() : 0;
   const Shape shape{std::max(n, have + have / 2)};
   if (!pinned) {
     t = Tensor::Empty(shape, DType::kF32, device);
-    return;
+    return absl::OkStatus();
   }
   t = Tensor();  // the old buffer goes before the new one is made
-  auto buffer = Buffer::AllocatePinned(static_cast<size_t>(shape.numel()) * sizeof(float));
-  CHECK(buffer.ok()) << "expert exchange staging: " << buffer.status();
-  t = Tensor::FromBuffer(*std::move(buffer), shape);
+  ASSIGN_OR_RETURN(std::shared_ptr<Buffer> buffer,
+                   Buffer::AllocatePinned(static_cast<size_t>(shape.numel()) * sizeof(float)));
+  t = Tensor::FromBuffer(std::move(buffer), shape);
+  return absl::OkStatus();
 }
 
 }  // namespace
 
+struct ExpertParallel::LayerState {
+  int64_t C = 0, stride = 0;
+  std::vector<int64_t> counts;             // [E] rows this worker sends to each expert
+  std::vector<int64_t> offsets;            // [E + 1] their first row in the caller's order
+  std::vector<int64_t> recv_counts;        // [P * L] rows source s sends to local expert j
+  std::vector<int64_t> send_rows;          // [K * P] rows to worker d in chunk c
+  std::vector<int64_t> recv_rows;          // [K * P] rows from worker s in chunk c
+  std::vector<int64_t> send_base;          // [K + 1] first row of chunk c, caller-side staging
+  std::vector<int64_t> recv_base;          // [K + 1] first row of chunk c, received rows
+  std::vector<std::vector<int64_t>> work;  // [K][L + 1] rows of local expert j in chunk c
+  int64_t rows_in = 0;                     // rows received in all
+  Tensor x, saved;                         // received inputs (expert-major) and activations
+};
+
 Status ExpertParallel::BeginCopies(Device device) {
   if (device_ == device) return copies_ ? copies_->WaitForDeviceWork() : absl::OkStatus();
+  // A model on another device: buffers of the old one are not reused (nor pinned or not).
   device_ = device;
   copies_.reset();
+  send_ = back_ = recv_ = ret_ = work_out_ = work_dx_ = Tensor();
+  for (auto& [layer, state] : layers_) state->x = state->saved = Tensor();
   if (device.is_cpu()) return absl::OkStatus();
   ASSIGN_OR_RETURN(copies_, CopyStream::Create(device));
   return copies_->WaitForDeviceWork();
@@ -50,20 +69,6 @@ Status ExpertParallel::CopyRows(float* dst, const float* src, int64_t rows, int6
 }
 
 Status ExpertParallel::EndCopies() { return copies_ ? copies_->Synchronize() : absl::OkStatus(); }
-
-struct ExpertParallel::LayerState {
-  int64_t C = 0, stride = 0;
-  std::vector<int64_t> counts;             // [E] rows this worker sends to each expert
-  std::vector<int64_t> offsets;            // [E + 1] their first row in the caller's order
-  std::vector<int64_t> recv_counts;        // [P * L] rows source s sends to local expert j
-  std::vector<int64_t> send_rows;          // [K * P] rows to worker d in chunk c
-  std::vector<int64_t> recv_rows;          // [K * P] rows from worker s in chunk c
-  std::vector<int64_t> send_base;          // [K + 1] first row of chunk c, caller-side staging
-  std::vector<int64_t> recv_base;          // [K + 1] first row of chunk c, received rows
-  std::vector<std::vector<int64_t>> work;  // [K][L + 1] rows of local expert j in chunk c
-  int64_t rows_in = 0;                     // rows received in all
-  Tensor x, saved;                         // received inputs (expert-major) and activations
-};
 
 ExpertParallel::ExpertParallel(comm::Communicator* comm, ExpertPlacement placement,
                                const ExpertParallelOptions& options)
@@ -86,7 +91,10 @@ ExpertParallel::~ExpertParallel() {
 Status ExpertParallel::status() const { return status_; }
 
 void ExpertParallel::Fail(const Status& s) {
-  if (status_.ok() && !s.ok()) status_ = s;
+  if (s.ok()) return;
+  // No copy left in flight into or out of buffers the caller may free or reuse on return.
+  if (copies_) (void)copies_->Synchronize();
+  if (status_.ok()) status_ = s;
 }
 
 ExchangeTimes ExpertParallel::TakeTimes() {
@@ -102,10 +110,10 @@ void ExpertParallel::Exchange(LayerState& L, int64_t C, const std::string& tag, 
   const int K = options_.chunks;
   const int64_t E = placement_.num_experts();
   const bool pinned = !device_.is_cpu();
-  Reserve(send_, L.send_base[K] * C, Device::Cpu(), pinned);
-  Reserve(back_, L.send_base[K] * C, Device::Cpu(), pinned);
-  Reserve(recv_, L.rows_in * C, Device::Cpu(), pinned);
-  Reserve(ret_, L.rows_in * C, Device::Cpu(), pinned);
+  for (auto [t, n] : {std::pair{&send_, L.send_base[K] * C}, std::pair{&back_, L.send_base[K] * C},
+                      std::pair{&recv_, L.rows_in * C}, std::pair{&ret_, L.rows_in * C}}) {
+    if (Status s = Reserve(*t, n, Device::Cpu(), pinned); !s.ok()) return Fail(s);
+  }
   // Caller order -> chunk-major staging: chunk c, then destination, then expert.
   auto walk_caller = [&](int c, auto&& fn) {
     int64_t at = L.send_base[c];
@@ -163,7 +171,9 @@ void ExpertParallel::Exchange(LayerState& L, int64_t C, const std::string& tag, 
     s = run(c, walk_received);
     times_.compute_seconds += NowSeconds() - t0;
     if (!s.ok()) {
+      // A local failure (a copy): the peers waiting for this chunk's return are told now.
       Fail(s);
+      comm_->Abort(absl::StrCat("the expert exchange's copies failed: ", s.message()));
       break;
     }
     back_tickets[c] = thread_->Submit(
@@ -279,9 +289,10 @@ void ExpertParallel::Forward(ops::Context& ctx, int layer, model::LocalExperts& 
   }
   L.rows_in = work_at;
   if (Status d = BeginCopies(xp.device()); !d.ok()) return Fail(d);
-  Reserve(L.x, L.rows_in * C, device_);
-  Reserve(L.saved, L.rows_in * L.stride, device_);
-  Reserve(work_out_, L.rows_in * C, device_);
+  // (Device memory: an allocation that fails stops the process, as for every activation.)
+  (void)Reserve(L.x, L.rows_in * C, device_);
+  (void)Reserve(L.saved, L.rows_in * L.stride, device_);
+  (void)Reserve(work_out_, L.rows_in * C, device_);
 
   // 3. Dispatch, compute, return.
   Tensor x = L.x.View(0, {L.rows_in, C}), y = work_out_.View(0, {L.rows_in, C});
@@ -300,8 +311,8 @@ void ExpertParallel::Backward(ops::Context& ctx, int layer, model::LocalExperts&
   if (!status_.ok()) return;
   const int64_t C = L.C;
   if (Status d = BeginCopies(dyp.device()); !d.ok()) return Fail(d);
-  Reserve(work_out_, L.rows_in * C, device_);
-  Reserve(work_dx_, L.rows_in * C, device_);
+  (void)Reserve(work_out_, L.rows_in * C, device_);
+  (void)Reserve(work_dx_, L.rows_in * C, device_);
   Tensor x = L.x.View(0, {L.rows_in, C});
   Tensor dy = work_out_.View(0, {L.rows_in, C}), dx = work_dx_.View(0, {L.rows_in, C});
   Tensor saved = L.saved.View(0, {std::max<int64_t>(1, L.rows_in * L.stride)});

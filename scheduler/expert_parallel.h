@@ -79,8 +79,9 @@ class ExpertParallel : public model::ExpertExchange {
 
  private:
   struct LayerState;
-  // Moves `send` (caller order, counts of the layer) through the experts: `run(c, offsets)`
-  // computes chunk c from work_in_ into work_out_; the result lands in `out` (caller order).
+  // Moves `send` (caller order, counts of the layer) through the experts: `run(c, walk)` puts
+  // chunk c's received rows through the experts and into the return buffer (RunChunk) and returns
+  // its status; the result lands in `out` (caller order).
   template <typename Run>
   void Exchange(LayerState& L, int64_t C, const std::string& tag, const Tensor& send,
                 const Tensor& out, Run&& run);

@@ -1,10 +1,9 @@
 // DataParallel's gradient buckets in one process, with a recording Communicator standing in for a
-// twin worker (its all-reduce doubles every element, as a peer with the same gradients would):
-// the bucket plan (size limit, reverse block order, every gradient exactly once), that reduction
-// starts while backward is still running, and that the averaged result equals the gradient of
-// the model run alone, bit for bit. The same with the model on a GPU (skipped without one): the
-// buckets are page-locked host memory, filled and emptied by copies ordered after the backward
-// kernels.
+// twin worker (its all-reduce triples every element): the bucket plan (size limit, reverse block
+// order, every gradient exactly once), that reduction starts while backward is still running, and
+// that every gradient written back is the model run alone's, tripled and averaged, bit for bit. The
+// same with the model on a GPU (skipped without one): the buckets are page-locked host memory,
+// filled and emptied by copies ordered after the backward kernels.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -22,14 +21,16 @@
 namespace strata::scheduler {
 namespace {
 
-// A world of two whose other member holds the same data: AllReduce doubles, the rest is trivial.
+// A world of two whose all-reduce triples the gradients (not doubles: x * 2 * 1/2 would be x again,
+// and a result never written back would pass); the double sums (gate statistics, the loss) double,
+// as a peer with the same data would make them. The rest is trivial.
 class TwinCommunicator : public comm::Communicator {
  public:
   int rank() const override { return 0; }
   int world_size() const override { return 2; }
   std::string backend() const override { return "twin"; }
   Status AllReduce(float* data, size_t n) override {
-    for (size_t i = 0; i < n; ++i) data[i] *= 2.0f;
+    for (size_t i = 0; i < n; ++i) data[i] *= 3.0f;
     std::lock_guard<std::mutex> lock(mu);
     sizes.push_back(n);
     cv.notify_all();
@@ -143,7 +144,8 @@ void BucketsAveragedToTheSingleProcessGradient(Device device) {
   size_t params = 0;
   for (const model::Parameter* p : (*twin_model)->Parameters()) params += p->grad.numel();
   EXPECT_EQ(total, params);
-  // x * 2 (the twin) * 1/2 (the average) is exact: the same bits as the model alone.
+  // Every gradient is the model alone's x, tripled by the twin and averaged over its 2 workers:
+  // (x * 3) * 1/2 in float, bit for bit.
   const auto& a = (*solo)->Parameters();
   const auto& b = (*twin_model)->Parameters();
   ASSERT_EQ(a.size(), b.size());
@@ -152,7 +154,8 @@ void BucketsAveragedToTheSingleProcessGradient(Device device) {
     ASSERT_EQ(b[i]->grad.device(), device) << b[i]->name;
     const Tensor ga = a[i]->grad.To(Device::Cpu()), gb = b[i]->grad.To(Device::Cpu());
     for (int64_t j = 0; j < ga.numel(); ++j) {
-      ASSERT_EQ(ga.f32()[j], gb.f32()[j]) << a[i]->name << "[" << j << "]";
+      const float want = (ga.f32()[j] * 3.0f) * 0.5f;
+      ASSERT_EQ(want, gb.f32()[j]) << a[i]->name << "[" << j << "]";
     }
   }
 }
