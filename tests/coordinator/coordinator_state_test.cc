@@ -33,10 +33,12 @@ using Time = CoordinatorState::Time;
 
 constexpr char kToken[] = "job-token-123";
 
-WorkerInfo Worker(const std::string& id) {
+// A worker; `device` as `strata worker` reports it ("cpu", "cuda:N"), none when empty.
+WorkerInfo Worker(const std::string& id, const std::string& device = "") {
   WorkerInfo w;
   w.set_id(id);
   w.set_host("127.0.0.1");
+  if (!device.empty()) w.set_device(device);
   return w;
 }
 
@@ -792,12 +794,10 @@ TEST_F(CoordinatorStateTest, AJoinerOnAnotherKindOfDeviceIsRefusedNamingAMemberO
   auto c = Open(/*initial=*/3, /*min=*/1);
   // A worker of an older strata says no device: it is compared with nobody.
   ASSERT_TRUE(c->Join(kToken, Worker("old"), t0_).ok());
-  WorkerInfo a = Worker("a");
-  a.set_device("cpu");
+  WorkerInfo a = Worker("a", "cpu");
   ASSERT_TRUE(c->Join(kToken, a, t0_).ok());
   // Pending (the first generation waits for 2): a GPU worker is refused against it.
-  WorkerInfo g = Worker("g");
-  g.set_device("cuda:1");
+  WorkerInfo g = Worker("g", "cuda:1");
   auto refused = c->Join(kToken, g, t0_);
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_NE(refused.status().message().find(
@@ -812,8 +812,7 @@ TEST_F(CoordinatorStateTest, AJoinerOnAnotherKindOfDeviceIsRefusedNamingAMemberO
   a_again.set_device("cuda:0");
   EXPECT_EQ(c->Join(kToken, a_again, t0_).status().code(), absl::StatusCode::kAlreadyExists);
   // Another CPU worker is admitted; the generation forms.
-  WorkerInfo b = Worker("b");
-  b.set_device("cpu");
+  WorkerInfo b = Worker("b", "cpu");
   ASSERT_TRUE(c->Join(kToken, b, t0_).ok());
   EXPECT_EQ(Ids(c->Snapshot().generation()), (std::vector<std::string>{"old", "a", "b"}));
   // Against members: refused, and nothing changed.
@@ -824,14 +823,11 @@ TEST_F(CoordinatorStateTest, AJoinerOnAnotherKindOfDeviceIsRefusedNamingAMemberO
 
 TEST_F(CoordinatorStateTest, AJobOfGpuWorkersAdmitsAnyGpuAndRefusesACpuWorker) {
   auto gpus = Open(/*initial=*/1, /*min=*/1);
-  WorkerInfo g0 = Worker("g0");
-  g0.set_device("cuda:0");
+  WorkerInfo g0 = Worker("g0", "cuda:0");
   ASSERT_TRUE(gpus->Join(kToken, g0, t0_).ok());
-  WorkerInfo g1 = Worker("g1");
-  g1.set_device("cuda:1");
+  WorkerInfo g1 = Worker("g1", "cuda:1");
   EXPECT_TRUE(gpus->Join(kToken, g1, t0_).ok());
-  WorkerInfo c = Worker("c");
-  c.set_device("cpu");
+  WorkerInfo c = Worker("c", "cpu");
   auto cpu = gpus->Join(kToken, c, t0_);
   ASSERT_EQ(cpu.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(cpu.status().message().find("worker 'c' trains on cpu, but the job's workers train on "
