@@ -257,6 +257,7 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
     const uint64_t host_tier =
         st.host_budget_bytes() > 0 ? st.host_budget_bytes() : e.expert_state_bytes;
     e.store_bytes = Add(device_tier, host_tier);
+    if (e.on_gpu) e.host_bytes = host_tier;
   } else {
     const uint64_t all = Add(dense, experts);
     e.parameter_bytes = e.gradient_bytes = Mul(4, all);
@@ -264,6 +265,7 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
   }
   e.total_bytes = Add(Add(Add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes),
                       Add(e.activation_bytes, e.store_bytes));
+  if (!e.on_gpu) e.host_bytes = e.total_bytes;
   return e;
 }
 
@@ -289,8 +291,9 @@ MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers, bool e
     const uint64_t device_tier = st.device_budget_bytes() > 0
                                      ? Sub(st.device_budget_bytes(), e.dense_state_bytes)
                                      : held_state;
-    e.store_bytes =
-        Add(device_tier, st.host_budget_bytes() > 0 ? st.host_budget_bytes() : held_state);
+    const uint64_t host_tier = st.host_budget_bytes() > 0 ? st.host_budget_bytes() : held_state;
+    e.store_bytes = Add(device_tier, host_tier);
+    if (e.on_gpu) e.host_bytes = host_tier;
   } else {
     e.parameter_bytes = e.gradient_bytes = Mul(4, Add(dense, held));
     e.optimizer_bytes = Mul(8, Add(dense, held));
@@ -311,6 +314,7 @@ MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers, bool e
   if (elastic && CopiesLagSteps(config) > 0) e.elastic_copy_bytes = Mul(36, dense);
   e.total_bytes = Add(Add(Add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes),
                       Add(Add(e.activation_bytes, e.store_bytes), e.elastic_copy_bytes));
+  e.host_bytes = e.on_gpu ? Add(e.host_bytes, e.elastic_copy_bytes) : e.total_bytes;
   return e;
 }
 
@@ -496,14 +500,17 @@ Status CheckMemory(const JobConfig& config, const MemoryEstimate& e, uint64_t av
         "above %d or make the dense part of the model smaller",
         source, source, st.device_budget_bytes(), e.dense_state_bytes, e.dense_state_bytes));
   }
-  const uint64_t need = Mul(U(std::max(1, processes)), Add(e.total_bytes, kProcessOverheadBytes));
-  if (available_bytes == 0 || e.on_gpu || need <= available_bytes) {
-    return absl::OkStatus();
-  }
+  const uint64_t need = Mul(U(std::max(1, processes)), Add(e.host_bytes, kProcessOverheadBytes));
+  if (available_bytes == 0 || need <= available_bytes) return absl::OkStatus();
   // Name the largest part and the fields that size it.
   std::string advice;
   const uint64_t model = Add(Add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes);
-  if (e.activation_bytes >= model && e.activation_bytes >= e.store_bytes) {
+  if (e.on_gpu) {
+    advice =
+        "with the model on a GPU, host memory holds the tiered store's host tier and the elastic "
+        "copies: lower storage.host_budget_bytes or elastic.replicas, or start fewer workers on "
+        "this machine";
+  } else if (e.activation_bytes >= model && e.activation_bytes >= e.store_bytes) {
     advice =
         "activations are the largest part: lower train.global_batch or model.seq_len (the "
         "attention matrices grow with seq_len squared)";
@@ -527,7 +534,7 @@ Status CheckMemory(const JobConfig& config, const MemoryEstimate& e, uint64_t av
       "machine has %s available (MemAvailable and the cgroup limit):\n  %s%s",
       source, FormatBytes(need),
       processes > 1 ? absl::StrFormat("%d processes, each ", processes) : std::string(),
-      FormatBytes(e.total_bytes), FormatBytes(kProcessOverheadBytes), FormatBytes(available_bytes),
+      FormatBytes(e.host_bytes), FormatBytes(kProcessOverheadBytes), FormatBytes(available_bytes),
       figures, advice));
 }
 

@@ -63,13 +63,16 @@ struct MemoryEstimate {
   // latest two updates) and, during a re-form, the state handed over (values and Adam moments).
   uint64_t elastic_copy_bytes = 0;
   uint64_t total_bytes = 0;  // the sum of the six above
+  // Of total_bytes, what is in host memory: all of it on the CPU; on a GPU the TIERED store's host
+  // tier and the elastic copies (the rest is in device memory).
+  uint64_t host_bytes = 0;
 
   // TIERED: expert weights, gradients and Adam moments, held on the SSD tier.
   uint64_t expert_state_bytes = 0;
   // TIERED: dense parameters with gradients and Adam state, kept in the device tier for good.
   uint64_t dense_state_bytes = 0;
-  // The figures are for memory on a GPU (train.device is not "cpu"); they are not compared with
-  // host memory.
+  // The figures are for a model on a GPU (train.device is not "cpu"): only host_bytes is compared
+  // with host memory.
   bool on_gpu = false;
 };
 

@@ -243,6 +243,39 @@ TEST(MemoryEstimateTest, AWorkerHoldsItsShareOfTheExpertsAndTheBatch) {
   EXPECT_TRUE(absl::IsResourceExhausted(CheckMemory(cfg, w, two - 1, "job.textproto", 2)));
 }
 
+// With the model on a GPU only what stays in host memory is compared with the host's: nothing
+// of an in-memory process, the host tier of a TIERED one, and a worker's elastic copies.
+TEST(MemoryEstimateTest, OnAGpuTheHostHoldsTheHostTierAndTheElasticCopies) {
+  const auto on_gpu = [](JobConfig cfg) {
+    cfg.mutable_train()->set_device("cuda");
+    return cfg;
+  };
+  const JobConfig in_memory = on_gpu(Parse(kSmall));
+  const MemoryEstimate m = EstimateMemory(in_memory);
+  EXPECT_TRUE(m.on_gpu);
+  EXPECT_EQ(m.host_bytes, 0u);
+  EXPECT_EQ(m.total_bytes, EstimateMemory(Parse(kSmall)).total_bytes) << "the same model";
+  EXPECT_EQ(EstimateMemory(Parse(kSmall)).host_bytes, EstimateMemory(Parse(kSmall)).total_bytes);
+  // Only the process's own overhead is left to fit; a byte less is refused, naming the fields.
+  EXPECT_TRUE(CheckMemory(in_memory, m, kProcessOverheadBytes, "job.textproto").ok());
+  const Status s = CheckMemory(in_memory, m, kProcessOverheadBytes - 1, "job.textproto");
+  ASSERT_TRUE(absl::IsResourceExhausted(s)) << s;
+  EXPECT_NE(s.message().find("host memory holds the tiered store's host tier"), std::string::npos)
+      << s;
+
+  const JobConfig tiered =
+      on_gpu(Parse(absl::StrCat(kSmall, "storage { mode: TIERED host_budget_bytes: 50000 }\n")));
+  EXPECT_EQ(EstimateMemory(tiered).host_bytes, 50000u);
+  // An elastic worker of 2 in memory: its copies (as the CPU figures them), nothing else.
+  const MemoryEstimate w = EstimateWorkerMemory(in_memory, 2);
+  EXPECT_GT(w.elastic_copy_bytes, 0u);
+  EXPECT_EQ(w.elastic_copy_bytes, EstimateWorkerMemory(Parse(kSmall), 2).elastic_copy_bytes);
+  EXPECT_EQ(w.host_bytes, w.elastic_copy_bytes);
+  // A TIERED one: its host tier and its dense copies (36 bytes a dense parameter).
+  const MemoryEstimate t = EstimateWorkerMemory(tiered, 2);
+  EXPECT_EQ(t.host_bytes, 50000u + 36 * static_cast<uint64_t>(t.dense_parameters));
+}
+
 TEST(MemoryEstimateTest, SaturatesInsteadOfWrapping) {
   // Field validation refuses these; the estimate itself must still not wrap to a small number.
   JobConfig cfg = Parse(kSmall);
