@@ -19,6 +19,7 @@
 #include "coordinator/service.h"
 #include "coordinator/state.h"
 #include "core/common/clock.h"
+#include "core/device/device.h"
 #include "launcher/command_util.h"
 #include "proto/config_io.h"
 #include "runtime/model/memory_estimate.h"
@@ -35,6 +36,9 @@ const std::vector<FlagSpec>& LaunchFlags() {
       {"listen", "the coordinator's HOST:PORT (default 127.0.0.1:0, a free port)"},
       {"coordinator-dir", "folder of the coordinator's record (default: a temporary folder)"},
       {"threads", "CPU threads per worker (overrides train.threads)"},
+      {"device",
+       "every worker's device (overrides train.device): cpu, cuda (worker i on cuda:<i mod "
+       "GPUs>) or cuda:N"},
       {"steps", "override train.steps"},
       {"metrics-out", "each worker i writes FILE.i (JSONL)"},
       {"checkpoint-dir", "folder of checkpoints (overrides checkpoint.dir)"},
@@ -63,6 +67,7 @@ struct LaunchPlan {
   int workers = 0;
   coordinator::CoordinatorOptions options;
   std::optional<int64_t> threads;
+  std::optional<std::string> device;
   std::optional<std::string> metrics_out;
   std::string init_from;  // absolute
   std::string listen;
@@ -114,6 +119,15 @@ std::optional<int> ParseLaunch(const std::vector<std::string>& args, LaunchPlan*
     return Fail(range);
   }
   plan->threads = *threads;
+  plan->device = flags->String("device");
+  // Where the workers would find no GPU, one error here rather than one from every worker.
+  const std::string device = plan->device.value_or(plan->cfg.train().device());
+  if (device != "cpu" && CudaDeviceCount() == 0) {
+    return Fail(absl::FailedPreconditionError(absl::StrFormat(
+        "%s %s: the workers would train on a GPU, but this machine has %s; launch with --device "
+        "cpu, or on a machine with an NVIDIA GPU",
+        plan->device ? "--device" : "train.device", device, CudaDeviceDescription(0))));
+  }
   plan->metrics_out = flags->String("metrics-out");
   plan->listen = flags->String("listen").value_or("127.0.0.1:0");
   plan->resume = flags->Has("resume");
@@ -179,6 +193,7 @@ void PrintBanner(const LaunchPlan& plan, const std::string& address) {
   // (and the weights the job started from, which a job going back to step 0 reads again).
   std::string machine_flags =
       plan.threads ? absl::StrFormat(" --threads %d", *plan.threads) : std::string();
+  if (plan.device) absl::StrAppend(&machine_flags, " --device ", *plan.device);
   if (!plan.init_from.empty()) {
     // Quoted for the shell: the line is meant to be pasted.
     std::string quoted = "'";
@@ -205,6 +220,9 @@ std::vector<pid_t> StartWorkers(const LaunchPlan& plan, const std::string& addre
                                      address,  "--id",   absl::StrCat("worker-", i),
                                      "--quiet"};
     if (plan.threads) argv.insert(argv.end(), {"--threads", absl::StrCat(*plan.threads)});
+    if (plan.device) argv.insert(argv.end(), {"--device", *plan.device});
+    // Worker i of this machine: with train.device "cuda", on cuda:<i mod GPUs>.
+    argv.insert(argv.end(), {"--local-rank", absl::StrCat(i)});
     if (plan.metrics_out) {
       argv.insert(argv.end(), {"--metrics-out", absl::StrCat(*plan.metrics_out, ".", i)});
     }

@@ -41,6 +41,10 @@ const std::vector<FlagSpec>& WorkerFlags() {
         {"tls-ca", "PEM CA certificate: reach a coordinator that serves TLS"},
         {"data",
          "with --coordinator: the token file on this machine (overrides the job's data.path)"},
+        {"local-rank",
+         "this worker's index among the workers on its machine: with train.device \"cuda\" it "
+         "trains on cuda:<N mod GPUs> (default: --rank mod parallel.local_size, or --rank; 0 "
+         "with --coordinator)"},
     };
     for (const FlagSpec& f : TrainFlags()) {
       if (f.name == "config") {
@@ -149,8 +153,14 @@ int JoinAndTrain(const Flags& flags) {
   options.info.set_host(flags.String("hostname").value_or("127.0.0.1"));
   options.info.set_threads(options.train.config.train().threads());
   options.info.set_job_config(config::ToText(JobPart(*cfg)));
-  auto device = Device::Parse(cfg->train().device());
+  auto local_rank = flags.Int("local-rank", 0, 4095);
+  if (!local_rank.ok()) return UsageError(local_rank.status(), "worker", WorkerFlags());
+  // The GPU this worker trains on is fixed for its life, whatever rank its generations give it.
+  options.train.worker.elastic = true;
+  options.train.worker.local_rank = local_rank->value_or(0);
+  auto device = train::TrainingDeviceHere(options.train);
   if (!device.ok()) return Fail(device.status());
+  options.train.config.mutable_train()->set_device(device->ToString());
   options.info.set_device(device->ToString());
   HttpEndpoint http;  // served across the worker's generations, until it ends
   if (flags.Has("http")) {
@@ -222,6 +232,9 @@ int WorkerCommand(const std::vector<std::string>& args) {
   worker.world_size = static_cast<int>(**world);
   worker.store = comm::MakePrefixStore(std::move(*store), comm::GenerationPrefix(0));
   worker.hostname = flags->String("hostname").value_or("127.0.0.1");
+  auto local_rank = flags->Int("local-rank", 0, 4095);
+  if (!local_rank.ok()) return UsageError(local_rank.status(), "worker", WorkerFlags());
+  if (*local_rank) worker.local_rank = static_cast<int>(**local_rank);
   // Rendezvous keys of this job must not greet the next one that uses the folder.
   worker.after_rendezvous = [dir = *store_dir] {
     std::error_code ec;

@@ -70,14 +70,40 @@ Status CheckTrainOptions(const TrainOptions& options) {
   }
   // An elastic job learns at its start what its layout needs to re-form, not at its first failure.
   if (options.worker.elastic) RETURN_IF_ERROR(CheckElastic(cfg));
-  ASSIGN_OR_RETURN(const Device device, Device::Parse(cfg.train().device()));
-  if (!device.is_cpu() && (options.worker.world_size > 1 || options.worker.elastic)) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "train.device %s: a model on a GPU trains in one process (strata train) for now; "
-        "workers train on the CPU (train.device \"cpu\")",
-        cfg.train().device()));
+  if (options.worker.local_rank < -1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "WorkerOptions: local_rank %d; give a worker's index on its machine (0 or more), or -1 "
+        "to derive it from its rank",
+        options.worker.local_rank));
   }
-  return absl::OkStatus();
+  // A GPU that is not there stops a worker before it connects to the others.
+  return TrainingDeviceHere(options).status();
+}
+
+StatusOr<Device> TrainingDeviceHere(const TrainOptions& options) {
+  ASSIGN_OR_RETURN(const Device device, TrainingDevice(options));
+  if (!device.is_cpu() && device.index >= CudaDeviceCount()) {
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "train.device %s: this process puts its model on %s, but %s; train on the CPU device "
+        "or on a machine with an NVIDIA GPU (--device cpu, cuda or cuda:N)",
+        options.config.train().device(), device.ToString(), CudaDeviceDescription(device.index)));
+  }
+  return device;
+}
+
+StatusOr<Device> TrainingDevice(const TrainOptions& options, int gpus) {
+  const std::string& text = options.config.train().device();
+  ASSIGN_OR_RETURN(const Device device, Device::Parse(text));
+  const WorkerOptions& w = options.worker;
+  if (text != "cuda" || (w.world_size <= 1 && !w.elastic)) return device;
+  if (gpus < 0) gpus = CudaDeviceCount();
+  if (gpus == 0) return device;
+  int local = w.local_rank;
+  if (local < 0) {
+    const int per_node = options.config.parallel().local_size();
+    local = w.elastic ? 0 : per_node > 0 ? w.rank % per_node : w.rank;
+  }
+  return Device::Cuda(local % gpus);
 }
 
 }  // namespace strata::train

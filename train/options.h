@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/common/status.h"
+#include "core/device/device.h"
 #include "proto/config.pb.h"
 #include "runtime/comm/store.h"
 #include "runtime/model/transformer.h"
@@ -54,6 +55,11 @@ struct WorkerOptions {
   // thread may outlive the Trainer). A `store` that consults it too (RunElasticWorker's) calls it
   // from that thread, so it must be thread-safe and own what it reads (by value or shared_ptr).
   std::function<bool()> superseded;
+  // This worker's index among the workers on its machine, which places it on a GPU when the
+  // config's train.device is "cuda" (no index): cuda:<local_rank mod the GPUs this process sees>.
+  // -1: rank mod parallel.local_size (rank where that is 0) for a static job; 0 for an elastic
+  // one, whose ranks change with its membership (`strata launch` gives each worker its own).
+  int local_rank = -1;
 };
 
 // A worker's share of a step's global batch: its first sequence and how many. Every step's
@@ -113,5 +119,13 @@ struct TrainOptions {
 // elastic job (what its layout needs to re-form, learnt at its start and not at its first
 // failure), and the device.
 [[nodiscard]] Status CheckTrainOptions(const TrainOptions& options);
+
+// The device this process trains on: train.device, where a worker of several (or of an elastic
+// job) given "cuda" without an index takes cuda:<local rank mod `gpus`> (WorkerOptions::
+// local_rank); `gpus` is how many GPUs this process sees (-1: CudaDeviceCount(), asked only
+// then). With no GPU at all "cuda" stays cuda:0, which the model refuses with an error naming it.
+[[nodiscard]] StatusOr<Device> TrainingDevice(const TrainOptions& options, int gpus = -1);
+// TrainingDevice, or FAILED_PRECONDITION naming the setting when this machine has no such GPU.
+[[nodiscard]] StatusOr<Device> TrainingDeviceHere(const TrainOptions& options);
 
 }  // namespace strata::train

@@ -345,11 +345,16 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
     tr->elastic_ = std::make_unique<ElasticState>(cfg, tr->host_.get());
   }
   storage::Env* env = options.env ? options.env : storage::Env::Default();
-  ASSIGN_OR_RETURN(tr->device_, Device::Parse(cfg.train().device()));
+  ASSIGN_OR_RETURN(tr->device_, TrainingDevice(options));
   int threads = cfg.train().threads();
   if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());
   tr->pool_ = std::make_unique<ThreadPool>(threads);
   tr->ctx_.pool = tr->pool_.get();
+  if (!tr->device_.is_cpu()) {
+    // Every thread of the step on this process's GPU (a worker's may be another than GPU 0).
+    UseDevice(tr->device_);
+    tr->pool_->Run([device = tr->device_](int, int) { UseDevice(device); });
+  }
   if (!options.trace_path.empty()) {
     tr->tracer_ = std::make_unique<Tracer>();
     tr->ctx_.tracer = tr->tracer_.get();

@@ -25,21 +25,17 @@ Status CudaError(cudaError_t err, const std::string& what) {
     if (strata_err_ != cudaSuccess) return CudaError(strata_err_, what); \
   } while (0)
 
-// Makes `device` current for the calling thread for the scope.
+// Makes `device` current for the calling thread, and leaves it so: a strata thread works for one
+// GPU (its process's), and going back to a thread's default, GPU 0, would make a context there
+// for every worker placed on another GPU (cudaSetDevice creates the device's primary context).
+// -1 (host memory only) leaves the current device as it is.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
-    cudaGetDevice(&previous_);
-    if (previous_ != device) cudaSetDevice(device);
+    if (device < 0) return;
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess || current != device) cudaSetDevice(device);
   }
-  ~DeviceGuard() {
-    int now = -1;
-    cudaGetDevice(&now);
-    if (now != previous_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
 };
 
 }  // namespace
@@ -73,6 +69,12 @@ std::string CudaDeviceDescription(int index) {
   return absl::StrCat(prop.name, ", sm_", prop.major, prop.minor, ", ", prop.totalGlobalMem >> 30,
                       " GiB, ", prop.multiProcessorCount, " SMs, driver API ", driver / 1000, ".",
                       driver % 1000 / 10, ", runtime ", runtime / 1000, ".", runtime % 1000 / 10);
+}
+
+void UseDevice(Device device) {
+  if (!device.is_cpu() && device.index >= 0 && device.index < CudaDeviceCount()) {
+    DeviceGuard guard(device.index);
+  }
 }
 
 StatusOr<bool> PinHostMemory(void* data, size_t bytes) {
@@ -247,7 +249,7 @@ void CudaCopy(void* dst, const void* src, size_t bytes) {
   // orders this copy after (and before) the work of its compute stream.
   int device = DeviceOfPointer(dst);
   if (device < 0) device = DeviceOfPointer(src);
-  DeviceGuard guard(device < 0 ? 0 : device);
+  DeviceGuard guard(device);
   const cudaError_t err = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
   CHECK(err == cudaSuccess) << "cudaMemcpy of " << bytes << " bytes: " << cudaGetErrorName(err)
                             << " (" << cudaGetErrorString(err) << ")";

@@ -14,6 +14,7 @@ namespace strata {
 #ifndef STRATA_WITH_CUDA
 int CudaDeviceCount() { return 0; }
 std::string CudaDeviceDescription(int) { return "no CUDA device (strata built without CUDA)"; }
+void UseDevice(Device) {}
 StatusOr<bool> PinHostMemory(void*, size_t) { return false; }
 void UnpinHostMemory(void*) {}
 void CopyBytes(void* dst, const void* src, size_t bytes) {

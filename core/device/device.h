@@ -56,6 +56,12 @@ int CudaDeviceCount();
 // For logs and benchmark headers.
 std::string CudaDeviceDescription(int index = 0);
 
+// Makes `device`'s GPU the calling thread's current one (cudaSetDevice), so that the CUDA calls
+// that name no device — page-locked allocations, event waits — use its context and not GPU 0's;
+// nothing for the CPU device, or where the GPU is not there. A process placed on one GPU calls it
+// on each thread that works for it (the trainer: its own and its compute pool's).
+void UseDevice(Device device);
+
 // Page-locks host memory [data, data + bytes) for the GPU (cudaHostRegister) so copies from and
 // to it run at full bus speed and asynchronously. Returns false and does nothing where there is
 // no GPU (or for null / zero bytes); an error if the driver refuses. Undo with UnpinHostMemory

@@ -261,10 +261,10 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
           options.device.ToString(), CudaDeviceDescription(options.device.index)));
     }
     RETURN_IF_ERROR(ops::CheckDeviceKernels(options.device));
-    if (options.expert_factory || options.num_local_experts >= 0) {
+    if (options.expert_factory) {
       return absl::UnimplementedError(absl::StrFormat(
-          "a model on %s builds every expert itself from the config: expert parallelism and "
-          "custom experts need the CPU device",
+          "a model on %s builds its experts itself from the config: custom experts (an "
+          "expert_factory) need the CPU device",
           options.device.ToString()));
     }
   }

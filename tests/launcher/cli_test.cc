@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "core/device/device.h"
 #include "tests/test_util.h"
 
 namespace strata {
@@ -286,6 +287,32 @@ TEST_F(CliTest, StatusShowsTheMoeLoadBalanceOfTheLastStep) {
     }
   }
   EXPECT_EQ(layers, 2) << last;
+}
+
+// Workers on GPUs where there is none: `strata launch` says so once and starts no worker; a
+// static worker stops before it connects (rank 1 of 2 alone: it would otherwise wait for rank 0).
+TEST_F(CliTest, GpuWorkersWhereThereIsNoGpuAreAClearErrorBeforeAnyWorkerStarts) {
+  if (CudaDeviceCount() > 0) GTEST_SKIP() << "this machine has a GPU";
+  auto l = RunCommand(kStrata + " launch --config " + dir_.File("ok.textproto") +
+                      " --workers 2 --device cuda --coordinator-dir " + dir_.File("coord"));
+  EXPECT_EQ(l.exit_code, 1) << l.output;
+  EXPECT_NE(l.output.find("--device cuda: the workers would train on a GPU, but this machine has "
+                          "no CUDA device"),
+            std::string::npos)
+      << l.output;
+  EXPECT_EQ(l.output.find("worker-0"), std::string::npos) << "a worker started: " << l.output;
+  auto w = RunCommand(kStrata + " worker --config " + dir_.File("ok.textproto") +
+                      " --rank 1 --world-size 2 --store " + dir_.File("store") +
+                      " --device cuda --local-rank 3");
+  EXPECT_EQ(w.exit_code, 1) << w.output;
+  EXPECT_NE(w.output.find("train.device cuda: this process puts its model on cuda:"),
+            std::string::npos)
+      << w.output;
+  auto bad =
+      RunCommand(kStrata + " worker --config " + dir_.File("ok.textproto") +
+                 " --rank 1 --world-size 2 --store " + dir_.File("store") + " --local-rank -1");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--local-rank"), std::string::npos) << bad.output;
 }
 
 TEST_F(CliTest, AGpuDeviceThatIsNotThereIsAClearErrorBeforeTraining) {

@@ -178,5 +178,65 @@ TEST(TrainerErrorsTest, UnwritableMetricsFileFailsBeforeTraining) {
   EXPECT_NE(t.status().message().find("--metrics-out"), std::string::npos) << t.status();
 }
 
+// Where a process trains: train.device as given, except a worker's bare "cuda", which takes the
+// GPU of its index on its machine. Each expected index worked out by hand from the rule in
+// train/options.h.
+TEST(TrainingDeviceTest, ABareCudaPlacesEachWorkerOnTheGpuOfItsLocalRank) {
+  const auto place = [](const std::string& device, int rank, int world, bool elastic,
+                        int local_rank, int local_size, int gpus) {
+    TrainOptions o;
+    o.config.mutable_train()->set_device(device);
+    o.config.mutable_parallel()->set_local_size(local_size);
+    o.worker.rank = rank;
+    o.worker.world_size = world;
+    o.worker.elastic = elastic;
+    o.worker.local_rank = local_rank;
+    auto d = TrainingDevice(o, gpus);
+    EXPECT_TRUE(d.ok()) << d.status();
+    return d.ok() ? d->ToString() : std::string("error");
+  };
+  // One process: "cuda" is cuda:0, whatever the GPUs.
+  EXPECT_EQ(place("cuda", 0, 1, false, -1, 0, 4), "cuda:0");
+  // Static workers: rank mod GPUs, or (rank mod local_size) mod GPUs.
+  EXPECT_EQ(place("cuda", 5, 8, false, -1, 0, 4), "cuda:1");
+  EXPECT_EQ(place("cuda", 6, 8, false, -1, 4, 4), "cuda:2");
+  EXPECT_EQ(place("cuda", 6, 8, false, -1, 4, 2), "cuda:0");
+  EXPECT_EQ(place("cuda", 3, 4, false, -1, 0, 1), "cuda:0");
+  // A given local rank wins over the rank.
+  EXPECT_EQ(place("cuda", 0, 4, false, 3, 0, 2), "cuda:1");
+  // Elastic workers: their local rank (0 when not given), never their changing rank.
+  EXPECT_EQ(place("cuda", 3, 4, true, -1, 0, 4), "cuda:0");
+  EXPECT_EQ(place("cuda", 0, 1, true, 3, 0, 4), "cuda:3");
+  // An index given, or the CPU, is kept; no GPU leaves cuda:0 for the model to refuse.
+  EXPECT_EQ(place("cuda:2", 1, 4, false, -1, 0, 4), "cuda:2");
+  EXPECT_EQ(place("cpu", 1, 4, false, 1, 0, 4), "cpu");
+  EXPECT_EQ(place("cuda", 1, 4, false, -1, 0, 0), "cuda:0");
+
+  TrainOptions bad;
+  bad.config.mutable_train()->set_device("gpu");
+  EXPECT_FALSE(TrainingDevice(bad, 1).ok());
+}
+
+TEST(TrainerErrorsTest, AGpuWorkerWhereThereIsNoGpuFailsBeforeConnecting) {
+  if (CudaDeviceCount() > 0) GTEST_SKIP() << "this machine has a GPU";
+  TempDir dir;
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(20000));
+  TrainOptions o;
+  o.config = TinyJob(dir.File("text.txt"), 1);
+  o.config.mutable_train()->set_device("cuda");
+  o.progress = false;
+  // Rank 1 of 2 with no store: were the device not checked first, connecting would fail instead.
+  o.worker.rank = 1;
+  o.worker.world_size = 2;
+  auto t = Trainer::Create(o);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition) << t.status();
+  EXPECT_NE(t.status().message().find("train.device cuda: this process puts its model on cuda:0"),
+            std::string::npos)
+      << t.status();
+  o.worker.local_rank = -2;
+  EXPECT_EQ(Trainer::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace strata::train

@@ -113,16 +113,19 @@ size_t ElasticState::ExpertBlobFloats() const {
 namespace {
 
 // value, first moment, second moment of each parameter, in order; `write` copies the other way.
+// The blob is host memory; the tensors are where the model is (a GPU's copies are synchronous and
+// ordered after the compute queued before them).
 void CopyParams(const std::vector<model::Parameter*>& ps, const model::AdamW& opt,
                 const std::map<const model::Parameter*, size_t>& index, float* blob, bool write) {
   for (model::Parameter* p : ps) {
     const size_t n = static_cast<size_t>(p->value.numel());
     const size_t i = index.at(p);
-    for (float* t : {p->value.f32(), opt.first_moment(i).f32(), opt.second_moment(i).f32()}) {
+    const Tensor* tensors[] = {&p->value, &opt.first_moment(i), &opt.second_moment(i)};
+    for (const Tensor* t : tensors) {
       if (write) {
-        std::memcpy(t, blob, n * sizeof(float));
+        t->CopyFromHost(blob);
       } else {
-        std::memcpy(blob, t, n * sizeof(float));
+        t->CopyToHost(blob);
       }
       blob += n;
     }
