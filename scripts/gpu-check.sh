@@ -134,6 +134,11 @@ for t in cuda_ops_test moe_layer_gpu_test model_gpu_test train_gpu_test tiered_s
     failed=1
   fi
 done
+# Workers with their models on the GPU (here all on one GPU, exchanging through page-locked host
+# memory): against one GPU process in six layouts, and an elastic job with a worker SIGKILLed and
+# a joiner, against its failure-free replay.
+run distributed_gpu 240 "$tests/distributed_test" --gtest_filter='DistributedGpuTest.*'
+run elastic_gpu 180 "$tests/elastic_test" --gtest_filter='ElasticTest.GpuWorkers*'
 
 if [ "$quick" = 0 ]; then
   # The GPU benchmarks: they check their own results and exit 1 on a wrong one.

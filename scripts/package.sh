@@ -57,7 +57,7 @@ mkdir -p "$stage/bin" "$stage/lib" "$stage/share/strata/examples/moe_lm/data" \
 cp "$build/bin/strata" "$stage/bin/"
 for t in cuda_ops_test moe_layer_gpu_test model_gpu_test train_gpu_test tiered_store_gpu_test \
          tiered_training_gpu_test \
-         nccl_test data_parallel_test; do
+         nccl_test data_parallel_test distributed_test elastic_test; do
   [ -x "$build/tests/$t" ] && cp "$build/tests/$t" "$stage/bin/"
 done
 for b in bench_moe_gpu bench_tier_gpu bench_parity bench_generate; do

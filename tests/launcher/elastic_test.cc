@@ -38,9 +38,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "coordinator/state.h"
+#include "core/device/device.h"
 #include "proto/config_io.h"
 #include "tests/test_util.h"
 
@@ -55,7 +57,7 @@ using strata::testing::StepLosses;
 using strata::testing::TempDir;
 using strata::testing::WriteFile;
 
-const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
+const std::string kStrata = strata::testing::BinDir() + "/strata";
 constexpr int kBatch = 12;  // splits evenly over 1, 2, 3 and 4 workers
 
 std::string Config(int steps, const std::string& extra = "") {
@@ -421,6 +423,24 @@ TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess)
   const std::string launched = ReadFile(dir_.File("launch.log"));
   EXPECT_NE(launched.find("3 workers | generation 2 (failure)"), std::string::npos) << launched;
   EXPECT_NE(launched.find("4 workers | generation 3 (join)"), std::string::npos) << launched;
+}
+
+// The same with the workers' models on a GPU (`train.device: "cuda"`: on a machine with one GPU
+// every worker on cuda:0, exchanging through page-locked host memory over Gloo): the survivors
+// re-form without restarting, from state copied off their GPUs, the joiner's state lands on its
+// GPU, and every step matches the failure-free replay on GPU workers. Skips without a GPU;
+// scripts/gpu-check.sh runs it.
+TEST_F(ElasticTest, GpuWorkersKilledAndJoinedLoseNoSampleAndMatchTheReplay) {
+  if (CudaDeviceCount() == 0) {
+    GTEST_SKIP() << "no CUDA device: this test runs on a machine with an NVIDIA GPU";
+  }
+  constexpr int kSteps = 40;
+  const std::string config = Config(kSteps);
+  const std::string on_gpu =
+      absl::StrReplaceAll(config, {{"train { ", "train { device: \"cuda\" "}});
+  ASSERT_NE(on_gpu, config);
+  WriteFile(dir_.File("job.textproto"), on_gpu);
+  KillAndJoin(kSteps, /*kill_at=*/10, /*on_three=*/10, "");
 }
 
 // The last step generation `gen` trained in any of `files` (a step redone later included).

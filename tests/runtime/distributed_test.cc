@@ -47,6 +47,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "core/device/device.h"
 #include "tests/test_util.h"
 
 namespace strata {
@@ -58,7 +59,7 @@ using strata::testing::TempDir;
 using strata::testing::WaitExit;
 using strata::testing::WriteFile;
 
-const std::string kStrata = std::string(STRATA_BIN_DIR) + "/strata";
+const std::string kStrata = strata::testing::BinDir() + "/strata";
 
 struct Layout {
   const char* name;
@@ -191,8 +192,11 @@ class DistributedTest : public ::testing::TestWithParam<Layout> {
   TempDir dir_;
 };
 
-TEST_P(DistributedTest, MatchesTheSingleProcessOnTheSameGlobalBatch) {
-  const Layout& l = GetParam();
+// `l`'s workers against one process on the same global batch, both on `device` ("cpu" or
+// "cuda": then every worker is on cuda:<rank mod GPUs>, all on one GPU staging their exchanges
+// through page-locked host memory).
+void ExpectWorkersMatchTheSingleProcess(const TempDir& dir_, const Layout& l,
+                                        const std::string& device) {
   const std::string gate = absl::StrCat(l.workers == 4 && l.expert_parallel == 2 && l.moe[0] == '\0'
                                             ? "gate { type: NOISY_TOP_K } "
                                             : "",
@@ -200,17 +204,21 @@ TEST_P(DistributedTest, MatchesTheSingleProcessOnTheSameGlobalBatch) {
   WriteFile(dir_.File("job.textproto"), Config(l, 10, gate));
   auto single = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
                                         " train --config job.textproto --quiet --metrics-out "
-                                        "single.jsonl --export-params single"));
+                                        "single.jsonl --export-params single --device ",
+                                        device));
   ASSERT_EQ(single.exit_code, 0) << single.output;
 
-  auto pids = StartWorkers(dir_, l.workers, "--export-params workers");
+  auto pids = StartWorkers(dir_, l.workers, "--export-params workers --device " + device);
   for (int r = 0; r < l.workers; ++r) {
     EXPECT_EQ(WaitExit(pids[r]), 0) << ReadFile(dir_.File(absl::StrCat("worker", r, ".log")));
   }
-  if (HasFailure()) return;
+  if (::testing::Test::HasFailure()) return;
 
-  // Expert choice where a GEMM rounds a row by row count: see "Routing that flips" above.
-  const bool may_flip = std::string(l.moe) == kExpertChoice && !SgemmRowsIndependentOfRowCount();
+  // Expert choice where a GEMM rounds a row by row count: see "Routing that flips" above. On a
+  // GPU every layout: cuBLAS picks its kernels (tiles, split-K) by shape, so a row's bits may
+  // depend on the row count, as on those CPU kernels.
+  const bool may_flip =
+      device != "cpu" || (std::string(l.moe) == kExpertChoice && !SgemmRowsIndependentOfRowCount());
   const double loss_tol = may_flip ? 2e-4 : 1e-5, norm_tol = may_flip ? 1e-3 : 1e-4;
   const float param_tol = may_flip ? 1e-2f : 1e-4f;
   const auto want = Losses(dir_.File("single.jsonl"));
@@ -264,6 +272,10 @@ TEST_P(DistributedTest, MatchesTheSingleProcessOnTheSameGlobalBatch) {
   EXPECT_EQ(ExpectCopiesEqual(dir_, names, groups), (groups - 1) * 64);
 }
 
+TEST_P(DistributedTest, MatchesTheSingleProcessOnTheSameGlobalBatch) {
+  ExpectWorkersMatchTheSingleProcess(dir_, GetParam(), "cpu");
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Layouts, DistributedTest,
     ::testing::Values(Layout{"ep2", 2, 0, 2, ""}, Layout{"dp2", 2, 1, 2, ""},
@@ -288,6 +300,29 @@ INSTANTIATE_TEST_SUITE_P(
                       Layout{"ep3_uneven_batch_expert_choice", 3, 0, 2, "", false, kExpertChoice},
                       Layout{"ep2xdp2_expert_choice", 4, 2, 2, "", false, kExpertChoice},
                       Layout{"ep2_tiered_expert_choice", 2, 0, 2, "", true, kExpertChoice}),
+    [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
+
+// Workers with their models on a GPU (`--device cuda`; on a machine with one GPU every worker is
+// on cuda:0 and the gradient buckets and expert exchanges go through page-locked host memory over
+// Gloo) against one process on the GPU: expert parallel, data parallel, both with a noisy gate, and
+// TIERED (each worker's experts in its own HBM, pinned host and SSD tiers). Skips without a GPU;
+// scripts/gpu-check.sh runs it.
+class DistributedGpuTest : public DistributedTest {};
+
+TEST_P(DistributedGpuTest, GpuWorkersMatchOneGpuProcessOnTheSameGlobalBatch) {
+  if (CudaDeviceCount() == 0) {
+    GTEST_SKIP() << "no CUDA device: this test runs on a machine with an NVIDIA GPU";
+  }
+  ExpectWorkersMatchTheSingleProcess(dir_, GetParam(), "cuda");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, DistributedGpuTest,
+    ::testing::Values(Layout{"ep2", 2, 0, 2, ""}, Layout{"dp2", 2, 1, 2, ""},
+                      Layout{"ep2xdp2_noisy", 4, 2, 2, ""},
+                      Layout{"ep2_uneven_3chunks", 2, 2, 3, "experts_per_worker: [3, 5]"},
+                      Layout{"ep2_tiered", 2, 0, 2, "", true},
+                      Layout{"ep2_shared", 2, 0, 2, "", false, "num_shared_experts: 2"}),
     [](const ::testing::TestParamInfo<Layout>& info) { return std::string(info.param.name); });
 
 // Expert replicas in TIERED: 4 workers in 2 expert-parallel groups of 2, so that each of the 16
