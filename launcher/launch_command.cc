@@ -122,11 +122,13 @@ std::optional<int> ParseLaunch(const std::vector<std::string>& args, LaunchPlan*
   plan->device = flags->String("device");
   // Where the workers would find no GPU, one error here rather than one from every worker.
   const std::string device = plan->device.value_or(plan->cfg.train().device());
-  if (device != "cpu" && CudaDeviceCount() == 0) {
+  if (StatusOr<Device> d = Device::Parse(device);
+      d.ok() && !d->is_cpu() && d->index >= CudaDeviceCount()) {
     return Fail(absl::FailedPreconditionError(absl::StrFormat(
-        "%s %s: the workers would train on a GPU, but this machine has %s; launch with --device "
-        "cpu, or on a machine with an NVIDIA GPU",
-        plan->device ? "--device" : "train.device", device, CudaDeviceDescription(0))));
+        "%s %s: the workers would train on %s, but this machine has %s; launch with --device "
+        "cpu or cuda (worker i on GPU i mod GPUs), or on a machine with that GPU",
+        plan->device ? "--device" : "train.device", device,
+        device == "cuda" ? "GPUs" : d->ToString(), CudaDeviceDescription(d->index))));
   }
   plan->metrics_out = flags->String("metrics-out");
   plan->listen = flags->String("listen").value_or("127.0.0.1:0");
@@ -155,9 +157,12 @@ std::optional<int> ParseLaunch(const std::vector<std::string>& args, LaunchPlan*
 // Plan: the n workers fit this machine's memory together, and the coordinator has a folder — an
 // empty one given, or a temporary one.
 Status PlanLaunch(LaunchPlan* plan) {
-  RETURN_IF_ERROR(
-      config::CheckMemory(plan->cfg, config::EstimateWorkerMemory(plan->cfg, plan->workers),
-                          config::AvailableHostMemory(), plan->config_path, plan->workers));
+  // On the device the workers will use: --device is a machine setting, not the job's.
+  config::JobConfig here = plan->cfg;
+  if (plan->device) here.mutable_train()->set_device(*plan->device);
+  RETURN_IF_ERROR(config::CheckMemory(here, config::EstimateWorkerMemory(here, plan->workers),
+                                      config::AvailableHostMemory(), plan->config_path,
+                                      plan->workers));
   coordinator::CoordinatorOptions& o = plan->options;
   if (!o.dir.empty()) {
     // A folder with a job's record is that job's: its coordinator restarts from it alone.

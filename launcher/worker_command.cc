@@ -124,6 +124,8 @@ int JoinAndTrain(const Flags& flags) {
   const std::string id = flags.String("id").value_or(absl::StrFormat("%s:%d", host, getpid()));
   auto overrides = ParseOverrides(flags, /*config_required=*/false);
   if (!overrides.ok()) return UsageError(overrides.status(), "worker", WorkerFlags());
+  auto local_rank = flags.Int("local-rank", 0, 4095);
+  if (!local_rank.ok()) return UsageError(local_rank.status(), "worker", WorkerFlags());
   auto connected =
       coordinator::CoordinatorClient::Connect(address, *token, flags.String("tls-ca").value_or(""));
   if (!connected.ok()) return Fail(connected.status());
@@ -153,8 +155,6 @@ int JoinAndTrain(const Flags& flags) {
   options.info.set_host(flags.String("hostname").value_or("127.0.0.1"));
   options.info.set_threads(options.train.config.train().threads());
   options.info.set_job_config(config::ToText(JobPart(*cfg)));
-  auto local_rank = flags.Int("local-rank", 0, 4095);
-  if (!local_rank.ok()) return UsageError(local_rank.status(), "worker", WorkerFlags());
   // The GPU this worker trains on is fixed for its life, whatever rank its generations give it.
   options.train.worker.elastic = true;
   options.train.worker.local_rank = local_rank->value_or(0);

@@ -431,6 +431,8 @@ void TieredExpertStore::SetNextUse(std::span<const TensorKey> keys, uint64_t whe
 
 void TieredExpertStore::StageLoop(int stage, int track) {
   t_track = track;
+  // Its CUDA calls (page-locking a grown host slot, copies) in the context of the store's GPU.
+  UseDevice(options_.device);
   absl::MutexLock lock(&mu_);
   while (true) {
     while (!(stop_ || !queue_[stage].empty() || (stage == kSsdStage && clean_wanted_))) {

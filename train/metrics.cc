@@ -87,6 +87,7 @@ std::string StepMetricsLine(const StepResult& r, const std::vector<int>& moe_blo
         .Field("generation", worker->generation)
         .Field("first_sample", worker->first_sample)
         .Field("samples", worker->samples)
+        .Field("device", worker->device)
         .Field("comm_ms", 1e3 * r.comm_seconds);
   }
   j.Key("moe").BeginArray();

@@ -63,6 +63,7 @@ struct WorkerStepFields {
   int64_t generation = 0;
   int64_t first_sample = 0;
   int64_t samples = 0;
+  std::string device = "cpu";  // where its model trains: "cpu" or "cuda:N"
 };
 
 // The MoE layers' z-losses of the model's last forward, summed in layer order.

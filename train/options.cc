@@ -95,7 +95,8 @@ StatusOr<Device> TrainingDevice(const TrainOptions& options, int gpus) {
   const std::string& text = options.config.train().device();
   ASSIGN_OR_RETURN(const Device device, Device::Parse(text));
   const WorkerOptions& w = options.worker;
-  if (text != "cuda" || (w.world_size <= 1 && !w.elastic)) return device;
+  // One process alone is on GPU 0 unless it was given its index on the machine.
+  if (text != "cuda" || (w.world_size <= 1 && !w.elastic && w.local_rank < 0)) return device;
   if (gpus < 0) gpus = CudaDeviceCount();
   if (gpus == 0) return device;
   int local = w.local_rank;

@@ -121,9 +121,10 @@ struct TrainOptions {
 [[nodiscard]] Status CheckTrainOptions(const TrainOptions& options);
 
 // The device this process trains on: train.device, where a worker of several (or of an elastic
-// job) given "cuda" without an index takes cuda:<local rank mod `gpus`> (WorkerOptions::
-// local_rank); `gpus` is how many GPUs this process sees (-1: CudaDeviceCount(), asked only
-// then). With no GPU at all "cuda" stays cuda:0, which the model refuses with an error naming it.
+// job, or one given its local rank) given "cuda" without an index takes cuda:<local rank mod
+// `gpus`> (WorkerOptions::local_rank); `gpus` is how many GPUs this process sees (-1:
+// CudaDeviceCount(), asked only then). With no GPU at all "cuda" stays cuda:0, which the model
+// refuses with an error naming it.
 [[nodiscard]] StatusOr<Device> TrainingDevice(const TrainOptions& options, int gpus = -1);
 // TrainingDevice, or FAILED_PRECONDITION naming the setting when this machine has no such GPU.
 [[nodiscard]] StatusOr<Device> TrainingDeviceHere(const TrainOptions& options);

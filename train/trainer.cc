@@ -424,6 +424,7 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const TrainOptions& options) 
   if (tr->distributed() || options.worker.elastic) {
     tr->worker_fields_ =
         WorkerStepFields{options.worker.rank, options.worker.world_size, options.worker.generation};
+    tr->worker_fields_->device = tr->device_.ToString();
   }
   if (tr->elastic_) {
     tr->elastic_->SetLive(tr->step_);
@@ -688,6 +689,7 @@ Status Trainer::Reform(const WorkerOptions& w) {
   options_.worker = w;
   options_.worker.rejoin = true;
   worker_fields_ = WorkerStepFields{w.rank, w.world_size, w.generation};
+  worker_fields_->device = device_.ToString();
   if (distributed()) RETURN_IF_ERROR(SetUpWorkers());
   RETURN_IF_ERROR(OpenCheckpointsOfGeneration());
   // A TIERED worker whose store was handed on and then lost (a move or the new model failed)

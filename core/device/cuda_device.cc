@@ -176,11 +176,14 @@ Status CopyStream::Synchronize() {
 }
 
 CopyEvent::~CopyEvent() {
-  if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+  if (event_ == nullptr) return;
+  DeviceGuard guard(device_);
+  cudaEventDestroy(static_cast<cudaEvent_t>(event_));
 }
 
 bool CopyEvent::Done() const {
   if (event_ == nullptr) return true;
+  DeviceGuard guard(device_);  // on the event's GPU, not on GPU 0 where a thread starts
   const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event_));
   if (err == cudaErrorNotReady) return false;
   if (err != cudaSuccess) cudaGetLastError();
@@ -189,6 +192,7 @@ bool CopyEvent::Done() const {
 
 Status CopyEvent::Synchronize() const {
   if (event_ == nullptr) return absl::OkStatus();
+  DeviceGuard guard(device_);
   STRATA_CUDA_RETURN(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)),
                      "waiting for a copy event");
   return absl::OkStatus();

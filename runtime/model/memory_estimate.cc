@@ -10,11 +10,14 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <string>
 #include <system_error>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "proto/config_io.h"
@@ -314,7 +317,20 @@ MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers, bool e
   if (elastic && CopiesLagSteps(config) > 0) e.elastic_copy_bytes = Mul(36, dense);
   e.total_bytes = Add(Add(Add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes),
                       Add(Add(e.activation_bytes, e.store_bytes), e.elastic_copy_bytes));
-  e.host_bytes = e.on_gpu ? Add(e.host_bytes, e.elastic_copy_bytes) : e.total_bytes;
+  if (e.on_gpu) {
+    // Page-locked staging: the buckets hold every gradient all-reduced over data-parallel
+    // replicas (the dense ones; the experts' too where groups repeat them), and the exchange four
+    // buffers of a layer's routed rows (sent, returned; received, answered) of d_model floats.
+    const uint64_t reduced = Add(dense, G < W ? held : 0);
+    const uint64_t rows = Mul(Mul(U(share.train().global_batch()), U(config.model().seq_len())),
+                              U(config.model().moe().top_k()));
+    const uint64_t exchange = E > 0 && G > 1 ? Mul(Mul(16, rows), U(config.model().d_model())) : 0;
+    e.staging_bytes = Add(Mul(4, reduced), exchange);
+    e.total_bytes = Add(e.total_bytes, e.staging_bytes);
+    e.host_bytes = Add(Add(e.host_bytes, e.elastic_copy_bytes), e.staging_bytes);
+  } else {
+    e.host_bytes = e.total_bytes;
+  }
   return e;
 }
 
@@ -323,17 +339,21 @@ std::string FormatMemoryEstimate(const MemoryEstimate& e) {
       "parameters %s (%s dense, %s in experts)\n"
       "memory: %s in all%s = parameters %s + gradients %s + AdamW moments %s + activations %s",
       Count(e.parameters()), Count(e.dense_parameters), Count(e.expert_parameters),
-      FormatBytes(e.total_bytes), e.on_gpu ? " on the GPU" : "", FormatBytes(e.parameter_bytes),
-      FormatBytes(e.gradient_bytes), FormatBytes(e.optimizer_bytes),
+      FormatBytes(e.total_bytes), e.on_gpu ? " for a model on the GPU" : "",
+      FormatBytes(e.parameter_bytes), FormatBytes(e.gradient_bytes), FormatBytes(e.optimizer_bytes),
       FormatBytes(e.activation_bytes));
   if (e.elastic_copy_bytes > 0) {
     absl::StrAppend(&out, " + elastic copies ", FormatBytes(e.elastic_copy_bytes));
+  }
+  if (e.staging_bytes > 0) {
+    absl::StrAppend(&out, " + page-locked staging ", FormatBytes(e.staging_bytes));
   }
   if (e.expert_state_bytes > 0 || e.store_bytes > 0) {
     absl::StrAppend(&out, " + tiered store ", FormatBytes(e.store_bytes),
                     "\nexpert state (weights, gradients, AdamW moments) on the SSD tier: ",
                     FormatBytes(e.expert_state_bytes));
   }
+  if (e.on_gpu) absl::StrAppend(&out, "\nof which in host memory: ", FormatBytes(e.host_bytes));
   return out + "\n";
 }
 
@@ -506,10 +526,26 @@ Status CheckMemory(const JobConfig& config, const MemoryEstimate& e, uint64_t av
   std::string advice;
   const uint64_t model = Add(Add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes);
   if (e.on_gpu) {
+    // What the host holds for a model on a GPU, and the setting that sizes each part.
+    std::vector<std::string> parts;
+    const uint64_t host_tier = Sub(Sub(e.host_bytes, e.elastic_copy_bytes), e.staging_bytes);
+    if (host_tier > 0) {
+      parts.push_back("the tiered store's host tier (lower storage.host_budget_bytes)");
+    }
+    if (e.elastic_copy_bytes > 0) {
+      parts.push_back(st.mode() == StorageConfig::TIERED
+                          ? "the elastic copies of the dense state"
+                          : "the elastic copies (lower elastic.replicas)");
+    }
+    if (e.staging_bytes > 0) {
+      parts.push_back("the exchanges' page-locked buffers (lower train.global_batch)");
+    }
     advice =
-        "with the model on a GPU, host memory holds the tiered store's host tier and the elastic "
-        "copies: lower storage.host_budget_bytes or elastic.replicas, or start fewer workers on "
-        "this machine";
+        parts.empty()
+            ? "with the model on a GPU, host memory holds only the process itself: this "
+              "machine has less free memory than a strata process needs"
+            : absl::StrCat("with the model on a GPU, host memory holds ",
+                           absl::StrJoin(parts, ", "), "; or start fewer workers on this machine");
   } else if (e.activation_bytes >= model && e.activation_bytes >= e.store_bytes) {
     advice =
         "activations are the largest part: lower train.global_batch or model.seq_len (the "

@@ -62,9 +62,12 @@ struct MemoryEstimate {
   // rollback copy of its state, the buddy copies of elastic.replicas workers' experts (after their
   // latest two updates) and, during a re-form, the state handed over (values and Adam moments).
   uint64_t elastic_copy_bytes = 0;
-  uint64_t total_bytes = 0;  // the sum of the six above
-  // Of total_bytes, what is in host memory: all of it on the CPU; on a GPU the TIERED store's host
-  // tier and the elastic copies (the rest is in device memory).
+  // A worker of several with its model on a GPU: the page-locked host buffers its exchanges go
+  // through (data parallelism's gradient buckets, the expert exchange's rows of one layer).
+  uint64_t staging_bytes = 0;
+  uint64_t total_bytes = 0;  // the sum of the seven above
+  // What is in host memory: all of total_bytes on the CPU; on a GPU the TIERED store's host tier,
+  // the elastic copies and staging_bytes (the rest of total_bytes is in device memory).
   uint64_t host_bytes = 0;
 
   // TIERED: expert weights, gradients and Adam moments, held on the SSD tier.

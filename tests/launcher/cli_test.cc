@@ -296,7 +296,7 @@ TEST_F(CliTest, GpuWorkersWhereThereIsNoGpuAreAClearErrorBeforeAnyWorkerStarts) 
   auto l = RunCommand(kStrata + " launch --config " + dir_.File("ok.textproto") +
                       " --workers 2 --device cuda --coordinator-dir " + dir_.File("coord"));
   EXPECT_EQ(l.exit_code, 1) << l.output;
-  EXPECT_NE(l.output.find("--device cuda: the workers would train on a GPU, but this machine has "
+  EXPECT_NE(l.output.find("--device cuda: the workers would train on GPUs, but this machine has "
                           "no CUDA device"),
             std::string::npos)
       << l.output;

@@ -28,10 +28,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <thread>
@@ -287,27 +291,33 @@ class ElasticTest : public ::testing::Test {
     }
     return out;
   }
-  // What `pkill -f` and `pgrep -f` find the launch's worker-<i> of this test's job by ("" before
-  // the launch printed its address); "[w]" keeps the shell that runs them from matching itself.
-  std::string WorkerPattern(int i) {
+  // The process id of the launch's worker-<i> of this test's job (0 when there is none, or before
+  // the launch printed its address): the process whose arguments hold "--coordinator ADDRESS --id
+  // worker-<i>", found in /proc (no procps needed: the GPU machines may lack it).
+  pid_t WorkerPid(int i) {
     const std::string address = AddressIn(ReadFile(launch_log_));
-    if (address.empty()) return "";
-    return absl::StrCat("'--coordinator ", address, " --id [w]orker-", i, "( |$)'");
+    if (address.empty()) return 0;
+    const std::string nul(1, '\0');  // between the arguments of /proc/PID/cmdline
+    const std::string want =
+        absl::StrCat("--coordinator", nul, address, nul, "--id", nul, "worker-", i, nul);
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+      std::ifstream in(entry.path() / "cmdline", std::ios::binary);
+      const std::string args((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+      if (args.find(want) != std::string::npos) return static_cast<pid_t>(std::stol(name));
+    }
+    return 0;
   }
   // SIGKILLs the launch's worker-<i> of this test's job.
   ::testing::AssertionResult KillWorker(int i) {
-    const std::string pattern = WorkerPattern(i);
-    if (pattern.empty()) return ::testing::AssertionFailure() << "no address in the launch's log";
-    auto k = RunCommand(absl::StrCat("pkill -KILL -f -- ", pattern));
-    if (k.exit_code == 0) return ::testing::AssertionSuccess();
-    return ::testing::AssertionFailure() << "no worker-" << i << " to kill: " << k.output;
-  }
-  // The process id of the launch's worker-<i> of this test's job (0 when there is none).
-  pid_t WorkerPid(int i) {
-    const std::string pattern = WorkerPattern(i);
-    if (pattern.empty()) return 0;
-    auto r = RunCommand(absl::StrCat("pgrep -f -- ", pattern));
-    return r.exit_code == 0 ? static_cast<pid_t>(std::stol(r.output)) : 0;
+    const pid_t pid = WorkerPid(i);
+    if (pid == 0) return ::testing::AssertionFailure() << "no worker-" << i << " to kill";
+    if (kill(pid, SIGKILL) == 0) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure()
+           << "kill(" << pid << ", SIGKILL): " << std::strerror(errno);
   }
   // `strata worker --coordinator address` joining the launched job, metrics to joiner.jsonl.
   pid_t StartJoiner(const std::string& address) {
@@ -441,6 +451,13 @@ TEST_F(ElasticTest, GpuWorkersKilledAndJoinedLoseNoSampleAndMatchTheReplay) {
   ASSERT_NE(on_gpu, config);
   WriteFile(dir_.File("job.textproto"), on_gpu);
   KillAndJoin(kSteps, /*kill_at=*/10, /*on_three=*/10, "");
+  // Launched worker i on GPU i mod GPUs; the joiner, started without --local-rank, on GPU 0.
+  for (int i = 0; i < 4; ++i) {
+    const std::string where = absl::StrCat("\"device\":\"cuda:", i % CudaDeviceCount(), "\"");
+    EXPECT_NE(ReadFile(dir_.File(absl::StrCat("m.jsonl.", i))).find(where), std::string::npos)
+        << "worker-" << i;
+  }
+  EXPECT_NE(ReadFile(dir_.File("joiner.jsonl")).find("\"device\":\"cuda:0\""), std::string::npos);
 }
 
 // The last step generation `gen` trained in any of `files` (a step redone later included).

@@ -224,6 +224,13 @@ void ExpectWorkersMatchTheSingleProcess(const TempDir& dir_, const Layout& l,
   const auto want = Losses(dir_.File("single.jsonl"));
   ASSERT_EQ(want.size(), 10u);
   for (int r = 0; r < l.workers; ++r) {
+    // Each trained where it was placed: rank r on GPU r mod GPUs.
+    const std::string where =
+        device == "cpu" ? "cpu" : absl::StrCat("cuda:", r % std::max(1, CudaDeviceCount()));
+    EXPECT_NE(ReadFile(dir_.File(absl::StrCat("w", r, ".jsonl")))
+                  .find(absl::StrCat("\"device\":\"", where, "\"")),
+              std::string::npos)
+        << "worker " << r << " did not train on " << where;
     // Every worker reports the loss of the whole batch.
     const auto got = Losses(dir_.File(absl::StrCat("w", r, ".jsonl")));
     ASSERT_EQ(got.size(), want.size()) << "worker " << r;

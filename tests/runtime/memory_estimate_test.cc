@@ -244,8 +244,9 @@ TEST(MemoryEstimateTest, AWorkerHoldsItsShareOfTheExpertsAndTheBatch) {
 }
 
 // With the model on a GPU only what stays in host memory is compared with the host's: nothing
-// of an in-memory process, the host tier of a TIERED one, and a worker's elastic copies.
-TEST(MemoryEstimateTest, OnAGpuTheHostHoldsTheHostTierAndTheElasticCopies) {
+// of one in-memory process, the host tier of a TIERED one, and a worker's elastic copies and
+// page-locked staging. Each figure worked out by hand for kSmall (V 16, T 4, C 8, batch 3).
+TEST(MemoryEstimateTest, OnAGpuTheHostHoldsTheHostTierTheElasticCopiesAndTheStaging) {
   const auto on_gpu = [](JobConfig cfg) {
     cfg.mutable_train()->set_device("cuda");
     return cfg;
@@ -254,26 +255,48 @@ TEST(MemoryEstimateTest, OnAGpuTheHostHoldsTheHostTierAndTheElasticCopies) {
   const MemoryEstimate m = EstimateMemory(in_memory);
   EXPECT_TRUE(m.on_gpu);
   EXPECT_EQ(m.host_bytes, 0u);
+  EXPECT_EQ(m.staging_bytes, 0u) << "one process exchanges nothing";
   EXPECT_EQ(m.total_bytes, EstimateMemory(Parse(kSmall)).total_bytes) << "the same model";
   EXPECT_EQ(EstimateMemory(Parse(kSmall)).host_bytes, EstimateMemory(Parse(kSmall)).total_bytes);
-  // Only the process's own overhead is left to fit; a byte less is refused, naming the fields.
+  // Only the process's own overhead is left to fit; a byte less is refused, saying so.
   EXPECT_TRUE(CheckMemory(in_memory, m, kProcessOverheadBytes, "job.textproto").ok());
   const Status s = CheckMemory(in_memory, m, kProcessOverheadBytes - 1, "job.textproto");
   ASSERT_TRUE(absl::IsResourceExhausted(s)) << s;
-  EXPECT_NE(s.message().find("host memory holds the tiered store's host tier"), std::string::npos)
-      << s;
+  EXPECT_NE(s.message().find("host memory holds only the process itself"), std::string::npos) << s;
 
   const JobConfig tiered =
       on_gpu(Parse(absl::StrCat(kSmall, "storage { mode: TIERED host_budget_bytes: 50000 }\n")));
   EXPECT_EQ(EstimateMemory(tiered).host_bytes, 50000u);
-  // An elastic worker of 2 in memory: its copies (as the CPU figures them), nothing else.
+
+  // An elastic worker of 2, all experts split over both (one group of 2): its copies as the CPU
+  // figures them, the dense gradients' bucket (4 bytes each), and the exchange's four buffers of
+  // a layer's rows (2 of the 3 sequences x 4 tokens x top-2 = 16 rows of 8 floats).
   const MemoryEstimate w = EstimateWorkerMemory(in_memory, 2);
-  EXPECT_GT(w.elastic_copy_bytes, 0u);
+  const uint64_t dense = static_cast<uint64_t>(w.dense_parameters);
   EXPECT_EQ(w.elastic_copy_bytes, EstimateWorkerMemory(Parse(kSmall), 2).elastic_copy_bytes);
-  EXPECT_EQ(w.host_bytes, w.elastic_copy_bytes);
-  // A TIERED one: its host tier and its dense copies (36 bytes a dense parameter).
+  EXPECT_EQ(w.staging_bytes, 4 * dense + 4 * (16 * 8 * 4));
+  EXPECT_EQ(w.host_bytes, w.elastic_copy_bytes + w.staging_bytes);
+  EXPECT_EQ(w.total_bytes, EstimateWorkerMemory(Parse(kSmall), 2).total_bytes + w.staging_bytes);
+  const Status ws = CheckMemory(in_memory, w, w.host_bytes + kProcessOverheadBytes - 1, "j");
+  ASSERT_TRUE(absl::IsResourceExhausted(ws)) << ws;
+  EXPECT_NE(ws.message().find("the elastic copies (lower elastic.replicas), the exchanges' "
+                              "page-locked buffers (lower train.global_batch)"),
+            std::string::npos)
+      << ws;
+  // Two data-parallel replicas (groups of 1): every gradient is in the bucket, no exchange.
+  const MemoryEstimate dp = EstimateWorkerMemory(
+      on_gpu(Parse(absl::StrCat(kSmall, "parallel { expert_parallel: 1 }\n"))), 2, false);
+  EXPECT_EQ(dp.staging_bytes, 4 * static_cast<uint64_t>(dp.parameters()));
+  EXPECT_EQ(dp.host_bytes, dp.staging_bytes);
+  // A TIERED one: its host tier, its dense copies (36 bytes a dense parameter), its staging.
   const MemoryEstimate t = EstimateWorkerMemory(tiered, 2);
-  EXPECT_EQ(t.host_bytes, 50000u + 36 * static_cast<uint64_t>(t.dense_parameters));
+  EXPECT_EQ(t.host_bytes, 50000u + 36 * dense + t.staging_bytes);
+  const Status ts = CheckMemory(tiered, t, kProcessOverheadBytes, "j");
+  ASSERT_TRUE(absl::IsResourceExhausted(ts)) << ts;
+  EXPECT_NE(ts.message().find("the tiered store's host tier (lower storage.host_budget_bytes), "
+                              "the elastic copies of the dense state"),
+            std::string::npos)
+      << ts;
 }
 
 TEST(MemoryEstimateTest, SaturatesInsteadOfWrapping) {

@@ -61,12 +61,12 @@ TEST(StepMetricsLineTest, WorkerTieredEvaluatedStepWithBiasAndSequenceLoss) {
   EvalResult eval;
   eval.loss = 2 * std::log(2.0);  // 1.3862944 nats
   eval.bits_per_byte = 2;
-  const WorkerStepFields worker{1, 2, 3, 8, 4};
+  const WorkerStepFields worker{1, 2, 3, 8, 4, "cuda:1"};
   EXPECT_EQ(StepMetricsLine(r, {5}, /*sequence_aux_loss=*/true, worker, &eval),
             "{\"step\":3,\"loss\":2.5,\"aux_loss\":0.125,\"z_loss\":0.0625,\"lr\":0.001,"
             "\"grad_norm\":1.5,\"tokens\":512,\"tokens_per_s\":2048,\"step_ms\":250,"
             "\"rank\":1,\"workers\":2,\"generation\":3,\"first_sample\":8,\"samples\":4,"
-            "\"comm_ms\":10,"
+            "\"device\":\"cuda:1\",\"comm_ms\":10,"
             "\"moe\":[{\"layer\":5,\"load\":[3,1],\"dropped\":2,\"dropped_tokens\":1,"
             "\"capacity\":4,\"aux_loss\":1.25,\"z_loss\":0.5,\"sequence_aux_loss\":0.75,"
             "\"max_over_mean\":1.5,\"cv\":0.5,\"bias_min\":-0.25,\"bias_max\":0.5}],"

@@ -195,8 +195,9 @@ TEST(TrainingDeviceTest, ABareCudaPlacesEachWorkerOnTheGpuOfItsLocalRank) {
     EXPECT_TRUE(d.ok()) << d.status();
     return d.ok() ? d->ToString() : std::string("error");
   };
-  // One process: "cuda" is cuda:0, whatever the GPUs.
+  // One process: "cuda" is cuda:0, whatever the GPUs, unless given its local rank.
   EXPECT_EQ(place("cuda", 0, 1, false, -1, 0, 4), "cuda:0");
+  EXPECT_EQ(place("cuda", 0, 1, false, 2, 0, 4), "cuda:2");
   // Static workers: rank mod GPUs, or (rank mod local_size) mod GPUs.
   EXPECT_EQ(place("cuda", 5, 8, false, -1, 0, 4), "cuda:1");
   EXPECT_EQ(place("cuda", 6, 8, false, -1, 4, 4), "cuda:2");
