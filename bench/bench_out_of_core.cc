@@ -15,6 +15,12 @@
 //   stall_fraction: the share of compute-thread time spent waiting for the store.
 // Targets: fraction_of_in_memory >= 0.9 where compute_s > io_s; over_lower_bound <= 1.2.
 //
+// --device cuda (or cuda:N) trains every run with the model on that GPU: the device tier is HBM
+// and the host tier page-locked. The host<->device link is then a third bound: link_s, the step's
+// bytes into and out of the device tier at the rates of 256 MiB pinned copies measured in the
+// same run (printed under each row, and in --json with the GPU's name); the lower bound is
+// max(compute_s, io_s, link_s), and with --config the I/O bound max(io_s, link_s).
+//
 //   build/bin/bench_out_of_core [--batches 16,64] [--steps N] [--warmup N] [--rounds R]
 //                               [--small] [--no-fio] [--json]
 //
@@ -40,6 +46,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -53,8 +60,10 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
 #include "bench/blas_report.h"
+#include "core/common/clock.h"
 #include "core/common/heap.h"
 #include "core/common/json.h"
+#include "core/device/device.h"
 #include "proto/config_io.h"
 #include "runtime/model/memory_estimate.h"
 #include "train/trainer.h"
@@ -73,7 +82,68 @@ struct Options {
   std::string dir;
   std::string config;  // --config: TIERED only, of this config
   bool batches_given = false;
+  std::string device = "cpu";  // --device: train.device of every run
 };
+
+// The example's config: from $STRATA_SOURCE_DIR (a package's share/strata) or this source tree.
+std::string ExampleConfig() {
+  const char* e = std::getenv("STRATA_SOURCE_DIR");
+  return std::string(e != nullptr && *e != '\0' ? e : STRATA_SOURCE_DIR) +
+         "/examples/larger_than_memory/config.textproto";
+}
+
+// The host<->device link of a GPU: the rates of 256 MiB copies between page-locked host memory
+// and device memory on one copy stream (the store's copy path; best of 3 each way), and the GPU's
+// description. Measured in a child process: the parent must not start CUDA before it forks the
+// trainers' processes.
+struct Link {
+  double h2d_gbps = 0, d2h_gbps = 0;
+  std::string gpu;
+  std::string error;
+};
+
+Link MeasureLink(Device device) {
+  Link link;
+  if (device.is_cpu()) return link;
+  const std::string out = InChildProcess([&]() -> std::string {
+    const size_t bytes = size_t{256} << 20;
+    auto host = Buffer::AllocatePinned(bytes);
+    auto dev = Buffer::Allocate(device, bytes);
+    auto stream = CopyStream::Create(device);
+    if (!host.ok() || !dev.ok() || !stream.ok()) {
+      return absl::StrCat("error ", !host.ok()  ? host.status().message()
+                                    : !dev.ok() ? dev.status().message()
+                                                : stream.status().message());
+    }
+    std::memset((*host)->data(), 1, bytes);
+    double best[2] = {0, 0};
+    for (int rep = 0; rep < 4; ++rep) {  // the first of each way warms up
+      for (int way = 0; way < 2; ++way) {
+        void* dst = way == 0 ? (*dev)->data() : (*host)->data();
+        const void* src = way == 0 ? (*host)->data() : (*dev)->data();
+        const double t0 = NowSeconds();
+        if (!(*stream)->CopyAsync(dst, src, bytes).ok() || !(*stream)->Synchronize().ok()) {
+          return std::string("error a copy failed");
+        }
+        if (rep > 0) best[way] = std::max(best[way], bytes / (NowSeconds() - t0) / 1e9);
+      }
+    }
+    return absl::StrFormat("%.9g %.9g %s", best[0], best[1], CudaDeviceDescription(device.index));
+  });
+  if (out.rfind("error ", 0) == 0 || out.empty()) {
+    link.error = out.empty() ? "the copy process died" : out.substr(6);
+    return link;
+  }
+  std::vector<std::string> parts = absl::StrSplit(out, absl::MaxSplits(' ', 2));
+  if (parts.size() != 3) {
+    link.error = "unexpected output: " + out;
+    return link;
+  }
+  link.h2d_gbps = std::stod(parts[0]);
+  link.d2h_gbps = std::stod(parts[1]);
+  link.gpu = parts[2];
+  return link;
+}
 
 // The --config job at a small scale: its structure at d_model 64, d_expert 128, seq_len <= 32,
 // with 12 device slots beside its dense state and 48 host slots.
@@ -105,20 +175,20 @@ config::JobConfig ConfigOf(const Options& o, const std::string& data, const std:
   cfg.mutable_train()->set_eval_every(0);
   cfg.mutable_storage()->set_mode(config::StorageConfig::TIERED);
   cfg.mutable_storage()->set_ssd_dir(ssd_dir);
+  cfg.mutable_train()->set_device(o.device);
   if (o.small) ScaleDown(cfg);
   return cfg;
 }
 
 config::JobConfig Config(const Options& o, const std::string& data, int batch, bool tiered) {
-  const std::string example =
-      std::string(STRATA_SOURCE_DIR) + "/examples/larger_than_memory/config.textproto";
-  auto loaded = config::LoadJobConfig(example);
+  auto loaded = config::LoadJobConfig(ExampleConfig());
   CHECK(loaded.ok()) << loaded.status();
   config::JobConfig cfg = *loaded;
   cfg.mutable_data()->set_path(data);
   cfg.mutable_train()->set_steps(o.warmup + o.steps);
   cfg.mutable_train()->set_global_batch(batch);
   cfg.mutable_train()->set_eval_every(0);
+  cfg.mutable_train()->set_device(o.device);
   if (o.small) {  // a smoke run: the same structure, a fraction of the size
     config::ModelConfig* m = cfg.mutable_model();
     m->set_seq_len(32);
@@ -137,6 +207,7 @@ config::JobConfig Config(const Options& o, const std::string& data, int batch, b
 
 struct RunFigures {
   double step_s = 0, stall_s = 0, read_bytes = 0, write_bytes = 0;
+  double h2d_bytes = 0, d2h_bytes = 0;  // into and out of the device tier
   int64_t tokens = 0;
   double routed = 0;    // share of the experts a step routed a token to (median)
   double peak_rss = 0;  // bytes, the training process's VmHWM
@@ -151,7 +222,7 @@ RunFigures TrainConfig(const Options& o, const config::JobConfig& cfg) {
     to.progress = false;
     auto t = train::Trainer::Create(to);
     if (!t.ok()) return absl::StrCat("error ", t.status().message());
-    std::vector<double> step, stall, rd, wr, routed;
+    std::vector<double> step, stall, rd, wr, h2d, d2h, routed;
     int64_t tokens = 0;
     for (int i = 0; i < o.warmup + o.steps; ++i) {
       auto r = (*t)->Step();
@@ -161,6 +232,8 @@ RunFigures TrainConfig(const Options& o, const config::JobConfig& cfg) {
       stall.push_back(r->store.stall_seconds / (*t)->context().pool->num_threads());
       rd.push_back(static_cast<double>(r->store.ssd.bytes_out));
       wr.push_back(static_cast<double>(r->store.ssd.bytes_in));
+      h2d.push_back(static_cast<double>(r->store.device.bytes_in));
+      d2h.push_back(static_cast<double>(r->store.device.bytes_out));
       tokens = r->tokens;
       int64_t experts = 0, used = 0;
       for (const model::MoeStats& m : r->moe) {
@@ -169,9 +242,9 @@ RunFigures TrainConfig(const Options& o, const config::JobConfig& cfg) {
       }
       routed.push_back(experts > 0 ? static_cast<double>(used) / experts : std::nan(""));
     }
-    return absl::StrFormat("%.9g %.9g %.9g %.9g %d %.9g %.9g", MedianOf(step), MedianOf(stall),
-                           MedianOf(rd), MedianOf(wr), tokens, MedianOf(routed),
-                           PeakRssMb() * (1 << 20));
+    return absl::StrFormat("%.9g %.9g %.9g %.9g %d %.9g %.9g %.9g %.9g", MedianOf(step),
+                           MedianOf(stall), MedianOf(rd), MedianOf(wr), tokens, MedianOf(routed),
+                           PeakRssMb() * (1 << 20), MedianOf(h2d), MedianOf(d2h));
   });
   RunFigures f;
   if (out.rfind("error ", 0) == 0 || out.empty()) {
@@ -179,7 +252,7 @@ RunFigures TrainConfig(const Options& o, const config::JobConfig& cfg) {
     return f;
   }
   std::vector<std::string> parts = absl::StrSplit(out, ' ');
-  if (parts.size() != 7) {
+  if (parts.size() != 9) {
     f.error = "unexpected output: " + out;
     return f;
   }
@@ -190,6 +263,8 @@ RunFigures TrainConfig(const Options& o, const config::JobConfig& cfg) {
   f.tokens = std::stoll(parts[4]);
   f.routed = std::stod(parts[5]);
   f.peak_rss = std::stod(parts[6]);
+  f.h2d_bytes = std::stod(parts[7]);
+  f.d2h_bytes = std::stod(parts[8]);
   return f;
 }
 
@@ -212,8 +287,46 @@ void FioRound(const std::string& dir, std::vector<double>* read, std::vector<dou
 struct Row {
   int batch = 0;
   int64_t tokens = 0;
-  std::vector<double> mem_step, tier_step, stall, rd, wr;
+  std::vector<double> mem_step, tier_step, stall, rd, wr, h2d, d2h;
 };
+
+// The larger of two bounds, either of which may be unknown (NaN).
+double MaxKnown(double a, double b) {
+  if (!std::isfinite(a)) return b;
+  if (!std::isfinite(b)) return a;
+  return std::max(a, b);
+}
+
+// A step's host<->device copy time at the link's rates (NaN on the CPU, where the device tier is
+// host memory and has no link).
+double LinkSeconds(const Link& link, const Row& r) {
+  if (link.h2d_gbps <= 0 || link.d2h_gbps <= 0) return std::nan("");
+  return MedianOf(r.h2d) / (link.h2d_gbps * 1e9) + MedianOf(r.d2h) / (link.d2h_gbps * 1e9);
+}
+
+// The link's figures for a row of --json, and its line of the header.
+void AddLinkFields(JsonWriter& j, const Link& link, const Row& r) {
+  if (link.gpu.empty()) return;
+  j.Field("gpu", link.gpu)
+      .Field("h2d_gbps", link.h2d_gbps)
+      .Field("d2h_gbps", link.d2h_gbps)
+      .Field("h2d_bytes_per_step", MedianOf(r.h2d))
+      .Field("d2h_bytes_per_step", MedianOf(r.d2h))
+      .Field("link_s", LinkSeconds(link, r));
+}
+// Under a row of the table: the step's copies over the link and their time at its rates.
+void PrintLinkRow(const Link& link, const Row& r) {
+  if (link.gpu.empty()) return;
+  std::printf("       link: %.0f MB host -> device, %.0f MB device -> host a step; link_s %.3f\n",
+              MedianOf(r.h2d) / 1e6, MedianOf(r.d2h) / 1e6, LinkSeconds(link, r));
+}
+void PrintLink(const Link& link) {
+  if (link.gpu.empty()) return;
+  std::printf(
+      "device: %s; pinned host -> device %.1f GB/s, device -> pinned host %.1f GB/s "
+      "(256 MiB copies on one stream)\n",
+      link.gpu.c_str(), link.h2d_gbps, link.d2h_gbps);
+}
 
 // MemTotal of /proc/meminfo, in bytes (0 when it cannot be read).
 double MemTotalBytes() {
@@ -265,6 +378,14 @@ int RunConfig(Options o) {
         own_data ? "synthetic" : data.c_str(), o.warmup, o.steps, o.rounds);
     PrintBlasReport(blas);
   }
+  const Link link = MeasureLink(*Device::Parse(o.device));
+  if (!link.error.empty()) {
+    std::fprintf(stderr, "bench_out_of_core: --device %s: %s\n", o.device.c_str(),
+                 link.error.c_str());
+    std::filesystem::remove_all(dir);
+    return 1;
+  }
+  if (!o.json) PrintLink(link);
   std::vector<Row> rows(o.batches.size());
   std::vector<double> fio_read, fio_write, routed(o.batches.size()), rss(o.batches.size());
   for (int round = 0; round < o.rounds; ++round) {
@@ -285,6 +406,8 @@ int RunConfig(Options o) {
       r.stall.push_back(f.stall_s);
       r.rd.push_back(f.read_bytes);
       r.wr.push_back(f.write_bytes);
+      r.h2d.push_back(f.h2d_bytes);
+      r.d2h.push_back(f.d2h_bytes);
       routed[b] = f.routed;
       rss[b] = std::max(rss[b], f.peak_rss);
     }
@@ -301,8 +424,10 @@ int RunConfig(Options o) {
     const Row& r = rows[b];
     const double tier = MedianOf(r.tier_step), rd = MedianOf(r.rd), wr = MedianOf(r.wr);
     const double io = o.fio ? rd / (fr * 1e9) + wr / (fw * 1e9) : std::nan("");
-    // A step that moved nothing (its state fit in the host cache) has no I/O bound.
-    const double over = io > 0 ? tier / io : std::nan(""), stall = MedianOf(r.stall) / tier;
+    // On a GPU the bound is the slower of the SSD and the host<->device link. A step that moved
+    // nothing (its state fit in the host cache and HBM) has no I/O bound.
+    const double bound = MaxKnown(io, LinkSeconds(link, r));
+    const double over = bound > 0 ? tier / bound : std::nan(""), stall = MedianOf(r.stall) / tier;
     const bool met = std::isfinite(over) && over <= 1.2 && rss[b] < mem_total;
     if (o.json) {
       JsonWriter j;
@@ -326,7 +451,9 @@ int RunConfig(Options o) {
           .Field("peak_rss_bytes", static_cast<int64_t>(rss[b]))
           .Field("mem_total_bytes", static_cast<int64_t>(mem_total))
           .Field("peak_rss_of_ram", rss[b] / mem_total)
-          .Field("rounds", o.rounds);
+          .Field("rounds", o.rounds)
+          .Field("device", o.device);
+      AddLinkFields(j, link, r);
       AddBlasFields(j, blas);
       j.EndObject();
       std::printf("%s\n", j.str().c_str());
@@ -335,6 +462,7 @@ int RunConfig(Options o) {
           "%6d %10.1f %9.3f %9.3f %8.2f %7.0f/%-7.0f %6.0f%% %6.0f%% %5.2f GiB %3.0f%% %7s\n",
           r.batch, r.tokens / tier, tier, io, over, rd / 1e6, wr / 1e6, 100 * stall,
           100 * routed[b], rss[b] / (1 << 30), 100 * rss[b] / mem_total, met ? "met" : "missed");
+      PrintLinkRow(link, r);
     }
   }
   return 0;
@@ -359,6 +487,13 @@ int Main(int argc, char** argv) {
       o.fio = false;
     } else if (a == "--config") {
       o.config = value();
+    } else if (a == "--device") {
+      o.device = value();
+      if (!Device::Parse(o.device).ok()) {
+        std::fprintf(stderr, "bench_out_of_core: --device %s: use cpu, cuda or cuda:N\n",
+                     o.device.c_str());
+        return 2;
+      }
     } else if (a == "--batches") {
       o.batches_given = true;
       o.batches.clear();
@@ -374,8 +509,9 @@ int Main(int argc, char** argv) {
       (a == "--steps" ? o.steps : a == "--warmup" ? o.warmup : o.rounds) = n;
     } else {
       std::fprintf(stderr,
-                   "usage: bench_out_of_core [--config PATH] [--batches 16,64] [--steps N] "
-                   "[--warmup N] [--rounds R] [--small] [--no-fio] [--json]\n");
+                   "usage: bench_out_of_core [--config PATH] [--device cpu|cuda|cuda:N] "
+                   "[--batches 16,64] [--steps N] [--warmup N] [--rounds R] [--small] "
+                   "[--no-fio] [--json]\n");
       return 2;
     }
   }
@@ -394,6 +530,13 @@ int Main(int argc, char** argv) {
         HostDescription().c_str(), o.dir.c_str(), o.warmup, o.steps, o.rounds);
     PrintBlasReport(blas);
   }
+  const Link link = MeasureLink(*Device::Parse(o.device));
+  if (!link.error.empty()) {
+    std::fprintf(stderr, "bench_out_of_core: --device %s: %s\n", o.device.c_str(),
+                 link.error.c_str());
+    return 1;
+  }
+  if (!o.json) PrintLink(link);
   std::vector<Row> rows(o.batches.size());
   std::vector<double> fio_read, fio_write;
   for (int round = 0; round < o.rounds; ++round) {
@@ -416,6 +559,8 @@ int Main(int argc, char** argv) {
           r.stall.push_back(f.stall_s);
           r.rd.push_back(f.read_bytes);
           r.wr.push_back(f.write_bytes);
+          r.h2d.push_back(f.h2d_bytes);
+          r.d2h.push_back(f.d2h_bytes);
         } else {
           r.mem_step.push_back(f.step_s);
         }
@@ -435,10 +580,12 @@ int Main(int argc, char** argv) {
     const double tier = MedianOf(r.tier_step), mem = MedianOf(r.mem_step);
     const double rd = MedianOf(r.rd), wr = MedianOf(r.wr);
     const double io = o.fio ? rd / (fr * 1e9) + wr / (fw * 1e9) : std::nan("");
-    const double bound = std::isfinite(io) ? std::max(mem, io) : mem;
+    // On a GPU the experts' copies between host and device are a third bound.
+    const double link_s = LinkSeconds(link, r);
+    const double bound = MaxKnown(MaxKnown(mem, io), link_s);
     const double tps = r.tokens / tier, mem_tps = r.tokens / mem;
     const double frac = tps / mem_tps, over = tier / bound, stall = MedianOf(r.stall) / tier;
-    const bool compute_bound = !std::isfinite(io) || mem > io;
+    const bool compute_bound = mem >= MaxKnown(io, link_s) || !std::isfinite(MaxKnown(io, link_s));
     const bool met = over <= 1.2 && (!compute_bound || frac >= 0.9);
     if (o.json) {
       JsonWriter j;
@@ -457,7 +604,9 @@ int Main(int argc, char** argv) {
           .Field("ssd_write_bytes_per_step", wr)
           .Field("fio_read_gbps", fr)
           .Field("fio_write_gbps", fw)
-          .Field("rounds", o.rounds);
+          .Field("rounds", o.rounds)
+          .Field("device", o.device);
+      AddLinkFields(j, link, r);
       AddBlasFields(j, blas);
       j.EndObject();
       std::printf("%s\n", j.str().c_str());
@@ -465,6 +614,7 @@ int Main(int argc, char** argv) {
       std::printf("%6d %10.0f %10.0f %7.0f%% %9.3f %9.3f %9.3f %8.2f %5.0f/%-5.0f %6.0f%% %7s\n",
                   r.batch, tps, mem_tps, 100 * frac, tier, mem, io, over, rd / 1e6, wr / 1e6,
                   100 * stall, met ? "met" : "missed");
+      PrintLinkRow(link, r);
     }
   }
   return 0;

@@ -3,12 +3,15 @@
 # driver and CUDA 13's cuBLAS, cudart and NCCL (a PyTorch install brings them) and none of
 # strata's other dependencies:
 #
-#   bin/            strata, the GPU tests and benchmarks, bench_parity (and the PyTorch baseline)
+#   bin/            strata, the GPU tests (with the workers' and the elastic drill's on a GPU),
+#                   the GPU benchmarks, bench_parity, bench_generate, bench_out_of_core (and the
+#                   PyTorch baseline)
 #   lib/            the shared libraries those binaries need that such a machine may lack (gRPC,
 #                   protobuf, Abseil, RocksDB, Gloo, liburing, OpenBLAS, ...), found through the
 #                   binaries' RUNPATH $ORIGIN/../lib; never the C library, libstdc++, the driver,
 #                   cuBLAS, cudart or NCCL, which come from the machine
-#   share/strata/   the default example's config and data (the tests read them from here)
+#   share/strata/   the default example's config and data (the tests read them from here), and
+#                   the larger_than_memory and larger_than_gpu configs (the benchmarks' models)
 #   gpu-check.sh    scripts/gpu-check.sh: every GPU test and benchmark, one summary table
 #
 #   scripts/package.sh [-o OUT.tar.xz] [--build DIR]
@@ -24,7 +27,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     -o) out=${2:?-o needs a file name}; shift ;;
     --build) build=${2:?--build needs a folder}; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "package.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -51,7 +54,7 @@ out=$(cd "$(dirname "$out")" && pwd)/$(basename "$out")
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/lib" "$stage/share/strata/examples/moe_lm/data" \
-  "$stage/share/strata/examples/larger_than_memory"
+  "$stage/share/strata/examples/larger_than_memory" "$stage/share/strata/examples/larger_than_gpu"
 
 # The binaries: strata, every GPU test (what gpu-check.sh runs), the GPU benchmarks.
 cp "$build/bin/strata" "$stage/bin/"
@@ -60,7 +63,7 @@ for t in cuda_ops_test moe_layer_gpu_test model_gpu_test train_gpu_test tiered_s
          nccl_test data_parallel_test distributed_test elastic_test; do
   [ -x "$build/tests/$t" ] && cp "$build/tests/$t" "$stage/bin/"
 done
-for b in bench_moe_gpu bench_tier_gpu bench_parity bench_generate; do
+for b in bench_moe_gpu bench_tier_gpu bench_parity bench_generate bench_out_of_core; do
   [ -x "$build/bin/$b" ] && cp "$build/bin/$b" "$stage/bin/"
 done
 cp "$root/bench/torch_moe_baseline.py" "$stage/bin/bench_moe_torch.py"
@@ -74,6 +77,9 @@ cp "$data" "$stage/share/strata/examples/moe_lm/data/"
 # bench_generate's second model (its data is moe_lm's, by a relative path).
 cp "$root/examples/larger_than_memory/config.textproto" \
   "$stage/share/strata/examples/larger_than_memory/"
+# bench_out_of_core's GPU runs: larger_than_gpu and its scale knob (its data is moe_lm's too).
+cp "$root/examples/larger_than_gpu/config.textproto" "$root/examples/larger_than_gpu/scale.py" \
+  "$stage/share/strata/examples/larger_than_gpu/"
 
 # The shared libraries, by their sonames as the loader asks for them; the machine's own: glibc,
 # the compiler's runtime, the NVIDIA driver and the CUDA toolkit's libraries.
@@ -102,6 +108,7 @@ for f in "$stage"/bin/*; do
 done
 for f in "$stage"/lib/*; do patchelf --set-rpath '$ORIGIN' "$f"; done
 
-tar -C "$stage" -cJf "$out" .
+# xz on every core (the archive is the same size; it takes half the time on two).
+XZ_OPT=${XZ_OPT:--T0} tar -C "$stage" -cJf "$out" .
 echo "package.sh: $out ($(du -h "$out" | cut -f1)): $(ls "$stage/bin" | wc -l) files in bin/," \
      "$(ls "$stage/lib" | wc -l) libraries in lib/"
