@@ -15,11 +15,12 @@
 //   stall_fraction: the share of compute-thread time spent waiting for the store.
 // Targets: fraction_of_in_memory >= 0.9 where compute_s > io_s; over_lower_bound <= 1.2.
 //
-// --device cuda (or cuda:N) trains every run with the model on that GPU: the device tier is HBM
-// and the host tier page-locked. The host<->device link is then a third bound: link_s, the step's
-// bytes into and out of the device tier at the rates of 256 MiB pinned copies measured in the
-// same run (printed under each row, and in --json with the GPU's name); the lower bound is
-// max(compute_s, io_s, link_s), and with --config the I/O bound max(io_s, link_s).
+// --device cuda (or cuda:N) trains every run with the model on that GPU (default: the config's
+// train.device, the CPU for the example): the device tier is HBM and the host tier page-locked. The
+// host<->device link is then a third bound: link_s, the step's bytes into and out of the device
+// tier at the rates of 256 MiB pinned copies measured in the same run (printed under each row, and
+// in --json with the GPU's name); the lower bound is max(compute_s, io_s, link_s), and with
+// --config the I/O bound max(io_s, link_s).
 //
 //   build/bin/bench_out_of_core [--batches 16,64] [--steps N] [--warmup N] [--rounds R]
 //                               [--small] [--no-fio] [--json]
@@ -82,7 +83,7 @@ struct Options {
   std::string dir;
   std::string config;  // --config: TIERED only, of this config
   bool batches_given = false;
-  std::string device = "cpu";  // --device: train.device of every run
+  std::string device;  // --device: train.device of every run (empty: the config's)
 };
 
 // The example's config: from $STRATA_SOURCE_DIR (a package's share/strata) or this source tree.
@@ -175,7 +176,7 @@ config::JobConfig ConfigOf(const Options& o, const std::string& data, const std:
   cfg.mutable_train()->set_eval_every(0);
   cfg.mutable_storage()->set_mode(config::StorageConfig::TIERED);
   cfg.mutable_storage()->set_ssd_dir(ssd_dir);
-  cfg.mutable_train()->set_device(o.device);
+  if (!o.device.empty()) cfg.mutable_train()->set_device(o.device);
   if (o.small) ScaleDown(cfg);
   return cfg;
 }
@@ -188,7 +189,7 @@ config::JobConfig Config(const Options& o, const std::string& data, int batch, b
   cfg.mutable_train()->set_steps(o.warmup + o.steps);
   cfg.mutable_train()->set_global_batch(batch);
   cfg.mutable_train()->set_eval_every(0);
-  cfg.mutable_train()->set_device(o.device);
+  if (!o.device.empty()) cfg.mutable_train()->set_device(o.device);
   if (o.small) {  // a smoke run: the same structure, a fraction of the size
     config::ModelConfig* m = cfg.mutable_model();
     m->set_seq_len(32);
@@ -378,10 +379,10 @@ int RunConfig(Options o) {
         own_data ? "synthetic" : data.c_str(), o.warmup, o.steps, o.rounds);
     PrintBlasReport(blas);
   }
-  const Link link = MeasureLink(*Device::Parse(o.device));
+  const std::string device = first.train().device();
+  const Link link = MeasureLink(*Device::Parse(device));
   if (!link.error.empty()) {
-    std::fprintf(stderr, "bench_out_of_core: --device %s: %s\n", o.device.c_str(),
-                 link.error.c_str());
+    std::fprintf(stderr, "bench_out_of_core: device %s: %s\n", device.c_str(), link.error.c_str());
     std::filesystem::remove_all(dir);
     return 1;
   }
@@ -452,7 +453,7 @@ int RunConfig(Options o) {
           .Field("mem_total_bytes", static_cast<int64_t>(mem_total))
           .Field("peak_rss_of_ram", rss[b] / mem_total)
           .Field("rounds", o.rounds)
-          .Field("device", o.device);
+          .Field("device", device);
       AddLinkFields(j, link, r);
       AddBlasFields(j, blas);
       j.EndObject();
@@ -530,10 +531,11 @@ int Main(int argc, char** argv) {
         HostDescription().c_str(), o.dir.c_str(), o.warmup, o.steps, o.rounds);
     PrintBlasReport(blas);
   }
-  const Link link = MeasureLink(*Device::Parse(o.device));
+  const std::string device = Config(o, data, o.batches[0], true).train().device();
+  const Link link = MeasureLink(*Device::Parse(device));
   if (!link.error.empty()) {
-    std::fprintf(stderr, "bench_out_of_core: --device %s: %s\n", o.device.c_str(),
-                 link.error.c_str());
+    std::fprintf(stderr, "bench_out_of_core: device %s: %s\n", device.c_str(), link.error.c_str());
+    std::filesystem::remove_all(dir);
     return 1;
   }
   if (!o.json) PrintLink(link);
@@ -605,7 +607,7 @@ int Main(int argc, char** argv) {
           .Field("fio_read_gbps", fr)
           .Field("fio_write_gbps", fw)
           .Field("rounds", o.rounds)
-          .Field("device", o.device);
+          .Field("device", device);
       AddLinkFields(j, link, r);
       AddBlasFields(j, blas);
       j.EndObject();

@@ -73,6 +73,7 @@ fi
 
 [ -n "$logs" ] || logs=$(mktemp -d /tmp/strata-gpu-check.XXXXXX)
 mkdir -p "$logs"
+logs=$(cd "$logs" && pwd)  # the checks run in it: paths into it must not be relative
 summary=$logs/summary.md
 started=$(date +%s)
 failed=0
@@ -109,9 +110,10 @@ run() {
   [ -n "$passed" ] && detail="$passed passed"
   [ -n "$failed_tests" ] && detail="${detail:+$detail, }$failed_tests failed"
   [ -n "$skipped" ] && detail="${detail:+$detail, }$skipped skipped"
-  if [ "$rc" = 0 ] && [ "$passed" = 0 ] && [ -z "$skipped" ]; then
-    # A filter that matched nothing: gtest exits 0 having checked nothing.
-    result=FAIL detail="no test ran"
+  if [ "$rc" = 0 ] && [ "$passed" = 0 ]; then
+    # A filter that matched nothing (gtest exits 0 having checked nothing), or every test skipped
+    # on a machine that has a GPU (the binary found no CUDA device: a library path?).
+    result=FAIL detail="${skipped:+$skipped skipped, }no test passed"
     failed=1
   elif [ "$rc" = 0 ]; then
     result=PASS
@@ -176,9 +178,12 @@ if [ "$quick" = 0 ]; then
   if [ -x "$bin/bench_out_of_core" ]; then
     run "out_of_core_gpu" 150 "$bin/bench_out_of_core" --device cuda --rounds 1 $nofio
     ltg=$source/examples/larger_than_gpu
-    if python3 "$ltg/scale.py" 0.25 > "$logs/ltg-0.25.textproto"; then
+    if python3 "$ltg/scale.py" 0.25 > "$logs/ltg-0.25.textproto" 2> "$logs/scale.log"; then
       run "larger_than_gpu_0.25" 150 "$bin/bench_out_of_core" --device cuda \
         --config "$logs/ltg-0.25.textproto" --warmup 1 --steps 2 --rounds 1 $nofio
+    else
+      rows+=("| larger_than_gpu_0.25 | FAIL | scale.py: $(head -c 200 "$logs/scale.log") | 0 |")
+      failed=1
     fi
   fi
   # The default example on the GPU: 300 steps, its median tokens/s from the metrics.

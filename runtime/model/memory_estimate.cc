@@ -318,10 +318,11 @@ MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers, bool e
   e.total_bytes = Add(Add(Add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes),
                       Add(Add(e.activation_bytes, e.store_bytes), e.elastic_copy_bytes));
   if (e.on_gpu) {
-    // Page-locked staging: the buckets hold every gradient all-reduced over data-parallel
-    // replicas (the dense ones; the experts' too where groups repeat them), and the exchange four
-    // buffers of a layer's routed rows (sent, returned; received, answered) of d_model floats.
-    const uint64_t reduced = Add(dense, G < W ? held : 0);
+    // Page-locked staging: the buckets hold every gradient the model binds (the dense ones, and
+    // the experts' in memory; a TIERED worker's are in its store), and the exchange four buffers
+    // of a layer's routed rows (sent, returned; received, answered) of d_model floats.
+    const bool tiered = config.storage().mode() == StorageConfig::TIERED;
+    const uint64_t reduced = Add(dense, tiered ? 0 : held);
     const uint64_t rows = Mul(Mul(U(share.train().global_batch()), U(config.model().seq_len())),
                               U(config.model().moe().top_k()));
     const uint64_t exchange = E > 0 && G > 1 ? Mul(Mul(16, rows), U(config.model().d_model())) : 0;
@@ -530,15 +531,18 @@ Status CheckMemory(const JobConfig& config, const MemoryEstimate& e, uint64_t av
     std::vector<std::string> parts;
     const uint64_t host_tier = Sub(Sub(e.host_bytes, e.elastic_copy_bytes), e.staging_bytes);
     if (host_tier > 0) {
-      parts.push_back("the tiered store's host tier (lower storage.host_budget_bytes)");
+      parts.push_back("the tiered store's host tier (set or lower storage.host_budget_bytes)");
     }
     if (e.elastic_copy_bytes > 0) {
-      parts.push_back(st.mode() == StorageConfig::TIERED
-                          ? "the elastic copies of the dense state"
-                          : "the elastic copies (lower elastic.replicas)");
+      parts.push_back(st.mode() == StorageConfig::TIERED ? "the elastic copies of the dense state"
+                      : config.elastic().replicas() > 0
+                          ? "the elastic copies (lower elastic.replicas)"
+                          : "the elastic copy of the worker's own state");
     }
     if (e.staging_bytes > 0) {
-      parts.push_back("the exchanges' page-locked buffers (lower train.global_batch)");
+      parts.push_back(
+          "the page-locked buffers of its exchanges (4 bytes a gradient, and the expert "
+          "exchange's rows: lower train.global_batch)");
     }
     advice =
         parts.empty()

@@ -269,18 +269,20 @@ TEST(MemoryEstimateTest, OnAGpuTheHostHoldsTheHostTierTheElasticCopiesAndTheStag
   EXPECT_EQ(EstimateMemory(tiered).host_bytes, 50000u);
 
   // An elastic worker of 2, all experts split over both (one group of 2): its copies as the CPU
-  // figures them, the dense gradients' bucket (4 bytes each), and the exchange's four buffers of
-  // a layer's rows (2 of the 3 sequences x 4 tokens x top-2 = 16 rows of 8 floats).
+  // figures them, the buckets of its gradients (4 bytes each: the dense ones and its 2 of the 4
+  // experts), and the exchange's four buffers of a layer's rows (2 of the 3 sequences x 4 tokens
+  // x top-2 = 16 rows of 8 floats).
   const MemoryEstimate w = EstimateWorkerMemory(in_memory, 2);
   const uint64_t dense = static_cast<uint64_t>(w.dense_parameters);
+  const uint64_t half_experts = static_cast<uint64_t>(w.expert_parameters) / 2;
   EXPECT_EQ(w.elastic_copy_bytes, EstimateWorkerMemory(Parse(kSmall), 2).elastic_copy_bytes);
-  EXPECT_EQ(w.staging_bytes, 4 * dense + 4 * (16 * 8 * 4));
+  EXPECT_EQ(w.staging_bytes, 4 * (dense + half_experts) + 4 * (16 * 8 * 4));
   EXPECT_EQ(w.host_bytes, w.elastic_copy_bytes + w.staging_bytes);
   EXPECT_EQ(w.total_bytes, EstimateWorkerMemory(Parse(kSmall), 2).total_bytes + w.staging_bytes);
   const Status ws = CheckMemory(in_memory, w, w.host_bytes + kProcessOverheadBytes - 1, "j");
   ASSERT_TRUE(absl::IsResourceExhausted(ws)) << ws;
-  EXPECT_NE(ws.message().find("the elastic copies (lower elastic.replicas), the exchanges' "
-                              "page-locked buffers (lower train.global_batch)"),
+  EXPECT_NE(ws.message().find("the elastic copies (lower elastic.replicas), the page-locked "
+                              "buffers of its exchanges"),
             std::string::npos)
       << ws;
   // Two data-parallel replicas (groups of 1): every gradient is in the bucket, no exchange.
@@ -288,13 +290,15 @@ TEST(MemoryEstimateTest, OnAGpuTheHostHoldsTheHostTierTheElasticCopiesAndTheStag
       on_gpu(Parse(absl::StrCat(kSmall, "parallel { expert_parallel: 1 }\n"))), 2, false);
   EXPECT_EQ(dp.staging_bytes, 4 * static_cast<uint64_t>(dp.parameters()));
   EXPECT_EQ(dp.host_bytes, dp.staging_bytes);
-  // A TIERED one: its host tier, its dense copies (36 bytes a dense parameter), its staging.
+  // A TIERED one: its host tier, its dense copies (36 bytes a dense parameter), its staging (its
+  // experts' gradients are in its store, not in a bucket).
   const MemoryEstimate t = EstimateWorkerMemory(tiered, 2);
+  EXPECT_EQ(t.staging_bytes, 4 * dense + 4 * (16 * 8 * 4));
   EXPECT_EQ(t.host_bytes, 50000u + 36 * dense + t.staging_bytes);
   const Status ts = CheckMemory(tiered, t, kProcessOverheadBytes, "j");
   ASSERT_TRUE(absl::IsResourceExhausted(ts)) << ts;
-  EXPECT_NE(ts.message().find("the tiered store's host tier (lower storage.host_budget_bytes), "
-                              "the elastic copies of the dense state"),
+  EXPECT_NE(ts.message().find("the tiered store's host tier (set or lower "
+                              "storage.host_budget_bytes), the elastic copies of the dense state"),
             std::string::npos)
       << ts;
 }
