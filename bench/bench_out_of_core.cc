@@ -51,6 +51,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -329,6 +330,18 @@ void PrintLink(const Link& link) {
       link.gpu.c_str(), link.h2d_gbps, link.d2h_gbps);
 }
 
+// The link of `device` (nothing on the CPU), its line printed unless `json`; null, with the
+// reason printed, when it cannot be measured.
+std::optional<Link> LinkOf(const std::string& device, bool json) {
+  Link link = MeasureLink(*Device::Parse(device));
+  if (!link.error.empty()) {
+    std::fprintf(stderr, "bench_out_of_core: device %s: %s\n", device.c_str(), link.error.c_str());
+    return std::nullopt;
+  }
+  if (!json) PrintLink(link);
+  return link;
+}
+
 // MemTotal of /proc/meminfo, in bytes (0 when it cannot be read).
 double MemTotalBytes() {
   std::ifstream f("/proc/meminfo");
@@ -380,13 +393,12 @@ int RunConfig(Options o) {
     PrintBlasReport(blas);
   }
   const std::string device = first.train().device();
-  const Link link = MeasureLink(*Device::Parse(device));
-  if (!link.error.empty()) {
-    std::fprintf(stderr, "bench_out_of_core: device %s: %s\n", device.c_str(), link.error.c_str());
+  const std::optional<Link> measured = LinkOf(device, o.json);
+  if (!measured) {
     std::filesystem::remove_all(dir);
     return 1;
   }
-  if (!o.json) PrintLink(link);
+  const Link& link = *measured;
   std::vector<Row> rows(o.batches.size());
   std::vector<double> fio_read, fio_write, routed(o.batches.size()), rss(o.batches.size());
   for (int round = 0; round < o.rounds; ++round) {
@@ -532,13 +544,12 @@ int Main(int argc, char** argv) {
     PrintBlasReport(blas);
   }
   const std::string device = Config(o, data, o.batches[0], true).train().device();
-  const Link link = MeasureLink(*Device::Parse(device));
-  if (!link.error.empty()) {
-    std::fprintf(stderr, "bench_out_of_core: device %s: %s\n", device.c_str(), link.error.c_str());
+  const std::optional<Link> measured = LinkOf(device, o.json);
+  if (!measured) {
     std::filesystem::remove_all(dir);
     return 1;
   }
-  if (!o.json) PrintLink(link);
+  const Link& link = *measured;
   std::vector<Row> rows(o.batches.size());
   std::vector<double> fio_read, fio_write;
   for (int round = 0; round < o.rounds; ++round) {
