@@ -9,8 +9,9 @@
 //           ActivationForward (GELU) -> GroupedLinearForward (w2) -> MoeCombineForward. Backward:
 //           MoeCombineBackward -> GroupedLinearBackward (w2) -> ActivationBackward ->
 //           GroupedLinearBackward (w1) -> MoePermuteBackward -> MoeRouterBackward -> gate
-//           LinearBackward. --bf16 sets ctx.bf16_experts (bf16 expert GEMM inputs, fp32
-//           accumulation).
+//           LinearBackward. --bf16 sets ctx.bf16: bf16 expert GEMM operands with fp32
+//           accumulation, the experts' weights as bf16 compute copies made from the fp32
+//           weights at the start of every step (RoundToBf16, timed), the router in fp32.
 //   dense   the six GEMMs of one dense FFN over all R = tokens * k routed rows, one cuBLAS call
 //           each on the legacy default stream: h = x W1^T, y = h W2^T, dW2 += dy^T h, dh = dy W2,
 //           dW1 += dh^T x, dx = dh W1. cublasSgemm in fp32 (default math mode: no TF32), or with
@@ -287,7 +288,8 @@ class DenseFfn {
 // ---- strata: the MoE layer's ops on Device::Cuda(0) ---------------------------------------------
 class GpuMoeLayer {
  public:
-  GpuMoeLayer(const LayerShape& s, ops::Context& ctx) : s_(s), ctx_(ctx) {
+  GpuMoeLayer(const LayerShape& s, ops::Context& ctx) : s_(s), ctx_(ctx), router_ctx_(ctx) {
+    router_ctx_.bf16 = false;  // the router's GEMMs stay fp32, as in gate.cc
     const Device gpu = Device::Cuda(0);
     const int64_t T = s.tokens, C = s.d_model, H = s.d_hidden, E = s.experts, k = s.k;
     const int64_t R = s.routed();  // dropless: at most T * k rows
@@ -317,7 +319,16 @@ class GpuMoeLayer {
     w2_all_ = f32({E * C, H});
     dw1_all_ = f32({E * H, C});
     dw2_all_ = f32({E * C, H});
+    if (ctx.bf16) {
+      // The experts' bf16 compute copies (Parameter::compute), made once per step in Step().
+      w1_16_all_ = Tensor::Empty({E * H, C}, DType::kBF16, gpu);
+      w2_16_all_ = Tensor::Empty({E * C, H}, DType::kBF16, gpu);
+    }
     for (int64_t e = 0; e < E; ++e) {
+      if (ctx.bf16) {
+        w1_16_.push_back(w1_16_all_.View(e * H * C, {H, C}));
+        w2_16_.push_back(w2_16_all_.View(e * C * H, {C, H}));
+      }
       w1_.push_back(w1_all_.View(e * H * C, {H, C}));
       w2_.push_back(w2_all_.View(e * C * H, {C, H}));
       dw1_.push_back(dw1_all_.View(e * H * C, {H, C}));
@@ -344,7 +355,7 @@ class GpuMoeLayer {
 
   void Forward() {
     Tensor none;
-    ops::LinearForward(ctx_, logits_, x_, wg_, none);
+    ops::LinearForward(router_ctx_, logits_, x_, wg_, none);
     ops::MoeRouterForward(ctx_, probs_, lse_, expert_, weight_, logits_, renormalize());
     aux_loss_ = ops::MoeAuxLoss(ctx_, probs_, expert_, &top1_counts_);
     ops::MoePlanDispatch(ctx_, expert_, /*eligible=*/nullptr, s_.experts, /*capacity=*/0, slot_,
@@ -352,9 +363,9 @@ class GpuMoeLayer {
     const int64_t R = plan_.rows;
     Tensor xp = xp_.Rows(0, R), pre = pre_.Rows(0, R), act = act_.Rows(0, R), yp = yp_.Rows(0, R);
     ops::MoePermuteForward(ctx_, xp, x_, row_token_);
-    ops::GroupedLinearForward(ctx_, pre, xp, w1_, plan_.offsets);
+    ops::GroupedLinearForward(ctx_, pre, xp, W1(), plan_.offsets);
     ops::ActivationForward(ctx_, ops::Activation::kGelu, act, pre);
-    ops::GroupedLinearForward(ctx_, yp, act, w2_, plan_.offsets);
+    ops::GroupedLinearForward(ctx_, yp, act, W2(), plan_.offsets);
     ops::MoeCombineForward(ctx_, y_, yp, weight_, slot_);
   }
 
@@ -365,17 +376,24 @@ class GpuMoeLayer {
            dact = dact_.Rows(0, R), yp = yp_.Rows(0, R), dxp = dxp_.Rows(0, R);
     // dyp overwrites yp in place, as in MoeLayer::Backward.
     ops::MoeCombineBackward(ctx_, yp, dweight_, dy_, yp, weight_, slot_);
-    ops::GroupedLinearBackward(ctx_, dact, dw2_, yp, act, w2_, plan_.offsets, false);
+    ops::GroupedLinearBackward(ctx_, dact, dw2_, yp, act, W2(), plan_.offsets, false);
     // d(pre) overwrites pre, as in FfnExpert::Backward.
     ops::ActivationBackward(ctx_, ops::Activation::kGelu, pre, dact, pre);
-    ops::GroupedLinearBackward(ctx_, dxp, dw1_, pre, xp, w1_, plan_.offsets, false);
+    ops::GroupedLinearBackward(ctx_, dxp, dw1_, pre, xp, W1(), plan_.offsets, false);
     ops::MoePermuteBackward(ctx_, dx_, dxp, slot_, /*accumulate=*/false);
     ops::MoeRouterBackward(ctx_, dlogits_, dweight_, probs_, lse_, expert_, top1_counts_,
                            renormalize(), /*aux_coef=*/0.01f, /*z_coef=*/0.f);
-    ops::LinearBackward(ctx_, dx_, dwg_, none, dlogits_, x_, wg_, /*accumulate_dinp=*/true);
+    ops::LinearBackward(router_ctx_, dx_, dwg_, none, dlogits_, x_, wg_,
+                        /*accumulate_dinp=*/true);
   }
 
+  // One training step's layer work: with bf16, the compute copies made from the fp32 weights
+  // first (what a BF16 model does once per step, after the update), one pass over each.
   void Step() {
+    if (ctx_.bf16) {
+      ops::RoundToBf16(ctx_, w1_16_all_, w1_all_);
+      ops::RoundToBf16(ctx_, w2_16_all_, w2_all_);
+    }
     Forward();
     Backward();
   }
@@ -389,7 +407,7 @@ class GpuMoeLayer {
   void Check(int samples, Row* row) {
     const int64_t T = s_.tokens, C = s_.d_model, H = s_.d_hidden, E = s_.experts;
     const int k = s_.k;
-    const bool bf16 = ctx_.bf16_experts;
+    const bool bf16 = ctx_.bf16;
     auto fail = [&](const std::string& what) {
       ++row->wrong;
       if (row->wrong_note.empty()) row->wrong_note = what;
@@ -504,9 +522,15 @@ class GpuMoeLayer {
   Tensor x_, y_, dy_, dx_, wg_, dwg_, logits_, probs_, dlogits_, lse_, expert_, weight_, dweight_,
       slot_, row_token_, xp_, pre_, act_, dact_, yp_, dxp_, w1_all_, w2_all_, dw1_all_, dw2_all_;
   std::vector<Tensor> w1_, w2_, dw1_, dw2_;
+  Tensor w1_16_all_, w2_16_all_;  // bf16 compute copies (--bf16)
+  std::vector<Tensor> w1_16_, w2_16_;
+  ops::Context router_ctx_;
   std::vector<int64_t> top1_counts_;
   ops::DispatchPlan plan_;
   double aux_loss_ = 0;
+
+  const std::vector<Tensor>& W1() const { return ctx_.bf16 ? w1_16_ : w1_; }
+  const std::vector<Tensor>& W2() const { return ctx_.bf16 ? w2_16_ : w2_; }
 };
 
 // ---- Baseline (b): the naive PyTorch layer, in its own process ----------------------------------
@@ -576,7 +600,7 @@ bool RunTorch(const LayerShape& s, const Options& o, Row* row) {
 // ---- One shape --------------------------------------------------------------------------------
 void MeasureGpu(const LayerShape& s, const Options& o, ThreadPool& pool, Row* row) {
   ops::Context ctx{&pool};
-  ctx.bf16_experts = o.bf16;
+  ctx.bf16 = o.bf16;
   GpuMoeLayer layer(s, ctx);
   DenseFfn dense(s, o.bf16, pool);
   Timer timer;

@@ -11,7 +11,10 @@
 // amplified through routing, not a wrong kernel.
 //
 //   bench_parity [--config FILE] [--steps N] [--a DEVICE] [--b DEVICE] [--threads-a T]
-//                [--threads-b T] [--sync] [--tol X] [--json]
+//                [--threads-b T] [--sync] [--bf16] [--tol X] [--json]
+//
+// --bf16 trains both sides with bf16 GEMMs (train.precision BF16; the CPU emulates the rounding);
+// by default both are fp32.
 //
 // DEVICE is cpu, cuda or cuda:N (default: a = cpu, b = cuda when strata sees a GPU, else cpu with
 // one thread against A's two, which already adds in another order). Exit status 0; 2 on bad
@@ -43,7 +46,7 @@ struct Side {
   std::unique_ptr<model::AdamW> opt;
 };
 
-StatusOr<Side> MakeSide(const config::JobConfig& cfg, Device device, int threads) {
+StatusOr<Side> MakeSide(const config::JobConfig& cfg, Device device, int threads, bool bf16) {
   Side s;
   s.pool = std::make_unique<ThreadPool>(threads);
   s.ctx = ops::Context{s.pool.get(), nullptr};
@@ -52,6 +55,7 @@ StatusOr<Side> MakeSide(const config::JobConfig& cfg, Device device, int threads
   options.seed = cfg.seed();
   options.max_batch = cfg.train().global_batch();
   options.device = device;
+  options.bf16 = bf16;
   ASSIGN_OR_RETURN(s.model, model::MoeTransformer::Create(s.ctx, options));
   model::AdamWOptions ao;
   ao.weight_decay = cfg.train().weight_decay();
@@ -87,7 +91,7 @@ int64_t RoutingDifferences(const model::Routing& a, const model::Routing& b) {
 int Usage() {
   std::fprintf(stderr,
                "usage: bench_parity [--config FILE] [--steps N] [--a DEVICE] [--b DEVICE] "
-               "[--threads-a T] [--threads-b T] [--sync] [--tol X] [--json]\n");
+               "[--threads-a T] [--threads-b T] [--sync] [--bf16] [--tol X] [--json]\n");
   return 2;
 }
 
@@ -95,7 +99,7 @@ int Main(int argc, char** argv) {
   std::string config_path = std::string(STRATA_SOURCE_DIR) + "/examples/moe_lm/config.textproto";
   int steps = 50, threads_a = 2, threads_b = -1;
   std::string a_text = "cpu", b_text;
-  bool sync = false, json = false;
+  bool sync = false, json = false, bf16 = false;
   double tol = 1e-4;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -119,6 +123,8 @@ int Main(int argc, char** argv) {
       ++i;
     } else if (arg == "--sync") {
       sync = true;
+    } else if (arg == "--bf16") {
+      bf16 = true;
     } else if (arg == "--json") {
       json = true;
     } else {
@@ -146,8 +152,8 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "bench_parity: %s\n", std::string(dataset.status().message()).c_str());
     return 2;
   }
-  auto a = MakeSide(*cfg, *a_device, threads_a);
-  auto b = a.ok() ? MakeSide(*cfg, *b_device, threads_b) : a.status();
+  auto a = MakeSide(*cfg, *a_device, threads_a, bf16);
+  auto b = a.ok() ? MakeSide(*cfg, *b_device, threads_b, bf16) : a.status();
   if (!a.ok() || !b.ok()) {
     std::fprintf(stderr, "bench_parity: %s\n",
                  std::string((a.ok() ? b.status() : a.status()).message()).c_str());

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/common/logging.h"
+#include "kernels/bf16.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/elementwise.h"
@@ -157,6 +158,40 @@ void NormBackward(Context& ctx, NormKind kind, const Tensor& dinp, const Tensor&
   }
 }
 
+namespace {
+
+// How a GEMM with `weight` multiplies (see Context::bf16).
+#ifdef STRATA_WITH_CUDA
+cuda::GemmMode ModeOf(const Context& ctx, const Tensor& weight) {
+  if (weight.dtype() == DType::kBF16) return cuda::GemmMode::kBf16Weights;
+  return ctx.bf16 ? cuda::GemmMode::kBf16 : cuda::GemmMode::kFp32;
+}
+#endif
+
+void CheckWeightDType(const Context& ctx, const Tensor& weight, const char* op) {
+  CHECK(weight.dtype() == DType::kF32 || (weight.dtype() == DType::kBF16 && ctx.bf16))
+      << op << ": a " << DTypeName(weight.dtype()) << " weight "
+      << (ctx.bf16 ? "" : "without Context::bf16");
+}
+
+// The operand a CPU bf16 GEMM multiplies, as fp32: `t` itself without ctx.bf16; with it, a copy
+// of `t` rounded to bfloat16 (t fp32) or widened (t a bf16 compute copy; exact).
+Tensor Operand(const Context& ctx, const Tensor& t) {
+  if (!t.defined() || (!ctx.bf16 && t.dtype() == DType::kF32)) return t;
+  Tensor r = Tensor::Empty(t.shape(), DType::kF32);
+  float* dst = r.f32();
+  if (t.dtype() == DType::kBF16) {
+    const uint16_t* src = t.bf16();
+    for (int64_t i = 0; i < t.numel(); ++i) dst[i] = Bf16Value(src[i]);
+  } else {
+    const float* src = t.f32();
+    for (int64_t i = 0; i < t.numel(); ++i) dst[i] = RoundBf16(src[i]);
+  }
+  return r;
+}
+
+}  // namespace
+
 void LinearForward(Context& ctx, const Tensor& out, const Tensor& inp, const Tensor& weight,
                    const Tensor& bias) {
   const int dev = DeviceOf({&out, &inp, &weight, &bias}, "LinearForward");
@@ -164,8 +199,11 @@ void LinearForward(Context& ctx, const Tensor& out, const Tensor& inp, const Ten
   CHECK(inp.dim(-1) == IC && out.numel() == N * OC && (!bias.defined() || bias.numel() == OC))
       << "out " << out.ShapeString() << " inp " << inp.ShapeString() << " weight "
       << weight.ShapeString();
-  ON_GPU(return cuda::LinearForward(gpu, out.f32(), inp.f32(), weight.f32(), F(bias), N, IC, OC));
-  cpu::linear_forward<float>(Pool(ctx), out.f32(), inp.f32(), weight.f32(), F(bias), N, IC, OC);
+  CheckWeightDType(ctx, weight, "LinearForward");
+  ON_GPU(return cuda::LinearForward(gpu, out.f32(), inp.f32(), weight.raw_data(), F(bias), N, IC,
+                                    OC, ModeOf(ctx, weight)));
+  const Tensor x = Operand(ctx, inp), w = Operand(ctx, weight);
+  cpu::linear_forward<float>(Pool(ctx), out.f32(), x.f32(), w.f32(), F(bias), N, IC, OC);
 }
 
 void LinearBackward(Context& ctx, const Tensor& dinp, const Tensor& dweight, const Tensor& dbias,
@@ -175,10 +213,73 @@ void LinearBackward(Context& ctx, const Tensor& dinp, const Tensor& dweight, con
   const int64_t OC = weight.dim(0), IC = weight.dim(1), N = inp.numel() / IC;
   CHECK(dout.numel() == N * OC && (!dinp.defined() || dinp.numel() == N * IC))
       << "dout " << dout.ShapeString() << " inp " << inp.ShapeString();
+  CheckWeightDType(ctx, weight, "LinearBackward");
   ON_GPU(return cuda::LinearBackward(gpu, F(dinp), F(dweight), F(dbias), dout.f32(), inp.f32(),
-                                     weight.f32(), N, IC, OC, accumulate_dinp));
-  cpu::linear_backward<float>(Pool(ctx), F(dinp), F(dweight), F(dbias), dout.f32(), inp.f32(),
-                              weight.f32(), N, IC, OC, accumulate_dinp);
+                                     weight.raw_data(), N, IC, OC, accumulate_dinp,
+                                     ModeOf(ctx, weight)));
+  if (!ctx.bf16) {
+    cpu::linear_backward<float>(Pool(ctx), F(dinp), F(dweight), F(dbias), dout.f32(), inp.f32(),
+                                weight.f32(), N, IC, OC, accumulate_dinp);
+    return;
+  }
+  // The bias gradient from the fp32 dout, then the GEMMs on rounded copies (taken before dinp,
+  // which may alias inp, is written).
+  if (dbias.defined()) {
+    cpu::linear_backward<float>(Pool(ctx), nullptr, nullptr, dbias.f32(), dout.f32(), nullptr,
+                                nullptr, N, IC, OC, false);
+  }
+  if (!dinp.defined() && !dweight.defined()) return;
+  const Tensor dy = Operand(ctx, dout);
+  const Tensor x = dweight.defined() ? Operand(ctx, inp) : Tensor();
+  const Tensor w = dinp.defined() ? Operand(ctx, weight) : Tensor();
+  cpu::linear_backward<float>(Pool(ctx), F(dinp), F(dweight), nullptr, dy.f32(), F(x), F(w), N, IC,
+                              OC, accumulate_dinp);
+}
+
+void RoundToBf16(Context& ctx, const std::vector<Tensor>& dsts, const std::vector<Tensor>& srcs) {
+  CHECK_EQ(dsts.size(), srcs.size());
+  if (dsts.empty()) return;
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    CHECK(dsts[i].dtype() == DType::kBF16 && srcs[i].dtype() == DType::kF32 &&
+          dsts[i].numel() == srcs[i].numel() && dsts[i].device() == dsts[0].device() &&
+          srcs[i].device() == dsts[0].device())
+        << "RoundToBf16 pair " << i << ": dst " << DTypeName(dsts[i].dtype())
+        << dsts[i].ShapeString() << " on " << dsts[i].device().ToString() << ", src "
+        << DTypeName(srcs[i].dtype()) << srcs[i].ShapeString() << " on "
+        << srcs[i].device().ToString();
+  }
+  const int dev = DeviceOf({&dsts[0], &srcs[0]}, "RoundToBf16");
+#ifdef STRATA_WITH_CUDA
+  if (dev >= 0) {
+    std::vector<void*> d(dsts.size());
+    std::vector<const float*> s(srcs.size());
+    std::vector<int64_t> n(srcs.size());
+    for (size_t i = 0; i < dsts.size(); ++i) {
+      d[i] = dsts[i].raw_data();
+      s[i] = srcs[i].f32();
+      n[i] = srcs[i].numel();
+    }
+    cuda::RoundToBf16Batch(cuda::ThreadBackend(dev), d.data(), s.data(), n.data(),
+                           static_cast<int64_t>(d.size()));
+    return;
+  }
+#endif
+  (void)dev;
+  for (size_t i = 0; i < dsts.size(); ++i) RoundToBf16(ctx, dsts[i], srcs[i]);
+}
+
+void RoundToBf16(Context& ctx, const Tensor& dst, const Tensor& src) {
+  const int dev = DeviceOf({&dst, &src}, "RoundToBf16");
+  CHECK(dst.dtype() == DType::kBF16 && src.dtype() == DType::kF32 && dst.numel() == src.numel())
+      << "RoundToBf16: dst " << DTypeName(dst.dtype()) << dst.ShapeString() << ", src "
+      << DTypeName(src.dtype()) << src.ShapeString();
+  ON_GPU(return cuda::RoundToBf16(gpu, dst.raw_data(), src.f32(), src.numel()));
+  uint16_t* d = dst.bf16();
+  const float* s = src.f32();
+  const int64_t n = src.numel();
+  Pool(ctx).Run([&](int t, int threads) {
+    for (int64_t i = n * t / threads; i < n * (t + 1) / threads; ++i) d[i] = Bf16Bits(s[i]);
+  });
 }
 
 void AddBias(Context& ctx, const Tensor& out, const Tensor& bias) {
@@ -207,27 +308,6 @@ void BiasGrad(Context& ctx, const Tensor& dbias, const Tensor& dout) {
 
 namespace {
 
-// Round to the nearest bfloat16 (ties to even), as __float2bfloat16_rn does; NaN stays NaN.
-float RoundBf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return x;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  u &= 0xffff0000u;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-
-// `t` itself, or a bf16-rounded copy of it when the context computes experts in bf16.
-Tensor MaybeBf16(const Context& ctx, const Tensor& t) {
-  if (!ctx.bf16_experts || !t.defined()) return t;
-  Tensor r = Tensor::Empty(t.shape(), DType::kF32);
-  const float* src = t.f32();
-  float* dst = r.f32();
-  for (int64_t i = 0; i < t.numel(); ++i) dst[i] = RoundBf16(src[i]);
-  return r;
-}
-
 void CheckGroups(const Tensor& inp, const std::vector<Tensor>& weights,
                  const std::vector<int64_t>& offsets, int64_t* IC, int64_t* OC) {
   const size_t G = weights.size();
@@ -240,6 +320,9 @@ void CheckGroups(const Tensor& inp, const std::vector<Tensor>& weights,
     CHECK(weights[g].dim(0) == *OC && weights[g].dim(1) == *IC && offsets[g] <= offsets[g + 1])
         << "group " << g << ": weight " << weights[g].ShapeString() << ", rows [" << offsets[g]
         << ", " << offsets[g + 1] << ")";
+    CHECK(weights[g].dtype() == weights[0].dtype())
+        << "grouped linear: weight 0 is " << DTypeName(weights[0].dtype()) << ", weight " << g
+        << " " << DTypeName(weights[g].dtype());
   }
   CHECK_EQ(inp.dim(-1), *IC);
 }
@@ -253,18 +336,19 @@ void GroupedLinearForward(Context& ctx, const Tensor& out, const Tensor& inp,
   const int dev = DeviceOf({&out, &inp, &weights[0]}, "GroupedLinearForward");
   CHECK(out.dim(0) == inp.dim(0) && out.dim(-1) == OC) << out.ShapeString();
   const int64_t G = static_cast<int64_t>(weights.size());
-  std::vector<const float*> w(G);
+  CheckWeightDType(ctx, weights[0], "GroupedLinearForward");
+  std::vector<const void*> w(G);
   for (int64_t g = 0; g < G; ++g) {
     CHECK(weights[g].device() == inp.device())
         << "expert weight " << g << " on " << weights[g].device().ToString();
-    w[g] = weights[g].f32();
+    w[g] = weights[g].raw_data();
   }
   ON_GPU(return cuda::GroupedLinearForward(gpu, out.f32(), inp.f32(), w.data(), offsets.data(), G,
-                                           IC, OC, ctx.bf16_experts));
+                                           IC, OC, ModeOf(ctx, weights[0])));
   for (int64_t g = 0; g < G; ++g) {
     const int64_t r0 = offsets[g], r1 = offsets[g + 1];
     if (r1 == r0) continue;
-    Tensor x = MaybeBf16(ctx, inp.Rows(r0, r1)), wg = MaybeBf16(ctx, weights[g]);
+    const Tensor x = Operand(ctx, inp.Rows(r0, r1)), wg = Operand(ctx, weights[g]);
     cpu::linear_forward<float>(Pool(ctx), out.Rows(r0, r1).f32(), x.f32(), wg.f32(), nullptr,
                                r1 - r0, IC, OC);
   }
@@ -281,12 +365,13 @@ void GroupedLinearBackward(Context& ctx, const Tensor& dinp, const std::vector<T
   CHECK(static_cast<int64_t>(dweights.size()) == G && dout.dim(0) == inp.dim(0) &&
         dout.dim(-1) == OC && (!dinp.defined() || dinp.numel() == inp.numel()))
       << "dout " << dout.ShapeString() << " inp " << inp.ShapeString();
-  std::vector<const float*> w(G);
+  CheckWeightDType(ctx, weights[0], "GroupedLinearBackward");
+  std::vector<const void*> w(G);
   std::vector<float*> dw(G);
   for (int64_t g = 0; g < G; ++g) {
     CHECK(weights[g].device() == inp.device())
         << "expert weight " << g << " on " << weights[g].device().ToString();
-    w[g] = weights[g].f32();
+    w[g] = weights[g].raw_data();
     dw[g] = F(dweights[g]);
     CHECK(!dweights[g].defined() ||
           (dweights[g].numel() == OC * IC && dweights[g].device() == inp.device()))
@@ -294,12 +379,12 @@ void GroupedLinearBackward(Context& ctx, const Tensor& dinp, const std::vector<T
   }
   ON_GPU(return cuda::GroupedLinearBackward(gpu, F(dinp), dw.data(), dout.f32(), inp.f32(),
                                             w.data(), offsets.data(), G, IC, OC, accumulate_dinp,
-                                            ctx.bf16_experts));
+                                            ModeOf(ctx, weights[0])));
   for (int64_t g = 0; g < G; ++g) {
     const int64_t r0 = offsets[g], r1 = offsets[g + 1];
     if (r1 == r0) continue;
-    Tensor x = MaybeBf16(ctx, inp.Rows(r0, r1)), wg = MaybeBf16(ctx, weights[g]);
-    Tensor dy = MaybeBf16(ctx, dout.Rows(r0, r1));
+    const Tensor x = Operand(ctx, inp.Rows(r0, r1)), wg = Operand(ctx, weights[g]);
+    const Tensor dy = Operand(ctx, dout.Rows(r0, r1));
     cpu::linear_backward<float>(Pool(ctx), dinp.defined() ? dinp.Rows(r0, r1).f32() : nullptr,
                                 dw[g], nullptr, dy.f32(), x.f32(), wg.f32(), r1 - r0, IC, OC,
                                 accumulate_dinp);

@@ -43,10 +43,15 @@ namespace strata::ops {
 struct Context {
   ThreadPool* pool = nullptr;
   Tracer* tracer = nullptr;  // spans of compute for --trace; null when not tracing
-  // Expert GEMMs (GroupedLinear*) with inputs and weights rounded to bfloat16 and fp32
-  // accumulation; the fp32 master weights and everything else stay fp32. Off by default (parity
-  // with the fp32 reference); the CPU emulates the rounding so both backends compute the same.
-  bool bf16_experts = false;
+  // Mixed precision (train.precision BF16): every GEMM of Linear* and GroupedLinear* multiplies
+  // bfloat16 operands — its input, its weight and, in backward, the output gradient, rounded to
+  // the nearest bfloat16 (kernels/bf16.h) — with fp32 accumulation into fp32 outputs and
+  // gradients. Everything else (biases, norms, softmax, losses, reductions, the optimizer) stays
+  // fp32, and so do GEMMs run with a Context where this is off (the MoE router's). A weight may
+  // come as a bf16 tensor (its compute copy, made by RoundToBf16 once per update) or as fp32, then
+  // rounded as it is used: the two give the same bits. Off by default (the fp32 reference); the
+  // CPU emulates the rounding, so both backends compute the same products.
+  bool bf16 = false;
 };
 
 enum class NormKind { kLayerNorm = 0, kRmsNorm = 1 };
@@ -77,10 +82,12 @@ void NormBackward(Context& ctx, NormKind kind, const Tensor& dinp, const Tensor&
                   const Tensor& dbias, const Tensor& dout, const Tensor& inp, const Tensor& weight,
                   const Tensor& mean, const Tensor& rstd);
 
-// out [N, OC] = inp [N, IC] W^T + b, W [OC, IC], b [OC] or undefined.
+// out [N, OC] = inp [N, IC] W^T + b, W [OC, IC], b [OC] or undefined. W may be bf16 (a compute
+// copy) only with ctx.bf16 (see Context).
 void LinearForward(Context& ctx, const Tensor& out, const Tensor& inp, const Tensor& weight,
                    const Tensor& bias);
-// dinp may be undefined; accumulates into dinp when accumulate_dinp.
+// dinp may be undefined; accumulates into dinp when accumulate_dinp. With ctx.bf16 the GEMMs take
+// dout rounded to bf16; dbias sums the fp32 dout.
 void LinearBackward(Context& ctx, const Tensor& dinp, const Tensor& dweight, const Tensor& dbias,
                     const Tensor& dout, const Tensor& inp, const Tensor& weight,
                     bool accumulate_dinp);
@@ -128,16 +135,24 @@ void BiasGrad(Context& ctx, const Tensor& dbias, const Tensor& dout);
 // Grouped GEMM for the experts: G = weights.size() groups over row blocks; rows
 // [offsets[g], offsets[g + 1]) of inp [R, IC] times weights[g]^T ([OC, IC]) into the same rows of
 // out [R, OC]. offsets has G + 1 entries, offsets[0] = 0 and offsets[G] = R. One cuBLAS grouped
-// GEMM on a GPU; one GEMM per non-empty group on the CPU.
+// GEMM on a GPU; one GEMM per non-empty group on the CPU. The weights are all fp32, or all bf16
+// (compute copies, with ctx.bf16).
 void GroupedLinearForward(Context& ctx, const Tensor& out, const Tensor& inp,
                           const std::vector<Tensor>& weights, const std::vector<int64_t>& offsets);
 // dinp (may be undefined) = dout W per group, or += when accumulate_dinp; dweights[g] (entries may
 // be undefined; no two the same tensor) += dout_g^T inp_g. dinp may be inp (in place). With
-// bf16_experts, dout is rounded too.
+// ctx.bf16, dout is rounded too.
 void GroupedLinearBackward(Context& ctx, const Tensor& dinp, const std::vector<Tensor>& dweights,
                            const Tensor& dout, const Tensor& inp,
                            const std::vector<Tensor>& weights, const std::vector<int64_t>& offsets,
                            bool accumulate_dinp);
+
+// dst (bf16) = src (fp32) rounded to the nearest bfloat16, element by element (ties to even, as
+// kernels/bf16.h): a weight's compute copy for ctx.bf16's GEMMs. Same shape, same device.
+void RoundToBf16(Context& ctx, const Tensor& dst, const Tensor& src);
+// The same for pairs dsts[i], srcs[i], all on one device: one kernel on a GPU, whatever the count
+// (a model's compute copies, made once per update).
+void RoundToBf16(Context& ctx, const std::vector<Tensor>& dsts, const std::vector<Tensor>& srcs);
 
 // ---- Optimizer
 // -----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
@@ -55,6 +56,9 @@ const std::vector<FlagSpec>& TrainFlags() {
       {"steps", "override train.steps"},
       {"threads", "override train.threads (CPU threads; 0 = every core)"},
       {"device", "override train.device: cpu, cuda or cuda:N (an NVIDIA GPU)"},
+      {"precision",
+       "override train.precision: auto (bf16 on a GPU, fp32 on the CPU), fp32 or bf16 (bf16 "
+       "GEMMs with fp32 accumulation and fp32 master weights)"},
       {"metrics-out", "write one JSON object per step to this file (JSONL)"},
       {"checkpoint-dir", "folder of checkpoints (overrides checkpoint.dir)"},
       {"checkpoint-every", "checkpoint every N steps (overrides checkpoint.every)"},
@@ -99,6 +103,15 @@ StatusOr<Overrides> ParseOverrides(const Flags& flags, bool config_required) {
       return absl::InvalidArgumentError(absl::StrCat("--device: ", parsed.status().message()));
     o.device = *device;
   }
+  if (auto precision = flags.String("precision")) {
+    const std::string upper = absl::AsciiStrToUpper(*precision);
+    config::TrainConfig::Precision p;
+    if (!config::TrainConfig::Precision_Parse(upper, &p)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--precision: '", *precision, "' is not one of auto, fp32, bf16"));
+    }
+    o.precision = p;
+  }
   return o;
 }
 
@@ -107,6 +120,7 @@ StatusOr<config::JobConfig> LoadWithOverrides(const Flags& flags, const Override
   if (o.steps) cfg.mutable_train()->set_steps(static_cast<int>(*o.steps));
   if (o.threads) cfg.mutable_train()->set_threads(static_cast<int>(*o.threads));
   if (o.device) cfg.mutable_train()->set_device(*o.device);
+  if (o.precision) cfg.mutable_train()->set_precision(*o.precision);
   if (o.checkpoint_every) {
     cfg.mutable_checkpoint()->set_every(static_cast<uint32_t>(*o.checkpoint_every));
   }

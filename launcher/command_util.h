@@ -53,12 +53,13 @@ std::string OffloadSummary(const train::OffloadOptions& o, const train::OffloadR
 struct Overrides {
   std::optional<int64_t> steps, threads, checkpoint_every;
   std::optional<std::string> device;
+  std::optional<config::TrainConfig::Precision> precision;
 };
 
 // The numeric flags, checked before anything is loaded so that a typo is a usage error.
 [[nodiscard]] StatusOr<Overrides> ParseOverrides(const Flags& flags, bool config_required = true);
 
-// Loads --config and applies --steps / --threads / --device (then ValidateJob).
+// Loads --config and applies --steps / --threads / --device / --precision (then ValidateJob).
 [[nodiscard]] StatusOr<config::JobConfig> LoadWithOverrides(const Flags& flags, const Overrides& o);
 // Every field of a job (config::ValidateJobConfig), and its TIERED budgets against the model's
 // dense state (config::CheckMemory with no machine check); errors name `source`.

@@ -64,7 +64,7 @@ const std::vector<FlagSpec>& WorkerFlags() {
 
 // A worker of a coordinator trains with the job's config (the coordinator's record) and this
 // machine's own settings: --threads, --device and --data, or those of a --config FILE, which must
-// agree with the job's on everything else. Job settings given as flags (--steps,
+// agree with the job's on everything else. Job settings given as flags (--steps, --precision,
 // --checkpoint-dir, --checkpoint-every) must agree with the job's too.
 StatusOr<config::JobConfig> WorkerConfig(const Flags& flags, const Overrides& o,
                                          const std::string& job_text, const std::string& address) {
@@ -82,6 +82,7 @@ StatusOr<config::JobConfig> WorkerConfig(const Flags& flags, const Overrides& o,
     if (o.steps) mine.mutable_train()->set_steps(static_cast<int>(*o.steps));
     if (o.threads) mine.mutable_train()->set_threads(static_cast<int>(*o.threads));
     if (o.device) mine.mutable_train()->set_device(*o.device);
+    if (o.precision) mine.mutable_train()->set_precision(*o.precision);
     if (o.checkpoint_every) {
       mine.mutable_checkpoint()->set_every(static_cast<uint32_t>(*o.checkpoint_every));
     }

@@ -53,6 +53,12 @@ std::string ToText(const JobConfig& config);
 // for every other job (an IN_MEMORY job's copies hold the boundary's state or the step after).
 int64_t CopiesLagSteps(const JobConfig& config);
 
+// Whether a model computes its GEMMs in bf16 (model::ModelOptions::bf16) for train.precision
+// `precision` on a GPU (on_gpu) or the CPU: BF16, or AUTO on a GPU.
+inline bool Bf16Gemms(TrainConfig::Precision precision, bool on_gpu) {
+  return precision == TrainConfig::BF16 || (precision == TrainConfig::AUTO && on_gpu);
+}
+
 // True when layer `layer` (0-based) of the model has an MoE FFN.
 inline bool IsMoeLayer(const ModelConfig& model, int layer) {
   return model.moe_every() > 0 && (layer + 1) % model.moe_every() == 0;

@@ -13,6 +13,7 @@
 #include "core/common/clock.h"
 #include "core/common/thread_pool.h"
 #include "core/device/device.h"
+#include "proto/config_io.h"
 #include "runtime/data/dataset.h"
 #include "runtime/model/transformer.h"
 #include "storage/env.h"
@@ -136,6 +137,8 @@ StatusOr<std::unique_ptr<CheckpointModel>> LoadCheckpointModel(const std::string
   mo.max_batch = max_batch;
   mo.batch_sequences = max_batch;
   mo.device = device;
+  // As a job trains on this device by default (train.precision AUTO): bf16 GEMMs on a GPU.
+  mo.bf16 = config::Bf16Gemms(config::TrainConfig::AUTO, !device.is_cpu());
   mo.unbound_experts = offload.enabled;
   ASSIGN_OR_RETURN(m->model, model::MoeTransformer::Create(m->ctx, mo));
   if (!offload.enabled) {

@@ -236,6 +236,7 @@ model::ModelOptions Trainer::ModelOptionsOf(int64_t first, int64_t count,
   mo.first_local_expert = first;
   mo.num_local_experts = count;
   mo.device = device_;
+  mo.bf16 = config::Bf16Gemms(cfg.train().precision(), !device_.is_cpu());
   return mo;
 }
 

@@ -155,7 +155,18 @@ Buffer::~Buffer() {
   if (budget_ != nullptr) budget_->Release(bytes_);
 }
 
-size_t DTypeSize(DType dtype) { return dtype == DType::kF64 ? 8 : 4; }
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kF64:
+      return 8;
+    case DType::kBF16:
+      return 2;
+    case DType::kF32:
+    case DType::kI32:
+      break;
+  }
+  return 4;
+}
 const char* DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kF32:
@@ -164,6 +175,8 @@ const char* DTypeName(DType dtype) {
       return "f64";
     case DType::kI32:
       return "i32";
+    case DType::kBF16:
+      return "bf16";
   }
   return "?";
 }

@@ -203,7 +203,9 @@ class Buffer {
   Kind kind_;
 };
 
-enum class DType { kF32 = 0, kF64 = 1, kI32 = 2 };
+// kBF16: bfloat16 (fp32's sign and exponent, 7 mantissa bits), held as its 16 bits (uint16_t);
+// the compute copies of a BF16 model's GEMM weights (runtime/model/parameter.h).
+enum class DType { kF32 = 0, kF64 = 1, kI32 = 2, kBF16 = 3 };
 size_t DTypeSize(DType dtype);
 const char* DTypeName(DType dtype);
 
@@ -220,6 +222,10 @@ constexpr DType DTypeOf<double>() {
 template <>
 constexpr DType DTypeOf<int32_t>() {
   return DType::kI32;
+}
+template <>
+constexpr DType DTypeOf<uint16_t>() {
+  return DType::kBF16;
 }
 
 // Up to four dimensions, stored inline: making a view allocates nothing.
@@ -245,9 +251,9 @@ class Shape {
 };
 
 // A dense, row-major view of (part of) a Buffer. Copies share the buffer and keep it alive; the
-// pointers data(), f32(), i32() and raw_data() return are valid while any tensor over the buffer
-// lives. A value: copying or viewing it is safe from any thread, but nothing orders reads and
-// writes of the elements between threads (or, on a GPU, between streams) except the caller.
+// pointers data(), f32(), i32(), bf16() and raw_data() return are valid while any tensor over the
+// buffer lives. A value: copying or viewing it is safe from any thread, but nothing orders reads
+// and writes of the elements between threads (or, on a GPU, between streams) except the caller.
 class Tensor {
  public:
   Tensor() = default;
@@ -278,6 +284,7 @@ class Tensor {
   }
   float* f32() const { return data<float>(); }
   int32_t* i32() const { return data<int32_t>(); }
+  uint16_t* bf16() const { return data<uint16_t>(); }
   void* raw_data() const { return static_cast<char*>(buffer_->data()) + offset_bytes_; }
 
   // Same storage, new shape with the same number of elements.

@@ -67,14 +67,28 @@ void RmsNormForward(Backend& b, float* out, float* rstd, const float* inp, const
 void RmsNormBackward(Backend& b, float* dinp, float* dweight, const float* dout, const float* inp,
                      const float* weight, const float* rstd, int64_t N, int64_t C);
 
-// out [N, OC] = inp [N, IC] W^T + bias (bias may be null), through cuBLAS.
-void LinearForward(Backend& b, float* out, const float* inp, const float* weight, const float* bias,
-                   int64_t N, int64_t IC, int64_t OC);
+// How a GEMM multiplies (ops::Context::bf16): fp32 throughout (no TF32); or bfloat16 operands
+// with fp32 accumulation into fp32 outputs, the weight fp32 and rounded as it is used (kBf16) or
+// already bfloat16, a compute copy (kBf16Weights: weight pointers are __nv_bfloat16). Activations
+// and output gradients are rounded into scratch as they are used; biases and their gradients
+// stay fp32.
+enum class GemmMode { kFp32, kBf16, kBf16Weights };
+
+// out [N, OC] = inp [N, IC] W^T + bias (bias may be null), through cuBLAS. `weight` is fp32, or
+// bf16 with kBf16Weights.
+void LinearForward(Backend& b, float* out, const float* inp, const void* weight, const float* bias,
+                   int64_t N, int64_t IC, int64_t OC, GemmMode mode);
 // dweight += dout^T inp, dbias += column sums of dout (either may be null); dinp (may be null)
 // = dout W, or += when accumulate_dinp.
 void LinearBackward(Backend& b, float* dinp, float* dweight, float* dbias, const float* dout,
-                    const float* inp, const float* weight, int64_t N, int64_t IC, int64_t OC,
-                    bool accumulate_dinp);
+                    const float* inp, const void* weight, int64_t N, int64_t IC, int64_t OC,
+                    bool accumulate_dinp, GemmMode mode);
+// dst[i] = src[i] rounded to the nearest bfloat16 (dst: n __nv_bfloat16).
+void RoundToBf16(Backend& b, void* dst, const float* src, int64_t n);
+// The same for `count` arrays (dst, src, n: HOST arrays of device pointers and sizes) in one
+// kernel.
+void RoundToBf16Batch(Backend& b, void* const* dst, const float* const* src, const int64_t* n,
+                      int64_t count);
 
 // out [N, C] += bias [C] on every row; dbias [C] += column sums of dout [N, C].
 void AddBias(Backend& b, float* out, const float* bias, int64_t N, int64_t C);
@@ -165,14 +179,15 @@ void MoeNoisyLogitsBackward(Backend& b, float* draw_noise, const float* dh, cons
 // ---- Grouped GEMM for the experts --------------------------------------------------------------
 // G groups over contiguous row blocks: rows [offsets[g], offsets[g+1]) of inp [R, IC] times
 // weights[g]^T ([OC, IC] each, device pointers in a HOST array) into the same rows of out [R, OC].
-// One cuBLAS grouped GEMM call for all groups. With bf16, inputs and weights are rounded to
-// bfloat16 and multiplied with fp32 accumulation (fp32 master weights stay untouched).
-void GroupedLinearForward(Backend& b, float* out, const float* inp, const float* const* weights,
-                          const int64_t* offsets, int64_t G, int64_t IC, int64_t OC, bool bf16);
+// fp32: one cuBLAS grouped GEMM call for all groups. bf16 modes (GemmMode): bfloat16 operands
+// with fp32 accumulation (fp32 master weights stay untouched); weights are __nv_bfloat16 with
+// kBf16Weights.
+void GroupedLinearForward(Backend& b, float* out, const float* inp, const void* const* weights,
+                          const int64_t* offsets, int64_t G, int64_t IC, int64_t OC, GemmMode mode);
 // dinp (may be null) = dout W per group (=, or += when accumulate_dinp); dweights[g] (device
 // pointers in a HOST array, entries may be null) += dout_g^T inp_g.
 void GroupedLinearBackward(Backend& b, float* dinp, float* const* dweights, const float* dout,
-                           const float* inp, const float* const* weights, const int64_t* offsets,
-                           int64_t G, int64_t IC, int64_t OC, bool accumulate_dinp, bool bf16);
+                           const float* inp, const void* const* weights, const int64_t* offsets,
+                           int64_t G, int64_t IC, int64_t OC, bool accumulate_dinp, GemmMode mode);
 
 }  // namespace strata::cuda

@@ -9,11 +9,13 @@
 //
 // fp32: a single cublasGemmGroupedBatchedEx call (CUBLAS_COMPUTE_32F, no TF32) for the forward,
 // and a single one for the whole backward (the dinp and dW problems write disjoint matrices, so
-// they can share a call). bf16: inputs, weights (and dout in backward) are rounded to bfloat16
-// (round to nearest even) and multiplied with fp32 accumulation into fp32 outputs. The grouped
-// API does not take bf16 A/B with an fp32 C (its type table lists bf16 -> bf16 only), and a bf16
-// output would round the result and the accumulated dW, so the bf16 path is a loop of
-// cublasGemmEx, one per group, which does take that combination.
+// they can share a call). bf16 modes: inputs (and dout in backward) are rounded to bfloat16
+// (round to nearest even) and multiplied with fp32 accumulation into fp32 outputs; the weights
+// are the experts' bf16 compute copies (GemmMode::kBf16Weights) or fp32 rounded group by group
+// into one scratch buffer (kBf16: experts from the tiered store). The grouped API does not take
+// bf16 A/B with an fp32 C (its type table lists bf16 -> bf16 only), and a bf16 output would round
+// the result and the accumulated dW, so the bf16 path is a loop of cublasGemmEx, one per group,
+// which does take that combination.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -25,25 +27,6 @@
 
 namespace strata::cuda {
 namespace {
-
-constexpr int kBlock = 256;
-constexpr int64_t kMaxBlocks = int64_t{1} << 20;
-
-__global__ void RoundToBf16Kernel(__nv_bfloat16* out, const float* in, int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    out[i] = __float2bfloat16_rn(in[i]);
-  }
-}
-
-void RoundToBf16(Backend& b, __nv_bfloat16* out, const float* in, int64_t n) {
-  if (n == 0) return;
-  const auto blocks =
-      static_cast<unsigned>(std::min<int64_t>((n + kBlock - 1) / kBlock, kMaxBlocks));
-  RoundToBf16Kernel<<<blocks, kBlock, 0, b.stream>>>(out, in, n);
-  STRATA_CUDA_LAUNCH_CHECK();
-}
 
 int ToInt(int64_t v, const char* what) {
   CHECK(v >= 0 && v <= std::numeric_limits<int>::max()) << what << "=" << v;
@@ -120,17 +103,26 @@ int64_t GroupRows(const int64_t* offsets, int64_t g) {
 
 size_t Align256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
+// Group g's bf16 weight: its compute copy, or its fp32 weight rounded into `buffer`.
+const __nv_bfloat16* GroupWeight(Backend& b, const void* const* weights, int64_t g, int64_t n,
+                                 GemmMode mode, __nv_bfloat16* buffer) {
+  if (mode == GemmMode::kBf16Weights) return static_cast<const __nv_bfloat16*>(weights[g]);
+  RoundToBf16(b, buffer, static_cast<const float*>(weights[g]), n);
+  return buffer;
+}
+
 }  // namespace
 
-void GroupedLinearForward(Backend& b, float* out, const float* inp, const float* const* weights,
-                          const int64_t* offsets, int64_t G, int64_t IC, int64_t OC, bool bf16) {
+void GroupedLinearForward(Backend& b, float* out, const float* inp, const void* const* weights,
+                          const int64_t* offsets, int64_t G, int64_t IC, int64_t OC,
+                          GemmMode mode) {
   const int ic = ToInt(IC, "IC"), oc = ToInt(OC, "OC");
   CHECK(ic > 0 && oc > 0) << "IC=" << IC << " OC=" << OC;
   int64_t used = 0;
   for (int64_t g = 0; g < G; ++g) used += GroupRows(offsets, g) > 0 ? 1 : 0;
   if (used == 0) return;
 
-  if (!bf16) {
+  if (mode == GemmMode::kFp32) {
     Problems p;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t rows = GroupRows(offsets, g);
@@ -143,11 +135,11 @@ void GroupedLinearForward(Backend& b, float* out, const float* inp, const float*
     return;
   }
 
-  // bf16: the rounded input for every row, and one weight buffer reused group after group (the
-  // stream orders each rounding after the previous group's GEMM has read the buffer).
+  // bf16: the rounded input for every row, and (kBf16) one weight buffer reused group after group
+  // (the stream orders each rounding after the previous group's GEMM has read the buffer).
   const int64_t R = offsets[G];
   const size_t inp_bytes = Align256(R * IC * sizeof(__nv_bfloat16));
-  const size_t w_bytes = Align256(OC * IC * sizeof(__nv_bfloat16));
+  const size_t w_bytes = mode == GemmMode::kBf16 ? Align256(OC * IC * sizeof(__nv_bfloat16)) : 0;
   char* scratch = static_cast<char*>(b.DeviceScratch(inp_bytes + w_bytes));
   auto* inp16 = reinterpret_cast<__nv_bfloat16*>(scratch);
   auto* w16 = reinterpret_cast<__nv_bfloat16*>(scratch + inp_bytes);
@@ -155,15 +147,15 @@ void GroupedLinearForward(Backend& b, float* out, const float* inp, const float*
   for (int64_t g = 0; g < G; ++g) {
     const int64_t rows = GroupRows(offsets, g);
     if (rows == 0) continue;
-    RoundToBf16(b, w16, weights[g], OC * IC);
-    GemmBf16(b, CUBLAS_OP_T, CUBLAS_OP_N, oc, ToInt(rows, "rows"), ic, w16, ic,
+    const __nv_bfloat16* w = GroupWeight(b, weights, g, OC * IC, mode, w16);
+    GemmBf16(b, CUBLAS_OP_T, CUBLAS_OP_N, oc, ToInt(rows, "rows"), ic, w, ic,
              inp16 + offsets[g] * IC, ic, 0.f, out + offsets[g] * OC, oc);
   }
 }
 
 void GroupedLinearBackward(Backend& b, float* dinp, float* const* dweights, const float* dout,
-                           const float* inp, const float* const* weights, const int64_t* offsets,
-                           int64_t G, int64_t IC, int64_t OC, bool accumulate_dinp, bool bf16) {
+                           const float* inp, const void* const* weights, const int64_t* offsets,
+                           int64_t G, int64_t IC, int64_t OC, bool accumulate_dinp, GemmMode mode) {
   const int ic = ToInt(IC, "IC"), oc = ToInt(OC, "OC");
   CHECK(ic > 0 && oc > 0) << "IC=" << IC << " OC=" << OC;
   bool any_dinp = false, any_dw = false;
@@ -183,7 +175,7 @@ void GroupedLinearBackward(Backend& b, float* dinp, float* const* dweights, cons
   }
   const float dinp_beta = accumulate_dinp ? 1.f : 0.f;
 
-  if (!bf16) {
+  if (mode == GemmMode::kFp32) {
     // The problems of one grouped call run in no particular order. When dinp overlaps inp (a
     // layer computing its input gradient in place, as the CPU kernel allows), every dW problem
     // must read inp before any dinp problem writes it: two calls, dW first, ordered by the stream.
@@ -212,12 +204,13 @@ void GroupedLinearBackward(Backend& b, float* dinp, float* const* dweights, cons
     return;
   }
 
-  // bf16: rounded dout always, rounded inp for dW, one rounded weight buffer for dinp reused group
-  // after group (stream-ordered, as in the forward).
+  // bf16: rounded dout always, rounded inp for dW, (kBf16) one rounded weight buffer for dinp
+  // reused group after group (stream-ordered, as in the forward).
   const int64_t R = offsets[G];
   const size_t dout_bytes = Align256(R * OC * sizeof(__nv_bfloat16));
   const size_t inp_bytes = any_dw ? Align256(R * IC * sizeof(__nv_bfloat16)) : 0;
-  const size_t w_bytes = any_dinp ? Align256(OC * IC * sizeof(__nv_bfloat16)) : 0;
+  const size_t w_bytes =
+      any_dinp && mode == GemmMode::kBf16 ? Align256(OC * IC * sizeof(__nv_bfloat16)) : 0;
   char* scratch = static_cast<char*>(b.DeviceScratch(dout_bytes + inp_bytes + w_bytes));
   auto* dout16 = reinterpret_cast<__nv_bfloat16*>(scratch);
   auto* inp16 = reinterpret_cast<__nv_bfloat16*>(scratch + dout_bytes);
@@ -230,8 +223,8 @@ void GroupedLinearBackward(Backend& b, float* dinp, float* const* dweights, cons
     const int r = ToInt(rows, "rows");
     const __nv_bfloat16* dout_g = dout16 + offsets[g] * OC;
     if (dinp != nullptr) {
-      RoundToBf16(b, w16, weights[g], OC * IC);
-      GemmBf16(b, CUBLAS_OP_N, CUBLAS_OP_N, ic, r, oc, w16, ic, dout_g, oc, dinp_beta,
+      const __nv_bfloat16* w = GroupWeight(b, weights, g, OC * IC, mode, w16);
+      GemmBf16(b, CUBLAS_OP_N, CUBLAS_OP_N, ic, r, oc, w, ic, dout_g, oc, dinp_beta,
                dinp + offsets[g] * IC, ic);
     }
     if (dweights != nullptr && dweights[g] != nullptr) {

@@ -8,6 +8,7 @@ FfnExpert::FfnExpert(const std::string& prefix, const FfnOptions& o)
                       o.device);
   w2_ = MakeParameter(prefix + ".w2", {o.d_model, o.d_hidden}, Init::kNormal, o.out_std, true,
                       o.device);
+  w1_->gemm = w2_->gemm = true;
   if (o.bias) {
     b1_ = MakeParameter(prefix + ".b1", {in_width_}, Init::kZeros, 0, false, o.device);
     b2_ = MakeParameter(prefix + ".b2", {o.d_model}, Init::kZeros, 0, false, o.device);
@@ -28,13 +29,13 @@ void FfnExpert::Forward(ops::Context& ctx, const Tensor& x, const Tensor& y, con
   Tensor pre = saved.View(0, {n, in_width_});
   Tensor act = saved.View(n * in_width_, {n, options_.d_hidden});
   Tensor none;
-  ops::LinearForward(ctx, pre, x, w1_->value, none);
+  ops::LinearForward(ctx, pre, x, GemmWeight(*w1_), none);
   if (b1_) {
     ops::BiasActivationForward(ctx, options_.activation, act, pre, b1_->value);
   } else {
     ops::ActivationForward(ctx, options_.activation, act, pre);
   }
-  ops::LinearForward(ctx, y, act, w2_->value, b2_ ? b2_->value : none);
+  ops::LinearForward(ctx, y, act, GemmWeight(*w2_), b2_ ? b2_->value : none);
 }
 
 void FfnExpert::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, const Tensor& dx,
@@ -45,10 +46,11 @@ void FfnExpert::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dy, c
   Tensor act = saved.View(n * in_width_, {n, options_.d_hidden});
   Tensor none;
   // dW2 += dy^T act, then d(act) overwrites act.
-  ops::LinearBackward(ctx, act, w2_->grad, b2_ ? b2_->grad : none, dy, act, w2_->value, false);
+  ops::LinearBackward(ctx, act, w2_->grad, b2_ ? b2_->grad : none, dy, act, GemmWeight(*w2_),
+                      false);
   // d(pre) overwrites pre; b1's gradient is summed in the same pass.
   ops::ActivationBackward(ctx, options_.activation, pre, act, pre, b1_ ? b1_->grad : none);
-  ops::LinearBackward(ctx, dx, w1_->grad, none, pre, x, w1_->value, false);
+  ops::LinearBackward(ctx, dx, w1_->grad, none, pre, x, GemmWeight(*w1_), false);
 }
 
 ExpertLayout ExpertLayout::Of(const std::vector<Parameter*>& params) {
@@ -102,8 +104,8 @@ void FfnExpert::GroupForward(ops::Context& ctx, const std::vector<FfnExpert*>& e
   Tensor pre = saved.View(0, {R, W}), act = saved.View(R * W, {R, o.d_hidden});
   std::vector<Tensor> w1(G), w2(G);
   for (int64_t e = 0; e < G; ++e) {
-    w1[e] = experts[e]->w1_->value;
-    w2[e] = experts[e]->w2_->value;
+    w1[e] = GemmWeight(*experts[e]->w1_);
+    w2[e] = GemmWeight(*experts[e]->w2_);
   }
   ops::GroupedLinearForward(ctx, pre, x, w1, offsets);
   if (o.bias) {  // each expert its own bias: one fused bias + activation per expert
@@ -136,8 +138,8 @@ void FfnExpert::GroupBackward(ops::Context& ctx, const std::vector<FfnExpert*>& 
   Tensor pre = saved.View(0, {R, W}), act = saved.View(R * W, {R, o.d_hidden});
   std::vector<Tensor> w1(G), w2(G), dw1(G), dw2(G);
   for (int64_t e = 0; e < G; ++e) {
-    w1[e] = experts[e]->w1_->value;
-    w2[e] = experts[e]->w2_->value;
+    w1[e] = GemmWeight(*experts[e]->w1_);
+    w2[e] = GemmWeight(*experts[e]->w2_);
     dw1[e] = experts[e]->w1_->grad;
     dw2[e] = experts[e]->w2_->grad;
     if (o.bias && offsets[e + 1] > offsets[e]) {

@@ -9,6 +9,14 @@
 namespace strata::model {
 namespace {
 enum : uint64_t { kJitterStream = 1, kNoiseStream = 2, kRoutingStream = 3 };
+
+// The router's GEMMs run in fp32 whatever the model's precision: scores, their softmax and the
+// choice they make stay fp32 (ops::Context::bf16).
+ops::Context RouterContext(const ops::Context& ctx) {
+  ops::Context c = ctx;
+  c.bf16 = false;
+  return c;
+}
 }  // namespace
 
 uint64_t SoftmaxGate::JitterKey(uint64_t seed, uint64_t step, int layer) {
@@ -78,6 +86,7 @@ std::vector<Parameter*> SoftmaxGate::Parameters() {
 }
 
 void SoftmaxGate::Forward(ops::Context& ctx, const Tensor& x, const GateCall& call, Routing* out) {
+  ops::Context router_ctx = RouterContext(ctx);
   const int64_t T = x.dim(0);
   CHECK_LE(T, logits_.dim(0)) << "more tokens than the gate was sized for";
   last_tokens_ = T;
@@ -96,10 +105,10 @@ void SoftmaxGate::Forward(ops::Context& ctx, const Tensor& x, const GateCall& ca
                           call.first_token);
   }
   Tensor logits = logits_.Rows(0, T);
-  ops::LinearForward(ctx, logits, router_in, w_gate_->value, none);
+  ops::LinearForward(router_ctx, logits, router_in, w_gate_->value, none);
   if (last_noise_) {
     Tensor raw = raw_noise_.Rows(0, T);
-    ops::LinearForward(ctx, raw, router_in, w_noise_->value, none);
+    ops::LinearForward(router_ctx, raw, router_in, w_noise_->value, none);
     ops::MoeNoisyLogitsForward(ctx, logits, logits, raw, NoiseKey(seed_, call.step, layer_),
                                call.first_token);
   }
@@ -183,6 +192,7 @@ void SoftmaxGate::Forward(ops::Context& ctx, const Tensor& x, const GateCall& ca
 
 void SoftmaxGate::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dweight,
                            const Tensor& dx) {
+  ops::Context router_ctx = RouterContext(ctx);
   const int64_t T = last_tokens_;
   CHECK_EQ(x.dim(0), T);
   Tensor none;
@@ -217,13 +227,14 @@ void SoftmaxGate::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dwe
     Tensor draw = draw_noise_.Rows(0, T);
     ops::MoeNoisyLogitsBackward(ctx, draw, dlogits, raw_noise_.Rows(0, T),
                                 NoiseKey(seed_, last_step_, layer_), last_first_token_);
-    ops::LinearBackward(ctx, drouter_in, w_noise_->grad, none, draw, router_in, w_noise_->value,
-                        accumulate);
-    ops::LinearBackward(ctx, drouter_in, w_gate_->grad, none, dlogits, router_in, w_gate_->value,
+    ops::LinearBackward(router_ctx, drouter_in, w_noise_->grad, none, draw, router_in,
+                        w_noise_->value, accumulate);
+    ops::LinearBackward(router_ctx, drouter_in, w_gate_->grad, none, dlogits, router_in,
+                        w_gate_->value,
                         /*accumulate_dinp=*/true);
   } else {
-    ops::LinearBackward(ctx, drouter_in, w_gate_->grad, none, dlogits, router_in, w_gate_->value,
-                        accumulate);
+    ops::LinearBackward(router_ctx, drouter_in, w_gate_->grad, none, dlogits, router_in,
+                        w_gate_->value, accumulate);
   }
   if (last_jitter_) {
     ops::MoeJitterBackward(ctx, dx, drouter_in, JitterKey(seed_, last_step_, layer_),
@@ -297,13 +308,14 @@ int64_t ExpertChoiceGate::Capacity(int64_t tokens, bool training) const {
 
 void ExpertChoiceGate::Forward(ops::Context& ctx, const Tensor& x, const GateCall& call,
                                Routing* out) {
+  ops::Context router_ctx = RouterContext(ctx);
   const int64_t T = x.dim(0);
   CHECK_LE(T, logits_.dim(0)) << "more tokens than the gate was sized for";
   last_tokens_ = T;
   last_loss_scale_ = call.loss_scale;
   Tensor none;
   Tensor logits = logits_.Rows(0, T), probs = probs_.Rows(0, T), lse = lse_.Rows(0, T);
-  ops::LinearForward(ctx, logits, x, w_gate_->value, none);
+  ops::LinearForward(router_ctx, logits, x, w_gate_->value, none);
   // Softmax scores and logsumexp (the top-1 it also picks is not used).
   ops::MoeRouterSpec softmax;
   softmax.k = 1;
@@ -371,6 +383,7 @@ void ExpertChoiceGate::Forward(ops::Context& ctx, const Tensor& x, const GateCal
 
 void ExpertChoiceGate::Backward(ops::Context& ctx, const Tensor& x, const Tensor& dweight,
                                 const Tensor& dx) {
+  ops::Context router_ctx = RouterContext(ctx);
   const int64_t T = last_tokens_;
   CHECK_EQ(x.dim(0), T);
   // w[t, e] = p[t, e] where expert e took token t: the router's backward with the k = E slots,
@@ -381,7 +394,7 @@ void ExpertChoiceGate::Backward(ops::Context& ctx, const Tensor& x, const Tensor
   ops::MoeRouterBackward(ctx, dlogits, dweight, probs_.Rows(0, T), logits_.Rows(0, T),
                          lse_.Rows(0, T), expert_.Rows(0, T), Tensor(), 1, spec,
                          static_cast<float>(last_loss_scale_ * cfg_.z_loss_coef()));
-  ops::LinearBackward(ctx, dx, w_gate_->grad, none, dlogits, x, w_gate_->value,
+  ops::LinearBackward(router_ctx, dx, w_gate_->grad, none, dlogits, x, w_gate_->value,
                       /*accumulate_dinp=*/true);
 }
 

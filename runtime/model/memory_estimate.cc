@@ -266,8 +266,11 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
     e.parameter_bytes = e.gradient_bytes = Mul(4, all);
     e.optimizer_bytes = Mul(8, all);
   }
+  if (Bf16Gemms(config.train().precision(), e.on_gpu)) {
+    e.compute_copy_bytes = e.parameter_bytes / 2;
+  }
   e.total_bytes = Add(Add(Add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes),
-                      Add(e.activation_bytes, e.store_bytes));
+                      Add(Add(e.activation_bytes, e.store_bytes), e.compute_copy_bytes));
   if (!e.on_gpu) e.host_bytes = e.total_bytes;
   return e;
 }
@@ -300,6 +303,7 @@ MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers, bool e
   } else {
     e.parameter_bytes = e.gradient_bytes = Mul(4, Add(dense, held));
     e.optimizer_bytes = Mul(8, Add(dense, held));
+    if (e.compute_copy_bytes > 0) e.compute_copy_bytes = e.parameter_bytes / 2;
   }
   // An elastic IN_MEMORY job with one expert-parallel group keeps copies a later generation goes
   // on from (values and both moments, 12 bytes a parameter): its own state from before the
@@ -315,8 +319,9 @@ MemoryEstimate EstimateWorkerMemory(const JobConfig& config, int workers, bool e
   // A TIERED one keeps its expert copies on its SSD: in memory, the dense state of the latest two
   // refreshes and, during a re-form, the dense state handed over.
   if (elastic && CopiesLagSteps(config) > 0) e.elastic_copy_bytes = Mul(36, dense);
-  e.total_bytes = Add(Add(Add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes),
-                      Add(Add(e.activation_bytes, e.store_bytes), e.elastic_copy_bytes));
+  e.total_bytes = Add(
+      Add(Add(e.parameter_bytes, e.gradient_bytes), e.optimizer_bytes),
+      Add(Add(e.activation_bytes, e.store_bytes), Add(e.elastic_copy_bytes, e.compute_copy_bytes)));
   if (e.on_gpu) {
     // Page-locked staging: the buckets hold every gradient the model binds (the dense ones, and
     // the experts' in memory; a TIERED worker's are in its store), and the exchange four buffers
@@ -343,6 +348,9 @@ std::string FormatMemoryEstimate(const MemoryEstimate& e) {
       FormatBytes(e.total_bytes), e.on_gpu ? " for a model on the GPU" : "",
       FormatBytes(e.parameter_bytes), FormatBytes(e.gradient_bytes), FormatBytes(e.optimizer_bytes),
       FormatBytes(e.activation_bytes));
+  if (e.compute_copy_bytes > 0) {
+    absl::StrAppend(&out, " + bf16 weight copies ", FormatBytes(e.compute_copy_bytes));
+  }
   if (e.elastic_copy_bytes > 0) {
     absl::StrAppend(&out, " + elastic copies ", FormatBytes(e.elastic_copy_bytes));
   }

@@ -53,9 +53,13 @@ struct MemoryEstimate {
   int64_t parameters() const;
 
   // Bytes held in host memory (on a GPU, train.device "cuda", in device memory instead).
-  uint64_t parameter_bytes = 0;   // parameter values held by the model
-  uint64_t gradient_bytes = 0;    // their gradients
-  uint64_t optimizer_bytes = 0;   // AdamW's first and second moments
+  uint64_t parameter_bytes = 0;  // parameter values held by the model
+  uint64_t gradient_bytes = 0;   // their gradients
+  uint64_t optimizer_bytes = 0;  // AdamW's first and second moments
+  // train.precision BF16 (AUTO on a GPU): the bf16 copies of the GEMM weights the model holds,
+  // counted as 2 bytes for every parameter it holds (an upper bound: biases, norms, position
+  // embeddings and routers have none).
+  uint64_t compute_copy_bytes = 0;
   uint64_t activation_bytes = 0;  // buffers for one batch, the token ids included
   uint64_t store_bytes = 0;       // TIERED: the device and host tiers' expert slots
   // One of several workers of an elastic IN_MEMORY job with one expert-parallel group: the
@@ -65,7 +69,7 @@ struct MemoryEstimate {
   // A worker of several with its model on a GPU: the page-locked host buffers its exchanges go
   // through (data parallelism's gradient buckets, the expert exchange's rows of one layer).
   uint64_t staging_bytes = 0;
-  uint64_t total_bytes = 0;  // the sum of the seven above
+  uint64_t total_bytes = 0;  // the sum of the eight above
   // What is in host memory: all of total_bytes on the CPU; on a GPU the TIERED store's host tier,
   // the elastic copies and staging_bytes (the rest of total_bytes is in device memory).
   uint64_t host_bytes = 0;

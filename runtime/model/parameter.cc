@@ -63,6 +63,7 @@ void InitialValues(const Parameter& p, uint64_t seed, float* dst) {
 void Unbind(Parameter& p) {
   p.value = Tensor();
   p.grad = Tensor();
+  p.compute = Tensor();
 }
 
 ParameterSlices::ParameterSlices(std::vector<Parameter*> params) : params_(std::move(params)) {

@@ -31,6 +31,13 @@ struct Parameter {
   // BlockReady and FinishGradients, DataParallel's communication thread (data_parallel.h).
   Tensor value;
   Tensor grad;
+  // A GEMM weight (Linear*/GroupedLinear*, not the router's): in a BF16 model (ModelOptions::bf16)
+  // a bound one has `compute`, its bf16 copy on the same device, which the model's GEMMs multiply
+  // instead of value; MoeTransformer refreshes it from value before each Forward (after each
+  // update). An unbound (tiered) expert has none: its GEMMs round value as they use it, to the
+  // same bits. `compute` is never checkpointed: value is the master weight.
+  bool gemm = false;
+  Tensor compute;
   bool decay = false;  // AdamW weight decay applies (weight matrices)
   Init init = Init::kZeros;
   float init_std = 0.0f;
@@ -39,6 +46,11 @@ struct Parameter {
 // Allocates value and grad (grad zeroed) on `device`. The caller fills value with Initialize.
 std::unique_ptr<Parameter> MakeParameter(std::string name, Shape shape, Init init, float init_std,
                                          bool decay, Device device = Device::Cpu());
+
+// What a GEMM multiplies: the compute copy when there is one, else the value.
+inline const Tensor& GemmWeight(const Parameter& p) {
+  return p.compute.defined() ? p.compute : p.value;
+}
 
 // Writes the parameter's initial value for `seed`.
 void Initialize(ops::Context& ctx, Parameter& p, uint64_t seed);

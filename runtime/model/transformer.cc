@@ -52,6 +52,7 @@ class Block {
     qkv_b_ = MakeParameter(p + ".attn.qkv.bias", {3 * C_}, Init::kZeros, 0, false, device);
     proj_w_ =
         MakeParameter(p + ".attn.proj.weight", {C_, C_}, Init::kNormal, out_std, true, device);
+    qkv_w_->gemm = proj_w_->gemm = true;
     proj_b_ = MakeParameter(p + ".attn.proj.bias", {C_}, Init::kZeros, 0, false, device);
     ln2_w_ = MakeParameter(p + ".ln2.weight", {C_}, Init::kOnes, 0, false, device);
     if (ln) ln2_b_ = MakeParameter(p + ".ln2.bias", {C_}, Init::kZeros, 0, false, device);
@@ -183,10 +184,10 @@ class Block {
                       ln2_w_->value, Rows(ln2_mean_, N), ln2_rstd_.Rows(0, N));
     // Attention branch.
     ops::LinearBackward(ctx, datt, proj_w_->grad, proj_b_->grad, dres, att_out_.Rows(0, N),
-                        proj_w_->value, false);
+                        GemmWeight(*proj_w_), false);
     ops::AttentionBackward(ctx, dqkv, datt, qkv_.Rows(0, N), att_, B, T_, NH_);
     ops::LinearBackward(ctx, dln, qkv_w_->grad, qkv_b_->grad, dqkv, ln1_out_.Rows(0, N),
-                        qkv_w_->value, false);
+                        GemmWeight(*qkv_w_), false);
     ops::NormBackward(ctx, norm_, dres, ln1_w_->grad, Grad(ln1_b_), dln, x_in, ln1_w_->value,
                       Rows(ln1_mean_, N), ln1_rstd_.Rows(0, N));
   }
@@ -202,9 +203,9 @@ class Block {
     Tensor ffn_out = ffn_out_.Rows(0, N);
     ops::NormForward(ctx, norm_, ln1_out, Rows(ln1_mean_, N), ln1_rstd_.Rows(0, N), x_in,
                      ln1_w_->value, Value(ln1_b_), eps_);
-    ops::LinearForward(ctx, qkv, ln1_out, qkv_w_->value, qkv_b_->value);
+    ops::LinearForward(ctx, qkv, ln1_out, GemmWeight(*qkv_w_), qkv_b_->value);
     attention(att_out, qkv);
-    ops::LinearForward(ctx, x_mid, att_out, proj_w_->value, proj_b_->value);
+    ops::LinearForward(ctx, x_mid, att_out, GemmWeight(*proj_w_), proj_b_->value);
     ops::Accumulate(ctx, x_mid, x_in);
     ops::NormForward(ctx, norm_, ln2_out, Rows(ln2_mean_, N), ln2_rstd_.Rows(0, N), x_mid,
                      ln2_w_->value, Value(ln2_b_), eps_);
@@ -300,7 +301,16 @@ StatusOr<std::unique_ptr<MoeTransformer>> MoeTransformer::Create(ops::Context& c
         MakeParameter("lm_head", {V, C}, Init::kNormal, cfg.init_std(), true, options.device);
     m->params_.push_back(m->lm_head_.get());
   }
+  (m->lm_head_ ? m->lm_head_ : m->wte_)->gemm = true;  // the logits' GEMM
   for (Parameter* p : m->params_) Initialize(ctx, *p, options.seed);
+  m->bf16_ = options.bf16;
+  if (options.bf16) {
+    for (Parameter* p : m->params_) {
+      if (p->gemm && p->value.defined()) {
+        p->compute = Tensor::Empty(p->shape, DType::kBF16, options.device);
+      }
+    }
+  }
   std::vector<Parameter*> dense = {m->wte_.get(), m->wpe_.get()};
   for (auto& b : m->blocks_) {
     for (Parameter* p : b->DenseParameters()) dense.push_back(p);
@@ -369,9 +379,32 @@ void MoeTransformer::ZeroGrad() {
   for (Parameter* p : params_) p->grad.SetZero();
 }
 
-double MoeTransformer::Forward(ops::Context& ctx, const int32_t* tokens, const int32_t* targets,
-                               int64_t B, const GateCall& call) {
+ops::Context MoeTransformer::ModelContext(const ops::Context& caller) const {
+  ops::Context c = caller;
+  c.bf16 = bf16_;
+  return c;
+}
+
+void MoeTransformer::RefreshComputeCopies(ops::Context& caller_ctx) {
+  ops::Context ctx = ModelContext(caller_ctx);
+  std::vector<Tensor> copies, values;
+  for (Parameter* p : params_) {
+    if (!p->compute.defined()) continue;
+    copies.push_back(p->compute);
+    values.push_back(p->value);
+  }
+  ops::RoundToBf16(ctx, copies, values);  // one kernel on a GPU
+}
+
+double MoeTransformer::Forward(ops::Context& caller_ctx, const int32_t* tokens,
+                               const int32_t* targets, int64_t B, const GateCall& call) {
   CHECK(B >= 1 && B <= max_batch_) << "batch " << B << " > max_batch " << max_batch_;
+  ops::Context ctx = ModelContext(caller_ctx);
+  // The weights may have changed since the last pass (an update, a load): the GEMMs' bf16 copies
+  // are made from them once here. A training step's update follows this pass, so the next Decode
+  // makes them again.
+  RefreshComputeCopies(ctx);
+  decode_copies_fresh_ = false;
   const int64_t T = cfg_.seq_len(), N = B * T;
   Tensor tok = tokens_.Rows(0, N), tgt = targets_.Rows(0, N);
   tok.CopyFromHost(tokens);
@@ -391,16 +424,17 @@ double MoeTransformer::Forward(ops::Context& ctx, const int32_t* tokens, const i
                    residual_.back().Rows(0, N), lnf_w_->value, lnf_b_ ? lnf_b_->value : Tensor(),
                    cfg_.norm_eps());
   const Parameter& head = lm_head_ ? *lm_head_ : *wte_;
-  ops::LinearForward(ctx, logits, lnf_out, head.value, Tensor());
+  ops::LinearForward(ctx, logits, lnf_out, GemmWeight(head), Tensor());
   // When training, the logits are replaced by dLoss/dlogits of the mean loss in the same pass.
   const float scale = static_cast<float>(call.loss_scale / static_cast<double>(N));
   double sum = ops::CrossEntropy(ctx, call.training ? logits : Tensor(), logits, tgt, scale);
   return sum / static_cast<double>(N);
 }
 
-Tensor MoeTransformer::Decode(ops::Context& ctx, const int32_t* tokens, const int32_t* slots,
+Tensor MoeTransformer::Decode(ops::Context& caller_ctx, const int32_t* tokens, const int32_t* slots,
                               const int32_t* positions, int64_t n) {
   const int64_t T = cfg_.seq_len();
+  ops::Context ctx = ModelContext(caller_ctx);
   CHECK(n >= 1 && n <= max_batch_ * T) << n << " rows, max_batch " << max_batch_;
   const config::GateConfig& gate = cfg_.moe().gate();
   CHECK(moe_layers_.empty() ||
@@ -425,6 +459,10 @@ Tensor MoeTransformer::Decode(ops::Context& ctx, const int32_t* tokens, const in
   last_B_ = 0;
   last_rows_ = n;
   last_training_ = false;
+  if (!decode_copies_fresh_) {
+    RefreshComputeCopies(ctx);
+    decode_copies_fresh_ = true;
+  }
   GateCall call{false, 0, 0};
   call.batch_tokens = n;
 
@@ -439,7 +477,7 @@ Tensor MoeTransformer::Decode(ops::Context& ctx, const int32_t* tokens, const in
   ops::NormForward(ctx, norm_kind_, lnf_out, lnf_mean, lnf_rstd_.Rows(0, n),
                    residual_.back().Rows(0, n), lnf_w_->value, lnf_b_ ? lnf_b_->value : Tensor(),
                    cfg_.norm_eps());
-  ops::LinearForward(ctx, logits, lnf_out, lm_head_ ? lm_head_->value : wte_->value, Tensor());
+  ops::LinearForward(ctx, logits, lnf_out, GemmWeight(lm_head_ ? *lm_head_ : *wte_), Tensor());
   return logits;
 }
 
@@ -448,13 +486,14 @@ void MoeTransformer::ReleaseKvCache() {
   decode_slots_ = decode_positions_ = Tensor();
 }
 
-void MoeTransformer::Backward(ops::Context& ctx) {
+void MoeTransformer::Backward(ops::Context& caller_ctx) {
   CHECK(last_training_) << "Backward needs a training Forward";
+  ops::Context ctx = ModelContext(caller_ctx);
   const int64_t B = last_B_, T = cfg_.seq_len(), N = B * T;
   Parameter& head = lm_head_ ? *lm_head_ : *wte_;
   Tensor dres = dres_.Rows(0, N), dln = dln_.Rows(0, N);
   ops::LinearBackward(ctx, dln, head.grad, Tensor(), logits_.Rows(0, N), lnf_out_.Rows(0, N),
-                      head.value, false);
+                      GemmWeight(head), false);
   dres.SetZero();
   Tensor lnf_mean = norm_kind_ == ops::NormKind::kLayerNorm ? lnf_mean_.Rows(0, N) : Tensor();
   ops::NormBackward(ctx, norm_kind_, dres, lnf_w_->grad, lnf_b_ ? lnf_b_->grad : Tensor(), dln,

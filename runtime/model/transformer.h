@@ -52,9 +52,15 @@ struct ModelOptions {
   int64_t first_local_expert = 0;
   int64_t num_local_experts = -1;
   // Where parameters, gradients and activations live. On a GPU every op runs there (with
-  // unbound_experts the residency's blobs are device memory too); expert parallelism and custom
-  // experts need the CPU (Create says so).
+  // unbound_experts the residency's blobs are device memory too); custom experts need the CPU
+  // (Create says so).
   Device device = Device::Cpu();
+  // Mixed precision (train.precision BF16): every weight GEMM but the router's multiplies bfloat16
+  // operands with fp32 accumulation (ops::Context::bf16, which the model sets for its own ops
+  // whatever the caller's Context says); each bound GEMM weight keeps a bf16 compute copy beside
+  // its fp32 master value (Parameter::compute: 2 bytes a weight), made from it once before each
+  // Forward. Everything else stays fp32. On the CPU the rounding is emulated (slower; for tests).
+  bool bf16 = false;
 };
 
 class MoeTransformer {
@@ -99,6 +105,11 @@ class MoeTransformer {
                 const int32_t* positions, int64_t n);
   void ReleaseKvCache();
 
+  // Makes every GEMM weight's bf16 compute copy from its value (BF16 models; nothing otherwise).
+  // Forward does it each time and Decode after a Forward; a caller that changes weights and then
+  // Decodes without a Forward in between calls it.
+  void RefreshComputeCopies(ops::Context& ctx);
+
   void ZeroGrad();
   const std::vector<Parameter*>& Parameters() const { return params_; }
   // Every parameter that is not part of a routed expert (embeddings, attention, norms, gates,
@@ -129,6 +140,8 @@ class MoeTransformer {
   int64_t ActiveParametersPerToken() const;
 
  private:
+  // The caller's Context with the model's precision.
+  ops::Context ModelContext(const ops::Context& caller) const;
   MoeTransformer() = default;
 
   config::ModelConfig cfg_;
@@ -149,6 +162,8 @@ class MoeTransformer {
   int64_t last_B_ = 0;
   int64_t last_rows_ = 0;
   bool last_training_ = false;
+  bool bf16_ = false;
+  bool decode_copies_fresh_ = false;  // the compute copies were made since the last Forward
   Device device_;
   // Decode's row descriptions (i32 [max_batch * seq_len]); defined while the KV cache is.
   Tensor decode_slots_, decode_positions_;

@@ -29,12 +29,14 @@
 //   Linear*, Attention*,                      2e-5    fp32 GEMMs (cuBLAS without TF32: TF32 would
 //     GroupedLinear* (fp32)                           be ~1e-3 and fail) over K <= 768, sums
 //                                                     reordered
-//   GroupedLinear* with bf16_experts          1e-4    both sides round the same fp32 inputs to bf16
-//                                                     and accumulate the exact bf16 products in
+//   Linear*, GroupedLinear* with              1e-4    both sides round the same fp32 inputs to bf16
+//     Context::bf16 (fp32 weights or bf16
+//     compute copies)                                 and accumulate the exact bf16 products in
 //                                                     fp32, so they differ by summation order only
 //                                                     (~1e-6); a side that rounds a different
 //                                                     operand (or not at all) is off by ~1e-3
 //                                                     (bf16's 2^-9) and fails
+//   RoundToBf16                               exact   the same rounding of the same floats
 //   CrossEntropy, SumSquares, MoeAuxLoss,     1e-6    relative; both accumulate in double
 //     MoeZLoss (returned scalars)
 //
@@ -394,8 +396,100 @@ TEST_F(CudaOpsTest, LinearForwardAndBackward) {
   }
 }
 
+// Mixed precision: a weight's compute copy is made on the GPU with the CPU's bits, and bf16 GEMMs
+// on either kind of weight (fp32 rounded at use, or the copy) match the CPU's emulation at 1e-4.
+TEST_F(CudaOpsTest, Bf16ComputeCopiesAndGemms) {
+  {
+    Tensor src = RandomF32({1000, 77}, 90, 3.0);
+    Tensor c = Tensor::Empty({1000, 77}, DType::kBF16);
+    ops::RoundToBf16(ctx, c, src);
+    Tensor g = Tensor::Empty({1000, 77}, DType::kBF16, Device::Cuda(0));
+    ops::RoundToBf16(ctx, g, Up(src));
+    std::vector<uint16_t> back(static_cast<size_t>(g.numel()));
+    g.CopyToHost(back.data());
+    EXPECT_EQ(0, std::memcmp(back.data(), c.bf16(), c.bytes())) << "RoundToBf16";
+    // Many arrays in one kernel (a model's copies), of sizes around the kernel's block and grid.
+    std::vector<Tensor> srcs, dsts_c, srcs_g, dsts_g;
+    for (int64_t n : {1, 255, 256, 257, 300000, 3}) {
+      srcs.push_back(RandomF32({n}, 100 + n, 2.0));
+      dsts_c.push_back(Tensor::Empty({n}, DType::kBF16));
+      srcs_g.push_back(Up(srcs.back()));
+      dsts_g.push_back(Tensor::Empty({n}, DType::kBF16, Device::Cuda(0)));
+    }
+    ops::RoundToBf16(ctx, dsts_c, srcs);
+    ops::RoundToBf16(ctx, dsts_g, srcs_g);
+    for (size_t t = 0; t < srcs.size(); ++t) {
+      std::vector<uint16_t> got(static_cast<size_t>(dsts_g[t].numel()));
+      dsts_g[t].CopyToHost(got.data());
+      EXPECT_EQ(0, std::memcmp(got.data(), dsts_c[t].bf16(), dsts_c[t].bytes())) << "array " << t;
+    }
+  }
+  ops::Context c = ctx;
+  c.bf16 = true;
+  const int64_t N = 300, IC = 256, OC = 96;
+  Tensor inp = RandomF32({N, IC}, 91), w = RandomF32({OC, IC}, 92, 0.2), b = RandomF32({OC}, 93);
+  Tensor dout = RandomF32({N, OC}, 94);
+  Tensor out_c = Tensor::Empty({N, OC}), dinp_c = Tensor::Empty({N, IC});
+  Tensor dw_c = Tensor::Zeros({OC, IC}), db_c = Tensor::Zeros({OC});
+  ops::LinearForward(c, out_c, inp, w, b);
+  ops::LinearBackward(c, dinp_c, dw_c, db_c, dout, inp, w, false);
+  Tensor w_g = Up(w);
+  Tensor w16_g = Tensor::Empty({OC, IC}, DType::kBF16, Device::Cuda(0));
+  ops::RoundToBf16(c, w16_g, w_g);
+  for (const Tensor& weight : {w_g, w16_g}) {
+    SCOPED_TRACE(weight.dtype() == DType::kBF16 ? "bf16 compute copy" : "fp32 rounded at use");
+    Tensor out_g = GpuGarbage({N, OC}), dinp_g = GpuGarbage({N, IC});
+    Tensor dw_g = Up(Tensor::Zeros({OC, IC})), db_g = Up(Tensor::Zeros({OC}));
+    ops::LinearForward(c, out_g, Up(inp), weight, Up(b));
+    ops::LinearBackward(c, dinp_g, dw_g, db_g, Up(dout), Up(inp), weight, false);
+    ExpectClose(out_g, out_c, kBf16, "out");
+    ExpectClose(dinp_g, dinp_c, kBf16, "dinp");
+    ExpectClose(dw_g, dw_c, kBf16, "dweight");
+    ExpectClose(db_g, db_c, kReduction, "dbias (fp32 sums of the fp32 dout)");
+    // dinp accumulated, without a weight gradient (the other size of the operand scratch).
+    Tensor acc_c = Clone(dinp_c), acc_g = Up(dinp_c);
+    ops::LinearBackward(c, acc_c, Tensor(), Tensor(), dout, inp, w, /*accumulate_dinp=*/true);
+    ops::LinearBackward(c, acc_g, Tensor(), Tensor(), Up(dout), Up(inp), weight, true);
+    ExpectClose(acc_g, acc_c, kBf16, "dinp accumulated, no dweight");
+  }
+  {
+    // In place (dinp is inp), as an FFN's backward writes d(act) over act: the input is rounded
+    // for dW before dinp overwrites it.
+    const int64_t n = 200, ic = 160;
+    Tensor x = RandomF32({n, ic}, 120), sq = RandomF32({ic, ic}, 121, 0.2);
+    Tensor dy = RandomF32({n, ic}, 122);
+    Tensor io_c = Clone(x), dw_sq_c = Tensor::Zeros({ic, ic});
+    ops::LinearBackward(c, io_c, dw_sq_c, Tensor(), dy, io_c, sq, false);
+    Tensor sq16 = Tensor::Empty({ic, ic}, DType::kBF16, Device::Cuda(0));
+    ops::RoundToBf16(c, sq16, Up(sq));
+    Tensor io_g = Up(x), dw_sq_g = Up(Tensor::Zeros({ic, ic}));
+    ops::LinearBackward(c, io_g, dw_sq_g, Tensor(), Up(dy), io_g, sq16, false);
+    ExpectClose(io_g, io_c, kBf16, "dinp (in place)");
+    ExpectClose(dw_sq_g, dw_sq_c, kBf16, "dweight (in place)");
+  }
+  // The experts' grouped GEMMs on compute copies.
+  const std::vector<int64_t> offsets = {0, 100, 100, 300};
+  std::vector<Tensor> ws, ws16_g, dws_c, dws_g;
+  for (int g = 0; g < 3; ++g) {
+    ws.push_back(RandomF32({OC, IC}, 95 + g, 0.2));
+    ws16_g.push_back(Tensor::Empty({OC, IC}, DType::kBF16, Device::Cuda(0)));
+    ops::RoundToBf16(c, ws16_g.back(), Up(ws.back()));
+    dws_c.push_back(Tensor::Zeros({OC, IC}));
+    dws_g.push_back(Up(Tensor::Zeros({OC, IC})));
+  }
+  Tensor gout_c = Tensor::Empty({N, OC}), gout_g = GpuGarbage({N, OC});
+  ops::GroupedLinearForward(c, gout_c, inp, ws, offsets);
+  ops::GroupedLinearForward(c, gout_g, Up(inp), ws16_g, offsets);
+  ExpectClose(gout_g, gout_c, kBf16, "grouped out");
+  Tensor gdinp_c = Tensor::Empty({N, IC}), gdinp_g = GpuGarbage({N, IC});
+  ops::GroupedLinearBackward(c, gdinp_c, dws_c, dout, inp, ws, offsets, false);
+  ops::GroupedLinearBackward(c, gdinp_g, dws_g, Up(dout), Up(inp), ws16_g, offsets, false);
+  ExpectClose(gdinp_g, gdinp_c, kBf16, "grouped dinp");
+  ExpectClose(dws_g, dws_c, kBf16, "grouped dweights");
+}
+
 TEST_F(CudaOpsTest, GroupedLinearForwardAndBackward) {
-  // fp32: 2e-5 (cuBLAS GEMMs). bf16_experts on both sides: 1e-4 (same bf16 operands, fp32
+  // fp32: 2e-5 (cuBLAS GEMMs). Context::bf16 on both sides: 1e-4 (same bf16 operands, fp32
   // accumulation, only the summation order differs; see the table at the top).
   struct Case {
     std::vector<int64_t> rows;  // per group; zeros are empty groups
@@ -429,7 +523,7 @@ TEST_F(CudaOpsTest, GroupedLinearForwardAndBackward) {
       SCOPED_TRACE("R=" + std::to_string(R) + " G=" + std::to_string(G) + " IC=" +
                    std::to_string(IC) + " OC=" + std::to_string(OC) + (bf16 ? " bf16" : " fp32"));
       ops::Context c = ctx;
-      c.bf16_experts = bf16;
+      c.bf16 = bf16;
       const double bound = bf16 ? kBf16 : kGemm;
 
       Tensor out_c = Tensor::Empty({R, OC});
@@ -442,8 +536,8 @@ TEST_F(CudaOpsTest, GroupedLinearForwardAndBackward) {
       } else {
         // The CPU's bf16 emulation is visible but small: bf16 has 8 significant bits.
         const double d = NormalizedError(out_c, fp32_out).err;
-        EXPECT_GT(d, 1e-5) << "bf16_experts changed nothing on the CPU";
-        EXPECT_LT(d, 2e-2) << "bf16_experts changed the CPU result by more than bf16 rounding";
+        EXPECT_GT(d, 1e-5) << "Context::bf16 changed nothing on the CPU";
+        EXPECT_LT(d, 2e-2) << "Context::bf16 changed the CPU result by more than bf16 rounding";
       }
 
       enum Mode { kOverwrite, kAccumulate, kNoDinp };

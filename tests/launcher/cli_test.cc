@@ -328,6 +328,30 @@ TEST_F(CliTest, AGpuDeviceThatIsNotThereIsAClearErrorBeforeTraining) {
   EXPECT_NE(u.output.find("--device: unknown device 'gpu'"), std::string::npos) << u.output;
 }
 
+// --precision overrides train.precision: bf16 on the CPU trains (emulated) and its losses differ
+// from fp32's by rounding only; a value that is not one of auto/fp32/bf16 is a usage error.
+TEST_F(CliTest, PrecisionFlagTrainsInBf16OrSaysWhatItTakes) {
+  const std::string base = kStrata + " train --config " + dir_.File("ok.textproto") +
+                           " --steps 2 --quiet --metrics-out ";
+  auto f = RunCommand(base + dir_.File("fp32.jsonl") + " --precision FP32");
+  ASSERT_EQ(f.exit_code, 0) << f.output;
+  auto b = RunCommand(base + dir_.File("bf16.jsonl") + " --precision bf16");
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  auto loss = [](const std::string& file) {
+    const std::string text = ReadFile(file);
+    const size_t at = text.find("\"loss\":");
+    EXPECT_NE(at, std::string::npos) << text;
+    return at == std::string::npos ? 0.0 : std::stod(text.substr(at + 7));
+  };
+  const double l32 = loss(dir_.File("fp32.jsonl")), l16 = loss(dir_.File("bf16.jsonl"));
+  EXPECT_NE(l16, l32) << "--precision bf16 changed nothing";
+  EXPECT_NEAR(l16, l32, 1e-2 * l32);
+  auto u = RunCommand(base + dir_.File("x.jsonl") + " --precision fp16");
+  EXPECT_EQ(u.exit_code, 2) << u.output;
+  EXPECT_NE(u.output.find("--precision: 'fp16' is not one of auto, fp32, bf16"), std::string::npos)
+      << u.output;
+}
+
 TEST_F(CliTest, MissingDataFileSaysHowToMakeIt) {
   WriteFile(dir_.File("nodata.textproto"), "data { path: \"absent.txt\" }\n");
   auto r = RunCommand(kStrata + " train --config " + dir_.File("nodata.textproto"));

@@ -438,7 +438,8 @@ TEST_F(ElasticTest, AKilledWorkerAndAJoinerLoseNoSampleAndMatchTheSingleProcess)
 // The same with the workers' models on a GPU (`train.device: "cuda"`: on a machine with one GPU
 // every worker on cuda:0, exchanging through page-locked host memory over Gloo): the survivors
 // re-form without restarting, from state copied off their GPUs, the joiner's state lands on its
-// GPU, and every step matches the failure-free replay on GPU workers. Skips without a GPU;
+// GPU, and every step matches the failure-free replay on GPU workers (in fp32, whose rounding the
+// replay's bound is argued for). Skips without a GPU;
 // scripts/gpu-check.sh runs it.
 TEST_F(ElasticTest, GpuWorkersKilledAndJoinedLoseNoSampleAndMatchTheReplay) {
   if (CudaDeviceCount() == 0) {
@@ -447,7 +448,7 @@ TEST_F(ElasticTest, GpuWorkersKilledAndJoinedLoseNoSampleAndMatchTheReplay) {
   constexpr int kSteps = 40;
   const std::string config = Config(kSteps);
   const std::string on_gpu =
-      absl::StrReplaceAll(config, {{"train { ", "train { device: \"cuda\" "}});
+      absl::StrReplaceAll(config, {{"train { ", "train { device: \"cuda\" precision: FP32 "}});
   ASSERT_NE(on_gpu, config);
   WriteFile(dir_.File("job.textproto"), on_gpu);
   KillAndJoin(kSteps, /*kill_at=*/10, /*on_three=*/10, "");

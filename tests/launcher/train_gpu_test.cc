@@ -26,7 +26,9 @@ TEST(TrainGpuTest, DefaultExampleOnAGpuTrainsLikeTheCpuAndItsCheckpointResumesOn
     GTEST_SKIP() << "no CUDA device: this test runs on a machine with an NVIDIA GPU";
   }
   TempDir dir;
-  const std::string common = kStrata + " train --config " + kConfig + " --steps 30 --quiet";
+  // fp32 on both devices (a GPU's default is bf16 GEMMs): the same arithmetic on each side.
+  const std::string common =
+      kStrata + " train --config " + kConfig + " --steps 30 --quiet --precision fp32";
   auto gpu = RunCommand(common + " --device cuda --metrics-out " + dir.File("gpu.jsonl") +
                         " --checkpoint-dir " + dir.File("ck") + " --checkpoint-every 15");
   ASSERT_EQ(gpu.exit_code, 0) << gpu.output;

@@ -72,6 +72,27 @@ TEST(ConfigTest, TrainDeviceIsCpuOrCudaAndNamesTheField) {
   EXPECT_TRUE(tiered.ok()) << tiered.status();
 }
 
+// train.precision: AUTO by default, which is bf16 GEMMs on a GPU and fp32 on the CPU; an unknown
+// value names the field.
+TEST(ConfigTest, PrecisionIsAutoByDefaultAndBf16OnlyWhereAsked) {
+  auto c = ParseJobConfig("data { path: \"d\" }", "job.textproto", "/base");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->train().precision(), TrainConfig::AUTO);
+  EXPECT_FALSE(Bf16Gemms(TrainConfig::AUTO, /*on_gpu=*/false));
+  EXPECT_TRUE(Bf16Gemms(TrainConfig::AUTO, /*on_gpu=*/true));
+  EXPECT_FALSE(Bf16Gemms(TrainConfig::FP32, true));
+  EXPECT_FALSE(Bf16Gemms(TrainConfig::FP32, false));
+  EXPECT_TRUE(Bf16Gemms(TrainConfig::BF16, true));
+  EXPECT_TRUE(Bf16Gemms(TrainConfig::BF16, false));
+  auto b = ParseJobConfig("data { path: \"d\" } train { precision: BF16 }", "job.textproto", "/b");
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->train().precision(), TrainConfig::BF16);
+  const std::string msg = Error("data { path: \"d\" }\ntrain {\n  precision: FP16\n}\n");
+  EXPECT_NE(msg.find("Unknown enumeration value of \"FP16\" for field \"precision\""),
+            std::string::npos)
+      << msg;
+}
+
 TEST(ConfigTest, TopKFollowsGateTypeUnlessSet) {
   auto sw = ParseJobConfig("data { path: \"d\" } model { moe { gate { type: SWITCH } } }", "j", "");
   ASSERT_TRUE(sw.ok()) << sw.status();

@@ -194,7 +194,8 @@ class DistributedTest : public ::testing::TestWithParam<Layout> {
 
 // `l`'s workers against one process on the same global batch, both on `device` ("cpu" or
 // "cuda": then every worker is on cuda:<rank mod GPUs>, all on one GPU staging their exchanges
-// through page-locked host memory).
+// through page-locked host memory). In fp32 (a GPU's default is bf16 GEMMs): the bounds below are
+// argued for fp32's rounding.
 void ExpectWorkersMatchTheSingleProcess(const TempDir& dir_, const Layout& l,
                                         const std::string& device) {
   const std::string gate = absl::StrCat(l.workers == 4 && l.expert_parallel == 2 && l.moe[0] == '\0'
@@ -204,11 +205,13 @@ void ExpectWorkersMatchTheSingleProcess(const TempDir& dir_, const Layout& l,
   WriteFile(dir_.File("job.textproto"), Config(l, 10, gate));
   auto single = RunCommand(absl::StrCat("cd ", dir_.path(), " && ", kStrata,
                                         " train --config job.textproto --quiet --metrics-out "
-                                        "single.jsonl --export-params single --device ",
+                                        "single.jsonl --export-params single --precision fp32 "
+                                        "--device ",
                                         device));
   ASSERT_EQ(single.exit_code, 0) << single.output;
 
-  auto pids = StartWorkers(dir_, l.workers, "--export-params workers --device " + device);
+  auto pids =
+      StartWorkers(dir_, l.workers, "--export-params workers --precision fp32 --device " + device);
   for (int r = 0; r < l.workers; ++r) {
     EXPECT_EQ(WaitExit(pids[r]), 0) << ReadFile(dir_.File(absl::StrCat("worker", r, ".log")));
   }

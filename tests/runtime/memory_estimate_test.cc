@@ -256,7 +256,20 @@ TEST(MemoryEstimateTest, OnAGpuTheHostHoldsTheHostTierTheElasticCopiesAndTheStag
   EXPECT_TRUE(m.on_gpu);
   EXPECT_EQ(m.host_bytes, 0u);
   EXPECT_EQ(m.staging_bytes, 0u) << "one process exchanges nothing";
-  EXPECT_EQ(m.total_bytes, EstimateMemory(Parse(kSmall)).total_bytes) << "the same model";
+  // The same model, and (train.precision AUTO: bf16 GEMMs on a GPU) a bf16 copy of each weight.
+  EXPECT_EQ(m.compute_copy_bytes, 2 * static_cast<uint64_t>(m.parameters()));
+  EXPECT_EQ(m.total_bytes, EstimateMemory(Parse(kSmall)).total_bytes + m.compute_copy_bytes);
+  EXPECT_EQ(EstimateMemory(Parse(kSmall)).compute_copy_bytes, 0u) << "fp32 on the CPU";
+  JobConfig fp32 = in_memory;
+  fp32.mutable_train()->set_precision(TrainConfig::FP32);
+  EXPECT_EQ(EstimateMemory(fp32).compute_copy_bytes, 0u);
+  EXPECT_EQ(EstimateMemory(fp32).total_bytes, EstimateMemory(Parse(kSmall)).total_bytes);
+  // bf16 asked for on the CPU: the copies are host memory.
+  JobConfig bf16 = Parse(kSmall);
+  bf16.mutable_train()->set_precision(TrainConfig::BF16);
+  const MemoryEstimate cpu16 = EstimateMemory(bf16);
+  EXPECT_EQ(cpu16.compute_copy_bytes, m.compute_copy_bytes);
+  EXPECT_EQ(cpu16.host_bytes, cpu16.total_bytes);
   EXPECT_EQ(EstimateMemory(Parse(kSmall)).host_bytes, EstimateMemory(Parse(kSmall)).total_bytes);
   // Only the process's own overhead is left to fit; a byte less is refused, saying so.
   EXPECT_TRUE(CheckMemory(in_memory, m, kProcessOverheadBytes, "job.textproto").ok());
@@ -278,7 +291,9 @@ TEST(MemoryEstimateTest, OnAGpuTheHostHoldsTheHostTierTheElasticCopiesAndTheStag
   EXPECT_EQ(w.elastic_copy_bytes, EstimateWorkerMemory(Parse(kSmall), 2).elastic_copy_bytes);
   EXPECT_EQ(w.staging_bytes, 4 * (dense + half_experts) + 4 * (16 * 8 * 4));
   EXPECT_EQ(w.host_bytes, w.elastic_copy_bytes + w.staging_bytes);
-  EXPECT_EQ(w.total_bytes, EstimateWorkerMemory(Parse(kSmall), 2).total_bytes + w.staging_bytes);
+  EXPECT_EQ(w.compute_copy_bytes, 2 * (dense + half_experts));
+  EXPECT_EQ(w.total_bytes, EstimateWorkerMemory(Parse(kSmall), 2).total_bytes + w.staging_bytes +
+                               w.compute_copy_bytes);
   const Status ws = CheckMemory(in_memory, w, w.host_bytes + kProcessOverheadBytes - 1, "j");
   ASSERT_TRUE(absl::IsResourceExhausted(ws)) << ws;
   EXPECT_NE(ws.message().find("the elastic copies (lower elastic.replicas), the page-locked "

@@ -8,6 +8,7 @@
 
 #include "proto/config_io.h"
 #include "runtime/model/transformer.h"
+#include "tests/runtime/moe_test_util.h"
 
 namespace strata::model {
 namespace {
@@ -26,20 +27,6 @@ config::ModelConfig TinyModel() {
   m.mutable_moe()->set_d_expert(6);
   m.set_init_std(0.3f);
   return m;
-}
-
-struct Batch {
-  std::vector<int32_t> tokens, targets;
-};
-
-Batch RandomBatch(int B, int T, int V, unsigned seed) {
-  std::mt19937 g(seed);
-  Batch b;
-  for (int i = 0; i < B * T; ++i) {
-    b.tokens.push_back(static_cast<int32_t>(g() % V));
-    b.targets.push_back(static_cast<int32_t>(g() % V));
-  }
-  return b;
 }
 
 // Directional derivative check: (L(p + h d) - L(p - h d)) / 2h against <grad, d>, in float, for

@@ -30,10 +30,12 @@ constexpr int kSteps = 12;
 
 // The CPU tests' job on the first GPU. Its pool has 2 threads, but the experts run from one (one
 // stream), so the store's smallest budgets are one thread's: 3 device and 7 host slots.
-config::JobConfig GpuTieredJob(const std::string& data, uint64_t device_budget,
-                               uint64_t host_budget) {
+config::JobConfig GpuTieredJob(
+    const std::string& data, uint64_t device_budget, uint64_t host_budget,
+    config::TrainConfig::Precision precision = config::TrainConfig::FP32) {
   config::JobConfig cfg = strata::testing::TieredJob(data, device_budget, host_budget, 2);
   cfg.mutable_train()->set_device("cuda:0");
+  cfg.mutable_train()->set_precision(precision);  // FP32 unless asked: the bounds are fp32's
   return cfg;
 }
 
@@ -89,35 +91,39 @@ class TieredTrainingGpuTest : public ::testing::Test {
   TempDir dir_;
 };
 
+// In fp32 and in bf16 (whose tiered experts round their fp32 weights at every GEMM).
 TEST_F(TieredTrainingGpuTest, BudgetsFarBelowTheStateGiveTheBitsOfUnlimitedOnes) {
-  const std::string data = dir_.File("text.txt");
-  const GpuRun unlimited = Train(GpuTieredJob(data, 0, 0));
-  ASSERT_EQ(unlimited.losses.size(), static_cast<size_t>(kSteps));
-  // The smallest budgets the store accepts for one compute thread: 3 device slots, 7 host slots.
-  const uint64_t device = unlimited.dense_bytes + 3 * unlimited.slot_bytes;
-  const uint64_t host = 7 * unlimited.slot_bytes;
-  const GpuRun tiny = Train(GpuTieredJob(data, device, host));
-  ASSERT_EQ(tiny.losses.size(), static_cast<size_t>(kSteps));
-  EXPECT_EQ(tiny.device_slots, 3);
-  EXPECT_EQ(tiny.host_slots, 7);
-  // 64 expert tensors: more than 8 times either tier.
-  EXPECT_GE(tiny.expert_tensors, 8u * 7u);
-  EXPECT_GT(tiny.ssd_bytes_in, 0u) << "the tiny budgets should have read back through the SSD";
-  EXPECT_GT(tiny.device_evictions, 0u);
-  EXPECT_GT(tiny.host_evictions, 0u);
-  EXPECT_EQ(unlimited.ssd_bytes_in, 0u) << "unlimited budgets should never spill";
-  for (int i = 0; i < kSteps; ++i) {
-    EXPECT_EQ(0, std::memcmp(&tiny.losses[i], &unlimited.losses[i], sizeof(double)))
-        << "step " << i + 1 << ": " << tiny.losses[i] << " vs " << unlimited.losses[i];
+  for (auto precision : {config::TrainConfig::FP32, config::TrainConfig::BF16}) {
+    SCOPED_TRACE(config::TrainConfig::Precision_Name(precision));
+    const std::string data = dir_.File("text.txt");
+    const GpuRun unlimited = Train(GpuTieredJob(data, 0, 0, precision));
+    ASSERT_EQ(unlimited.losses.size(), static_cast<size_t>(kSteps));
+    // The smallest budgets the store accepts for one compute thread: 3 device slots, 7 host slots.
+    const uint64_t device = unlimited.dense_bytes + 3 * unlimited.slot_bytes;
+    const uint64_t host = 7 * unlimited.slot_bytes;
+    const GpuRun tiny = Train(GpuTieredJob(data, device, host, precision));
+    ASSERT_EQ(tiny.losses.size(), static_cast<size_t>(kSteps));
+    EXPECT_EQ(tiny.device_slots, 3);
+    EXPECT_EQ(tiny.host_slots, 7);
+    // 64 expert tensors: more than 8 times either tier.
+    EXPECT_GE(tiny.expert_tensors, 8u * 7u);
+    EXPECT_GT(tiny.ssd_bytes_in, 0u) << "the tiny budgets should have read back through the SSD";
+    EXPECT_GT(tiny.device_evictions, 0u);
+    EXPECT_GT(tiny.host_evictions, 0u);
+    EXPECT_EQ(unlimited.ssd_bytes_in, 0u) << "unlimited budgets should never spill";
+    for (int i = 0; i < kSteps; ++i) {
+      EXPECT_EQ(0, std::memcmp(&tiny.losses[i], &unlimited.losses[i], sizeof(double)))
+          << "step " << i + 1 << ": " << tiny.losses[i] << " vs " << unlimited.losses[i];
+    }
+    EXPECT_EQ(tiny.evals, unlimited.evals);
+    ASSERT_EQ(tiny.dense.size(), unlimited.dense.size());
+    for (size_t i = 0; i < tiny.dense.size(); ++i) {
+      EXPECT_EQ(0, std::memcmp(tiny.dense[i].data(), unlimited.dense[i].data(),
+                               tiny.dense[i].size() * sizeof(float)))
+          << "dense parameter " << i;
+    }
+    EXPECT_LT(tiny.losses.back(), tiny.losses.front());
   }
-  EXPECT_EQ(tiny.evals, unlimited.evals);
-  ASSERT_EQ(tiny.dense.size(), unlimited.dense.size());
-  for (size_t i = 0; i < tiny.dense.size(); ++i) {
-    EXPECT_EQ(0, std::memcmp(tiny.dense[i].data(), unlimited.dense[i].data(),
-                             tiny.dense[i].size() * sizeof(float)))
-        << "dense parameter " << i;
-  }
-  EXPECT_LT(tiny.losses.back(), tiny.losses.front());
 }
 
 TEST_F(TieredTrainingGpuTest, MatchesInMemoryGpuTrainingClosely) {
