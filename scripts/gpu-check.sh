@@ -156,11 +156,15 @@ if [ "$quick" = 0 ]; then
       failed=1
     fi
   done
+  # The MoE layer in mixed precision: bf16 GEMMs on the experts' compute copies.
+  [ -x "$bin/bench_moe_gpu" ] && run "bench_moe_gpu_bf16" 180 "$bin/bench_moe_gpu" --bf16
   # CPU against GPU side by side on the default example, free and synced (docs/gpu.md, Parity).
   if [ -x "$bin/bench_parity" ]; then
     cfg=$source/examples/moe_lm/config.textproto
     run "parity_free" 90 "$bin/bench_parity" --config "$cfg" --steps 30
     run "parity_sync" 90 "$bin/bench_parity" --config "$cfg" --steps 30 --sync
+    run "parity_sync_bf16" 90 "$bin/bench_parity" --config "$cfg" --steps 30 --sync --bf16 \
+      --tol 1e-3
   fi
   # Generation on the GPU: prefill and decode through the KV cache in HBM, in memory and with the
   # experts offloaded to a ring of HBM slots (docs/inference.md); it checks nothing itself, the
@@ -186,15 +190,26 @@ if [ "$quick" = 0 ]; then
       failed=1
     fi
   fi
-  # The default example on the GPU: 300 steps, its median tokens/s from the metrics.
-  run "train_cuda" 120 "$bin/strata" train --config "$source/examples/moe_lm/config.textproto" \
-    --device cuda --steps 300 --quiet --metrics-out "$logs/train_cuda.jsonl"
-  if [ -s "$logs/train_cuda.jsonl" ]; then
-    tps=$(sed -n 's/.*"tokens_per_s":\([0-9.]*\).*/\1/p' "$logs/train_cuda.jsonl" | sort -n |
-          awk '{v[NR]=$1} END {if (NR) printf "%.0f", v[int((NR+1)/2)]}')
-    last=${#rows[@]}
-    rows[last-1]=$(echo "${rows[last-1]}" | sed "s/| exit 0 |/| median ${tps} tok\/s |/")
+  # End to end: tokens/s and model FLOP utilization against cuBLAS's dense bf16 rate in the same
+  # run, for the default example and examples/gpu_moe (2.3 B parameters).
+  if [ -x "$bin/bench_train" ]; then
+    run "bench_train" 180 "$bin/bench_train" --device cuda \
+      --config "$source/examples/moe_lm/config.textproto" \
+      --config "$source/examples/gpu_moe/config.textproto"
   fi
+  # The default example on the GPU: 300 steps in its default precision (bf16 GEMMs) and in fp32,
+  # each's median tokens/s from its metrics.
+  for p in bf16 fp32; do
+    run "train_cuda_$p" 120 "$bin/strata" train --config \
+      "$source/examples/moe_lm/config.textproto" --device cuda --precision "$p" --steps 300 \
+      --quiet --metrics-out "$logs/train_cuda_$p.jsonl"
+    if [ -s "$logs/train_cuda_$p.jsonl" ]; then
+      tps=$(sed -n 's/.*"tokens_per_s":\([0-9.]*\).*/\1/p' "$logs/train_cuda_$p.jsonl" |
+            sort -n | awk '{v[NR]=$1} END {if (NR) printf "%.0f", v[int((NR+1)/2)]}')
+      last=${#rows[@]}
+      rows[last-1]=$(echo "${rows[last-1]}" | sed "s/| exit 0 |/| median ${tps} tok\/s |/")
+    fi
+  done
 fi
 
 total=$(($(date +%s) - started))

@@ -4,14 +4,15 @@
 # strata's other dependencies:
 #
 #   bin/            strata, the GPU tests (with the workers' and the elastic drill's on a GPU),
-#                   the GPU benchmarks, bench_parity, bench_generate, bench_out_of_core (and the
-#                   PyTorch baseline)
+#                   the GPU benchmarks, bench_parity, bench_generate, bench_out_of_core,
+#                   bench_train (and the PyTorch baseline)
 #   lib/            the shared libraries those binaries need that such a machine may lack (gRPC,
 #                   protobuf, Abseil, RocksDB, Gloo, liburing, OpenBLAS, ...), found through the
 #                   binaries' RUNPATH $ORIGIN/../lib; never the C library, libstdc++, the driver,
 #                   cuBLAS, cudart or NCCL, which come from the machine
 #   share/strata/   the default example's config and data (the tests read them from here), and
-#                   the larger_than_memory and larger_than_gpu configs (the benchmarks' models)
+#                   the larger_than_memory, larger_than_gpu and gpu_moe configs (the benchmarks'
+#                   models)
 #   gpu-check.sh    scripts/gpu-check.sh: every GPU test and benchmark, one summary table
 #
 #   scripts/package.sh [-o OUT.tar.xz] [--build DIR]
@@ -54,7 +55,8 @@ out=$(cd "$(dirname "$out")" && pwd)/$(basename "$out")
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/lib" "$stage/share/strata/examples/moe_lm/data" \
-  "$stage/share/strata/examples/larger_than_memory" "$stage/share/strata/examples/larger_than_gpu"
+  "$stage/share/strata/examples/larger_than_memory" "$stage/share/strata/examples/larger_than_gpu" \
+  "$stage/share/strata/examples/gpu_moe"
 
 # The binaries: strata, every GPU test (what gpu-check.sh runs), the GPU benchmarks.
 cp "$build/bin/strata" "$stage/bin/"
@@ -63,7 +65,7 @@ for t in cuda_ops_test moe_layer_gpu_test model_gpu_test train_gpu_test tiered_s
          nccl_test data_parallel_test distributed_test elastic_test; do
   [ -x "$build/tests/$t" ] && cp "$build/tests/$t" "$stage/bin/"
 done
-for b in bench_moe_gpu bench_tier_gpu bench_parity bench_generate bench_out_of_core; do
+for b in bench_moe_gpu bench_tier_gpu bench_parity bench_generate bench_out_of_core bench_train; do
   [ -x "$build/bin/$b" ] && cp "$build/bin/$b" "$stage/bin/"
 done
 cp "$root/bench/torch_moe_baseline.py" "$stage/bin/bench_moe_torch.py"
@@ -80,6 +82,8 @@ cp "$root/examples/larger_than_memory/config.textproto" \
 # bench_out_of_core's GPU runs: larger_than_gpu and its scale knob (its data is moe_lm's too).
 cp "$root/examples/larger_than_gpu/config.textproto" "$root/examples/larger_than_gpu/scale.py" \
   "$stage/share/strata/examples/larger_than_gpu/"
+# bench_train's model of about 2B parameters (its data is moe_lm's too).
+cp "$root/examples/gpu_moe/config.textproto" "$stage/share/strata/examples/gpu_moe/"
 
 # The shared libraries, by their sonames as the loader asks for them; the machine's own: glibc,
 # the compiler's runtime, the NVIDIA driver and the CUDA toolkit's libraries.

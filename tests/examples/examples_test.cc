@@ -37,7 +37,7 @@ TEST(ExamplesTest, ShippedConfigsAreValid) {
   for (const char* f :
        {"examples/moe_lm/config.textproto", "examples/custom_expert/config.textproto",
         "examples/larger_than_memory/config.textproto", "examples/larger_than_ram/config.textproto",
-        "examples/larger_than_gpu/config.textproto"}) {
+        "examples/larger_than_gpu/config.textproto", "examples/gpu_moe/config.textproto"}) {
     auto c = config::LoadJobConfig(std::string(STRATA_SOURCE_DIR) + "/" + f);
     EXPECT_TRUE(c.ok()) << f << ": " << c.status();
   }
@@ -228,6 +228,30 @@ TEST(ExamplesTest, LargerThanGpuHoldsMoreExpertStateThanAnEightyGigabyteGpu) {
   EXPECT_EQ(cfg.storage().host_budget_bytes(), uint64_t{32} << 30);
   EXPECT_LT(config::EstimateMemory(cfg).dense_state_bytes, uint64_t{2} << 30)
       << "scale.py keeps 2 GiB of the device budget for the dense state";
+}
+
+// The numbers in the comment of examples/gpu_moe, counted again: 8 blocks of attention (4 x 2048^2
+// weights and 4 x 2048 biases) and 8 experts of 2 x 2048 x 8192 + 8192 + 2048, about 2.29 B
+// parameters, and with AdamW's state, the bf16 copies (train.precision AUTO on its GPU) and the
+// activations of its batch it fits an 80 GB GPU.
+TEST(ExamplesTest, GpuMoeIsAboutTwoBillionParametersAndFitsAnEightyGigabyteGpu) {
+  TempDir dir;
+  WriteFile(dir.File("text.txt"), strata::testing::SyntheticText(20000));
+  const config::JobConfig cfg = LoadConfig(
+      std::string(STRATA_SOURCE_DIR) + "/examples/gpu_moe/config.textproto", dir.File("text.txt"));
+  const int64_t C = 2048, H = 8192;
+  const int64_t experts = 8 * 8 * (2 * C * H + H + C);
+  const config::MemoryEstimate m = config::EstimateMemory(cfg);
+  EXPECT_EQ(m.expert_parameters, experts);
+  // Dense: per block 4 C^2 + 4 C (attention), 4 C (two LayerNorms), 8 C (router); the embeddings
+  // (256 + 1024) C and the final LayerNorm 2 C.
+  EXPECT_EQ(m.dense_parameters, 8 * (4 * C * C + 4 * C + 4 * C + 8 * C) + (256 + 1024) * C + 2 * C);
+  EXPECT_GT(m.parameters(), 2'200'000'000);
+  EXPECT_LT(m.parameters(), 2'400'000'000);
+  EXPECT_EQ(cfg.train().device(), "cuda");
+  EXPECT_EQ(m.compute_copy_bytes, 2 * static_cast<uint64_t>(m.parameters()));
+  EXPECT_LT(m.total_bytes, uint64_t{80} * 1000 * 1000 * 1000);
+  EXPECT_GT(m.total_bytes, uint64_t{50} << 30) << "the comment's 58.3 GiB";
 }
 
 // scale.py at 0.25: 10 experts a layer, a quarter of the expert state, the experts' share of the
