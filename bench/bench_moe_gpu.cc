@@ -16,12 +16,19 @@
 //           each on the legacy default stream: h = x W1^T, y = h W2^T, dW2 += dy^T h, dh = dy W2,
 //           dW1 += dh^T x, dx = dh W1. cublasSgemm in fp32 (default math mode: no TF32), or with
 //           --bf16 cublasGemmEx with bf16 A and B (converted once, before timing), fp32 C and
-//           CUBLAS_COMPUTE_32F. Nothing else: no gate, permutation, activation or combine. The
-//           limit a grouped layer can approach; ratio = strata / dense (target <= 1.3).
+//           CUBLAS_COMPUTE_32F. Then the router's three GEMMs over the tokens, in fp32 as strata
+//           runs them: logits = x Wg^T, dWg += dlogits^T x, dx += dlogits Wg. Nothing else: no
+//           softmax, permutation, activation or combine. The limit a grouped layer can approach;
+//           ratio = strata / dense (target <= 1.3 where experts get >= 1,024 rows, <= 1.5 bf16).
 //   torch   the naive PyTorch layer (a Python loop over experts, index_select / index_add; see
 //           torch_moe_baseline.py) with --device cuda, in the python3 on PATH (--python), after
 //           this process has freed its GPU memory; speedup = torch / strata (target >= 5 at 64
 //           experts). Its experts have biases (fused into the GEMMs by torch).
+//   grouped (--bf16) PyTorch's own grouped GEMM, the one its MoE training uses: the same layer with
+//           the experts' weights stacked and cast to bf16 every step, each expert's rows padded to
+//           a multiple of 8 (torchtitan's alignment), and torch._grouped_mm for both matrices,
+//           autograd for backward (torch_moe_baseline.py --grouped); vs_grouped = grouped / strata
+//           (target >= 1.0, aim 1.2). Needs PyTorch >= 2.8 and, for its kernels, sm_90.
 //
 // Routed FLOPs, the expert GEMMs only: each of the six GEMMs over R = tokens * k rows (dropless:
 // every choice is dispatched) is 2 * R * d_model * d_hidden, so one forward + backward is
@@ -63,6 +70,7 @@
 #include "core/common/rng.h"
 #include "core/common/thread_pool.h"
 #include "core/device/device.h"
+#include "kernels/bf16.h"
 #include "kernels/ops.h"
 
 namespace strata::bench {
@@ -98,20 +106,8 @@ constexpr uint64_t kKeyX = 1, kKeyDy = 2, kKeyGate = 3, kKeyDense = 100;
 uint64_t KeyW1(int64_t e) { return 1000 + 2 * static_cast<uint64_t>(e); }
 uint64_t KeyW2(int64_t e) { return 1001 + 2 * static_cast<uint64_t>(e); }
 
-// Round to the nearest bfloat16 (ties to even), as kernels/ops.cc and __float2bfloat16_rn do.
-uint16_t Bf16Bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-float RoundBf16(float x) {
-  const uint32_t u = static_cast<uint32_t>(Bf16Bits(x)) << 16;
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
-}
+using ops::Bf16Bits;
+using ops::RoundBf16;
 
 // Fills n elements at device address dst with Draw(key, i, a), as float or as bfloat16 bits.
 void FillDevice(ThreadPool& pool, void* dst, int64_t n, uint64_t key, float a, bool bf16) {
@@ -149,16 +145,19 @@ struct Options {
   bool json = false, bf16 = false, torch = true;
   int iters = 20, warmup = 3;
   std::string python = "python3";
-  std::vector<LayerShape> shapes = {
-      {16384, 2048, 2048, 2, 2}, {4096, 1024, 4096, 64, 2}, {8192, 2048, 8192, 8, 2}};
+  std::vector<LayerShape> shapes = {{16384, 2048, 2048, 2, 2},
+                                    {4096, 1024, 4096, 64, 2},
+                                    {8192, 2048, 8192, 8, 2},
+                                    {4096, 1024, 256, 256, 8},
+                                    {32768, 4096, 1536, 64, 6}};
 };
 
 struct Row {
   LayerShape s{};
-  double ms = NAN, dense_ms = NAN, torch_ms = NAN, torch_peak_mb = NAN;
+  double ms = NAN, dense_ms = NAN, torch_ms = NAN, torch_peak_mb = NAN, grouped_ms = NAN;
   int64_t rows = 0, min_rows = 0, max_rows = 0, dropped = 0;
   int wrong = 0, checked = 0;
-  std::string torch_note, wrong_note;
+  std::string torch_note, grouped_note, wrong_note;
 };
 
 // ---- Timing -----------------------------------------------------------------------------------
@@ -198,7 +197,13 @@ class Timer {
 class DenseFfn {
  public:
   DenseFfn(const LayerShape& s, bool bf16, ThreadPool& pool)
-      : R_(s.routed()), C_(s.d_model), H_(s.d_hidden), bf16_(bf16), pool_(pool) {
+      : R_(s.routed()),
+        C_(s.d_model),
+        H_(s.d_hidden),
+        T_(s.tokens),
+        E_(s.experts),
+        bf16_(bf16),
+        pool_(pool) {
     CUBLAS_OK(cublasCreate(&handle_));
     CUBLAS_OK(cublasSetStream(handle_, nullptr));
     CUBLAS_OK(cublasSetMathMode(handle_, CUBLAS_DEFAULT_MATH));
@@ -219,6 +224,12 @@ class DenseFfn {
     dx_ = Alloc(R_ * C_, false, -1, 0);
     dw1_ = Alloc(H_ * C_, false, -1, 0);
     dw2_ = Alloc(C_ * H_, false, -1, 0);
+    // The router's operands, fp32.
+    xt_ = Alloc(T_ * C_, false, 7, 1.0);
+    wg_ = Alloc(E_ * C_, false, 8, 1.0 / std::sqrt(double(C_)));
+    logits_ = Alloc(T_ * E_, false, 9, 1.0);  // also read as dlogits
+    dwg_ = Alloc(E_ * C_, false, -1, 0);
+    dxt_ = Alloc(T_ * C_, false, -1, 0);
     CUDA_OK(cudaDeviceSynchronize());
   }
   ~DenseFfn() {
@@ -238,6 +249,10 @@ class DenseFfn {
     Gemm(false, false, R_, H_, C_, dy_, C_, w2_, H_, 0.f, dh_, H_);  // dh = dy W2
     Gemm(true, false, H_, C_, R_, dh, H_, x_, C_, 1.f, dw1_, C_);    // dW1 += dh^T x
     Gemm(false, false, R_, C_, H_, dh, H_, w1_, C_, 0.f, dx_, C_);   // dx = dh W1
+    // The router, fp32 whatever the experts' precision.
+    Gemm(false, true, T_, E_, C_, xt_, C_, wg_, C_, 0.f, logits_, E_, true);    // logits
+    Gemm(true, false, E_, C_, T_, logits_, E_, xt_, C_, 1.f, dwg_, C_, true);   // dWg
+    Gemm(false, false, T_, C_, E_, logits_, E_, wg_, C_, 1.f, dxt_, C_, true);  // dx +=
   }
 
  private:
@@ -260,11 +275,11 @@ class DenseFfn {
   // row-major leading dimensions. cuBLAS is column-major, where a row-major matrix reads as its
   // transpose, so it computes C^T = op(B)^T op(A)^T: the operands swap, the transposes stay.
   void Gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const void* A, int64_t lda,
-            const void* B, int64_t ldb, float beta, void* Cm, int64_t ldc) {
+            const void* B, int64_t ldb, float beta, void* Cm, int64_t ldc, bool fp32 = false) {
     const float one = 1.f;
     const cublasOperation_t op_b = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t op_a = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-    if (bf16_) {
+    if (bf16_ && !fp32) {
       CUBLAS_OK(cublasGemmEx(handle_, op_b, op_a, int(N), int(M), int(K), &one, B, CUDA_R_16BF,
                              int(ldb), A, CUDA_R_16BF, int(lda), &beta, Cm, CUDA_R_32F, int(ldc),
                              CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
@@ -275,14 +290,15 @@ class DenseFfn {
     }
   }
 
-  const int64_t R_, C_, H_;
+  const int64_t R_, C_, H_, T_, E_;
   const bool bf16_;
   ThreadPool& pool_;
   cublasHandle_t handle_ = nullptr;
   std::vector<void*> owned_;
   void *x_ = nullptr, *w1_ = nullptr, *w2_ = nullptr, *dy_ = nullptr, *hin_ = nullptr,
        *dhin_ = nullptr, *h_ = nullptr, *dh_ = nullptr, *y_ = nullptr, *dx_ = nullptr,
-       *dw1_ = nullptr, *dw2_ = nullptr;
+       *dw1_ = nullptr, *dw2_ = nullptr, *xt_ = nullptr, *wg_ = nullptr, *logits_ = nullptr,
+       *dwg_ = nullptr, *dxt_ = nullptr;
 };
 
 // ---- strata: the MoE layer's ops on Device::Cuda(0) ---------------------------------------------
@@ -561,29 +577,33 @@ std::string JsonString(const std::string& json, const std::string& key) {
 // Runs the PyTorch baseline for s; fills torch_ms and torch_peak_mb, or torch_note with why not.
 // Returns false when the baseline cannot run at all (no torch, no CUDA torch), so later shapes
 // skip it.
-bool RunTorch(const LayerShape& s, const Options& o, Row* row) {
+// grouped: torch._grouped_mm in bf16 (--grouped) instead of the loop, into grouped_ms and
+// grouped_note.
+bool RunTorch(const LayerShape& s, const Options& o, Row* row, bool grouped = false) {
+  double& ms = grouped ? row->grouped_ms : row->torch_ms;
+  std::string& note = grouped ? row->grouped_note : row->torch_note;
   const std::string script = TorchScript();
   if (script.empty()) {
-    row->torch_note = "bench_moe_torch.py is not next to the binary";
+    note = "bench_moe_torch.py is not next to the binary";
     return false;
   }
   int status = 0;
-  const std::string out =
-      Capture(absl::StrFormat("%s %s --device cuda --tokens %d --d_model %d --d_hidden %d "
-                              "--experts %d --k %d --iters %d --warmup %d%s 2>&1",
-                              o.python, script, s.tokens, s.d_model, s.d_hidden, s.experts, s.k,
-                              o.iters, std::max(1, o.warmup), o.bf16 ? " --bf16" : ""),
-              &status);
-  row->torch_ms = JsonNumber(out, "ms");
-  row->torch_peak_mb = JsonNumber(out, "peak_cuda_mb");
-  if (std::isfinite(row->torch_ms)) return true;
+  const std::string out = Capture(
+      absl::StrFormat("%s %s --device cuda --tokens %d --d_model %d --d_hidden %d "
+                      "--experts %d --k %d --iters %d --warmup %d%s%s 2>&1",
+                      o.python, script, s.tokens, s.d_model, s.d_hidden, s.experts, s.k, o.iters,
+                      std::max(1, o.warmup), o.bf16 ? " --bf16" : "", grouped ? " --grouped" : ""),
+      &status);
+  ms = JsonNumber(out, "ms");
+  if (!grouped) row->torch_peak_mb = JsonNumber(out, "peak_cuda_mb");
+  if (std::isfinite(ms)) return true;
   const std::string error = JsonString(out, "error");
   if (!error.empty()) {
-    row->torch_note = error;
+    note = error;
     return false;
   }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 127) {
-    row->torch_note = o.python + " not found";
+    note = o.python + " not found";
     return false;
   }
   // A failure of this shape (out of memory, say): the last line of its output.
@@ -591,9 +611,9 @@ bool RunTorch(const LayerShape& s, const Options& o, Row* row) {
   for (const std::string& line : std::vector<std::string>(absl::StrSplit(out, '\n'))) {
     if (!line.empty()) last = line;
   }
-  row->torch_note = absl::StrCat("the PyTorch run failed (exit status ",
-                                 WIFEXITED(status) ? WEXITSTATUS(status) : -1, ")",
-                                 last.empty() ? "" : ": ", last);
+  note = absl::StrCat("the PyTorch run failed (exit status ",
+                      WIFEXITED(status) ? WEXITSTATUS(status) : -1, ")", last.empty() ? "" : ": ",
+                      last);
   return true;
 }
 
@@ -637,6 +657,15 @@ Row MeasureShape(const LayerShape& s, const Options& o, ThreadPool& pool,
     row.torch_note = *torch_unavailable;
   } else if (!RunTorch(s, o, &row)) {
     *torch_unavailable = row.torch_note;
+  }
+  if (!o.bf16) {
+    row.grouped_note = "fp32 (torch._grouped_mm is bf16)";
+  } else if (!o.torch) {
+    row.grouped_note = "--no-torch";
+  } else if (!torch_unavailable->empty()) {
+    row.grouped_note = *torch_unavailable;
+  } else {
+    RunTorch(s, o, &row, /*grouped=*/true);
   }
   return row;
 }
@@ -725,11 +754,12 @@ int Main(int argc, char** argv) {
         "only: 12 * tokens * k * d_model * d_hidden\n",
         o.iters, o.warmup);
     std::printf(
-        "# ratio = strata / dense cuBLAS on the routed rows (target <= 1.3); speedup = "
-        "torch loop / strata (target >= 5 at 64 experts)\n");
-    std::printf("%6s %7s %8s %7s %2s | %9s | %8s %6s | %8s %7s | %7s | %6s\n", "tokens", "d_model",
-                "d_hidden", "experts", "k", "strata_ms", "dense_ms", "ratio", "torch_ms", "speedup",
-                "TFLOP/s", "#wrong");
+        "# ratio = strata / (dense cuBLAS on the routed rows + the router's GEMMs) (target <= "
+        "1.3); speedup = torch loop / strata (target >= 5 at 64 experts); vs_grouped = "
+        "torch._grouped_mm layer / strata (--bf16; target >= 1.0)\n");
+    std::printf("%6s %7s %8s %7s %2s | %9s | %8s %6s | %8s %7s | %10s %10s | %7s | %6s\n", "tokens",
+                "d_model", "d_hidden", "experts", "k", "strata_ms", "dense_ms", "ratio", "torch_ms",
+                "speedup", "grouped_ms", "vs_grouped", "TFLOP/s", "#wrong");
     std::fflush(stdout);
   }
   std::string torch_unavailable;
@@ -761,6 +791,9 @@ int Main(int argc, char** argv) {
           .Field("speedup_over_torch", speedup)
           .Field("torch_peak_cuda_mb", r.torch_peak_mb)
           .Field("torch_note", r.torch_note)
+          .Field("grouped_ms", r.grouped_ms)
+          .Field("speedup_over_grouped", r.grouped_ms / r.ms)
+          .Field("grouped_note", r.grouped_note)
           .Field("routed_rows", r.rows)
           .Field("min_expert_rows", r.min_rows)
           .Field("max_expert_rows", r.max_rows)
@@ -770,14 +803,21 @@ int Main(int argc, char** argv) {
           .EndObject();
       std::printf("%s\n", j.str().c_str());
     } else {
-      std::printf("%6lld %7lld %8lld %7lld %2d | %9.3f | %8.3f %6.3f | %8.3f %7.2f | %7.1f | %6d\n",
-                  (long long)s.tokens, (long long)s.d_model, (long long)s.d_hidden,
-                  (long long)s.experts, s.k, r.ms, r.dense_ms, ratio, r.torch_ms, speedup, tflops,
-                  r.wrong);
-      std::printf("#   routed rows %lld, per expert %lld..%lld; dense cuBLAS %.1f TFLOP/s\n",
-                  (long long)r.rows, (long long)r.min_rows, (long long)r.max_rows, dense_tflops);
+      std::printf(
+          "%6lld %7lld %8lld %7lld %2d | %9.3f | %8.3f %6.3f | %8.3f %7.2f | %10.3f %10.2f | %7.1f "
+          "| %6d\n",
+          (long long)s.tokens, (long long)s.d_model, (long long)s.d_hidden, (long long)s.experts,
+          s.k, r.ms, r.dense_ms, ratio, r.torch_ms, speedup, r.grouped_ms, r.grouped_ms / r.ms,
+          tflops, r.wrong);
+      std::printf(
+          "#   routed rows %lld, per expert %lld..%lld; dense cuBLAS %.1f TFLOP/s (expert FLOPs "
+          "over its time)\n",
+          (long long)r.rows, (long long)r.min_rows, (long long)r.max_rows, dense_tflops);
       if (!std::isfinite(r.torch_ms)) {
         std::printf("#   torch baseline: unavailable (%s)\n", r.torch_note.c_str());
+      }
+      if (o.bf16 && !std::isfinite(r.grouped_ms)) {
+        std::printf("#   torch._grouped_mm baseline: unavailable (%s)\n", r.grouped_note.c_str());
       }
       if (r.wrong > 0) std::printf("#   wrong: %s\n", r.wrong_note.c_str());
     }

@@ -12,6 +12,13 @@ between torch.cuda.synchronize() calls, and adds "device", "gpu" and "peak_cuda_
 memory torch held, MiB). --bf16 runs the forward under torch.autocast to bfloat16 (the GEMMs take
 bfloat16 inputs). When the layer cannot run (torch missing, no CUDA), the object is {"error": ...}.
 
+--grouped (with --device cuda --bf16) is PyTorch's own MoE path instead of the loop, the grouped
+GEMM its MoE training uses (torchtitan's): the experts' weights are stacked fp32 parameters
+[E, out, in], cast to bfloat16 every step; the routed rows are sorted by expert into one bf16
+matrix, each expert's rows padded with zeros to a multiple of 8 (torchtitan's token-group
+alignment for bf16); torch._grouped_mm multiplies every expert's rows by its matrix in one call,
+for each of the two matrices, with each expert's bias added per row; autograd does backward.
+
 """
 import argparse
 import contextlib
@@ -35,6 +42,8 @@ def main():
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--bf16", action="store_true",
                     help="forward under torch.autocast(dtype=torch.bfloat16)")
+    ap.add_argument("--grouped", action="store_true",
+                    help="the experts through torch._grouped_mm (needs --device cuda --bf16)")
     args = ap.parse_args()
     try:
         import torch
@@ -48,6 +57,14 @@ def main():
                if torch.version.cuda is None else "torch sees no CUDA device")
         print(json.dumps({"error": why}), flush=True)
         return 0
+    if args.grouped:
+        if not (cuda and args.bf16):
+            print(json.dumps({"error": "--grouped needs --device cuda --bf16"}), flush=True)
+            return 0
+        if not hasattr(torch, "_grouped_mm"):
+            print(json.dumps({"error": "torch %s has no torch._grouped_mm (PyTorch >= 2.8)"
+                                       % torch.__version__}), flush=True)
+            return 0
     dev = torch.device(args.device)
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -100,9 +117,54 @@ def main():
             out = out + shared(x).to(out.dtype)
         return out
 
+    if args.grouped:
+        # Stacked expert parameters [E, out, in] (fp32 master weights), as torch.nn.Linear lays
+        # out each expert's, and their biases.
+        W1 = torch.nn.Parameter(torch.stack([m.weight.detach() for m in w1]))
+        B1 = torch.nn.Parameter(torch.stack([m.bias.detach() for m in w1]))
+        W2 = torch.nn.Parameter(torch.stack([m.weight.detach() for m in w2]))
+        B2 = torch.nn.Parameter(torch.stack([m.bias.detach() for m in w2]))
+        align = 8
+
+        def grouped_forward():
+            probs = torch.softmax(gate(x), dim=-1)
+            weights, experts = torch.topk(probs, k, dim=-1)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            flat_e = experts.reshape(-1)
+            order = torch.argsort(flat_e, stable=True)
+            sorted_e = flat_e.index_select(0, order)
+            counts = torch.bincount(flat_e, minlength=E)
+            padded = (counts + align - 1) // align * align
+            ends = torch.cumsum(padded, 0)
+            starts = ends - padded
+            first = torch.cumsum(counts, 0) - counts
+            rank = torch.arange(T * k, device=dev) - first.index_select(0, sorted_e)
+            dest = starts.index_select(0, sorted_e) + rank
+            total = int(ends[-1])
+            token = order // k
+            xs = x.index_select(0, token).to(torch.bfloat16)
+            xp = torch.zeros(total, C, device=dev, dtype=torch.bfloat16).index_copy(0, dest, xs)
+            offs = ends.to(torch.int32)
+            row_expert = torch.repeat_interleave(torch.arange(E, device=dev), padded,
+                                                 output_size=total)
+            h = torch._grouped_mm(xp, W1.to(torch.bfloat16).transpose(-2, -1), offs=offs)
+            h = h + B1.to(torch.bfloat16).index_select(0, row_expert)
+            a = torch.nn.functional.gelu(h, approximate="tanh")
+            yp = torch._grouped_mm(a, W2.to(torch.bfloat16).transpose(-2, -1), offs=offs)
+            yp = yp + B2.to(torch.bfloat16).index_select(0, row_expert)
+            y = yp.index_select(0, dest).float() * weights.reshape(-1).index_select(0, order)[:, None]
+            out = torch.zeros(T, C, device=dev).index_add(0, token, y)
+            if shared is not None:
+                out = out + shared(x).to(out.dtype)
+            return out
+
     def step():
-        with autocast():
-            out = forward()
+        if args.grouped:
+            with autocast():
+                out = grouped_forward()
+        else:
+            with autocast():
+                out = forward()
         out.backward(dy)
 
     for _ in range(args.warmup):
@@ -125,6 +187,8 @@ def main():
                        "peak_cuda_mb": torch.cuda.max_memory_allocated() / 2**20})
     if args.bf16:
         result["bf16"] = True
+    if args.grouped:
+        result["grouped"] = True
     print(json.dumps(result))
     return 0
 

@@ -4,9 +4,11 @@
 # 8 minutes, ending in one summary table. Runs from a source tree (after scripts/build.sh) or from
 # a package made by scripts/package.sh (it sits at the package's top, beside bin/ and lib/).
 #
-#   scripts/gpu-check.sh [--quick] [--logs DIR] [--archive FILE.tar.gz] [--budget SECONDS]
+#   scripts/gpu-check.sh [--quick | --benchmarks] [--logs DIR] [--archive FILE.tar.gz]
+#                        [--budget SECONDS]
 #
 #   --quick      the GPU tests only
+#   --benchmarks the GPU benchmarks only (a second call after --quick, with a budget of its own)
 #   --logs       where each check's full output goes (default: a new folder under /tmp)
 #   --archive    also pack the logs and the summary into one .tar.gz (for a machine that returns few
 #                files)
@@ -22,20 +24,26 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 
 quick=0
+tests_too=1
 logs=""
 archive=""
 budget=480
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=1 ;;
+    --benchmarks) tests_too=0 ;;
     --logs) logs=${2:?--logs needs a folder}; shift ;;
     --archive) archive=${2:?--archive needs a file name}; shift ;;
     --budget) budget=${2:?--budget needs seconds}; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "gpu-check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
+if [ "$quick" = 1 ] && [ "$tests_too" = 0 ]; then
+  echo "gpu-check: --quick (tests only) and --benchmarks (benchmarks only) exclude each other" >&2
+  exit 2
+fi
 case "$budget" in
   ''|*[!0-9]*) echo "gpu-check: --budget wants whole seconds, not '$budget'" >&2; exit 2 ;;
 esac
@@ -128,23 +136,25 @@ run() {
   echo "gpu-check: $name: $result (${secs} s)"
 }
 
-# Every GPU test: the gpu-labelled suites, NCCL's and staging's (nccl_test), and data parallelism's
-# GPU buckets.
-for t in cuda_ops_test moe_layer_gpu_test model_gpu_test train_gpu_test tiered_store_gpu_test \
-         tiered_training_gpu_test \
-         nccl_test data_parallel_test; do
-  if [ -x "$tests/$t" ]; then
-    run "$t" 180 "$tests/$t"
-  else
-    rows+=("| $t | MISSING | not in $tests | 0 |")
-    failed=1
-  fi
-done
-# Workers with their models on the GPU (here all on one GPU, exchanging through page-locked host
-# memory): against one GPU process in six layouts, and an elastic job with a worker SIGKILLed and
-# a joiner, against its failure-free replay.
-run distributed_gpu 240 "$tests/distributed_test" --gtest_filter='*/DistributedGpuTest.*'
-run elastic_gpu 180 "$tests/elastic_test" --gtest_filter='ElasticTest.GpuWorkers*'
+if [ "$tests_too" = 1 ]; then
+  # Every GPU test: the gpu-labelled suites, NCCL's and staging's (nccl_test), and data
+  # parallelism's GPU buckets.
+  for t in cuda_ops_test moe_layer_gpu_test model_gpu_test train_gpu_test tiered_store_gpu_test \
+           tiered_training_gpu_test \
+           nccl_test data_parallel_test; do
+    if [ -x "$tests/$t" ]; then
+      run "$t" 180 "$tests/$t"
+    else
+      rows+=("| $t | MISSING | not in $tests | 0 |")
+      failed=1
+    fi
+  done
+  # Workers with their models on the GPU (here all on one GPU, exchanging through page-locked host
+  # memory): against one GPU process in six layouts, and an elastic job with a worker SIGKILLed
+  # and a joiner, against its failure-free replay.
+  run distributed_gpu 240 "$tests/distributed_test" --gtest_filter='*/DistributedGpuTest.*'
+  run elastic_gpu 180 "$tests/elastic_test" --gtest_filter='ElasticTest.GpuWorkers*'
+fi
 
 if [ "$quick" = 0 ]; then
   # The GPU benchmarks: they check their own results and exit 1 on a wrong one.

@@ -47,6 +47,7 @@ class Trainer::Host final : public ElasticHost {
     StoreMover m;
     model::ModelOptions mo = t_.ModelOptionsOf(0, -1, /*unbound_experts=*/true);
     mo.max_batch = 1;
+    mo.bf16 = false;  // it moves experts between stores and multiplies nothing: no bf16 copies
     ASSIGN_OR_RETURN(m.model, model::MoeTransformer::Create(t_.ctx_, mo));
     RETURN_IF_ERROR(t_.tiers_.EnsureBudgets(t_.options_.config.storage(), *m.model));
     ASSIGN_OR_RETURN(const scheduler::TieredOptions to, t_.TieredOptionsOf());

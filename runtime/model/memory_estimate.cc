@@ -240,11 +240,25 @@ MemoryEstimate EstimateMemory(const JobConfig& config) {
   act = Add(act, Mul(moe_layers, Add(Add(gate, dispatch), shared)));
   // The trainer's input and target ids of a batch.
   act = Add(act, Mul(2, N));
+  // bf16 GEMMs (train.precision BF16, AUTO on a GPU): one GEMM's rounded operands at a time in
+  // per-thread scratch, its rows of input and of output gradient (and a tiered expert's weight,
+  // rounded as it is used), 2 bytes each; the largest GEMM sizes it.
+  const bool on_gpu = config.train().device() != "cpu";
+  if (Bf16Gemms(config.train().precision(), on_gpu)) {
+    uint64_t most = std::max(Mul(N, Add(V, C)), Mul(N, Mul(4, C)));  // the head; qkv
+    if (dense_layers > 0) most = std::max(most, Mul(N, Add(InWidth(m, dff), C)));
+    if (moe_layers > 0) most = std::max(most, Mul(R, Add(InWidth(m, dexp), C)));
+    if (dshared > 0) most = std::max(most, Mul(N, Add(InWidth(m, dshared), C)));
+    if (config.storage().mode() == StorageConfig::TIERED && moe_layers > 0) {
+      most = Add(most, Mul(InWidth(m, dexp), C));
+    }
+    act = Add(act, (most + 1) / 2);  // counted in floats
+  }
 
   MemoryEstimate e;
   e.dense_parameters = ToInt64(dense);
   e.expert_parameters = ToInt64(experts);
-  e.on_gpu = config.train().device() != "cpu";
+  e.on_gpu = on_gpu;
   e.activation_bytes = Mul(4, act);
   const StorageConfig& st = config.storage();
   if (st.mode() == StorageConfig::TIERED) {

@@ -5,7 +5,8 @@
 // - the parameters, their gradients and the two AdamW moments (4 floats per parameter); in
 //   storage.mode TIERED only the dense ones, since expert state lives in the tiered store;
 // - the activations the model allocates once for a batch of global_batch sequences (every block's
-//   saved tensors, the attention matrices, the MoE dispatch buffers, the logits);
+//   saved tensors, the attention matrices, the MoE dispatch buffers, the logits), and with bf16
+//   GEMMs the scratch of the largest GEMM's rounded operands;
 // - TIERED: the store's device and host tiers, which on a machine without a GPU are host memory:
 //   their budgets, or all expert state where a budget is 0 (unlimited);
 // - the process itself (libraries, thread stacks): a fixed kProcessOverheadBytes on top; the

@@ -256,9 +256,14 @@ TEST(MemoryEstimateTest, OnAGpuTheHostHoldsTheHostTierTheElasticCopiesAndTheStag
   EXPECT_TRUE(m.on_gpu);
   EXPECT_EQ(m.host_bytes, 0u);
   EXPECT_EQ(m.staging_bytes, 0u) << "one process exchanges nothing";
-  // The same model, and (train.precision AUTO: bf16 GEMMs on a GPU) a bf16 copy of each weight.
+  // The same model, and (train.precision AUTO: bf16 GEMMs on a GPU) a bf16 copy of each weight
+  // and the scratch of the largest bf16 GEMM's operands: the experts' 3 x 4 x 2 = 24 rows of
+  // 16 + 8 (pre-activation and input; the head's 12 x (16 + 8) and qkv's 12 x 32 and the dense
+  // FFN's 12 x (32 + 8) are smaller), 2 bytes each.
   EXPECT_EQ(m.compute_copy_bytes, 2 * static_cast<uint64_t>(m.parameters()));
-  EXPECT_EQ(m.total_bytes, EstimateMemory(Parse(kSmall)).total_bytes + m.compute_copy_bytes);
+  EXPECT_EQ(m.activation_bytes, EstimateMemory(Parse(kSmall)).activation_bytes + 2 * 24 * 24);
+  EXPECT_EQ(m.total_bytes,
+            EstimateMemory(Parse(kSmall)).total_bytes + m.compute_copy_bytes + 2 * 24 * 24);
   EXPECT_EQ(EstimateMemory(Parse(kSmall)).compute_copy_bytes, 0u) << "fp32 on the CPU";
   JobConfig fp32 = in_memory;
   fp32.mutable_train()->set_precision(TrainConfig::FP32);
@@ -292,8 +297,9 @@ TEST(MemoryEstimateTest, OnAGpuTheHostHoldsTheHostTierTheElasticCopiesAndTheStag
   EXPECT_EQ(w.staging_bytes, 4 * (dense + half_experts) + 4 * (16 * 8 * 4));
   EXPECT_EQ(w.host_bytes, w.elastic_copy_bytes + w.staging_bytes);
   EXPECT_EQ(w.compute_copy_bytes, 2 * (dense + half_experts));
+  // Its bf16 scratch: its 2 sequences' 16 expert rows of 16 + 8.
   EXPECT_EQ(w.total_bytes, EstimateWorkerMemory(Parse(kSmall), 2).total_bytes + w.staging_bytes +
-                               w.compute_copy_bytes);
+                               w.compute_copy_bytes + 2 * 16 * 24);
   const Status ws = CheckMemory(in_memory, w, w.host_bytes + kProcessOverheadBytes - 1, "j");
   ASSERT_TRUE(absl::IsResourceExhausted(ws)) << ws;
   EXPECT_NE(ws.message().find("the elastic copies (lower elastic.replicas), the page-locked "
