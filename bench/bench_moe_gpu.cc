@@ -647,10 +647,12 @@ void MeasureGpu(const LayerShape& s, const Options& o, ThreadPool& pool, Row* ro
 
 // torch_unavailable: why the PyTorch baseline cannot run at all, once a shape has found out.
 Row MeasureShape(const LayerShape& s, const Options& o, ThreadPool& pool,
-                 std::string* torch_unavailable) {
+                 std::string* torch_unavailable, std::string* grouped_unavailable) {
   Row row;
   row.s = s;
-  MeasureGpu(s, o, pool, &row);  // frees its GPU memory before PyTorch runs
+  // Frees its tensors before PyTorch runs (this thread's grow-only scratch and the CUDA context
+  // stay).
+  MeasureGpu(s, o, pool, &row);
   if (!o.torch) {
     row.torch_note = "--no-torch";
   } else if (!torch_unavailable->empty()) {
@@ -664,8 +666,10 @@ Row MeasureShape(const LayerShape& s, const Options& o, ThreadPool& pool,
     row.grouped_note = "--no-torch";
   } else if (!torch_unavailable->empty()) {
     row.grouped_note = *torch_unavailable;
-  } else {
-    RunTorch(s, o, &row, /*grouped=*/true);
+  } else if (!grouped_unavailable->empty()) {
+    row.grouped_note = *grouped_unavailable;
+  } else if (!RunTorch(s, o, &row, /*grouped=*/true)) {
+    *grouped_unavailable = row.grouped_note;
   }
   return row;
 }
@@ -762,10 +766,10 @@ int Main(int argc, char** argv) {
                 "speedup", "grouped_ms", "vs_grouped", "TFLOP/s", "#wrong");
     std::fflush(stdout);
   }
-  std::string torch_unavailable;
+  std::string torch_unavailable, grouped_unavailable;
   int failures = 0;
   for (const LayerShape& s : o.shapes) {
-    const Row r = MeasureShape(s, o, pool, &torch_unavailable);
+    const Row r = MeasureShape(s, o, pool, &torch_unavailable, &grouped_unavailable);
     failures += r.wrong;
     const double ratio = r.ms / r.dense_ms;
     const double speedup = r.torch_ms / r.ms;

@@ -4,8 +4,9 @@
 // For each --config (default: the default example, examples/moe_lm), one process trains
 // --warmup + --steps steps with the Trainer, on --device (default: the config's train.device) in
 // --precision (default: the config's train.precision; AUTO is bf16 GEMMs on a GPU), with
-// checkpoints and evaluation off. The data is the config's file when it exists, else synthetic
-// text (throughput does not depend on it). Printed per config:
+// checkpoints off and one held-out batch after the last step (not timed). The data is the
+// config's file when it exists, else synthetic text (throughput does not depend on it). Printed
+// per config:
 //   tokens_per_s     global_batch * seq_len over the median time of the timed steps;
 //   model TFLOP/s    tokens_per_s * FLOP per token, where (PaLM's count, its appendix B)
 //                      FLOP per token = 6 * N + 12 * n_layers * seq_len * d_model,
@@ -13,8 +14,9 @@
 //                    router, its top_k routed experts, shared experts, dense FFNs, the output
 //                    head; biases and norms; not the embedding lookups), 6 * N their forward and
 //                    backward GEMMs, the second term attention's scores and weighted sums;
-//   dense TFLOP/s    one square GEMM of --gemm-size (8192 on a GPU, 1024 on the CPU), the median
-//                    of 10 timed after 3: on a GPU cublasGemmEx with bf16 A and B, fp32 C and
+//   dense TFLOP/s    one square GEMM of --gemm-size (8192 on a GPU, 1024 on the CPU) of random
+//                    operands, measured before the model is built, the median of 10 timed after
+//                    3: on a GPU cublasGemmEx with bf16 A and B, fp32 C and
 //                    CUBLAS_COMPUTE_32F (fp32 A and B, no TF32, when the run is fp32); on the CPU
 //                    strata's fp32 GEMM (OpenBLAS, through ops::LinearForward, as the model's);
 //   mfu              model TFLOP/s over dense TFLOP/s: the share of the device's GEMM rate that
@@ -25,9 +27,14 @@
 //   build/bin/bench_train [--config FILE]... [--device D] [--precision auto|fp32|bf16]
 //                         [--steps N (10)] [--warmup N (3)] [--gemm-size S] [--json]
 //
-// Exit status 0; 1 when a config does not train (its error printed); 2 on bad arguments.
+// Exit status 0; 1 when a config does not train or the dense rate cannot be measured (printed,
+// with the tokens/s it trained at); 2 on bad arguments.
+#include <unistd.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <thread>
@@ -42,6 +49,7 @@
 #include "core/common/json.h"
 #include "core/common/thread_pool.h"
 #include "core/device/device.h"
+#include "kernels/bf16.h"
 #include "kernels/ops.h"
 #include "proto/config_io.h"
 #include "train/trainer.h"
@@ -93,68 +101,109 @@ double FlopPerToken(const model::MoeTransformer& m, const config::ModelConfig& c
          12.0 * cfg.n_layers() * static_cast<double>(cfg.seq_len()) * cfg.d_model();
 }
 
+// Uniform values in [-1, 1) from a 64-bit LCG: the dense GEMM's operands (random, not zeros:
+// a GPU under its power limit runs zeros at higher clocks than real data).
+void FillUniform(float* v, int64_t n, uint64_t seed) {
+  uint64_t x = seed * 6364136223846793005ull + 1442695040888963407ull;
+  for (int64_t i = 0; i < n; ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    v[i] = static_cast<float>(static_cast<double>(x >> 11) * 0x1p-52 - 1.0);
+  }
+}
+
+#ifdef STRATA_WITH_CUDA
+// A GPU's dense GEMM: its buffers and cuBLAS handle, released however the measurement ends.
+class GpuGemm {
+ public:
+  ~GpuGemm() {
+    if (handle_ != nullptr) cublasDestroy(handle_);
+    for (void* p : {a_, b_, c_}) {
+      if (p != nullptr) cudaFree(p);
+    }
+    for (cudaEvent_t e : {e0_, e1_}) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    cudaGetLastError();  // a failure here must not surface in a later, unrelated kernel launch
+  }
+
+  StatusOr<double> Tflops(Device device, bool bf16, int64_t S) {
+    const size_t elem = bf16 ? 2 : 4, n = static_cast<size_t>(S * S);
+    RETURN_IF_ERROR(Cuda(cudaSetDevice(device.index), "cudaSetDevice"));
+    RETURN_IF_ERROR(Cuda(cudaMalloc(&a_, n * elem), "cudaMalloc"));
+    RETURN_IF_ERROR(Cuda(cudaMalloc(&b_, n * elem), "cudaMalloc"));
+    RETURN_IF_ERROR(Cuda(cudaMalloc(&c_, n * 4), "cudaMalloc"));
+    for (void* dst : {a_, b_}) {
+      std::vector<float> f(n);
+      FillUniform(f.data(), static_cast<int64_t>(n), dst == a_ ? 1 : 2);
+      std::vector<uint16_t> h(bf16 ? n : 0);
+      for (size_t i = 0; i < h.size(); ++i) h[i] = ops::Bf16Bits(f[i]);
+      const void* src = bf16 ? static_cast<const void*>(h.data()) : f.data();
+      RETURN_IF_ERROR(Cuda(cudaMemcpy(dst, src, n * elem, cudaMemcpyHostToDevice), "cudaMemcpy"));
+    }
+    if (cublasCreate(&handle_) != CUBLAS_STATUS_SUCCESS) {
+      handle_ = nullptr;
+      return absl::InternalError("dense GEMM: cublasCreate failed");
+    }
+    if (cublasSetMathMode(handle_, CUBLAS_DEFAULT_MATH) != CUBLAS_STATUS_SUCCESS) {  // no TF32
+      return absl::InternalError("dense GEMM: cublasSetMathMode failed");
+    }
+    RETURN_IF_ERROR(Cuda(cudaEventCreate(&e0_), "cudaEventCreate"));
+    RETURN_IF_ERROR(Cuda(cudaEventCreate(&e1_), "cudaEventCreate"));
+    const float one = 1.f, zero = 0.f;
+    const cudaDataType t = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+    const int s = static_cast<int>(S);
+    auto gemm = [&]() -> Status {
+      const cublasStatus_t st =
+          cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, s, s, s, &one, a_, t, s, b_, t, s, &zero,
+                       c_, CUDA_R_32F, s, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      return st == CUBLAS_STATUS_SUCCESS
+                 ? absl::OkStatus()
+                 : absl::InternalError(absl::StrCat("dense GEMM: cublasGemmEx failed: ",
+                                                    cublasGetStatusString(st)));
+    };
+    for (int i = 0; i < 3; ++i) RETURN_IF_ERROR(gemm());
+    std::vector<double> ms;
+    for (int i = 0; i < 10; ++i) {
+      RETURN_IF_ERROR(Cuda(cudaEventRecord(e0_), "cudaEventRecord"));
+      RETURN_IF_ERROR(gemm());
+      RETURN_IF_ERROR(Cuda(cudaEventRecord(e1_), "cudaEventRecord"));
+      RETURN_IF_ERROR(Cuda(cudaEventSynchronize(e1_), "cudaEventSynchronize"));
+      float m = 0;
+      RETURN_IF_ERROR(Cuda(cudaEventElapsedTime(&m, e0_, e1_), "cudaEventElapsedTime"));
+      ms.push_back(m);
+    }
+    return 2.0 * static_cast<double>(S) * S * S / (Median(ms) * 1e-3) / 1e12;
+  }
+
+ private:
+  static Status Cuda(cudaError_t err, const char* what) {
+    if (err == cudaSuccess) return absl::OkStatus();
+    cudaGetLastError();  // clear it: strata's own launch checks read the last error
+    return absl::InternalError(
+        absl::StrCat("dense GEMM: ", what, " failed: ", cudaGetErrorString(err)));
+  }
+
+  void *a_ = nullptr, *b_ = nullptr, *c_ = nullptr;
+  cublasHandle_t handle_ = nullptr;
+  cudaEvent_t e0_ = nullptr, e1_ = nullptr;
+};
+#endif
+
 // The device's dense GEMM rate in TFLOP/s: S x S x S, median of 10 after 3.
 StatusOr<double> DenseTflops(Device device, bool bf16, int64_t S, int threads) {
-  const double flop = 2.0 * static_cast<double>(S) * S * S;
   if (device.is_cpu()) {
     ThreadPool pool(threads);
     ops::Context ctx{&pool, nullptr};
-    Tensor a = Tensor::Zeros({S, S}), w = Tensor::Zeros({S, S}), out = Tensor::Empty({S, S});
-    for (int64_t i = 0; i < S * S; ++i) {
-      a.f32()[i] = static_cast<float>((i * 7919) % 1000) * 1e-3f;
-      w.f32()[i] = static_cast<float>((i * 104729) % 1000) * 1e-3f;
-    }
+    Tensor a = Tensor::Empty({S, S}), w = Tensor::Empty({S, S}), out = Tensor::Empty({S, S});
+    FillUniform(a.f32(), S * S, 1);
+    FillUniform(w.f32(), S * S, 2);
     for (int i = 0; i < 3; ++i) ops::LinearForward(ctx, out, a, w, Tensor());
     const double ms = MedianMs(10, [&] { ops::LinearForward(ctx, out, a, w, Tensor()); });
-    return flop / (ms * 1e-3) / 1e12;
+    return 2.0 * static_cast<double>(S) * S * S / (ms * 1e-3) / 1e12;
   }
 #ifdef STRATA_WITH_CUDA
-  auto check = [](bool ok, const std::string& what) -> Status {
-    return ok ? absl::OkStatus() : absl::InternalError("dense GEMM: " + what + " failed");
-  };
-  RETURN_IF_ERROR(check(cudaSetDevice(device.index) == cudaSuccess, "cudaSetDevice"));
-  const size_t elem = bf16 ? 2 : 4;
-  void *A = nullptr, *B = nullptr, *C = nullptr;
-  RETURN_IF_ERROR(check(cudaMalloc(&A, S * S * elem) == cudaSuccess, "cudaMalloc"));
-  RETURN_IF_ERROR(check(cudaMalloc(&B, S * S * elem) == cudaSuccess, "cudaMalloc"));
-  RETURN_IF_ERROR(check(cudaMalloc(&C, S * S * 4) == cudaSuccess, "cudaMalloc"));
-  // Zeros: the rate of a GEMM does not depend on its values.
-  cudaMemset(A, 0, S * S * elem);
-  cudaMemset(B, 0, S * S * elem);
-  cublasHandle_t h = nullptr;
-  RETURN_IF_ERROR(check(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS, "cublasCreate"));
-  cublasSetMathMode(h, CUBLAS_DEFAULT_MATH);  // fp32: no TF32
-  const float one = 1.f, zero = 0.f;
-  const cudaDataType t = bf16 ? CUDA_R_16BF : CUDA_R_32F;
-  const int s = static_cast<int>(S);
-  auto gemm = [&] {
-    return cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, s, s, s, &one, A, t, s, B, t, s, &zero, C,
-                        CUDA_R_32F, s, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  };
-  Status status = absl::OkStatus();
-  for (int i = 0; i < 3 && status.ok(); ++i)
-    status = check(gemm() == CUBLAS_STATUS_SUCCESS, "gemm");
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  std::vector<double> ms;
-  for (int i = 0; i < 10 && status.ok(); ++i) {
-    cudaEventRecord(e0);
-    status = check(gemm() == CUBLAS_STATUS_SUCCESS, "gemm");
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    float m = 0;
-    cudaEventElapsedTime(&m, e0, e1);
-    ms.push_back(m);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cublasDestroy(h);
-  cudaFree(A);
-  cudaFree(B);
-  cudaFree(C);
-  RETURN_IF_ERROR(status);
-  return flop / (Median(ms) * 1e-3) / 1e12;
+  GpuGemm g;
+  return g.Tflops(device, bf16, S);
 #else
   (void)bf16;
   return absl::FailedPreconditionError("strata was built without CUDA");
@@ -162,7 +211,7 @@ StatusOr<double> DenseTflops(Device device, bool bf16, int64_t S, int threads) {
 }
 
 struct Row {
-  std::string name, device, precision, error;
+  std::string name, device, precision, error, dense_error;
   int64_t tokens_per_step = 0;
   double step_s = 0, tokens_per_s = 0, flop_per_token = 0, model_tflops = 0, dense_tflops = 0;
   double parameters = 0, active = 0;
@@ -203,6 +252,16 @@ Row Measure(const std::string& path, const Options& o, const std::string& scratc
   row.device = device->ToString();
   const bool bf16 = config::Bf16Gemms(cfg.train().precision(), !device->is_cpu());
   row.precision = bf16 ? "bf16" : "fp32";
+  // The dense rate first, so its buffers are gone before the model takes the device's memory.
+  const int64_t S = o.gemm_size > 0 ? o.gemm_size : device->is_cpu() ? 1024 : 8192;
+  const int threads = cfg.train().threads() > 0
+                          ? cfg.train().threads()
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (auto dense = DenseTflops(*device, bf16, S, threads); dense.ok()) {
+    row.dense_tflops = *dense;
+  } else {
+    row.dense_error = std::string(dense.status().message());
+  }
   train::TrainOptions to;
   to.config = cfg;
   to.progress = false;
@@ -224,16 +283,6 @@ Row Measure(const std::string& path, const Options& o, const std::string& scratc
   row.model_tflops = row.tokens_per_s * row.flop_per_token / 1e12;
   row.parameters = static_cast<double>(model::CountScalars(t.model().Parameters()));
   row.active = static_cast<double>(t.model().ActiveParametersPerToken());
-  const int64_t S = o.gemm_size > 0 ? o.gemm_size : device->is_cpu() ? 1024 : 8192;
-  const int threads = cfg.train().threads() > 0
-                          ? cfg.train().threads()
-                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  auto dense = DenseTflops(*device, bf16, S, threads);
-  if (!dense.ok()) {
-    row.error = std::string(dense.status().message());
-    return row;
-  }
-  row.dense_tflops = *dense;
   return row;
 }
 
@@ -266,7 +315,10 @@ int Main(int argc, char** argv) {
     }
   }
   if (o.configs.empty()) {
-    o.configs.push_back(std::string(STRATA_SOURCE_DIR) + "/examples/moe_lm/config.textproto");
+    // From $STRATA_SOURCE_DIR (a package's share/strata) or this source tree.
+    const char* e = std::getenv("STRATA_SOURCE_DIR");
+    o.configs.push_back(std::string(e != nullptr && *e != '\0' ? e : STRATA_SOURCE_DIR) +
+                        "/examples/moe_lm/config.textproto");
   }
   const std::string scratch =
       (std::filesystem::temp_directory_path() / absl::StrCat("bench_train.", getpid())).string();
@@ -287,7 +339,13 @@ int Main(int argc, char** argv) {
       rc = 1;
       continue;
     }
-    const double mfu = r.dense_tflops > 0 ? r.model_tflops / r.dense_tflops : 0;
+    // NaN (JSON null) when the dense rate could not be measured.
+    const double mfu = r.dense_tflops > 0 ? r.model_tflops / r.dense_tflops : NAN;
+    if (!r.dense_error.empty()) {
+      std::fprintf(stderr, "bench_train: %s: no dense rate, so no MFU: %s\n", r.name.c_str(),
+                   r.dense_error.c_str());
+      rc = 1;
+    }
     if (o.json) {
       JsonWriter j;
       j.BeginObject()

@@ -124,6 +124,7 @@ def main():
         B1 = torch.nn.Parameter(torch.stack([m.bias.detach() for m in w1]))
         W2 = torch.nn.Parameter(torch.stack([m.weight.detach() for m in w2]))
         B2 = torch.nn.Parameter(torch.stack([m.bias.detach() for m in w2]))
+        w1 = w2 = None  # the stacked copies are the experts now: free the per-expert layers
         align = 8
 
         def grouped_forward():
